@@ -1,0 +1,183 @@
+"""A Python client of the coordinator API, for agents, ``pliant status`` and the benches (no torch).
+
+It spreads over several replicas: an UNAVAILABLE answer (a replica down, or etcd unreachable behind it) is retried on
+the next replica with backoff for up to ``retry_for_s``. Status codes become domain errors through the contract's one
+table. Watches resume from the next generation number on another replica, so an agent misses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from pliant.coordinator.contract import (
+    JobInfo,
+    JobSpec,
+    JobStatus,
+    Unavailable,
+    WatchEvent,
+    error_for_status,
+)
+from pliant.coordinator.convert import generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
+
+from pliant.net import parse_host_port
+from pliant.v1 import coordinator_pb2 as pb
+from pliant.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["CoordinatorClient", "JoinGrant"]
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class JoinGrant:
+    """What Join returns: the lease to heartbeat, its TTL and interval, and the current generation number."""
+
+    def __init__(self, msg: pb.JoinResponse) -> None:
+        self.lease_id: int = msg.lease_id
+        self.heartbeat_ttl_s: float = msg.heartbeat_ttl_s
+        self.heartbeat_interval_s: float = msg.heartbeat_interval_s
+        self.generation: int = msg.generation
+
+
+class CoordinatorClient:
+    """Client of one coordinator deployment.
+
+    Args:
+        targets: ``HOST:PORT`` of one or more replicas, as a list or a comma-separated string.
+        timeout_s: deadline of each unary call.
+        retry_for_s: how long UNAVAILABLE answers are retried (rotating over replicas) before raising.
+    """
+
+    def __init__(self, targets: str | Sequence[str], timeout_s: float = 5.0, retry_for_s: float = 10.0) -> None:
+        items = targets.split(",") if isinstance(targets, str) else list(targets)
+        self.targets = [t.strip() for t in items if t.strip()]
+        for target in self.targets:
+            parse_host_port(target, what="--coordinator")
+        if not self.targets:
+            raise ValueError("no coordinator address given; pass --coordinator HOST:PORT")
+        self.timeout_s = timeout_s
+        self.retry_for_s = retry_for_s
+        self._channels = [grpc.insecure_channel(t) for t in self.targets]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._current = 0
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ------------------------------------------------------------------------------------------------------
+
+    def _retrying(self, attempt: Callable[[pb_grpc.CoordinatorStub], _T], what: str) -> _T:
+        deadline = time.monotonic() + self.retry_for_s
+        delay = 0.05
+        while True:
+            stub = self._stubs[self._current]
+            try:
+                return attempt(stub)
+            except grpc.RpcError as exc:
+                err = error_for_status(exc.code(), exc.details() or "")
+                if not isinstance(err, Unavailable):
+                    raise err from exc
+                if time.monotonic() >= deadline:
+                    raise Unavailable(
+                        f"{what}: no coordinator answered at {','.join(self.targets)} for {self.retry_for_s:g}s "
+                        f"({exc.details()}); check that a replica runs and reaches etcd"
+                    ) from exc
+                self._current = (self._current + 1) % len(self._stubs)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _call(self, method: str, request: Any) -> Any:
+        return self._retrying(lambda stub: getattr(stub, method)(request, timeout=self.timeout_s), method)
+
+    # -- API -----------------------------------------------------------------------------------------------------------
+
+    def create_job(self, spec: JobSpec) -> tuple[JobInfo, bool]:
+        """Create the job, or return the identical existing one (created=False)."""
+        resp = self._call("CreateJob", pb.CreateJobRequest(spec=spec_to_pb(spec)))
+        return job_info_from_pb(resp.job), resp.created
+
+    def get_job(self, job_id: str) -> JobInfo:
+        return job_info_from_pb(self._call("GetJob", pb.GetJobRequest(job_id=job_id)))
+
+    def list_jobs(self) -> list[JobInfo]:
+        return [job_info_from_pb(j) for j in self._call("ListJobs", pb.ListJobsRequest()).jobs]
+
+    def finish_job(self, job_id: str, succeeded: bool, reason: str = "") -> JobInfo:
+        msg = self._call("FinishJob", pb.FinishJobRequest(job_id=job_id, succeeded=succeeded, reason=reason))
+        return job_info_from_pb(msg)
+
+    def join(self, job_id: str, node_id: str, address: str, slots: int = 0) -> JoinGrant:
+        req = pb.JoinRequest(job_id=job_id, node_id=node_id, address=address, slots=slots)
+        return JoinGrant(self._call("Join", req))
+
+    def heartbeat(self, job_id: str, node_id: str, lease_id: int) -> float:
+        """Refresh the membership lease; returns its TTL. Raises NotFound once the lease is gone (Join again)."""
+        return self._call("Heartbeat", pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id)).ttl_s
+
+    def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
+        self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))
+
+    def report_failure(
+        self, job_id: str, node_id: str, generation: int, exit_code: int, message: str = ""
+    ) -> tuple[bool, int]:
+        """Report a worker failure. Returns (accepted, current generation number)."""
+        req = pb.ReportFailureRequest(
+            job_id=job_id, node_id=node_id, generation=generation, exit_code=exit_code, message=message
+        )
+        resp = self._call("ReportFailure", req)
+        return resp.accepted, resp.current_generation
+
+    def watch(self, job_id: str, from_generation: int = 0) -> Iterator[WatchEvent]:
+        """Yield generations (in order, from ``from_generation``; 0: the current one) and job state changes.
+
+        The stream survives replica failures: it reconnects to the next replica, resuming after the last generation
+        received. It ends only when the caller stops iterating; UNAVAILABLE for longer than ``retry_for_s`` raises.
+        """
+        next_number = from_generation
+        down_since: float | None = None
+        delay = 0.05
+        while True:
+            stub = self._stubs[self._current]
+            call = stub.WatchGenerations(pb.WatchGenerationsRequest(job_id=job_id, from_generation=next_number))
+            try:
+                for msg in call:
+                    down_since, delay = None, 0.05
+                    gen = generation_from_pb(msg.generation) if msg.HasField("generation") else None
+                    if gen is not None:
+                        next_number = gen.number + 1
+                    yield WatchEvent(gen, JobStatus(state_from_pb(msg.job_state), 0.0, msg.job_reason))
+            except grpc.RpcError as exc:
+                err = error_for_status(exc.code(), exc.details() or "")
+                if exc.code() == grpc.StatusCode.CANCELLED and call.cancelled():
+                    return
+                if not isinstance(err, Unavailable):
+                    raise err from exc
+                now = time.monotonic()
+                down_since = down_since or now
+                if now - down_since > self.retry_for_s:
+                    raise Unavailable(
+                        f"watch of job {job_id!r}: no coordinator answered at {','.join(self.targets)} for "
+                        f"{self.retry_for_s:g}s ({exc.details()})"
+                    ) from exc
+                logger.info(
+                    "watch of job %s broke (%s); resuming from generation %d on the next replica",
+                    job_id,
+                    exc.code().name,
+                    next_number,
+                )
+            finally:
+                call.cancel()
+            self._current = (self._current + 1) % len(self._stubs)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

@@ -1,0 +1,415 @@
+"""The coordinator's contract: job specs, members, generations, planner decisions, and the coordinator's errors.
+
+Everything here is plain data (frozen dataclasses) with no I/O. The table that maps domain errors to gRPC status codes
+(and back) lives here too, so servicer and client translate in exactly one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import grpc
+
+from pliant.errors import PliantError
+
+__all__ = [
+    "AlreadyExists",
+    "CoordinatorError",
+    "Decision",
+    "FailJob",
+    "FailedPrecondition",
+    "FailureReport",
+    "FencingError",
+    "Generation",
+    "GenerationMember",
+    "InvalidArgument",
+    "JobInfo",
+    "JobSnapshot",
+    "JobSpec",
+    "JobState",
+    "JobStatus",
+    "Keep",
+    "Member",
+    "NewGeneration",
+    "NotFound",
+    "Unavailable",
+    "WaitUntil",
+    "WatchEvent",
+    "error_for_status",
+    "status_for_error",
+    "validate_address",
+    "validate_id",
+]
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class CoordinatorError(PliantError):
+    """Base of the coordinator's errors."""
+
+
+class InvalidArgument(CoordinatorError, ValueError):
+    """A request or spec carries a bad value (gRPC INVALID_ARGUMENT)."""
+
+
+class NotFound(CoordinatorError, LookupError):
+    """The job, member or lease named does not exist (gRPC NOT_FOUND)."""
+
+
+class AlreadyExists(CoordinatorError):
+    """The job or node id is already taken (gRPC ALREADY_EXISTS)."""
+
+
+class FailedPrecondition(CoordinatorError):
+    """The request is valid but the job's state forbids it, e.g. joining a finished job (FAILED_PRECONDITION)."""
+
+
+class Unavailable(CoordinatorError, ConnectionError):
+    """etcd or the coordinator cannot be reached; nothing was written and the call is safe to retry (UNAVAILABLE)."""
+
+
+class FencingError(CoordinatorError):
+    """A generation write was rejected because the writer is no longer leader or its view of the job is stale."""
+
+
+_STATUS_BY_ERROR: tuple[tuple[type[CoordinatorError], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (FencingError, grpc.StatusCode.ABORTED),
+)
+
+
+def status_for_error(exc: CoordinatorError) -> grpc.StatusCode:
+    """Return the gRPC status code that carries ``exc`` over the wire."""
+    for cls, code in _STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def error_for_status(code: grpc.StatusCode, message: str) -> CoordinatorError:
+    """Return the domain error for a gRPC status received by a client (INTERNAL and unknown codes -> base class)."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(message or "the coordinator did not answer in time")
+    for cls, known in _STATUS_BY_ERROR:
+        if known == code:
+            return cls(message)
+    return CoordinatorError(f"{code.name}: {message}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation helpers
+
+
+def validate_id(value: str, what: str) -> str:
+    """Check a job or node id: 1-128 characters of letters, digits, '.', '_' and '-', starting with a letter/digit."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidArgument(
+            f"{what} {value!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+def validate_address(value: str, what: str = "address") -> str:
+    """Check a ``host:port`` address a node advertises."""
+    host, sep, port = (value or "").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"{what} {value!r} is not HOST:PORT with a port in 1..65535, e.g. 10.0.0.5:29500")
+    return value
+
+
+def _from_mapping(cls: type, data: Mapping[str, Any]) -> Any:
+    """Build a dataclass from a mapping, ignoring unknown keys (forward compatibility of stored JSON)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Jobs
+
+
+class JobState(enum.Enum):
+    """A job's lifecycle.
+
+    Allowed transitions: WAITING -> RUNNING (a generation with members is published), RUNNING -> WAITING (below min
+    nodes), WAITING|RUNNING -> SUCCEEDED|FAILED (FinishJob, min-nodes timeout, restart budget spent). SUCCEEDED and
+    FAILED are terminal.
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user asks of a job. Durations are seconds.
+
+    Attributes:
+        job_id: unique id; every etcd key of the job lives under it.
+        min_nodes: fewest nodes the job trains with.
+        max_nodes: most nodes the job trains with; later joiners wait as spares.
+        nproc_per_node: worker processes per node (a node's Join may override it with its slots).
+        heartbeat_ttl_s: membership lease TTL; a node silent this long is dropped.
+        join_grace_s: scale-ups arriving within this window of each other are batched into one generation.
+        max_restarts: worker failures the job survives (scaling events never count).
+        min_nodes_timeout_s: how long the job may wait below min_nodes before it fails.
+    """
+
+    job_id: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    heartbeat_ttl_s: float = 5.0
+    join_grace_s: float = 1.0
+    max_restarts: int = 3
+    min_nodes_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        validate_id(self.job_id, "job_id")
+        for name in ("min_nodes", "max_nodes", "nproc_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name}={value!r} must be an integer >= 1")
+        if self.min_nodes > self.max_nodes:
+            raise InvalidArgument(
+                f"min_nodes={self.min_nodes} is greater than max_nodes={self.max_nodes}; "
+                f"use --nnodes {self.min_nodes}:{max(self.min_nodes, self.max_nodes)} or lower min_nodes"
+            )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise InvalidArgument(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
+        # etcd leases are granted in whole seconds, at least 2 with etcd's default timings.
+        if not 2 <= self.heartbeat_ttl_s <= 3600:
+            raise InvalidArgument(f"heartbeat_ttl_s={self.heartbeat_ttl_s!r} must be between 2 and 3600 seconds")
+        if not 0 <= self.join_grace_s <= 600:
+            raise InvalidArgument(f"join_grace_s={self.join_grace_s!r} must be between 0 and 600 seconds")
+        if not 0 < self.min_nodes_timeout_s <= 7 * 24 * 3600:
+            raise InvalidArgument(f"min_nodes_timeout_s={self.min_nodes_timeout_s!r} must be > 0 and at most a week")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        return _from_mapping(cls, json.loads(text))
+
+    def differences(self, other: JobSpec) -> list[str]:
+        """Names and values of the fields where ``other`` differs from this spec."""
+        return [
+            f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job's state record: stored at ``.../jobs/<job>/state``."""
+
+    state: JobState
+    since: float
+    reason: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"state": self.state.value, "since": self.since, "reason": self.reason})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobStatus:
+        data = json.loads(text)
+        return cls(state=JobState(data["state"]), since=float(data["since"]), reason=data.get("reason", ""))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Members and generations
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node holding a live membership lease.
+
+    Attributes:
+        node_id: the node's id, unique in the job while its lease lives.
+        address: host:port of the node's agent store.
+        slots: processes the node runs (0: the job's nproc_per_node).
+        joined_at: wall-clock seconds when the serving replica accepted the Join.
+        order: etcd create revision of the member key; orders joiners deterministically.
+        lease_id: the etcd lease holding the membership.
+    """
+
+    node_id: str
+    address: str
+    slots: int = 0
+    joined_at: float = 0.0
+    order: int = 0
+    lease_id: int = 0
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        del data["order"]  # known only once etcd stored the key
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, order: int = 0, lease_id: int = 0) -> Member:
+        member = _from_mapping(cls, json.loads(text))
+        return Member(**{**asdict(member), "order": order, "lease_id": lease_id or member.lease_id})
+
+
+@dataclass(frozen=True)
+class GenerationMember:
+    """One node's place in a generation: node rank, first global rank, and process count."""
+
+    node_id: str
+    node_rank: int
+    rank_offset: int
+    nproc: int
+    address: str
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A world: the ordered nodes that train together, published by the leader with a fenced write.
+
+    A generation with no members tells every agent to stop its workers (the job is waiting below min nodes or done).
+    """
+
+    job_id: str
+    number: int
+    members: tuple[GenerationMember, ...]
+    reason: str
+    restarts_used: int = 0
+    created_at: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)
+
+    @property
+    def store_address(self) -> str:
+        return self.members[0].address if self.members else ""
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(m.node_id for m in self.members)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["members"] = [asdict(m) for m in self.members]
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        data = json.loads(text)
+        members = tuple(_from_mapping(GenerationMember, m) for m in data.pop("members", []))
+        return _from_mapping(cls, {**data, "members": members})
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """An agent's report that a worker of ``generation`` on ``node_id`` failed."""
+
+    node_id: str
+    generation: int
+    exit_code: int = 1
+    message: str = ""
+    reported_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> FailureReport:
+        return _from_mapping(cls, json.loads(text))
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """Everything the planner needs about one job, read from etcd at a single revision.
+
+    Attributes:
+        spec: the job's spec.
+        status: the job's state record.
+        members: live members, in join order.
+        generation: the current generation, or None before the first.
+        failures: failure reports for the current generation.
+        departed: node ids that left gracefully (Leave) recently.
+        generation_mod_revision: mod revision of the current-generation key (0 if absent): the fence of the next write.
+    """
+
+    spec: JobSpec
+    status: JobStatus
+    members: tuple[Member, ...] = ()
+    generation: Generation | None = None
+    failures: tuple[FailureReport, ...] = ()
+    departed: frozenset[str] = field(default_factory=frozenset)
+    generation_mod_revision: int = 0
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What GetJob / ListJobs return: the spec, state, current generation and live members of a job."""
+
+    spec: JobSpec
+    status: JobStatus
+    generation: Generation | None = None
+    members: tuple[Member, ...] = ()
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One WatchGenerations message: the latest generation sent (None before the first) and the job's state."""
+
+    generation: Generation | None
+    status: JobStatus
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Planner decisions
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Nothing to do."""
+
+
+@dataclass(frozen=True)
+class NewGeneration:
+    """Publish ``generation`` and move the job to ``state``."""
+
+    generation: Generation
+    state: JobState
+
+
+@dataclass(frozen=True)
+class WaitUntil:
+    """Re-plan at ``deadline`` (wall-clock seconds) unless something changes first; record ``state`` if it changed."""
+
+    deadline: float
+    why: str
+    state: JobState
+
+
+@dataclass(frozen=True)
+class FailJob:
+    """Fail the job with a reason a user understands."""
+
+    reason: str
+
+
+Decision = Keep | NewGeneration | WaitUntil | FailJob

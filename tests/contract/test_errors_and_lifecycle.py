@@ -1,0 +1,132 @@
+"""Bad input gets the right status code and a message naming the value; job lifecycle rules hold end to end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from pliant.coordinator.client import CoordinatorClient
+from pliant.coordinator.contract import JobSpec, JobState, Unavailable
+from pliant.coordinator.etcd_server import EtcdServer
+
+from pliant.v1 import coordinator_pb2 as pb
+from pliant.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+Code = grpc.StatusCode
+
+
+def _spec(**kw: object) -> pb.JobSpec:
+    return pb.JobSpec(**{"job_id": "job", "min_nodes": 1, "max_nodes": 2, "nproc_per_node": 1, **kw})
+
+
+def _expect(call, request, code: grpc.StatusCode, needle: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=10)
+    assert info.value.code() == code, info.value.details()
+    assert needle in info.value.details(), info.value.details()
+
+
+def test_every_bad_input_gets_its_status_code(make_coordinator) -> None:
+    server = make_coordinator()
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(min_nodes=3, max_nodes=2)), Code.INVALID_ARGUMENT,
+                "min_nodes=3 is greater than max_nodes=2")  # fmt: skip
+        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(min_nodes=0)), Code.INVALID_ARGUMENT,
+                "min_nodes=0 must be an integer >= 1")  # fmt: skip
+        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(job_id="no/slashes")), Code.INVALID_ARGUMENT,
+                "job_id 'no/slashes'")  # fmt: skip
+        _expect(stub.GetJob, pb.GetJobRequest(job_id="ghost"), Code.NOT_FOUND, "job 'ghost' does not exist")
+        _expect(stub.Join, pb.JoinRequest(job_id="ghost", node_id="a", address="h:1"), Code.NOT_FOUND, "'ghost'")
+        first_event = lambda req, timeout: next(stub.WatchGenerations(req, timeout=timeout))  # noqa: E731
+        _expect(first_event, pb.WatchGenerationsRequest(job_id="ghost"), Code.NOT_FOUND, "'ghost'")
+
+        stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10)
+        again = stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10)
+        assert not again.created  # identical spec: idempotent
+        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(max_nodes=5)), Code.ALREADY_EXISTS,
+                "max_nodes: 2 != 5")  # fmt: skip
+
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="", address="h:1"), Code.INVALID_ARGUMENT,
+                "node_id ''")  # fmt: skip
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="nohost"), Code.INVALID_ARGUMENT,
+                "address 'nohost' is not HOST:PORT")  # fmt: skip
+        grant = stub.Join(pb.JoinRequest(job_id="job", node_id="a", address="h:1"), timeout=10)
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="h:2"), Code.ALREADY_EXISTS,
+                "node id 'a' already holds a live membership")  # fmt: skip
+        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=0), Code.INVALID_ARGUMENT,
+                "lease_id for node 'a' is 0")  # fmt: skip
+        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=12345), Code.NOT_FOUND,
+                "lease 3039 expired")  # fmt: skip
+        _expect(stub.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=0),
+                Code.INVALID_ARGUMENT, "generation 0")  # fmt: skip
+        assert stub.Heartbeat(pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=grant.lease_id), timeout=10)
+
+        stub.FinishJob(pb.FinishJobRequest(job_id="job", succeeded=False, reason="user stopped it"), timeout=10)
+        _expect(stub.FinishJob, pb.FinishJobRequest(job_id="job", succeeded=True), Code.FAILED_PRECONDITION,
+                "already failed (user stopped it)")  # fmt: skip
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="b", address="h:3"), Code.FAILED_PRECONDITION,
+                "start a new job id")  # fmt: skip
+
+
+def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tmp_path) -> None:
+    etcd = EtcdServer(data_dir=str(tmp_path / "etcd")).start()
+    try:
+        server = make_coordinator("solo", endpoints=(etcd.endpoint,), etcd_timeout_s=1.0)
+        etcd.kill()
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(job_id="lost")), Code.UNAVAILABLE,
+                    f"etcd at {etcd.endpoint} did not answer")  # fmt: skip
+        with (
+            CoordinatorClient(server.address, retry_for_s=1.5) as client,
+            pytest.raises(Unavailable, match="no coordinator answered"),
+        ):
+            client.get_job("lost")
+        etcd.start()
+        with CoordinatorClient(server.address, retry_for_s=20) as client:
+            assert [j.spec.job_id for j in client.list_jobs()] == [], "nothing may be written while etcd is down"
+            etcd.kill()
+            # A client call made while etcd is down succeeds once etcd is back: UNAVAILABLE is retried.
+            threading.Timer(1.0, etcd.start).start()
+            _info, created = client.create_job(JobSpec("late", 1, 1))
+            assert created
+            assert client.get_job("late").status.state is JobState.WAITING
+    finally:
+        etcd.stop()
+
+
+def test_below_min_nodes_the_job_waits_then_fails_with_a_clear_reason(make_coordinator) -> None:
+    server = make_coordinator()
+    with CoordinatorClient(server.address) as client:
+        client.create_job(JobSpec("job", 2, 2, heartbeat_ttl_s=2, join_grace_s=0, min_nodes_timeout_s=1.5))
+        grant = client.join("job", "a", "127.0.0.1:1")
+        started = time.monotonic()
+        client.heartbeat("job", "a", grant.lease_id)
+        info = wait_for(lambda: (j := client.get_job("job")).status.state is JobState.FAILED and j, 10, "failure")
+        assert time.monotonic() - started >= 1.0
+        assert "1 of the 2 nodes it needs (live: a)" in info.status.reason
+        assert "--nnodes" in info.status.reason
+
+
+def test_restart_budget_is_spent_on_failures_only(make_coordinator) -> None:
+    server = make_coordinator()
+    with CoordinatorClient(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, join_grace_s=0, max_restarts=1))
+        client.join("job", "a", "127.0.0.1:1")
+        gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
+        client.join("job", "b", "127.0.0.1:2")  # a scaling event
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == 2 and g, 10, "generation 2")
+        assert gen.restarts_used == 0
+        assert client.report_failure("job", "b", 1, 1) == (False, 2)  # stale generation: ignored
+        assert client.report_failure("job", "b", 2, 137, "worker 1 killed") == (True, 2)
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == 3 and g, 10, "generation 3")
+        assert (gen.reason, gen.restarts_used, gen.node_ids) == ("restart", 1, ("a", "b"))
+        assert client.report_failure("job", "a", 3, 1)[0]
+        info = wait_for(lambda: (j := client.get_job("job")).status.state is JobState.FAILED and j, 10, "failure")
+        assert "max_restarts=1" in info.status.reason and "failed again on a" in info.status.reason

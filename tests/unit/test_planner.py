@@ -1,0 +1,180 @@
+"""Planner decisions, table-driven, with time passed in (no I/O, no clock)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from pliant.coordinator.contract import (
+    FailJob,
+    FailureReport,
+    Generation,
+    JobSnapshot,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Keep,
+    Member,
+    NewGeneration,
+    WaitUntil,
+)
+from pliant.coordinator.planner import assign_ranks, plan
+
+T0 = 1_000.0
+SPEC = JobSpec("job", min_nodes=2, max_nodes=4, nproc_per_node=2, join_grace_s=1.0, max_restarts=2,
+               min_nodes_timeout_s=60.0)  # fmt: skip
+
+
+def member(node: str, order: int, joined_at: float = T0, slots: int = 0) -> Member:
+    return Member(node, f"{node}.local:29500", slots, joined_at, order)
+
+
+def generation(number: int, nodes: list[Member], reason: str = "start", restarts: int = 0) -> Generation:
+    return Generation("job", number, assign_ranks(SPEC, nodes), reason, restarts, T0)
+
+
+@dataclass
+class Case:
+    name: str
+    members: list[Member]
+    now: float
+    expect: type
+    gen: Generation | None = None
+    state: JobState = JobState.WAITING
+    since: float = T0
+    failures: list[FailureReport] = field(default_factory=list)
+    departed: frozenset[str] = frozenset()
+    spec: JobSpec = SPEC
+    nodes: tuple[str, ...] | None = None  # expected node order of a NewGeneration
+    reason: str | None = None
+    restarts: int | None = None
+    new_state: JobState | None = None
+    deadline: float | None = None
+    message: str | None = None  # substring of a FailJob reason
+
+
+A, B, C, D, E = (member(n, i + 1, T0 + i * 0.4) for i, n in enumerate("abcde"))
+RUNNING_AB = generation(1, [A, B])
+RUNNING_ABC = generation(2, [A, B, C], "join")
+
+CASES = [
+    # -- first world and join batching ---------------------------------------------------------------------------------
+    Case("first world waits for the join grace", [A, B], now=T0 + 0.5, expect=WaitUntil, deadline=B.joined_at + 1.0,
+         new_state=JobState.WAITING),
+    Case("first world after the grace", [A, B], now=B.joined_at + 1.0, expect=NewGeneration, nodes=("a", "b"),
+         reason="start", new_state=JobState.RUNNING),
+    Case("joins arriving together are batched into one world", [A, B, C], now=C.joined_at + 0.99, expect=WaitUntil,
+         deadline=C.joined_at + 1.0),
+    Case("reaching max nodes publishes at once", [A, B, C, D], now=D.joined_at, expect=NewGeneration,
+         nodes=("a", "b", "c", "d")),
+    Case("nodes beyond max wait as spares", [A, B, C, D, E], now=E.joined_at, expect=NewGeneration,
+         nodes=("a", "b", "c", "d")),
+    Case("scale-up of a running job waits for the grace", [A, B, C], gen=RUNNING_AB, state=JobState.RUNNING,
+         now=C.joined_at + 0.5, expect=WaitUntil, deadline=C.joined_at + 1.0, new_state=JobState.RUNNING),
+    Case("scale-up appends joiners after the survivors", [A, B, C, D], gen=RUNNING_AB, state=JobState.RUNNING,
+         now=D.joined_at + 1.0, expect=NewGeneration, nodes=("a", "b", "c", "d"), reason="join", restarts=0),
+    Case("a running job with its members is kept", [A, B], gen=RUNNING_AB, state=JobState.RUNNING, now=T0 + 100,
+         expect=Keep),
+    Case("a spare does not disturb a full job", [A, B, C, D, E], gen=generation(3, [A, B, C, D]),
+         state=JobState.RUNNING, now=T0 + 100, expect=Keep),
+    # -- scale down and rank stability ---------------------------------------------------------------------------------
+    Case("a lost node publishes at once with the survivors", [A, C], gen=RUNNING_ABC, state=JobState.RUNNING,
+         now=T0 + 10, expect=NewGeneration, nodes=("a", "c"), reason="failure", restarts=0),
+    Case("a graceful leave is reason leave", [A, C], gen=RUNNING_ABC, state=JobState.RUNNING, now=T0 + 10,
+         departed=frozenset({"b"}), expect=NewGeneration, nodes=("a", "c"), reason="leave"),
+    Case("rank 0's node keeps rank 0 and newcomers go last", [B, C, D], gen=generation(4, [C, B, A]),
+         state=JobState.RUNNING, now=T0 + 10, expect=NewGeneration, nodes=("c", "b", "d")),
+    Case("a spare replaces a lost node", [A, B, C, E], gen=generation(3, [A, B, C, D]), state=JobState.RUNNING,
+         now=T0 + 10, expect=NewGeneration, nodes=("a", "b", "c", "e"), reason="failure"),
+    # -- min nodes -----------------------------------------------------------------------------------------------------
+    Case("below min while running stops every worker", [A], gen=RUNNING_AB, state=JobState.RUNNING, now=T0 + 10,
+         expect=NewGeneration, nodes=(), reason="failure", new_state=JobState.WAITING),
+    Case("below min waits until the timeout", [A], gen=generation(2, []), since=T0 + 10, now=T0 + 30,
+         expect=WaitUntil, deadline=T0 + 70, new_state=JobState.WAITING),
+    Case("below min past the timeout fails naming the nodes", [A], gen=generation(2, []), since=T0 + 10,
+         now=T0 + 70, expect=FailJob, message="1 of the 2 nodes it needs (live: a)"),
+    Case("a new job without nodes fails after the timeout", [], now=T0 + 60, expect=FailJob,
+         message="0 of the 2 nodes"),
+    Case("enough nodes again after waiting starts a world", [A, B], gen=generation(2, []), since=T0 + 10,
+         now=T0 + 30, expect=NewGeneration, nodes=("a", "b"), reason="join", new_state=JobState.RUNNING),
+    # -- restart budget ------------------------------------------------------------------------------------------------
+    Case("a worker failure restarts the world and spends one restart", [A, B], gen=RUNNING_AB,
+         state=JobState.RUNNING, now=T0 + 5, failures=[FailureReport("b", 1, 137)], expect=NewGeneration,
+         nodes=("a", "b"), reason="restart", restarts=1),
+    Case("the budget spent, the next failure fails the job", [A, B], gen=generation(5, [A, B], "restart", 2),
+         state=JobState.RUNNING, now=T0 + 5, failures=[FailureReport("a", 5, 1)], expect=FailJob,
+         message="restart budget (max_restarts=2)"),
+    Case("scaling events keep the restart count", [A, B, C], gen=generation(5, [A, B], "restart", 2),
+         state=JobState.RUNNING, now=C.joined_at + 2, expect=NewGeneration, reason="join", restarts=2),
+    Case("a failure of an old generation is ignored", [A, B], gen=generation(2, [A, B]), state=JobState.RUNNING,
+         now=T0 + 5, failures=[FailureReport("a", 1, 1)], expect=Keep),
+    # -- terminal and slots --------------------------------------------------------------------------------------------
+    Case("a finished job is left alone", [A, B], state=JobState.SUCCEEDED, now=T0 + 100, expect=Keep),
+    Case("a failed job is left alone", [], state=JobState.FAILED, now=T0 + 1000, expect=Keep),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_plan(case: Case) -> None:
+    snap = JobSnapshot(
+        spec=case.spec,
+        status=JobStatus(case.state, case.since),
+        members=tuple(case.members),
+        generation=case.gen,
+        failures=tuple(case.failures),
+        departed=case.departed,
+    )
+    decision = plan(snap, case.now)
+    assert isinstance(decision, case.expect), decision
+    if isinstance(decision, NewGeneration):
+        gen = decision.generation
+        assert gen.number == (case.gen.number + 1 if case.gen else 1)
+        assert gen.created_at == case.now
+        if case.nodes is not None:
+            assert gen.node_ids == case.nodes
+        if case.reason is not None:
+            assert gen.reason == case.reason
+        if case.restarts is not None:
+            assert gen.restarts_used == case.restarts
+    if case.new_state is not None:
+        assert decision.state is case.new_state  # type: ignore[union-attr]
+    if case.deadline is not None:
+        assert decision.deadline == pytest.approx(case.deadline)  # type: ignore[union-attr]
+    if case.message is not None:
+        assert case.message in decision.reason, decision.reason  # type: ignore[union-attr]
+
+
+def test_ranks_follow_node_order_and_slots() -> None:
+    nodes = [member("a", 1), member("b", 2, slots=3), member("c", 3)]
+    ranks = assign_ranks(SPEC, nodes)
+    assert [(m.node_rank, m.rank_offset, m.nproc) for m in ranks] == [(0, 0, 2), (1, 2, 3), (2, 5, 2)]
+    gen = Generation("job", 1, ranks, "start")
+    assert gen.world_size == 7
+    assert gen.store_address == "a.local:29500"
+
+
+def test_join_grace_zero_publishes_immediately() -> None:
+    spec = JobSpec("job", min_nodes=1, max_nodes=8, join_grace_s=0.0)
+    snap = JobSnapshot(spec=spec, status=JobStatus(JobState.WAITING, T0), members=(member("a", 1),))
+    decision = plan(snap, T0)
+    assert isinstance(decision, NewGeneration)
+    assert decision.generation.node_ids == ("a",)
+
+
+def test_rescale_sequence_never_reuses_a_number() -> None:
+    """Replaying a run of events through the planner gives strictly increasing generation numbers."""
+    spec = JobSpec("job", min_nodes=1, max_nodes=3, join_grace_s=0.5)
+    gen: Generation | None = None
+    state = JobStatus(JobState.WAITING, T0)
+    numbers = []
+    events = [[A], [A, B], [A, B, C], [A, C], [C], [C, D]]
+    for step, members in enumerate(events):
+        now = T0 + 10 * (step + 1)
+        snap = JobSnapshot(spec=spec, status=state, members=tuple(members), generation=gen)
+        decision = plan(snap, now)
+        assert isinstance(decision, NewGeneration), (step, decision)
+        gen, state = decision.generation, JobStatus(decision.state, now)
+        numbers.append(gen.number)
+        assert set(gen.node_ids) == {m.node_id for m in members}
+    assert numbers == list(range(1, len(events) + 1))
+    assert gen is not None and gen.node_ids == ("c", "d")
