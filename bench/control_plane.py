@@ -25,11 +25,11 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import Generation, JobSpec
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.store import EtcdStore
-
 from pliant.net import free_port
 
 

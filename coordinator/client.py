@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+
 from pliant.coordinator.contract import (
     JobInfo,
     JobSpec,
@@ -22,7 +23,6 @@ from pliant.coordinator.contract import (
     error_for_status,
 )
 from pliant.coordinator.convert import generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
-
 from pliant.net import parse_host_port
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
@@ -129,13 +129,31 @@ class CoordinatorClient:
         self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))
 
     def report_failure(
-        self, job_id: str, node_id: str, generation: int, exit_code: int, message: str = ""
+        self,
+        job_id: str,
+        node_id: str,
+        generation: int,
+        exit_code: int,
+        message: str = "",
+        unreachable_nodes: Sequence[str] = (),
     ) -> tuple[bool, int]:
-        """Report a worker failure. Returns (accepted, current generation number)."""
+        """Report a worker failure (and peers whose agents are unreachable). Returns (accepted, current generation)."""
         req = pb.ReportFailureRequest(
-            job_id=job_id, node_id=node_id, generation=generation, exit_code=exit_code, message=message
+            job_id=job_id,
+            node_id=node_id,
+            generation=generation,
+            exit_code=exit_code,
+            message=message,
+            unreachable_nodes=list(unreachable_nodes),
         )
         resp = self._call("ReportFailure", req)
+        return resp.accepted, resp.current_generation
+
+    def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:
+        """Report that all of this node's workers of ``generation`` exited 0. Returns (job succeeded, current gen)."""
+        resp = self._call(
+            "ReportSuccess", pb.ReportSuccessRequest(job_id=job_id, node_id=node_id, generation=generation)
+        )
         return resp.accepted, resp.current_generation
 
     def watch(self, job_id: str, from_generation: int = 0) -> Iterator[WatchEvent]:

@@ -11,7 +11,6 @@ from pliant.coordinator.contract import (
     JobStatus,
     Member,
 )
-
 from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = [

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import etcd3
-from pliant.coordinator.contract import CoordinatorError
 
+from pliant.coordinator.contract import CoordinatorError
 from pliant.net import free_port
+from pliant.spawn import die_with_parent
 
 __all__ = ["EtcdServer", "EtcdServerError", "find_etcd_binary"]
 
@@ -58,6 +59,7 @@ class EtcdServer:
         host: the address to listen on.
         client_port, peer_port: ports to use; free ones are picked when None. They are kept across restarts.
         log_path: file for etcd's own output; discarded when None.
+        die_with_parent: SIGKILL etcd when this process dies, even by kill -9 (the embedded etcd of ``pliant run``).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class EtcdServer:
         client_port: int | None = None,
         peer_port: int | None = None,
         log_path: str | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
@@ -75,6 +78,7 @@ class EtcdServer:
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.log_path = log_path
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -102,6 +106,8 @@ class EtcdServer:
             "--election-timeout", "250",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.die_with_parent:
+            cmd = die_with_parent(cmd)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         if out is not subprocess.DEVNULL:

@@ -9,7 +9,8 @@ Rules (see docs/architecture.md):
 - Below ``min_nodes`` the job waits: if it was running, an empty generation stops every worker; after
   ``min_nodes_timeout_s`` in that state the job fails with a reason naming the nodes it has.
 - A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
-  events never do. With the budget spent, the next failure fails the job.
+  events never do. With the budget spent, the next failure fails the job. Failures in a generation that also lost a
+  node are attributed to that loss and spend nothing.
 
 Generation reasons: ``start`` (first world), ``join``, ``leave``, ``failure`` (a node lost), ``restart`` (a worker
 failed).
@@ -93,6 +94,12 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     running = bool(gen and gen.members)
     restarts = gen.restarts_used if gen else 0
 
+    if running and removed:
+        # Failures reported in a generation that also lost a node are attributed to the loss (peers of a dead node
+        # fail their collectives): no restart is spent.
+        reason = "leave" if all(n in snap.departed for n in removed) else "failure"
+        return _publish(snap, target if len(target) >= spec.min_nodes else (), reason, restarts, now)
+
     failed_nodes = sorted({f.node_id for f in snap.failures if gen is not None and f.generation == gen.number})
     if running and failed_nodes:
         if restarts >= spec.max_restarts:
@@ -102,10 +109,6 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
                 f"raise --max-restarts"
             )
         return _publish(snap, target if len(target) >= spec.min_nodes else (), "restart", restarts + 1, now)
-
-    if running and removed:
-        reason = "leave" if all(n in snap.departed for n in removed) else "failure"
-        return _publish(snap, target if len(target) >= spec.min_nodes else (), reason, restarts, now)
 
     if len(target) < spec.min_nodes:
         return _waiting_or_fail(snap, target, now)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.reconciler import Reconciler
 from pliant.coordinator.servicer import CoordinatorServicer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
-
 from pliant.errors import ConfigError
 from pliant.net import parse_host_port
 from pliant.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+
 from pliant.coordinator.contract import (
     CoordinatorError,
     FailureReport,
@@ -26,7 +27,6 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.convert import generation_to_pb, job_info_to_pb, spec_from_pb, state_to_pb
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
-
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -160,9 +160,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.generation == 0:
             raise InvalidArgument("generation 0 in ReportFailure; report the generation the failed worker ran in")
         report = FailureReport(node, request.generation, request.exit_code, request.message[:4096], self._clock())
-        accepted, current = self._store.report_failure(job, report)
+        unreachable = [validate_id(n, "unreachable node id") for n in request.unreachable_nodes]
+        accepted, current = self._store.report_failure(job, report, unreachable)
         self._poke()
         return pb.ReportFailureResponse(accepted=accepted, current_generation=current)
+
+    @_rpc
+    def ReportSuccess(
+        self, request: pb.ReportSuccessRequest, context: grpc.ServicerContext
+    ) -> pb.ReportSuccessResponse:
+        job = validate_id(request.job_id, "job_id")
+        node = validate_id(request.node_id, "node_id")
+        if request.generation == 0:
+            raise InvalidArgument("generation 0 in ReportSuccess; report the generation the workers completed")
+        accepted, current = self._store.report_success(job, node, request.generation, self._clock())
+        return pb.ReportSuccessResponse(accepted=accepted, current_generation=current)
 
     # -- watch ---------------------------------------------------------------------------------------------------------
 

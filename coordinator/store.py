@@ -28,6 +28,7 @@ import etcd3
 import etcd3.exceptions
 import etcd3.watch
 import grpc
+
 from pliant.coordinator.contract import (
     AlreadyExists,
     FailedPrecondition,
@@ -43,7 +44,6 @@ from pliant.coordinator.contract import (
     NotFound,
     Unavailable,
 )
-
 from pliant.net import parse_host_port
 
 __all__ = ["HISTORY", "EtcdStore", "Fence"]
@@ -350,24 +350,58 @@ class EtcdStore:
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
             logger.debug("revoking lease %x failed (it expires by itself): %s", lease_id, exc)
 
-    @_wrap_etcd
-    def report_failure(self, job: str, report: FailureReport) -> tuple[bool, int]:
-        """Record a worker failure for the current generation. Returns (accepted, current generation number)."""
-        gen_key = self.job_key(job, "generation")
-        value, meta = self.client.get(gen_key)
+    def _current(self, job: str) -> tuple[Generation | None, int]:
+        """The current generation and the mod revision of its key (NotFound for an unknown job)."""
+        value, meta = self.client.get(self.job_key(job, "generation"))
         if value is None:
             self.read_job(job)  # NotFound for an unknown job
-            return False, 0
-        current = Generation.from_json(value)
-        if report.generation != current.number:
-            return False, current.number
+            return None, 0
+        return Generation.from_json(value), meta.mod_revision
+
+    @_wrap_etcd
+    def report_failure(self, job: str, report: FailureReport, unreachable: Sequence[str] = ()) -> tuple[bool, int]:
+        """Record a worker failure of the current generation, evicting the ``unreachable`` nodes in the same txn.
+
+        Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
+        revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
+
+        Returns:
+            (accepted, current generation number): not accepted when the report names an older generation.
+        """
+        current, mod_revision = self._current(job)
+        if current is None or report.generation != current.number:
+            return False, current.number if current else 0
+        suspects = [n for n in dict.fromkeys(unreachable) if n in current.node_ids and n != report.node_id]
+        leases = []
+        for node in suspects:
+            value, _meta = self.client.get(self.job_key(job, "members", node))
+            if value is not None:
+                leases.append(Member.from_json(value).lease_id)
         key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
-        ok, _ = self._txn(
-            compare=[self.tx.mod(gen_key) == meta.mod_revision], success=[self.tx.put(key, report.to_json())]
-        )
+        ops = [self.tx.put(key, report.to_json())]
+        ops += [self.tx.delete(self.job_key(job, "members", n)) for n in suspects]
+        ok, _ = self._txn([self.tx.mod(self.job_key(job, "generation")) == mod_revision], ops)
         if ok:
-            logger.info("failure reported in job %s generation %d: %s", job, current.number, report)
+            for lease_id in leases:
+                self._revoke_quietly(lease_id)
+            logger.info(
+                "failure reported in job %s generation %d by %s (exit %d)%s",
+                job,
+                current.number,
+                report.node_id,
+                report.exit_code,
+                f"; evicted unreachable {suspects}" if suspects else "",
+            )
         return ok, current.number
+
+    @_wrap_etcd
+    def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:
+        """A node's workers of ``generation`` all exited 0: mark the job succeeded if that generation is current."""
+        current, _ = self._current(job)
+        if current is None or generation != current.number or node_id not in current.node_ids:
+            return False, current.number if current else 0
+        status = self.finish_job(job, True, f"node {node_id}'s workers completed generation {generation}", now)
+        return status.state is JobState.SUCCEEDED, current.number
 
     # -- generations and state (leader only) ---------------------------------------------------------------------------
 

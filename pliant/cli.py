@@ -66,6 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.set_defaults(func=_cmd_coordinator)
 
+    from pliant.agent.launcher import add_launch_flags  # torch-free: flags and config only
+
+    run = sub.add_parser(
+        "run",
+        help="run a training script elastically (the torchrun replacement)",
+        description="Without --coordinator: start an embedded etcd and coordinator, print the command other nodes "
+        "run to join, and run this node's workers. With --coordinator: join that coordinator's job.",
+    )
+    add_launch_flags(run, "run")
+    run.set_defaults(func=_cmd_run)
+    agent = sub.add_parser(
+        "agent",
+        help="run one node's agent against a running coordinator",
+        description="Join --coordinator's job --job and run --nproc-per-node workers per generation.",
+    )
+    add_launch_flags(agent, "agent")
+    agent.set_defaults(func=_cmd_agent)
+
     etcd = sub.add_parser(
         "etcd",
         help="run a single local etcd server (for trying pliant out)",
@@ -106,6 +124,18 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pliant.agent.launcher import run_main
+
+    return run_main(args)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from pliant.agent.launcher import agent_main
+
+    return agent_main(args)
 
 
 def _cmd_etcd(args: argparse.Namespace) -> int:

@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
                 _registered_method=True)
+        self.ReportSuccess = channel.unary_unary(
+                '/pliant.v1.Coordinator/ReportSuccess',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.ReportSuccessRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.ReportSuccessResponse.FromString,
+                _registered_method=True)
         self.WatchGenerations = channel.unary_stream(
                 '/pliant.v1.Coordinator/WatchGenerations',
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsRequest.SerializeToString,
@@ -132,6 +137,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportSuccess(self, request, context):
+        """All of a node's workers of the current generation exited 0: the coordinator marks the job succeeded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchGenerations(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -180,6 +192,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.ReportFailureRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_coordinator__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'ReportSuccess': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSuccess,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.ReportSuccessRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.ReportSuccessResponse.SerializeToString,
             ),
             'WatchGenerations': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchGenerations,
@@ -403,6 +420,33 @@ class Coordinator:
             '/pliant.v1.Coordinator/ReportFailure',
             pliant_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
             pliant_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSuccess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/ReportSuccess',
+            pliant_dot_v1_dot_coordinator__pb2.ReportSuccessRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.ReportSuccessResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,10 +7,10 @@ import time
 
 import grpc
 import pytest
-from pliant.coordinator.client import CoordinatorClient
-from pliant.coordinator.contract import JobSpec, JobState, Unavailable
-from pliant.coordinator.etcd_server import EtcdServer
 
+from pliant.coordinator.client import CoordinatorClient
+from pliant.coordinator.contract import JobSpec, JobState, NotFound, Unavailable
+from pliant.coordinator.etcd_server import EtcdServer
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -130,3 +130,32 @@ def test_restart_budget_is_spent_on_failures_only(make_coordinator) -> None:
         assert client.report_failure("job", "a", 3, 1)[0]
         info = wait_for(lambda: (j := client.get_job("job")).status.state is JobState.FAILED and j, 10, "failure")
         assert "max_restarts=1" in info.status.reason and "failed again on a" in info.status.reason
+
+
+def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make_coordinator) -> None:
+    server = make_coordinator()
+    with CoordinatorClient(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
+        a = client.join("job", "a", "127.0.0.1:1")
+        b = client.join("job", "b", "127.0.0.1:2")
+        wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b"), 10, "world a,b")
+        number = client.get_job("job").generation.number
+        assert client.report_failure("job", "a", number, 1, "gloo: connection reset", ["b"]) == (True, number)
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == number + 1 and g, 10, "next")
+        assert (gen.node_ids, gen.reason, gen.restarts_used) == (("a",), "failure", 0)
+        assert client.get_job("job").status.state is JobState.RUNNING  # max_restarts=0 and still running
+        with pytest.raises(NotFound, match="expired or was revoked"):  # b learns at its next heartbeat
+            client.heartbeat("job", "b", b.lease_id)
+        client.heartbeat("job", "a", a.lease_id)
+
+
+def test_report_success_finishes_the_job(make_coordinator) -> None:
+    server = make_coordinator()
+    with CoordinatorClient(server.address) as client:
+        client.create_job(JobSpec("job", 1, 1, join_grace_s=0))
+        client.join("job", "a", "127.0.0.1:1")
+        gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
+        assert client.report_success("job", "a", gen.number + 5) == (False, gen.number)
+        assert client.report_success("job", "a", gen.number) == (True, gen.number)
+        info = client.get_job("job")
+        assert info.status.state is JobState.SUCCEEDED and "completed generation 1" in info.status.reason

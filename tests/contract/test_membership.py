@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
+
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, JobState, NotFound
-
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(60)

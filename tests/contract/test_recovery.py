@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, JobState
 from pliant.coordinator.etcd_server import EtcdServer
-
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
+
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import FencingError, JobSpec, JobState, JobStatus, Member
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.planner import plan
 from pliant.coordinator.store import EtcdStore
-
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(90)

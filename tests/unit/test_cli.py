@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pliant.coordinator.server import CoordinatorConfig
 
 from pliant.cli import main
+from pliant.coordinator.server import CoordinatorConfig
 from pliant.errors import ConfigError
 from pliant.net import parse_host_port
 

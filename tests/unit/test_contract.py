@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from pliant.coordinator.contract import (
     AlreadyExists,
     CoordinatorError,

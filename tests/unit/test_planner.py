@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+
 from pliant.coordinator.contract import (
     FailJob,
     FailureReport,
@@ -106,6 +107,9 @@ CASES = [
          message="restart budget (max_restarts=2)"),
     Case("scaling events keep the restart count", [A, B, C], gen=generation(5, [A, B], "restart", 2),
          state=JobState.RUNNING, now=C.joined_at + 2, expect=NewGeneration, reason="join", restarts=2),
+    Case("a failure in a world that lost a node spends no restart", [A, C], gen=generation(5, [A, B, C], "join", 2),
+         state=JobState.RUNNING, now=T0 + 5, failures=[FailureReport("a", 5, 1)], expect=NewGeneration,
+         nodes=("a", "c"), reason="failure", restarts=2),
     Case("a failure of an old generation is ignored", [A, B], gen=generation(2, [A, B]), state=JobState.RUNNING,
          now=T0 + 5, failures=[FailureReport("a", 1, 1)], expect=Keep),
     # -- terminal and slots --------------------------------------------------------------------------------------------

@@ -1,0 +1,304 @@
+"""The node agent: joins the job, heartbeats, follows generations, and runs this node's workers for each of them.
+
+Threads feed one event queue (generations from the watch, a lost lease from the heartbeat, signals); the main thread
+owns every process decision, so workers are always spawned from the thread that outlives them. On a worker failure
+the agent stops its other workers, probes the other nodes' agents, and reports the failure with the unreachable ones
+(the coordinator evicts those at once: a killed node is noticed without waiting for its lease to expire).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pliant.agent.contract import AgentConfig, AgentError, AgentState, GroupResult
+from pliant.agent.stores import NodeStore, reachable
+from pliant.agent.workers import WorkerGroup
+from pliant.coordinator.client import CoordinatorClient, JoinGrant
+from pliant.coordinator.contract import CoordinatorError, Generation, JobState, NotFound, WatchEvent
+from pliant.env import WorkerEnv
+
+__all__ = ["Agent"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _LeaseLost:
+    error: Exception
+
+
+@dataclass(frozen=True)
+class _Signal:
+    signum: int
+
+
+class Agent:
+    """One node's supervisor. ``run()`` returns the process exit code: 0 when the job succeeded or this node left
+    gracefully, 1 when the job failed.
+
+    Args:
+        config: the agent's configuration.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.client = CoordinatorClient(list(config.coordinator), retry_for_s=config.heartbeat_retry_s)
+        self.state = AgentState.JOINING
+        self.generation: Generation | None = None
+        self.group: WorkerGroup | None = None
+        self.grant: JoinGrant | None = None
+        self.job_reason = ""
+        self.store: NodeStore | None = None
+        self._events: queue.Queue[object] = queue.Queue()
+        self._stop = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Join, supervise until the job ends or SIGTERM, clean up, and return the exit code."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, _frame: self._events.put(_Signal(signum)))
+        try:
+            self.store = NodeStore(self.config.host, self.config.store_port)
+            self._ensure_job()
+            self._join()
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+            threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
+            return self._loop()
+        except CoordinatorError as exc:
+            logger.error("agent %s: %s", self.config.node_id, exc)
+            print(f"pliant agent: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self._stop.set()
+            if self.group is not None:
+                self.group.stop(self.config.stop_grace_s)
+            if self.store is not None:
+                self.store.close()
+            self.client.close()
+
+    def _set_state(self, state: AgentState, why: str = "") -> None:
+        if state is not self.state:
+            logger.info("agent %s: %s -> %s%s", self.config.node_id, self.state.value, state.value,
+                        f" ({why})" if why else "")  # fmt: skip
+            self.state = state
+
+    def _ensure_job(self) -> None:
+        spec = self.config.spec
+        try:
+            info = self.client.get_job(spec.job_id)
+            logger.info("agent %s: job %s exists (%s)", self.config.node_id, spec.job_id, info.status.state.value)
+        except NotFound:
+            _info, created = self.client.create_job(spec)
+            logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
+
+    def _join(self) -> None:
+        assert self.store is not None
+        self.grant = self.client.join(
+            self.config.spec.job_id, self.config.node_id, self.store.address, self.config.nproc_per_node
+        )
+        self._set_state(AgentState.WAITING, f"joined job {self.config.spec.job_id}, lease {self.grant.lease_id:x}")
+
+    # -- background threads --------------------------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            grant = self.grant
+            assert grant is not None
+            if self._stop.wait(grant.heartbeat_interval_s):
+                return
+            try:
+                self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id)
+                if failing:
+                    logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
+                failing = False
+            except NotFound as exc:
+                if grant is self.grant:  # not already re-joined
+                    self._events.put(_LeaseLost(exc))
+                    while self.grant is grant and not self._stop.wait(0.05):
+                        pass
+            except CoordinatorError as exc:
+                if not failing:
+                    logger.warning("agent %s: heartbeat failed (%s); retrying", self.config.node_id, exc)
+                failing = True
+
+    def _watch_loop(self) -> None:
+        next_number = 0
+        while not self._stop.is_set():
+            try:
+                for event in self.client.watch(self.config.spec.job_id, next_number):
+                    if event.generation is not None:
+                        next_number = event.generation.number + 1
+                    self._events.put(event)
+                    if self._stop.is_set():
+                        return
+            except CoordinatorError as exc:
+                if self._stop.is_set():
+                    return
+                logger.warning("agent %s: generation watch failed (%s); resuming", self.config.node_id, exc)
+                self._stop.wait(1.0)
+
+    # -- the main loop -------------------------------------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        while True:
+            try:
+                event = self._events.get(timeout=0.1)
+            except queue.Empty:
+                event = None
+            if isinstance(event, WatchEvent):
+                code = self._on_watch_event(event)
+                if code is not None:
+                    return code
+            elif isinstance(event, _LeaseLost):
+                self._on_lease_lost(event.error)
+            elif isinstance(event, _Signal):
+                return self._leave(event.signum)
+            if self.group is not None:
+                result = self.group.poll()
+                if result is not None:
+                    self._on_group_done(result)
+
+    def _on_watch_event(self, event: WatchEvent) -> int | None:
+        gen = event.generation
+        if gen is not None and (self.generation is None or gen.number > self.generation.number):
+            self._on_generation(gen)
+        if event.status.state.terminal:
+            return self._on_job_finished(event.status.state, event.status.reason)
+        return None
+
+    def _on_generation(self, gen: Generation) -> None:
+        self.generation = gen
+        logger.info("agent %s: generation %d (%s): world size %d on %s", self.config.node_id, gen.number, gen.reason,
+                    gen.world_size, ",".join(gen.node_ids) or "no nodes")  # fmt: skip
+        if self.group is not None:
+            self.group.stop(self.config.stop_grace_s)
+            self.group = None
+        if self.config.node_id not in gen.node_ids:
+            why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"
+            self._set_state(AgentState.WAITING, why)
+            return
+        try:
+            self._start_workers(gen)
+        except AgentError as exc:
+            # Node rank 0's agent is gone: report it, so the coordinator evicts it now rather than at lease expiry.
+            logger.warning("agent %s: cannot start generation %d: %s", self.config.node_id, gen.number, exc)
+            self._report_failure(gen, -1, str(exc))
+
+    def _start_workers(self, gen: Generation) -> None:
+        assert self.store is not None
+        me = next(m for m in gen.members if m.node_id == self.config.node_id)
+        if me.node_rank == 0:
+            master_port = self.store.open_generation(gen.number)
+        else:
+            master_port = NodeStore.generation_port(gen.store_address, gen.number, timeout_s=10)
+        master_addr = gen.store_address.rsplit(":", 1)[0]
+        envs = [
+            WorkerEnv(
+                rank=me.rank_offset + local_rank,
+                local_rank=local_rank,
+                world_size=gen.world_size,
+                local_world_size=me.nproc,
+                node_rank=me.node_rank,
+                num_nodes=len(gen.members),
+                master_addr=master_addr,
+                master_port=master_port,
+                job_id=self.config.spec.job_id,
+                generation=gen.number,
+                max_restarts=self.config.spec.max_restarts,
+                node_id=self.config.node_id,
+                agent_store=self.store.address,
+                checkpoint_dir=self.config.checkpoint_dir,
+            )
+            for local_rank in range(me.nproc)
+        ]
+        command = list(self.config.command)
+        if not self.config.no_python:
+            command = [sys.executable, "-u", *command]
+        log_dir = None
+        if self.config.log_dir:
+            log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
+        self.group = WorkerGroup(gen.number, envs, command, log_dir)
+        self.group.start()
+        self._set_state(AgentState.RUNNING, f"generation {gen.number}, ranks {envs[0].rank}..{envs[-1].rank}")
+
+    def _on_group_done(self, result: GroupResult) -> None:
+        assert self.group is not None and self.generation is not None
+        gen = self.generation
+        if result.succeeded:
+            logger.info("agent %s: all workers of generation %d exited 0", self.config.node_id, gen.number)
+            self.group = None
+            self._set_state(AgentState.WAITING, "workers done; waiting for the job to finish")
+            self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number)
+            return
+        failure = result.first_failure
+        assert failure is not None
+        local_rank, code = failure
+        self.group.stop(self.config.stop_grace_s)
+        self.group = None
+        message = f"local rank {local_rank} (rank {self._rank_of(local_rank)}) exited with code {code}"
+        logger.warning("agent %s: generation %d: %s", self.config.node_id, gen.number, message)
+        self._set_state(AgentState.WAITING, "worker failure reported")
+        self._report_failure(gen, code, message)
+
+    def _rank_of(self, local_rank: int) -> int:
+        gen = self.generation
+        me = next((m for m in gen.members if m.node_id == self.config.node_id), None) if gen else None
+        return me.rank_offset + local_rank if me else local_rank
+
+    def _report_failure(self, gen: Generation, code: int, message: str) -> None:
+        others = [m for m in gen.members if m.node_id != self.config.node_id]
+        unreachable = [m.node_id for m in others if not reachable(m.address)]
+        if unreachable:
+            logger.warning("agent %s: agents of %s are unreachable", self.config.node_id, ",".join(unreachable))
+        accepted, current = self.client.report_failure(
+            self.config.spec.job_id, self.config.node_id, gen.number, code, message, unreachable
+        )
+        logger.info("agent %s: failure of generation %d reported (%s; current generation %d)", self.config.node_id,
+                    gen.number, "accepted" if accepted else "stale", current)  # fmt: skip
+
+    def _on_lease_lost(self, error: Exception) -> None:
+        logger.warning("agent %s: membership lost (%s); stopping workers and joining again", self.config.node_id, error)
+        if self.group is not None:
+            self.group.stop(self.config.stop_grace_s)
+            self.group = None
+        self._set_state(AgentState.JOINING, "lease lost")
+        self._join()
+
+    def _on_job_finished(self, state: JobState, reason: str) -> int:
+        self.job_reason = reason
+        if state is JobState.SUCCEEDED and self.group is not None:
+            deadline = time.monotonic() + self.config.finish_grace_s
+            while self.group.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if self.group is not None:
+            self.group.stop(self.config.stop_grace_s)
+            self.group = None
+        if state is JobState.SUCCEEDED:
+            self._set_state(AgentState.SUCCEEDED, reason)
+            return 0
+        self._set_state(AgentState.FAILED, reason)
+        print(f"pliant: job {self.config.spec.job_id} failed: {reason}", file=sys.stderr, flush=True)
+        return 1
+
+    def _leave(self, signum: int) -> int:
+        logger.info("agent %s: %s received; leaving the job", self.config.node_id, signal.Signals(signum).name)
+        if self.group is not None:
+            self.group.stop(self.config.stop_grace_s)
+            self.group = None
+        if self.grant is not None:
+            try:
+                self.client.leave(self.config.spec.job_id, self.config.node_id, self.grant.lease_id)
+            except CoordinatorError as exc:
+                logger.warning("agent %s: leave failed (%s); the lease expires by itself", self.config.node_id, exc)
+        self._set_state(AgentState.LEFT, "graceful leave")
+        return 0

@@ -1,0 +1,117 @@
+"""The agent's contract: its configuration, its state machine, the outcome of a worker group, and its errors."""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+from dataclasses import dataclass, field
+
+from pliant.coordinator.contract import JobSpec
+from pliant.errors import ConfigError, PliantError
+from pliant.net import parse_host_port
+
+__all__ = ["AgentConfig", "AgentError", "AgentState", "GroupResult", "default_node_id"]
+
+
+class AgentError(PliantError):
+    """Base of the agent's errors."""
+
+
+class AgentState(enum.Enum):
+    """An agent's lifecycle.
+
+    Allowed transitions: JOINING -> WAITING (member, not in a generation: spare, below min, or between worlds);
+    WAITING <-> RUNNING (workers of a generation that includes this node run); RUNNING -> WAITING (a new generation,
+    a worker failure, all local workers done); JOINING|WAITING|RUNNING -> SUCCEEDED | FAILED (the job finished) or
+    LEFT (SIGTERM: graceful leave). The last three are terminal.
+    """
+
+    JOINING = "joining"
+    WAITING = "waiting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LEFT = "left"
+
+
+def default_node_id() -> str:
+    """A node id unique on this host: ``<hostname>-<pid>`` (like torchrun's)."""
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What one agent runs.
+
+    Attributes:
+        coordinator: coordinator replica addresses (HOST:PORT).
+        spec: the job's spec; used to create the job if it does not exist yet.
+        command: the worker command after the interpreter, e.g. ``("train.py", "--lr", "0.1")`` or
+            ``("-m", "pkg.train")``; with ``no_python`` the full command.
+        nproc_per_node: workers this node runs.
+        node_id: this node's id (unique in the job).
+        host: address other nodes reach this node's agent store (and the per-generation store) on.
+        store_port: port of the agent store (0: a free one).
+        log_dir: per-worker log files go under it ("" : console only).
+        checkpoint_dir: exported to workers as PLIANT_CHECKPOINT_DIR.
+        stop_grace_s: SIGTERM -> SIGKILL grace when stopping workers.
+        finish_grace_s: how long workers may take to exit after the job succeeded elsewhere.
+        no_python: run ``command`` as is instead of with the Python interpreter.
+        heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
+    """
+
+    coordinator: tuple[str, ...]
+    spec: JobSpec
+    command: tuple[str, ...]
+    nproc_per_node: int = 1
+    node_id: str = field(default_factory=default_node_id)
+    host: str = "127.0.0.1"
+    store_port: int = 0
+    log_dir: str = ""
+    checkpoint_dir: str = ""
+    stop_grace_s: float = 5.0
+    finish_grace_s: float = 10.0
+    no_python: bool = False
+    heartbeat_retry_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.coordinator:
+            raise ConfigError("no coordinator address: pass --coordinator HOST:PORT")
+        for address in self.coordinator:
+            parse_host_port(address, what="--coordinator")
+        if not self.command:
+            raise ConfigError("no training script given: pliant run [flags] SCRIPT [ARGS...]")
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be >= 1")
+        if not 0 <= self.store_port < 65536:
+            raise ConfigError(f"store port {self.store_port} must be in 0..65535")
+        if self.stop_grace_s < 0 or self.finish_grace_s < 0:
+            raise ConfigError("grace periods must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """How a node's worker group of one generation ended.
+
+    Attributes:
+        generation: the generation the workers ran.
+        exit_codes: local rank -> exit code (negative: killed by that signal).
+        stopped: the agent stopped the group itself (a new generation, shutdown), so exits are not failures.
+    """
+
+    generation: int
+    exit_codes: dict[int, int]
+    stopped: bool = False
+
+    @property
+    def succeeded(self) -> bool:
+        return not self.stopped and all(code == 0 for code in self.exit_codes.values())
+
+    @property
+    def first_failure(self) -> tuple[int, int] | None:
+        """(local rank, exit code) of a failed worker, if any."""
+        for local_rank, code in sorted(self.exit_codes.items()):
+            if code != 0:
+                return local_rank, code
+        return None

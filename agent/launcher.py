@@ -1,0 +1,282 @@
+"""``pliant run`` and ``pliant agent``: torchrun-compatible flags, the embedded control plane, and the agent.
+
+``pliant run`` without ``--coordinator`` starts an embedded etcd (temporary data dir, free ports) and coordinator,
+prints the command other nodes run to join, and runs this node's agent. With ``--coordinator`` (or as
+``pliant agent``) it runs only the agent. torchrun's flags are accepted under their torchrun names (dashes or
+underscores) where they make sense, and refused with the pliant way where they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+from pliant.agent.contract import AgentConfig, default_node_id
+from pliant.coordinator.contract import JobSpec
+from pliant.errors import ConfigError
+
+__all__ = ["add_launch_flags", "agent_main", "config_from_args", "run_main"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Refuse(argparse.Action):
+    """A torchrun flag pliant does not take: fail with the pliant way to do it."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, fix: str = "", **kwargs: object) -> None:
+        self.fix = fix
+        super().__init__(option_strings, dest, nargs="?", **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object, option: str | None = None):
+        parser.error(f"{option} is not supported by pliant: {self.fix}")
+
+
+def _names(*names: str) -> list[str]:
+    """Each flag under its dashed and its underscored spelling (torchrun accepts both)."""
+    out: list[str] = []
+    for name in names:
+        out += [name, "--" + name[2:].replace("-", "_")]
+    return list(dict.fromkeys(out))
+
+
+def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
+    """Add the launch flags of ``pliant run`` (``mode="run"``) or ``pliant agent`` (``mode="agent"``)."""
+    env = os.environ.get
+    parser.add_argument(*_names("--nnodes"), default="1:1", help="N or MIN:MAX nodes (default 1:1)")
+    parser.add_argument(*_names("--nproc-per-node"), default="1", help="workers per node: N, 'cpu' or 'auto'")
+    parser.add_argument(
+        *_names("--max-restarts"),
+        type=int,
+        default=3,
+        help="worker failures the job survives; scaling events never count (default 3)",
+    )
+    parser.add_argument(
+        "--job",
+        *_names("--rdzv-id"),
+        dest="job",
+        default=env("PLIANT_JOB", "default"),
+        help="job id (torchrun: --rdzv-id; env PLIANT_JOB; default 'default')",
+    )
+    parser.add_argument(
+        "--coordinator",
+        *_names("--rdzv-endpoint"),
+        dest="coordinator",
+        default=env("PLIANT_COORDINATOR"),
+        required=mode == "agent",
+        help="HOST:PORT[,HOST:PORT...] of the coordinator (torchrun: --rdzv-endpoint)",
+    )
+    if mode == "run":
+        parser.add_argument(
+            "--listen",
+            default="127.0.0.1:0",
+            help="HOST:PORT of the embedded coordinator (default 127.0.0.1:0: a free loopback port; "
+            "use 0.0.0.0:29400 to let other machines join)",
+        )
+        parser.add_argument(
+            "--standalone",
+            action="store_true",
+            help="one node with the embedded control plane (the default without --coordinator)",
+        )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=env("PLIANT_CHECKPOINT_DIR", ""),
+        help="exported to workers as PLIANT_CHECKPOINT_DIR",
+    )
+    parser.add_argument(*_names("--log-dir"), default="", help="per-worker log files: DIR/JOB/gen-G/rank-R.log")
+    parser.add_argument("--node-id", default="", help="this node's id (default HOSTNAME-PID)")
+    parser.add_argument(
+        "--host",
+        *_names("--local-addr"),
+        dest="host",
+        default="",
+        help="address other nodes reach this node on (default 127.0.0.1 with the embedded control "
+        "plane, else this host's name)",
+    )
+    parser.add_argument("--store-port", type=int, default=0, help="port of this node's agent store (default free)")
+    parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
+    parser.add_argument("--join-grace", type=float, default=1.0, help="join batching window, s (default 1)")
+    parser.add_argument(
+        "--min-nodes-timeout",
+        type=float,
+        default=600.0,
+        help="how long the job may wait below min nodes before it fails, s (default 600)",
+    )
+    parser.add_argument("--stop-grace", type=float, default=5.0, help="SIGTERM -> SIGKILL grace for workers, s")
+    parser.add_argument(
+        "--finish-grace",
+        type=float,
+        default=10.0,
+        help="once the job succeeded, how long this node's workers may take to exit, s (default 10)",
+    )
+    parser.add_argument(
+        "--rpc-retry",
+        type=float,
+        default=10.0,
+        help="how long calls to an unreachable coordinator are retried, s (default 10)",
+    )
+    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
+    parser.add_argument(*_names("--no-python"), action="store_true", help="run SCRIPT as a command, not with Python")
+    # torchrun flags that mean nothing here but are harmless: accepted, noted in the log.
+    for flag in ("--rdzv-backend", "--rdzv-conf", "--monitor-interval", "--start-method", "--role", "--tee",
+                 "--redirects", "--event-log-handler", "--signals-to-handle", "--run-path"):  # fmt: skip
+        parser.add_argument(*_names(flag), dest=f"ignored_{flag[2:].replace('-', '_')}", default=None,
+                            help=argparse.SUPPRESS)  # fmt: skip
+    refused = {
+        "--node-rank": "pliant assigns node ranks in join order; remove --node-rank",
+        "--master-addr": "pliant hosts the store itself; join a job with --coordinator HOST:PORT",
+        "--master-port": "pliant hosts the store itself; join a job with --coordinator HOST:PORT",
+        "--local-ranks-filter": "every rank's output is shown with a [rank]: prefix; use --log-dir for files",
+        "--logs-specs": "use --log-dir",
+        "--numa-binding": "bind workers inside your script or container instead",
+        "--virtual-local-rank": "LOCAL_RANK is always the real local rank",
+    }
+    for flag, fix in refused.items():
+        parser.add_argument(*_names(flag), action=_Refuse, fix=fix, help=argparse.SUPPRESS)
+    parser.add_argument("training_script", help="the training script (or module with -m, command with --no-python)")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
+    if low < 1 or high < low:
+        raise ConfigError(f"--nnodes {text!r} must have 1 <= MIN <= MAX, e.g. 1:4")
+    return low, high
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "gpu"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.device_count()
+        except ImportError:
+            pass
+        return 1 if text == "auto" else 0
+    if text == "cpu":
+        return os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"--nproc-per-node {text!r} must be a positive integer, 'cpu' or 'auto'")
+    return value
+
+
+def _ignored_notes(args: argparse.Namespace) -> None:
+    for name, value in vars(args).items():
+        if name.startswith("ignored_") and value is not None:
+            logger.info("--%s=%s accepted for torchrun compatibility; pliant's coordinator makes it unnecessary",
+                        name[len("ignored_") :].replace("_", "-"), value)  # fmt: skip
+
+
+def _min_nodes_timeout(args: argparse.Namespace) -> float:
+    """--min-nodes-timeout, or torchrun's --rdzv-conf join_timeout=S."""
+    conf = getattr(args, "ignored_rdzv_conf", None) or ""
+    for item in conf.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "join_timeout" and value:
+            return float(value)
+    return args.min_nodes_timeout
+
+
+def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embedded: bool) -> AgentConfig:
+    """Build the agent's config from parsed launch flags.
+
+    Raises:
+        ConfigError: a flag has a bad value; the message names it and the fix.
+    """
+    low, high = _nnodes(args.nnodes)
+    nproc = _nproc(str(args.nproc_per_node))
+    spec = JobSpec(
+        job_id=args.job,
+        min_nodes=low,
+        max_nodes=high,
+        nproc_per_node=nproc,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        join_grace_s=args.join_grace,
+        max_restarts=args.max_restarts,
+        min_nodes_timeout_s=_min_nodes_timeout(args),
+    )
+    script = args.training_script
+    if args.module:
+        command: tuple[str, ...] = ("-m", script, *args.training_script_args)
+    elif args.no_python:
+        command = (script, *args.training_script_args)
+    else:
+        if not Path(script).is_file():
+            raise ConfigError(f"training script {script!r} not found (cwd {os.getcwd()}); pass a path to a .py file")
+        command = (script, *args.training_script_args)
+    host = args.host or ("127.0.0.1" if embedded else socket.gethostname())
+    return AgentConfig(
+        coordinator=tuple(coordinator),
+        spec=spec,
+        command=command,
+        nproc_per_node=nproc,
+        node_id=args.node_id or default_node_id(),
+        host=host,
+        store_port=args.store_port,
+        log_dir=args.log_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        stop_grace_s=args.stop_grace,
+        finish_grace_s=args.finish_grace,
+        no_python=args.no_python,
+        heartbeat_retry_s=args.rpc_retry,
+    )
+
+
+def _join_command(args: argparse.Namespace, address: str) -> str:
+    parts = ["pliant", "run", "--coordinator", address, "--job", args.job, "--nnodes", args.nnodes,
+             "--nproc-per-node", str(args.nproc_per_node)]  # fmt: skip
+    if args.module:
+        parts.append("-m")
+    if args.no_python:
+        parts.append("--no-python")
+    parts += [args.training_script, *args.training_script_args]
+    return shlex.join(parts)
+
+
+def agent_main(args: argparse.Namespace) -> int:
+    """``pliant agent``: one node's agent joining an existing coordinator."""
+    from pliant.agent.agent import Agent
+
+    _ignored_notes(args)
+    coordinator = [c.strip() for c in args.coordinator.split(",") if c.strip()]
+    return Agent(config_from_args(args, coordinator, embedded=False)).run()
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """``pliant run``: the agent, with an embedded etcd and coordinator unless ``--coordinator`` is given."""
+    if args.coordinator:
+        if args.standalone:
+            raise ConfigError("--standalone starts its own control plane; drop it to join --coordinator")
+        return agent_main(args)
+
+    from pliant.agent.agent import Agent
+    from pliant.coordinator.etcd_server import EtcdServer
+    from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+
+    _ignored_notes(args)
+    config_from_args(args, ["127.0.0.1:1"], embedded=True)  # validate every flag before starting anything
+    log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
+    if log_path:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    with EtcdServer(log_path=log_path, die_with_parent=True) as etcd:
+        coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
+                                         replica_id="embedded")  # fmt: skip
+        with CoordinatorServer(coord_config) as coordinator:
+            address = coordinator.address
+            print(f"pliant: coordinator on {address} (embedded etcd {etcd.endpoint}); other nodes join with:\n"
+                  f"  {_join_command(args, address)}", flush=True)  # fmt: skip
+            config = config_from_args(args, [address], embedded=True)
+            return Agent(config).run()

@@ -1,0 +1,89 @@
+"""This node's TCPStores: one long-lived agent store, and, on node rank 0, one fresh store server per generation.
+
+Workers rendezvous through the generation's store (MASTER_ADDR:MASTER_PORT, reached as clients because the env sets
+TORCHELASTIC_USE_AGENT_STORE=True), so every generation starts from an empty namespace: torch's env:// init does not
+prefix keys by restart count, and stale keys of a dead generation would otherwise hang the next one. The node-rank-0
+agent publishes each generation's port in its long-lived store, where the other agents read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from pliant.agent.contract import AgentError
+from pliant.net import parse_host_port
+
+__all__ = ["NodeStore", "reachable"]
+
+logger = logging.getLogger(__name__)
+
+_KEEP = 2  # generation stores kept alive (the current and the previous one)
+
+
+def _port_key(generation: int) -> str:
+    return f"/pliant/gen/{generation}/master_port"
+
+
+def reachable(address: str, timeout_s: float = 0.5) -> bool:
+    """True if something accepts TCP connections at ``address`` (an agent store)."""
+    host, port = parse_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class NodeStore:
+    """The agent's stores.
+
+    Args:
+        host: the address other nodes reach this node on.
+        port: the long-lived store's port (0: a free one).
+    """
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        self.host = host
+        try:
+            self.server = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        except Exception as exc:
+            raise AgentError(
+                f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port"
+            ) from exc
+        self.address = f"{host}:{self.server.port}"
+        self._generation_stores: dict[int, TCPStore] = {}
+
+    def open_generation(self, generation: int) -> int:
+        """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
+        store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self._generation_stores[generation] = store
+        for old in sorted(self._generation_stores)[:-_KEEP]:
+            del self._generation_stores[old]
+        self.server.set(_port_key(generation), str(store.port))
+        logger.info("generation %d: store serving on %s:%d", generation, self.host, store.port)
+        return int(store.port)
+
+    @staticmethod
+    def generation_port(store_address: str, generation: int, timeout_s: float) -> int:
+        """Read generation ``generation``'s store port from the agent store of node rank 0 at ``store_address``.
+
+        Raises:
+            AgentError: that store did not answer or never published the port within ``timeout_s``.
+        """
+        host, port = parse_host_port(store_address)
+        try:
+            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            return int(client.get(_port_key(generation)))
+        except Exception as exc:
+            raise AgentError(
+                f"the agent store of node rank 0 at {store_address} did not give generation {generation}'s store "
+                f"port within {timeout_s:g}s ({type(exc).__name__})"
+            ) from exc
+
+    def close(self) -> None:
+        self._generation_stores.clear()
+        del self.server

@@ -1,0 +1,135 @@
+"""The env contract between an agent and its workers: built by the agent with ``to_env()``, read once by a worker with
+``from_env()``. Nothing else in pliant reads or writes these variables.
+
+The variables are torchrun's (so unmodified torchrun scripts, and frameworks such as Lightning that detect
+torchelastic, run unchanged) plus ``PLIANT_*`` for pliant's own worker library.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from pliant.errors import ConfigError
+
+__all__ = ["WorkerEnv"]
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Everything a worker process knows about its place in the job.
+
+    Attributes:
+        rank: global rank.
+        local_rank: rank on this node.
+        world_size: processes in the generation.
+        local_world_size: processes on this node.
+        node_rank: this node's rank in the generation (torchrun's GROUP_RANK).
+        num_nodes: nodes in the generation (GROUP_WORLD_SIZE).
+        master_addr, master_port: the generation's TCPStore, hosted by the agent of node rank 0.
+        job_id: the job (TORCHELASTIC_RUN_ID).
+        generation: the generation number (1-based); TORCHELASTIC_RESTART_COUNT is ``generation - 1``.
+        max_restarts: the job's restart budget.
+        node_id: this node's id.
+        agent_store: host:port of this node's agent store (used by the worker library's rescale protocol).
+        checkpoint_dir: where the job's checkpoints live ("" when not configured).
+        metrics_dir: prometheus_client multiprocess directory ("" when not configured).
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    job_id: str = "local"
+    generation: int = 1
+    max_restarts: int = 0
+    node_id: str = "local"
+    agent_store: str = ""
+    checkpoint_dir: str = ""
+    metrics_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(f"LOCAL_RANK={self.local_rank} is outside LOCAL_WORLD_SIZE={self.local_world_size}")
+
+    @property
+    def restart_count(self) -> int:
+        return max(self.generation - 1, 0)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables a worker process is started with."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.num_nodes),
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RUN_ID": self.job_id,
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            # Workers connect to the agent-hosted store instead of rank 0 hosting one (torch's env:// honours it).
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "PLIANT_JOB_ID": self.job_id,
+            "PLIANT_GENERATION": str(self.generation),
+            "PLIANT_NODE_ID": self.node_id,
+            "PLIANT_AGENT_STORE": self.agent_store,
+            "PLIANT_CHECKPOINT_DIR": self.checkpoint_dir,
+            "PLIANT_METRICS_DIR": self.metrics_dir,
+        }
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read the contract from ``environ`` (default ``os.environ``).
+
+        Works under the pliant agent, under torchrun (no PLIANT_* variables) and as a single process (nothing set:
+        rank 0 of a world of 1).
+
+        Raises:
+            ConfigError: a variable is set to something that is not a valid value.
+        """
+        env = os.environ if environ is None else environ
+
+        def integer(name: str, default: int) -> int:
+            text = env.get(name, "")
+            if text == "":
+                return default
+            try:
+                return int(text)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={text!r} is not an integer") from None
+
+        world = integer("WORLD_SIZE", 1)
+        local_world = integer("LOCAL_WORLD_SIZE", world)
+        job = env.get("PLIANT_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or cls.job_id
+        generation = integer("PLIANT_GENERATION", integer("TORCHELASTIC_RESTART_COUNT", 0) + 1)
+        defaults = {f.name: f.default for f in fields(cls)}
+        return cls(
+            rank=integer("RANK", 0),
+            local_rank=integer("LOCAL_RANK", 0),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=integer("GROUP_RANK", 0),
+            num_nodes=integer("GROUP_WORLD_SIZE", max(1, world // max(1, local_world))),
+            master_addr=env.get("MASTER_ADDR") or defaults["master_addr"],
+            master_port=integer("MASTER_PORT", 0),
+            job_id=job,
+            generation=generation,
+            max_restarts=integer("TORCHELASTIC_MAX_RESTARTS", 0),
+            node_id=env.get("PLIANT_NODE_ID") or defaults["node_id"],
+            agent_store=env.get("PLIANT_AGENT_STORE", ""),
+            checkpoint_dir=env.get("PLIANT_CHECKPOINT_DIR", ""),
+            metrics_dir=env.get("PLIANT_METRICS_DIR", ""),
+        )

@@ -1,0 +1,81 @@
+"""``pliant run`` as a user runs it: the embedded etcd and coordinator, torchrun-style flags, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.harness import SCRIPT, read_steps
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", [["-m", "pliant", "run"], ["-m", "pliant.run"]], ids=["pliant run", "-m pliant.run"])
+def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) -> None:
+    events = tmp_path / "events.jsonl"
+    result = _run([sys.executable, *entry, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                   str(SCRIPT), "--steps", "6", "--events", str(events)])  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "other nodes join with:" in out and "pliant run --coordinator 127.0.0.1:" in out
+    assert "[0]:step 5 world 2" in out, "rank-prefixed console output"
+    steps = read_steps(events)
+    assert {(s.rank, s.world, s.restart) for s in steps} == {(0, 2, 0), (1, 2, 0)}
+    assert sorted(s.step for s in steps if s.rank == 0) == list(range(6))
+    logs = sorted(p.name for p in (tmp_path / "logs" / "default" / "gen-1").iterdir())
+    assert logs == ["rank-0.log", "rank-1.log"]
+    assert "step 5 world 2" in (tmp_path / "logs" / "default" / "gen-1" / "rank-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_same_script_runs_under_torchrun(tmp_path) -> None:
+    events = tmp_path / "events.jsonl"
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(SCRIPT), "--steps", "3", "--events", str(events)])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {(s.rank, s.world) for s in read_steps(events)} == {(0, 2), (1, 2)}
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--nnodes", "3:2"], "--nnodes '3:2' must have 1 <= MIN <= MAX"),
+        (["--nnodes", "two"], "--nnodes 'two' must be N or MIN:MAX"),
+        (["--nproc-per-node", "0"], "--nproc-per-node '0' must be a positive integer"),
+        (["--node-rank", "1"], "--node-rank is not supported by pliant: pliant assigns node ranks in join order"),
+        (["--master-port", "29500"], "join a job with --coordinator HOST:PORT"),
+        (["--max-restarts", "-1"], "max_restarts=-1 must be an integer >= 0"),
+        (["--heartbeat-ttl", "1"], "heartbeat_ttl_s=1.0 must be between 2 and 3600"),
+        (["--job", "bad/id"], "job_id 'bad/id' is invalid"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags: list[str], needle: str) -> None:
+    result = _run([sys.executable, "-m", "pliant", "run", *flags, str(SCRIPT)], timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr, result.stderr
+
+
+def test_a_missing_script_is_a_clear_error(tmp_path) -> None:
+    result = _run([sys.executable, "-m", "pliant", "run", str(tmp_path / "nope.py")], timeout=30)
+    assert result.returncode == 2
+    assert f"training script '{tmp_path / 'nope.py'}' not found" in result.stderr
+
+
+def test_an_unreachable_coordinator_is_a_clear_error() -> None:
+    result = _run([sys.executable, "-m", "pliant", "agent", "--coordinator", "127.0.0.1:1", "--job", "j",
+                   "--rpc-retry", "1", str(SCRIPT)], timeout=60)  # fmt: skip
+    assert result.returncode == 1
+    assert "no coordinator answered at 127.0.0.1:1 for 1s" in result.stderr, result.stderr
+
+
+def test_agent_requires_a_coordinator() -> None:
+    result = _run([sys.executable, "-m", "pliant", "agent", "--job", "j", str(SCRIPT)], timeout=30)
+    assert result.returncode == 2
+    assert "the following arguments are required: --coordinator" in result.stderr
