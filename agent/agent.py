@@ -19,10 +19,11 @@ from pathlib import Path
 
 from pliant.agent.contract import AgentConfig, AgentError, AgentState, GroupResult
 from pliant.agent.stores import NodeStore, reachable
-from pliant.agent.workers import WorkerGroup
+from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import CoordinatorError, Generation, JobState, NotFound, WatchEvent
 from pliant.env import WorkerEnv
+from pliant.net import free_port
 
 __all__ = ["Agent"]
 
@@ -45,10 +46,15 @@ class Agent:
 
     Args:
         config: the agent's configuration.
+        zygote: the worker fork server to use (default: the agent starts its own; none with ``no_python``).
     """
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, zygote: Zygote | None = None) -> None:
         self.config = config
+        self.command = WorkerCommand.from_launch(config.command, config.no_python)
+        self.base_env = worker_base_env(config.nproc_per_node)
+        self.zygote = zygote
+        self.address = ""
         self.client = CoordinatorClient(list(config.coordinator), retry_for_s=config.heartbeat_retry_s)
         self.state = AgentState.JOINING
         self.generation: Generation | None = None
@@ -67,11 +73,16 @@ class Agent:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, _frame: self._events.put(_Signal(signum)))
         try:
-            self.store = NodeStore(self.config.host, self.config.store_port)
+            if self.zygote is None and not self.config.no_python:
+                self.zygote = Zygote(self.base_env)  # imports torch while the agent joins
+            port = self.config.store_port or free_port(self.config.host)
+            self.address = f"{self.config.host}:{port}"
             self._ensure_job()
             self._join()
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
+            # The join grace runs while the store starts (the agent's torch import); heartbeats are already going.
+            self.store = NodeStore(self.config.host, port)
             return self._loop()
         except CoordinatorError as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)
@@ -81,6 +92,8 @@ class Agent:
             self._stop.set()
             if self.group is not None:
                 self.group.stop(self.config.stop_grace_s)
+            if self.zygote is not None:
+                self.zygote.close()
             if self.store is not None:
                 self.store.close()
             self.client.close()
@@ -101,9 +114,8 @@ class Agent:
             logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
 
     def _join(self) -> None:
-        assert self.store is not None
         self.grant = self.client.join(
-            self.config.spec.job_id, self.config.node_id, self.store.address, self.config.nproc_per_node
+            self.config.spec.job_id, self.config.node_id, self.address, self.config.nproc_per_node
         )
         self._set_state(AgentState.WAITING, f"joined job {self.config.spec.job_id}, lease {self.grant.lease_id:x}")
 
@@ -221,13 +233,10 @@ class Agent:
             )
             for local_rank in range(me.nproc)
         ]
-        command = list(self.config.command)
-        if not self.config.no_python:
-            command = [sys.executable, "-u", *command]
         log_dir = None
         if self.config.log_dir:
             log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
-        self.group = WorkerGroup(gen.number, envs, command, log_dir)
+        self.group = WorkerGroup(gen.number, envs, self.command, log_dir, self.base_env, self.zygote)
         self.group.start()
         self._set_state(AgentState.RUNNING, f"generation {gen.number}, ranks {envs[0].rank}..{envs[-1].rank}")
 

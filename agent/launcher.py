@@ -263,11 +263,14 @@ def run_main(args: argparse.Namespace) -> int:
         return agent_main(args)
 
     from pliant.agent.agent import Agent
+    from pliant.agent.workers import Zygote, worker_base_env
     from pliant.coordinator.etcd_server import EtcdServer
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
 
     _ignored_notes(args)
-    config_from_args(args, ["127.0.0.1:1"], embedded=True)  # validate every flag before starting anything
+    draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)  # validate every flag before starting anything
+    # The worker zygote imports torch while etcd and the coordinator start; the agent owns and closes it.
+    zygote = None if draft.no_python else Zygote(worker_base_env(draft.nproc_per_node))
     log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
     if log_path:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -279,4 +282,4 @@ def run_main(args: argparse.Namespace) -> int:
             print(f"pliant: coordinator on {address} (embedded etcd {etcd.endpoint}); other nodes join with:\n"
                   f"  {_join_command(args, address)}", flush=True)  # fmt: skip
             config = config_from_args(args, [address], embedded=True)
-            return Agent(config).run()
+            return Agent(config, zygote=zygote).run()

@@ -12,8 +12,6 @@ import logging
 import socket
 from datetime import timedelta
 
-from torch.distributed import TCPStore
-
 from pliant.agent.contract import AgentError
 from pliant.net import parse_host_port
 
@@ -47,6 +45,8 @@ class NodeStore:
     """
 
     def __init__(self, host: str, port: int = 0) -> None:
+        from torch.distributed import TCPStore  # imported here: the agent joins before paying for torch
+
         self.host = host
         try:
             self.server = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -55,10 +55,12 @@ class NodeStore:
                 f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port"
             ) from exc
         self.address = f"{host}:{self.server.port}"
-        self._generation_stores: dict[int, TCPStore] = {}
+        self._generation_stores: dict[int, object] = {}
 
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
+        from torch.distributed import TCPStore
+
         store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self._generation_stores[generation] = store
         for old in sorted(self._generation_stores)[:-_KEEP]:
@@ -74,6 +76,8 @@ class NodeStore:
         Raises:
             AgentError: that store did not answer or never published the port within ``timeout_s``.
         """
+        from torch.distributed import TCPStore
+
         host, port = parse_host_port(store_address)
         try:
             client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))

@@ -1,38 +1,210 @@
 """A node's worker processes for one generation: start them with the env contract, watch them, stop them.
 
-Each worker runs in its own session (its own process group), so stopping it signals every process it started
-(DataLoader workers included): SIGTERM, a bounded grace, then SIGKILL of the whole group, then a bounded wait. Each
-worker is also started through :mod:`pliant.spawn`, so it dies with the agent even if the agent is killed with -9.
-Output is prefixed with the global rank on the console and, with a log directory, written to one file per worker.
+Workers are forked by the node's :class:`Zygote`, which imported torch once, so a new generation starts in a fraction
+of a second instead of paying an interpreter and a torch import per worker; a cold start (a new interpreter) is the
+fallback (``--no-python``, or no zygote). Each worker runs in its own session (its own process
+group), so stopping it signals every process it started (DataLoader workers included): SIGTERM, a bounded grace,
+then SIGKILL of the whole group, then a bounded wait. Each is started through :mod:`pliant.spawn`, so it dies with the
+agent even if the agent is killed with -9. Output is prefixed with the global rank on the console and, with a log
+directory, written to one file per worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from pliant.agent.contract import GroupResult
+from pliant.agent.contract import AgentError, GroupResult
 from pliant.env import WorkerEnv
 from pliant.spawn import die_with_parent
 
-__all__ = ["WorkerGroup"]
+__all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_env"]
 
 logger = logging.getLogger(__name__)
 
 _console_lock = threading.Lock()
 
 
+def worker_base_env(nproc_per_node: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment workers inherit: the agent's, unbuffered, and (like torchrun) one OpenMP thread per worker
+    when several share the node and the user did not choose."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """What a worker runs: a script with arguments, a module (``-m``), or any command (``no_python``)."""
+
+    argv: tuple[str, ...]
+    module: bool = False
+    no_python: bool = False
+
+    @classmethod
+    def from_launch(cls, command: Sequence[str], no_python: bool) -> WorkerCommand:
+        if no_python:
+            return cls(tuple(command), no_python=True)
+        if command and command[0] == "-m":
+            return cls(tuple(command[1:]), module=True)
+        return cls(tuple(command))
+
+    def cold(self) -> list[str]:
+        """The command line of a worker started from scratch."""
+        if self.no_python:
+            return list(self.argv)
+        return [sys.executable, "-u", *(["-m"] if self.module else []), *self.argv]
+
+
+def _kill_group(proc: subprocess.Popen[bytes] | ForkedProc, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # each worker leads its own session and process group
+
+
+class ForkedProc:
+    """A worker forked by the zygote, with the part of ``subprocess.Popen``'s interface the group uses."""
+
+    def __init__(self, pid: int, stdout: IO[bytes], zygote: Zygote) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self._zygote = zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+
+Proc = subprocess.Popen[bytes] | ForkedProc
+
+
+class Zygote:
+    """The agent's handle on its fork server (:mod:`pliant.agent.zygote`): it imports torch once, and every worker
+    of every generation is forked from it. Start it from the thread that outlives the workers (see
+    :mod:`pliant.spawn`).
+
+    Args:
+        base_env: the zygote's environment (what workers inherit before their own variables).
+    """
+
+    def __init__(self, base_env: Mapping[str, str]) -> None:
+        self.base_env = dict(base_env)
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            die_with_parent([sys.executable, "-u", "-m", "pliant.agent.zygote", str(theirs.fileno())]),
+            env=self.base_env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pids: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._next_id = 0
+        self._reader = threading.Thread(target=self._read, name="zygote", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            with self._changed:
+                if not data:
+                    self._changed.notify_all()
+                    return
+                message = json.loads(data)
+                if "exit" in message:
+                    self._exits[message["exit"]] = message["code"]
+                elif "id" in message:
+                    self._pids[message["id"]] = message["pid"]
+                self._changed.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, env: Mapping[str, str], command: WorkerCommand, timeout_s: float = 120.0) -> ForkedProc:
+        """Fork a worker running ``command`` with ``env`` (the full environment).
+
+        Raises:
+            AgentError: the zygote is gone or did not answer within ``timeout_s`` (it may still be importing torch).
+        """
+        read_fd, write_fd = os.pipe()
+        with self._lock:
+            self._next_id += 1
+            ident = self._next_id
+        message = {"op": "spawn", "id": ident, "env": dict(env), "argv": list(command.argv), "module": command.module}
+        try:
+            socket.send_fds(self._sock, [json.dumps(message).encode()], [write_fd])
+        except OSError as exc:
+            os.close(read_fd)
+            raise AgentError(f"the worker zygote (pid {self.proc.pid}) is gone: {exc}") from exc
+        finally:
+            os.close(write_fd)
+        with self._changed:
+            if not self._changed.wait_for(lambda: ident in self._pids or not self.alive, timeout_s):
+                os.close(read_fd)
+                raise AgentError(f"the worker zygote (pid {self.proc.pid}) did not fork within {timeout_s:g}s")
+            pid = self._pids.pop(ident, None)
+        if pid is None:
+            os.close(read_fd)
+            raise AgentError(f"the worker zygote exited with code {self.proc.poll()} before forking a worker")
+        return ForkedProc(pid, os.fdopen(read_fd, "rb"), self)
+
+    def exit_code(self, pid: int) -> int | None:
+        """A forked worker's exit code once it ended (SIGKILL's if the zygote died and took it along)."""
+        with self._lock:
+            if pid in self._exits:
+                return self._exits.pop(pid)
+        if not self.alive and not _pid_alive(pid):
+            return -signal.SIGKILL
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        _kill_group(self.proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _Worker:
-    def __init__(self, env: WorkerEnv, proc: subprocess.Popen[bytes], log: IO[bytes] | None) -> None:
+    def __init__(self, env: WorkerEnv, proc: Proc, log: IO[bytes] | None) -> None:
         self.env = env
         self.proc = proc
         self.log = log
@@ -61,24 +233,27 @@ class WorkerGroup:
     Args:
         generation: the generation number.
         envs: one WorkerEnv per local worker.
-        command: the worker command (interpreter included).
+        command: what the workers run.
         log_dir: directory for ``rank-<r>.log`` files (None: console only).
-        base_env: the environment the workers inherit (default: the agent's).
+        base_env: the environment workers inherit, before their own variables.
+        zygote: the fork server to start workers from (None: start every worker cold).
     """
 
     def __init__(
         self,
         generation: int,
         envs: Sequence[WorkerEnv],
-        command: Sequence[str],
+        command: WorkerCommand,
         log_dir: Path | None = None,
         base_env: Mapping[str, str] | None = None,
+        zygote: Zygote | None = None,
     ) -> None:
         self.generation = generation
         self.envs = list(envs)
-        self.command = list(command)
+        self.command = command
         self.log_dir = log_dir
-        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.base_env = dict(base_env) if base_env is not None else worker_base_env(len(self.envs))
+        self.zygote = zygote
         self.workers: list[_Worker] = []
         self.started_at = 0.0
         self._stopped = False
@@ -87,26 +262,30 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
 
+    def _launch(self, env: WorkerEnv) -> tuple[Proc, bool]:
+        child_env = {**self.base_env, **env.to_env()}
+        if self.zygote is not None and self.zygote.alive and not self.command.no_python:
+            return self.zygote.spawn(child_env, self.command), True
+        proc = subprocess.Popen(
+            die_with_parent(self.command.cold()), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        return proc, False
+
     def start(self) -> None:
         """Start every worker. Call from a thread that outlives the workers (see :mod:`pliant.spawn`)."""
         self.started_at = time.monotonic()
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        forked = 0
         for env in self.envs:
-            child_env = {**self.base_env, **env.to_env(), "PYTHONUNBUFFERED": "1"}
+            proc, was_forked = self._launch(env)
+            forked += was_forked
             log = open(self.log_dir / f"rank-{env.rank}.log", "ab") if self.log_dir else None  # noqa: SIM115
-            proc = subprocess.Popen(
-                die_with_parent(self.command),
-                env=child_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
             self.workers.append(_Worker(env, proc, log))
         logger.info(
-            "generation %d: started %d workers (ranks %s, pids %s)",
-            self.generation, len(self.workers), [w.env.rank for w in self.workers], self.pids,
+            "generation %d: started %d workers (%d forked by the zygote; ranks %s, pids %s)",
+            self.generation, len(self.workers), forked, [w.env.rank for w in self.workers], self.pids,
         )  # fmt: skip
 
     def poll(self) -> GroupResult | None:
@@ -122,11 +301,13 @@ class WorkerGroup:
     def stop(self, grace_s: float) -> GroupResult:
         """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``, and reap them all."""
         self._stopped = True
-        self._signal_all(signal.SIGTERM)
+        for worker in self.workers:
+            _kill_group(worker.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
             time.sleep(0.02)
-        self._signal_all(signal.SIGKILL)
+        for worker in self.workers:
+            _kill_group(worker.proc, signal.SIGKILL)
         for worker in self.workers:
             try:
                 worker.proc.wait(10)
@@ -136,8 +317,3 @@ class WorkerGroup:
         codes = {w.env.local_rank: w.proc.returncode for w in self.workers}
         logger.info("generation %d: workers stopped (exit codes %s)", self.generation, codes)
         return GroupResult(self.generation, codes, stopped=True)
-
-    def _signal_all(self, sig: int) -> None:
-        for worker in self.workers:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker.proc.pid, sig)  # the worker leads its own session and process group

@@ -1,0 +1,118 @@
+"""The node's worker zygote (a fork server): it imports torch once, then forks every worker of every generation.
+
+A worker forked from here starts in milliseconds instead of paying an interpreter and a torch import, and runs the
+training script as ``python SCRIPT`` / ``python -m MODULE`` would (``__main__``, ``sys.argv``, ``sys.path[0]``),
+exiting through the normal interpreter shutdown (atexit handlers run).
+
+Run as ``python -m pliant.agent.zygote FD`` where FD is a SOCK_SEQPACKET Unix socket to the agent. The zygote stays
+single-threaded (forking is safe) and imports only the standard library and the preloaded modules. Messages are JSON:
+
+- agent -> zygote ``{"op": "spawn", "id": N, "env": {...}, "argv": [...], "module": bool}`` with one fd attached:
+  the write end of the worker's output pipe. Reply ``{"id": N, "pid": PID}``.
+- zygote -> agent ``{"exit": PID, "code": CODE}`` when a worker ends (CODE < 0: killed by that signal).
+- ``{"ready": true}`` once the preload is imported.
+
+Each worker leads its own session (stopping its process group stops everything it started) and gets SIGKILL when the
+zygote dies; the zygote gets SIGKILL when the agent dies (started through :mod:`pliant.spawn`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+# torch._dynamo is what DDP's constructor imports lazily (1.4 s on this machine): paid once here, not per worker.
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+_PR_SET_PDEATHSIG = 1
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # the agent is gone: we are about to be killed anyway
+        sock.send(json.dumps(message).encode())
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _become_worker(sock: socket.socket, out_fd: int, job: dict[str, Any]) -> None:
+    """In the forked child: detach, wire output, and set up ``__main__``'s world. Returns to run the script."""
+    os.setsid()
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    sock.close()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    sys.argv = list(job["argv"])
+
+
+def serve(sock: socket.socket) -> dict[str, Any] | None:
+    """The zygote's loop. Returns only in a forked child, with the job it must run."""
+    _send(sock, {"ready": True})
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.05)
+        _reap(sock)
+        if not readable:
+            continue
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the agent closed the socket
+            return None
+        message = json.loads(data)
+        if message.get("op") != "spawn" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _become_worker(sock, fds[0], message)
+            return message
+        os.close(fds[0])
+        _send(sock, {"id": message["id"], "pid": pid})
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    for name in os.environ.get("PLIANT_WORKER_PRELOAD", ",".join(PRELOAD)).split(","):
+        if name:
+            with contextlib.suppress(ImportError):  # the script reports what it misses itself
+                importlib.import_module(name)
+    job = serve(sock)
+    if job is None:
+        return
+    if job.get("module"):  # python -m MODULE: sys.path[0] stays the working directory
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:  # python SCRIPT: sys.path[0] is the script's directory
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

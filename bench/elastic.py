@@ -1,0 +1,227 @@
+"""Elasticity benchmark: the same plain DDP script (examples/train_ddp.py) under pliant and under torchrun, two nodes x
+2 workers on this machine, in one run. Prints one table with both columns and the ratios.
+
+Scenarios, in order, per launcher: start (node a, --nnodes 1:2) -> first step of every rank; node b joins -> all 4
+ranks stepping; kill -9 of one worker -> all ranks stepping again; kill -9 of node b (launcher and workers) -> the
+survivors stepping; work lost per failure (steps redone); steady-state throughput at world 4.
+
+A new world is recognised by new worker processes covering every rank (torchrun keeps its restart count on a scale-up).
+torchrun runs with the c10d rendezvous, once with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (needed for its scale-up to
+work) and once in its default configuration, where a scale-up that never completes is reported as a deadlock.
+
+Usage: ``.venv/bin/python bench/elastic.py [--launchers pliant torchrun torchrun-default] [--timeout 120]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from pliant.net import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_ddp.py"
+STEP_TIME = 0.05
+
+
+@dataclass
+class Result:
+    start: float | None = None
+    join: float | None = None
+    worker_kill: float | None = None
+    node_kill: float | None = None
+    lost_worker_kill: int | None = None
+    lost_node_kill: int | None = None
+    throughput: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class Timeout(Exception):
+    pass
+
+
+def read_steps(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_new_world(events: Path, world: int, old_pids: set[int], timeout_s: float) -> tuple[float, list[dict]]:
+    """Wait until every rank of a world of ``world`` stepped from a process not in ``old_pids``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fresh = [s for s in read_steps(events) if s["world"] == world and s["pid"] not in old_pids]
+        if {s["rank"] for s in fresh} == set(range(world)):
+            return time.monotonic(), fresh
+        time.sleep(0.02)
+    raise Timeout(f"no world of {world} with new workers within {timeout_s:g}s")
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait(10)
+
+
+class Launcher:
+    """How to start node a and node b under one launcher."""
+
+    def __init__(self, name: str, workdir: Path) -> None:
+        self.name = name
+        self.workdir = workdir
+        self.port = free_port()
+        self.events = workdir / "events.jsonl"
+
+    def command(self, node: str) -> tuple[list[str], dict[str, str]]:
+        script = [str(SCRIPT), "--steps", "1000000", "--step-time", str(STEP_TIME), "--ckpt",
+                  str(self.workdir / "ckpt.pt"), "--events", str(self.events), "--log-every", "1000"]  # fmt: skip
+        env = dict(os.environ)
+        if self.name == "pliant":
+            common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--node-id", f"node-{node}",
+                      "--heartbeat-ttl", "3", "--join-grace", "1"]  # fmt: skip
+            if node == "a":
+                return [sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{self.port}", *common,
+                        *script], env  # fmt: skip
+            return [sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{self.port}", *common,
+                    *script], env  # fmt: skip
+        if self.name == "torchrun":
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench",
+                "--max-restarts", "3", *script], env  # fmt: skip
+
+    def start(self, node: str) -> subprocess.Popen:
+        cmd, env = self.command(node)
+        log = open(self.workdir / f"{node}.log", "wb")  # noqa: SIM115
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def lost_steps(before: list[dict], after: list[dict]) -> int:
+    """Steps done before the event that the new world did again."""
+    last = max(s["step"] for s in before if s["rank"] == 0)
+    first = min(s["step"] for s in after if s["rank"] == 0)
+    return max(0, last + 1 - first)
+
+
+def measure(name: str, timeout_s: float) -> Result:
+    result = Result()
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    launcher = Launcher(name, workdir)
+    procs: list[subprocess.Popen] = []
+    try:
+        t0 = time.monotonic()
+        node_a = launcher.start("a")
+        procs.append(node_a)
+        t, _ = wait_new_world(launcher.events, 2, set(), timeout_s)
+        result.start = t - t0
+
+        pids = {s["pid"] for s in read_steps(launcher.events)}
+        t0 = time.monotonic()
+        node_b = launcher.start("b")
+        procs.append(node_b)
+        try:
+            t, fresh = wait_new_world(launcher.events, 4, pids, timeout_s)
+        except Timeout as exc:
+            result.notes.append(f"scale-up deadlocked: {exc}")
+            return result
+        result.join = t - t0
+
+        time.sleep(3)  # steady state at world 4
+        window = 5.0
+        begin = time.time()
+        time.sleep(window)
+        steps = [s for s in read_steps(launcher.events) if s["rank"] == 0 and begin <= s["time"] < begin + window]
+        result.throughput = len(steps) / window
+
+        before = read_steps(launcher.events)
+        pids = {s["pid"] for s in before}
+        victim = max((s for s in before if s["world"] == 4), key=lambda s: (s["time"], s["rank"]))
+        t0 = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        t, fresh = wait_new_world(launcher.events, 4, pids, timeout_s)
+        result.worker_kill = t - t0
+        result.lost_worker_kill = lost_steps(before, fresh)
+
+        time.sleep(2)
+        before = read_steps(launcher.events)
+        pids = {s["pid"] for s in before}
+        t0 = time.monotonic()
+        kill_tree(node_b)
+        t, fresh = wait_new_world(launcher.events, 2, pids, timeout_s)
+        result.node_kill = t - t0
+        result.lost_node_kill = lost_steps(before, fresh)
+    except Timeout as exc:
+        result.notes.append(str(exc))
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+        result.notes.append(f"logs in {workdir}")
+    return result
+
+
+def _fmt(value: float | int | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f} {unit}" if isinstance(value, float) else f"{value} {unit}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--launchers", nargs="+", default=["pliant", "torchrun", "torchrun-default"])
+    parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for one scenario, s")
+    args = parser.parse_args()
+    results = {}
+    for name in args.launchers:
+        print(f"measuring {name} ...", flush=True)
+        results[name] = measure(name, args.timeout)
+    rows = [
+        ("start -> first step", "start", "s"),
+        ("node joins -> all ranks stepping", "join", "s"),
+        ("kill -9 worker -> resumed", "worker_kill", "s"),
+        ("kill -9 node -> survivors stepping", "node_kill", "s"),
+        ("steps redone after worker kill", "lost_worker_kill", "steps"),
+        ("steps redone after node kill", "lost_node_kill", "steps"),
+        ("throughput at world 4", "throughput", "steps/s"),
+    ]
+    names = list(results)
+    header = f"{'scenario':<36}" + "".join(f"{n:>18}" for n in names)
+    if "pliant" in results and "torchrun" in results:
+        header += f"{'pliant/torchrun':>17}"
+    print("\n" + header)
+    for label, attr, unit in rows:
+        line = f"{label:<36}" + "".join(f"{_fmt(getattr(results[n], attr), unit):>18}" for n in names)
+        if "pliant" in results and "torchrun" in results:
+            p, t = getattr(results["pliant"], attr), getattr(results["torchrun"], attr)
+            line += (
+                f"{(p / t if p is not None and t else float('nan')):>16.2f}x" if p is not None and t else f"{'-':>17}"
+            )
+        print(line)
+    for name in names:
+        for note in results[name].notes:
+            print(f"{name}: {note}")
+
+
+if __name__ == "__main__":
+    main()
