@@ -97,3 +97,25 @@ def test_below_min_nodes_the_job_waits_then_fails(make_coordinator, spawn, tmp_p
     assert_all_gone(a_pids)
     with CoordinatorClient(server.address) as client:
         assert client.get_job("job").status.state is JobState.FAILED
+
+
+def test_sigterm_to_an_agent_is_a_graceful_leave(make_coordinator, spawn, tmp_path) -> None:
+    server = make_coordinator()
+    events = tmp_path / "events.jsonl"
+    a = spawn(agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
+    b = spawn(agent_args(server.address, "job", "node-b", tmp_path), name="agent-b")
+    wait_world(events, restart=0, world=4, timeout_s=90)
+    b_pids = [b.pid, *descendants(b.pid)]
+    b.kill(signal.SIGTERM)
+    wait_for(lambda: b.proc.poll() is not None, 30, "agent b to leave")
+    assert b.proc.returncode == 0, b.output()[-3000:]
+    assert "graceful leave" in b.output()
+    assert_all_gone(b_pids)
+    before = _last_step(events)
+    wait_world(events, restart=1, world=2, timeout_s=60, after_step=before)
+    with CoordinatorClient(server.address) as client:
+        gen = client.get_job("job").generation
+        assert (gen.reason, gen.node_ids, gen.restarts_used) == ("leave", ("node-a",), 0)
+        client.finish_job("job", True)
+    wait_for(lambda: a.proc.poll() is not None, 30, "agent a to exit")
+    assert a.proc.returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -13,7 +14,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        pytest.fail(f"{' '.join(args)} did not finish in {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-6000:]}")
 
 
 @pytest.mark.slow
@@ -41,6 +47,20 @@ def test_the_same_script_runs_under_torchrun(tmp_path) -> None:
                    str(SCRIPT), "--steps", "3", "--events", str(events)])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert {(s.rank, s.world) for s in read_steps(events)} == {(0, 2), (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_lightning_ddp_script_runs_unchanged(tmp_path) -> None:
+    out = tmp_path / "ranks.jsonl"
+    script = SCRIPT.parent / "train_lightning.py"
+    result = _run([sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", str(script), "--max-steps", "3",
+                   "--out", str(out)], timeout=220)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = {tuple(sorted(json.loads(line).items())) for line in out.read_text().splitlines()}
+    expected = {(("cluster", "TorchElasticEnvironment"), ("global_rank", r), ("steps", 3), ("world_size", 2))
+                for r in (0, 1)}  # fmt: skip
+    assert ranks == expected
 
 
 @pytest.mark.parametrize(

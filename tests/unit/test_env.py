@@ -1,0 +1,48 @@
+"""The env contract: one dataclass builds and parses every variable a worker gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from pliant.env import WorkerEnv
+from pliant.errors import ConfigError
+
+
+def test_round_trip() -> None:
+    env = WorkerEnv(rank=5, local_rank=1, world_size=6, local_world_size=2, node_rank=2, num_nodes=3,
+                    master_addr="10.0.0.1", master_port=29500, job_id="job", generation=4, max_restarts=3,
+                    node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt")  # fmt: skip
+    variables = env.to_env()
+    assert variables["RANK"] == "5" and variables["GROUP_RANK"] == "2" and variables["GROUP_WORLD_SIZE"] == "3"
+    assert variables["TORCHELASTIC_RESTART_COUNT"] == "3", "restart count is generation - 1"
+    assert variables["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert variables["TORCHELASTIC_RUN_ID"] == "job"
+    assert all(isinstance(v, str) for v in variables.values())
+    assert WorkerEnv.from_env(variables) == env
+
+
+def test_under_torchrun_without_pliant_variables() -> None:
+    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                "MASTER_ADDR": "h", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "rdzv",
+                "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "5"}  # fmt: skip
+    env = WorkerEnv.from_env(torchrun)
+    assert (env.rank, env.world_size, env.num_nodes, env.job_id, env.generation) == (1, 4, 2, "rdzv", 3)
+    assert env.agent_store == "" and env.max_restarts == 5
+
+
+def test_a_single_process_needs_no_variables() -> None:
+    env = WorkerEnv.from_env({})
+    assert (env.rank, env.world_size, env.local_rank, env.generation) == (0, 1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("variables", "needle"),
+    [
+        ({"RANK": "x"}, "RANK='x' is not an integer"),
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is outside WORLD_SIZE=4"),
+        ({"WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is outside"),
+    ],
+)
+def test_bad_values_are_named(variables: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        WorkerEnv.from_env(variables)

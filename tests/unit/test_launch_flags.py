@@ -1,0 +1,63 @@
+"""torchrun-compatible launch flags become an AgentConfig; bad values are named with the fix."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pliant.agent.launcher import add_launch_flags, config_from_args
+from pliant.agent.workers import WorkerCommand, worker_base_env
+from pliant.errors import ConfigError
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py")
+
+
+def parse(mode: str, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_launch_flags(parser, mode)
+    return parser.parse_args(list(argv))
+
+
+def test_torchrun_spellings_are_accepted() -> None:
+    args = parse("run", "--nnodes=1:3", "--nproc_per_node=2", "--rdzv_id=j7", "--rdzv-endpoint", "h:29400",
+                 "--max_restarts", "5", "--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=90,last_call=5",
+                 "--monitor-interval", "1", SCRIPT, "--lr", "0.1")  # fmt: skip
+    config = config_from_args(args, ["h:29400"], embedded=False)
+    spec = config.spec
+    assert (spec.job_id, spec.min_nodes, spec.max_nodes, spec.nproc_per_node, spec.max_restarts) == ("j7", 1, 3, 2, 5)
+    assert spec.min_nodes_timeout_s == 90.0, "torchrun's join_timeout sets the min-nodes timeout"
+    assert config.coordinator == ("h:29400",)
+    assert config.command == (SCRIPT, "--lr", "0.1")
+
+
+def test_module_and_no_python_commands() -> None:
+    module = config_from_args(parse("run", "-m", "pkg.train", "--x"), ["h:1"], embedded=True)
+    assert WorkerCommand.from_launch(module.command, module.no_python) == WorkerCommand(("pkg.train", "--x"), True)
+    plain = config_from_args(parse("run", "--no-python", "echo", "hi"), ["h:1"], embedded=True)
+    cmd = WorkerCommand.from_launch(plain.command, plain.no_python)
+    assert cmd.cold() == ["echo", "hi"]
+
+
+def test_host_defaults_to_loopback_with_the_embedded_control_plane() -> None:
+    assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("--nnodes", "0"), "--nnodes '0' must have 1 <= MIN <= MAX"),
+        (("--nnodes", "2:x"), "--nnodes '2:x' must be N or MIN:MAX"),
+        (("--nproc-per-node", "many"), "--nproc-per-node 'many'"),
+    ],
+)
+def test_bad_values(argv: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        config_from_args(parse("run", *argv, SCRIPT), ["h:1"], embedded=True)
+
+
+def test_workers_get_one_openmp_thread_when_sharing_a_node() -> None:
+    assert worker_base_env(2, {})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in worker_base_env(1, {})
+    assert worker_base_env(4, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3", "the user's choice wins"
