@@ -1,0 +1,96 @@
+"""Train a small model for K global steps with a pliant engine at several world sizes (ranks forked on gloo, CPU,
+fp32). For each world size rank 0 saves the full final parameters and every sample index each rank consumed.
+
+    python tests/integration/engine_job.py --engine ddp --worlds 1 2 3 4 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import Dataset
+
+import pliant.worker as pw
+from pliant.env import WorkerEnv
+
+
+class Regression(Dataset):
+    """x ~ N(0, 1)^8, y = x . w + noise; items are (x, y, index)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def loss_fn(model: torch.nn.Module, micro: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(micro[0]), micro[1])
+
+
+def full_params(engine: pw.Engine) -> dict[str, torch.Tensor]:
+    model = getattr(engine.model, "module", engine.model)
+    out = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().cpu().clone()
+    return out
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    env = WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world, master_port=port)
+    session = pw.Session(env=env)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    engine = session.engine(model, args.engine, torch.optim.SGD, lr=0.05, momentum=0.9)
+    loader = session.loader(Regression(args.samples), args.global_batch, args.micro_batch, seed=1,
+                            max_steps=args.steps)  # fmt: skip
+    seen: list[int] = []
+    for batch in loader:
+        engine.step(batch, loss_fn)
+        seen += [int(i) for micro in batch.micro_batches for i in micro[2]]
+    params = full_params(engine)
+    everyone: list[list[int]] = [[] for _ in range(world)]
+    dist.all_gather_object(everyone, seen)
+    if rank == 0:
+        torch.save({"params": params, "seen": everyone}, os.path.join(args.out, f"world{world}.pt"))
+    session.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", default="ddp")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--samples", type=int, default=37)
+    parser.add_argument("--global-batch", type=int, default=10)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for world in args.worlds:
+        mp.start_processes(rank_main, args=(world, free_port(), args), nprocs=world, start_method="fork")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

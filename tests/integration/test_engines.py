@@ -1,0 +1,42 @@
+"""Every engine reaches the same parameters at world sizes 1-4 on the same data and global batch (gloo, CPU, fp32),
+including worlds that do not divide the global batch, epoch tails, and ranks with fewer or no micro-batches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).with_name("engine_job.py")
+SAMPLES, GLOBAL_BATCH, STEPS = 37, 10, 8  # 2 epochs of 4 steps: 10, 10, 10 and a tail of 7
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
+@pytest.mark.parametrize(
+    "micro_batch",
+    [2, 4],
+    ids=["uneven-counts", "idle-ranks"],  # 5 micro-batches per step / 3 (and 2 in the tail): some ranks get none
+)
+def test_same_parameters_at_every_world_size(engine: str, micro_batch: int, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(JOB), "--engine", engine, "--worlds", "1", "2", "3", "4", "--samples", str(SAMPLES),
+         "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch), "--steps", str(STEPS),
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    reference = torch.load(tmp_path / "world1.pt")
+    for world in (2, 3, 4):
+        run = torch.load(tmp_path / f"world{world}.pt")
+        diff = max((run["params"][k] - reference["params"][k]).abs().max().item() for k in reference["params"])
+        print(f"{engine} micro={micro_batch} world={world}: max |param diff| vs world 1 = {diff:.2e}")
+        assert diff <= 1e-5, f"{engine} at world {world} differs from world 1 by {diff}"
+        assert len(run["seen"]) == world
+        counts = Counter(i for rank_seen in run["seen"] for i in rank_seen)
+        assert counts == Counter({i: 2 for i in range(SAMPLES)}), "every sample exactly once per epoch"

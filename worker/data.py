@@ -1,0 +1,176 @@
+"""Elastic, exactly-once data: a deterministic global order per (seed, epoch) and a global cursor of samples consumed.
+
+Each rank's micro-batches are cut from the cursor for the current world size (see :mod:`pliant.worker.plan`), so a
+rescale re-partitions what remains of the epoch. The cursor is the whole state (``state_dict``): restored at any world
+size, every sample of an epoch is seen exactly once. Micro-batches are fetched through a ``torch.utils.data.DataLoader``
+(workers, pinning and collation as usual) whose batch sampler yields this rank's index lists for the rest of the epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from pliant.worker.contract import DataError, GlobalBatch
+from pliant.worker.plan import StepPlan, plan_step
+
+__all__ = ["ElasticLoader", "ElasticSampler"]
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticSampler:
+    """The global order and cursor.
+
+    Args:
+        num_samples: samples in the dataset.
+        global_batch: samples per global step (fixed whatever the world size).
+        micro_batch: samples per micro-batch.
+        seed: the order of epoch e is a permutation seeded with ``seed + e``.
+        shuffle: False keeps the dataset order.
+        drop_last: drop an epoch's last, incomplete global batch.
+    """
+
+    def __init__(
+        self, num_samples: int, global_batch: int, micro_batch: int, seed: int = 0, shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:  # fmt: skip
+        if num_samples < 1:
+            raise DataError(f"the dataset has {num_samples} samples; it needs at least one")
+        if global_batch < 1 or micro_batch < 1:
+            raise DataError(f"global_batch={global_batch} and micro_batch={micro_batch} must be >= 1")
+        if micro_batch > global_batch:
+            raise DataError(f"micro_batch={micro_batch} is larger than global_batch={global_batch}; lower it")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.cursor = 0
+        self.step = 0
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """Dataset indices in epoch ``epoch``'s order."""
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+            else:
+                perm = torch.arange(self.num_samples)
+            self._order = (epoch, perm)
+        return self._order[1]
+
+    def advance(self, plan: StepPlan) -> None:
+        """Mark ``plan``'s samples consumed."""
+        self.epoch, self.cursor, self.step = plan.epoch, plan.start + plan.size, self.step + 1
+
+    def rank_indices(self, plan: StepPlan, rank: int) -> list[list[int]]:
+        """Dataset indices of each of ``rank``'s micro-batches in ``plan``."""
+        order = self.order(plan.epoch)
+        return [order[pos : pos + size].tolist() for pos, size in plan.rank_slices(rank)]
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "step": self.step, "seed": self.seed,
+                "num_samples": self.num_samples, "global_batch": self.global_batch}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor (at any world size).
+
+        Raises:
+            DataError: the state belongs to another dataset, seed or global batch.
+        """
+        for key in ("seed", "num_samples", "global_batch"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(f"data state has {key}={state[key]} but this loader has {getattr(self, key)}; "
+                                f"restore it with the same dataset, seed and global batch")  # fmt: skip
+        self.epoch, self.cursor, self.step = int(state["epoch"]), int(state["cursor"]), int(state.get("step", 0))
+        self._order = None
+
+
+class _EpochSampler:
+    """Batch sampler over one rank's micro-batch index lists for the rest of an epoch."""
+
+    def __init__(self, lists: list[list[int]]) -> None:
+        self.lists = lists
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.lists)
+
+    def __len__(self) -> int:
+        return len(self.lists)
+
+
+class ElasticLoader:
+    """Iterate global steps: each item is a :class:`GlobalBatch` with this rank's micro-batches.
+
+    Args:
+        dataset: a map-style dataset.
+        sampler: the order and cursor.
+        rank, world_size: this rank in the current world.
+        max_steps: stop after this many global steps in total (None: go on epoch after epoch).
+        collate_fn, num_workers, pin_memory: passed to the DataLoader.
+    """
+
+    def __init__(
+        self, dataset: Dataset, sampler: ElasticSampler, rank: int, world_size: int, max_steps: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0, pin_memory: bool = False,
+    ) -> None:  # fmt: skip
+        self.dataset = dataset
+        self.sampler = sampler
+        self.rank = rank
+        self.world_size = world_size
+        self.max_steps = max_steps
+        self._loader_args = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory}
+        self._shadow: Any = None
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def shadow_batch(self) -> Any:
+        """A valid one-sample micro-batch for shadow passes (the dataset's first sample), fetched once."""
+        if self._shadow is None:
+            collate = self._loader_args["collate_fn"] or torch.utils.data.default_collate
+            self._shadow = collate([self.dataset[0]])
+        return self._shadow
+
+    def _epoch_plans(self) -> list[StepPlan]:
+        """Plans from the cursor to the end of the cursor's epoch (the sampler is not advanced)."""
+        s = self.sampler
+        plans, cursor = [], s.cursor
+        while True:
+            plan = plan_step(s.epoch, cursor, s.num_samples, s.global_batch, s.micro_batch, self.world_size,
+                             s.drop_last)  # fmt: skip
+            if plan is None:
+                return plans
+            plans.append(plan)
+            cursor = plan.start + plan.size
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        s = self.sampler
+        while self.max_steps is None or s.step < self.max_steps:
+            plans = self._epoch_plans()
+            if not plans:  # the cursor's epoch is done
+                if s.cursor == 0:
+                    raise DataError(f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} "
+                                    f"samples) with drop_last; lower global_batch or set drop_last=False")  # fmt: skip
+                s.epoch, s.cursor = s.epoch + 1, 0
+                continue
+            lists = [idx for plan in plans for idx in s.rank_indices(plan, self.rank)]
+            fetched = iter(DataLoader(self.dataset, batch_sampler=_EpochSampler(lists), **self._loader_args))
+            for plan in plans:
+                if self.max_steps is not None and s.step >= self.max_steps:
+                    return
+                sizes = [size for _pos, size in plan.rank_slices(self.rank)]
+                micro = [next(fetched) for _ in sizes]
+                batch = GlobalBatch(plan, s.step, micro, sizes, self.shadow_batch)
+                s.advance(plan)
+                yield batch
