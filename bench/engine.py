@@ -1,0 +1,126 @@
+"""Engine benchmark (2 ranks forked on gloo, CPU): the pliant DDP engine against plain torch DDP on the same model and
+data, and the cost of a shadow step (a rank with no micro-batch) relative to a real step, for DDP and FSDP2.
+
+- throughput: global batch 2 x 64, one micro-batch of 64 per rank per step; plain DDP uses the same DataLoader batches
+  and a mean loss. Reported as steps/s and the ratio pliant / plain (goal >= 0.99).
+- shadow: global batch 64 (one micro-batch: rank 1 is idle every step, so it shadows) against global batch 128 (both
+  ranks real). Reported as the idle rank's step time / a real step time.
+
+Usage: ``.venv/bin/python bench/engine.py [--steps 200]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import pliant.worker as pw
+from pliant.env import WorkerEnv
+
+MICRO = 64
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 10))  # fmt: skip
+
+
+def dataset(n: int = 40000) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def loss_fn(model: torch.nn.Module, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(micro[0]), micro[1])
+
+
+def timed(steps: int, warmup: int, step) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step(i)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def plain_ddp(rank: int, world: int, steps: int) -> list[float]:
+    model = DistributedDataParallel(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset(), world, rank, seed=0)
+    batches = iter(DataLoader(dataset(), batch_size=MICRO, sampler=sampler))
+
+    def step(_i: int) -> None:
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return timed(steps, 10, step)
+
+
+def pliant_engine(rank: int, world: int, steps: int, kind: str, global_batch: int) -> list[float]:
+    session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                                       master_port=int(os.environ["MASTER_PORT"])))  # fmt: skip
+    engine = session.engine(make_model(), kind, torch.optim.SGD, lr=0.01)
+    batches = iter(session.loader(dataset(), global_batch, MICRO, max_steps=steps + 10))
+    return timed(steps, 10, lambda _i: engine.step(next(batches), loss_fn))
+
+
+def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for name, run in (
+        ("plain ddp", lambda: plain_ddp(rank, world, steps)),
+        ("pliant ddp", lambda: pliant_engine(rank, world, steps, "ddp", MICRO * world)),
+        ("pliant ddp, one micro-batch", lambda: pliant_engine(rank, world, steps, "ddp", MICRO)),
+        ("pliant fsdp", lambda: pliant_engine(rank, world, steps, "fsdp", MICRO * world)),
+        ("pliant fsdp, one micro-batch", lambda: pliant_engine(rank, world, steps, "fsdp", MICRO)),
+    ):
+        dist.barrier()
+        results[name] = statistics.median(run())
+    queue.put((rank, results))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    mp.start_processes(rank_main, args=(2, port, args.steps, queue), nprocs=2, start_method="fork")
+    results = dict(queue.get() for _ in range(2))
+    plain, ours = results[0]["plain ddp"], results[0]["pliant ddp"]
+    print(f"\nmedian step time, 2 ranks, {args.steps} steps (rank 0)")
+    print(f"  plain torch DDP            {plain * 1e3:8.2f} ms")
+    print(f"  pliant DDP engine          {ours * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / ours:.3f}")
+    for kind in ("ddp", "fsdp"):
+        real = results[1][f"pliant {kind}"]
+        shadow = results[1][f"pliant {kind}, one micro-batch"]
+        busy = results[0][f"pliant {kind}, one micro-batch"]
+        print(
+            f"  {kind:4s} real step (rank 1)     {real * 1e3:8.2f} ms   shadow step (rank 1 idle) "
+            f"{shadow * 1e3:8.2f} ms = {shadow / real:.2f}x a real step (rank 0 meanwhile {busy * 1e3:.2f} ms)"
+        )
+
+
+if __name__ == "__main__":
+    main()
