@@ -193,7 +193,7 @@ class Agent:
         logger.info("agent %s: generation %d (%s): world size %d on %s", self.config.node_id, gen.number, gen.reason,
                     gen.world_size, ",".join(gen.node_ids) or "no nodes")  # fmt: skip
         if self.group is not None:
-            self.group.stop(self.config.stop_grace_s)
+            self.group.stop(self.config.stop_grace_s, self.config.rescale_grace_s)
             self.group = None
         if self.config.node_id not in gen.node_ids:
             why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"
@@ -249,6 +249,11 @@ class Agent:
             self._set_state(AgentState.WAITING, "workers done; waiting for the job to finish")
             self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number)
             return
+        if result.saved_for_rescale:
+            # Workers checkpointed and exited for a rescale another node asked for; the new generation follows.
+            self.group = None
+            self._set_state(AgentState.WAITING, f"workers of generation {gen.number} saved for a rescale")
+            return
         failure = result.first_failure
         assert failure is not None
         local_rank, code = failure
@@ -302,7 +307,7 @@ class Agent:
     def _leave(self, signum: int) -> int:
         logger.info("agent %s: %s received; leaving the job", self.config.node_id, signal.Signals(signum).name)
         if self.group is not None:
-            self.group.stop(self.config.stop_grace_s)
+            self.group.stop(self.config.stop_grace_s, self.config.rescale_grace_s)
             self.group = None
         if self.grant is not None:
             try:

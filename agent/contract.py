@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from pliant.coordinator.contract import JobSpec
+from pliant.env import RESCALE_EXIT_CODE
 from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
 
@@ -56,6 +57,8 @@ class AgentConfig:
         log_dir: per-worker log files go under it ("" : console only).
         checkpoint_dir: exported to workers as PLIANT_CHECKPOINT_DIR.
         stop_grace_s: SIGTERM -> SIGKILL grace when stopping workers.
+        rescale_grace_s: how long workers may take to checkpoint and exit when a new generation comes (or the agent
+            leaves) before they are stopped; 0 stops them at once.
         finish_grace_s: how long workers may take to exit after the job succeeded elsewhere.
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
@@ -71,6 +74,7 @@ class AgentConfig:
     log_dir: str = ""
     checkpoint_dir: str = ""
     stop_grace_s: float = 5.0
+    rescale_grace_s: float = 30.0
     finish_grace_s: float = 10.0
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
@@ -109,9 +113,15 @@ class GroupResult:
         return not self.stopped and all(code == 0 for code in self.exit_codes.values())
 
     @property
+    def saved_for_rescale(self) -> bool:
+        """Every worker exited 0 or with the rescale code, and at least one with the rescale code."""
+        codes = set(self.exit_codes.values())
+        return RESCALE_EXIT_CODE in codes and codes <= {0, RESCALE_EXIT_CODE}
+
+    @property
     def first_failure(self) -> tuple[int, int] | None:
         """(local rank, exit code) of a failed worker, if any."""
         for local_rank, code in sorted(self.exit_codes.items()):
-            if code != 0:
+            if code not in (0, RESCALE_EXIT_CODE):
                 return local_rank, code
         return None

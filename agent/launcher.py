@@ -108,6 +108,12 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     )
     parser.add_argument("--stop-grace", type=float, default=5.0, help="SIGTERM -> SIGKILL grace for workers, s")
     parser.add_argument(
+        "--rescale-grace",
+        type=float,
+        default=30.0,
+        help="how long workers may take to checkpoint and exit on a rescale, s (default 30)",
+    )
+    parser.add_argument(
         "--finish-grace",
         type=float,
         default=10.0,
@@ -229,6 +235,7 @@ def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embed
         log_dir=args.log_dir,
         checkpoint_dir=args.checkpoint_dir,
         stop_grace_s=args.stop_grace,
+        rescale_grace_s=args.rescale_grace,
         finish_grace_s=args.finish_grace,
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from pliant.agent.contract import AgentError, GroupResult
-from pliant.env import WorkerEnv
+from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.spawn import die_with_parent
 
 __all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_env"]
@@ -289,18 +289,30 @@ class WorkerGroup:
         )  # fmt: skip
 
     def poll(self) -> GroupResult | None:
-        """The group's result once it is over: any worker failed, or all exited. None while it runs."""
+        """The group's result once it is over: a worker failed, or all exited (with 0, or the rescale code). None
+        while it runs."""
         codes = {w.env.local_rank: w.proc.poll() for w in self.workers}
         exited = {rank: code for rank, code in codes.items() if code is not None}
         if not exited:
             return None
-        if len(exited) == len(codes) or any(code != 0 for code in exited.values()):
+        if len(exited) == len(codes) or any(code not in (0, RESCALE_EXIT_CODE) for code in exited.values()):
             return GroupResult(self.generation, exited, stopped=self._stopped)
         return None
 
-    def stop(self, grace_s: float) -> GroupResult:
-        """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``, and reap them all."""
+    def stop(self, grace_s: float, rescale_grace_s: float = 0.0) -> GroupResult:
+        """Stop the workers and reap them all.
+
+        With ``rescale_grace_s``: first ask them to checkpoint and exit (the rescale signal) and wait that long. Then
+        SIGTERM every worker's process group, and SIGKILL what is left after ``grace_s``.
+        """
         self._stopped = True
+        if rescale_grace_s > 0 and any(w.proc.poll() is None for w in self.workers):
+            for worker in self.workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.proc.pid, RESCALE_SIGNAL)
+            deadline = time.monotonic() + rescale_grace_s
+            while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
+                time.sleep(0.02)
         for worker in self.workers:
             _kill_group(worker.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -1,15 +1,17 @@
-"""A training loop on pliant.worker: a fixed global batch whatever the world size, exactly-once data, any engine.
+"""A training loop on pliant.worker: a fixed global batch whatever the world size, exactly-once data, sharded
+checkpoints that survive rescales, any engine.
 
-Compared with a plain DDP loop, the changed lines are marked ``# pliant``. It runs under ``pliant run``, under
-``torchrun``, and as a single plain process (``python examples/train_elastic.py``).
+Compared with a plain DDP loop, the changed lines are marked ``# pliant``. It runs under ``pliant run`` (with
+``--checkpoint-dir`` it resumes across rescales and failures), under ``torchrun``, and as a single plain process.
 
-    pliant run --nnodes 1:2 --nproc-per-node 2 examples/train_elastic.py --engine fsdp --steps 100
+    pliant run --nnodes 1:2 --nproc-per-node 2 --checkpoint-dir /tmp/ckpt examples/train_elastic.py --steps 200
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 from torch.utils.data import TensorDataset
@@ -23,29 +25,59 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--width", type=int, default=32, help="hidden width (a bigger model makes bigger checkpoints)")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--save-every", type=int, default=0, help="periodic checkpoints (with a checkpoint dir)")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    parser.add_argument("--events", default="", help="append one JSON line per rank and step (samples consumed)")
     parser.add_argument("--out", default="", help="rank 0 writes the final loss and world size here as JSON")
+    parser.add_argument("--params-out", default="", help="rank 0 saves the final parameters here (torch.save)")
     args = parser.parse_args()
 
     session = pliant.worker.init()  # pliant: reads the env, initialises the process group
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1000, 16, generator=g)
-    data = TensorDataset(x, x @ torch.randn(16, 1, generator=g))
+    x = torch.randn(args.samples, 16, generator=g)
+    data = TensorDataset(x, x @ torch.randn(16, 1, generator=g), torch.arange(args.samples))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    engine = session.engine(model, args.engine, torch.optim.SGD, lr=0.05)  # pliant: wraps model and optimizer
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
+        torch.nn.Linear(args.width, 1),
+    )  # fmt: skip
+    engine = session.engine(model, args.engine, torch.optim.SGD, lr=args.lr, momentum=0.9)  # pliant
     loader = session.loader(data, args.global_batch, args.micro_batch, max_steps=args.steps)  # pliant
+    ckpt = None
+    if session.env.checkpoint_dir:  # pliant: resume from the newest checkpoint, at any world size
+        ckpt = session.checkpoints(engine, loader, every_steps=args.save_every)
+        ckpt.restore()
 
-    def loss_fn(model: torch.nn.Module, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss_fn(model: torch.nn.Module, micro: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.functional.mse_loss(model(micro[0]), micro[1])
 
+    events = open(args.events, "a") if args.events else None  # noqa: SIM115
     loss = float("nan")
     for batch in loader:
         loss = session.all_reduce_sum(engine.step(batch, loss_fn)) / batch.num_samples  # pliant: one global step
+        if events is not None:
+            seen = [int(i) for micro in batch.micro_batches for i in micro[2]]
+            events.write(json.dumps({"generation": session.env.generation, "step": batch.step, "rank": session.rank,
+                                     "world": session.world_size, "epoch": batch.plan.epoch, "samples": seen,
+                                     "time": time.time()}) + "\n")  # fmt: skip
+            events.flush()
         if session.rank == 0 and batch.step % 10 == 0:
             print(f"step {batch.step} world {session.world_size} loss {loss:.4f}", flush=True)
+        if args.step_time:
+            time.sleep(args.step_time)
+        if ckpt is not None:
+            ckpt.after_step(batch.step + 1)  # pliant: periodic saves, and the rescale protocol
+    if ckpt is not None:
+        ckpt.wait()
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if session.rank == 0 and args.out:
         with open(args.out, "w") as out:
             json.dump({"loss": loss, "world": session.world_size, "steps": args.steps}, out)
+    if session.rank == 0 and args.params_out:
+        torch.save({k: v.detach().cpu() for k, v in params.items()}, args.params_out)
     session.close()
 
 

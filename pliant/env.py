@@ -8,12 +8,19 @@ torchelastic, run unchanged) plus ``PLIANT_*`` for pliant's own worker library.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from pliant.errors import ConfigError
 
-__all__ = ["WorkerEnv"]
+__all__ = ["RESCALE_EXIT_CODE", "RESCALE_SIGNAL", "WorkerEnv"]
+
+# The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
+# coming; pliant.worker agrees on a stop step across ranks, checkpoints, and exits with RESCALE_EXIT_CODE, which the
+# agent does not count as a failure. Scripts that do not use pliant.worker die on the signal, as if stopped.
+RESCALE_SIGNAL = signal.SIGUSR1
+RESCALE_EXIT_CODE = 75
 
 
 @dataclass(frozen=True)

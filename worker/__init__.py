@@ -5,12 +5,16 @@ A session (:func:`init`) reads the env contract and initialises the process grou
 loader feeds every sample of an epoch exactly once across rescales.
 """
 
+from pliant.worker.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from pliant.worker.contract import DataError, Engine, EngineError, EngineKind, GlobalBatch, WorkerError
 from pliant.worker.data import ElasticLoader, ElasticSampler
 from pliant.worker.plan import StepPlan, plan_step
 from pliant.worker.session import Session, init
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "DataError",
     "ElasticLoader",
     "ElasticSampler",

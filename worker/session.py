@@ -10,6 +10,8 @@ and elastic loaders. Works under the pliant agent, under torchrun, and as a sing
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,13 +20,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from pliant.env import WorkerEnv
+from pliant.env import RESCALE_SIGNAL, WorkerEnv
+from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
 
 __all__ = ["Session", "init"]
 
 logger = logging.getLogger(__name__)
+
+_RETIRED_GROUPS: list[object] = []  # see Session.close
 
 
 class Session:
@@ -53,6 +58,9 @@ class Session:
                                         timeout=timeout)  # fmt: skip
             else:  # a plain single process: no store to meet at
                 dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        self._rescale_asked = False
+        if self.env.agent_store and threading.current_thread() is threading.main_thread():
+            signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)  # the agent's "checkpoint and exit"
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
                     self.backend, self.device)  # fmt: skip
 
@@ -106,6 +114,43 @@ class Session:
         return ElasticLoader(dataset, sampler, self.rank, self.world_size, max_steps, collate_fn, num_workers,
                              pin_memory=self.device.type == "cuda")  # fmt: skip
 
+    def _on_rescale_signal(self, signum: int, frame: object) -> None:
+        self._rescale_asked = True
+
+    def rescale_requested(self) -> bool:
+        """True on every rank once any rank's agent asked for a rescale: one one-integer all-reduce (collective)."""
+        flag = torch.tensor([int(self._rescale_asked)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def checkpoints(
+        self,
+        engine: Engine,
+        loader: ElasticLoader | None = None,
+        directory: str | None = None,
+        every_steps: int = 0,
+        keep: int = 3,
+        async_save: bool = True,
+    ) -> CheckpointManager:
+        """A checkpoint manager for this job (see :mod:`pliant.worker.checkpoint`).
+
+        Args:
+            engine, loader: what to save.
+            directory: default: the agent's ``--checkpoint-dir`` (PLIANT_CHECKPOINT_DIR).
+            every_steps: periodic saves (0: only on rescale).
+            keep, async_save: see :class:`CheckpointManager`.
+
+        Raises:
+            CheckpointError: no directory.
+        """
+        directory = directory or self.env.checkpoint_dir
+        if not directory:
+            raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
+        rescale = self.rescale_requested if self.env.agent_store else None
+        env = self.env
+        return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,
+                                 async_save=async_save, every_steps=every_steps, rescale=rescale)  # fmt: skip
+
     def all_reduce_sum(self, value: float) -> float:
         """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -113,7 +158,13 @@ class Session:
         return float(tensor.item())
 
     def close(self) -> None:
+        """Destroy the process groups this session created.
+
+        The groups stay referenced until interpreter shutdown: a gloo group freed later by a DDP reducer (when the
+        training function returns) can deadlock in its destructor, which joins a thread that waits for the GIL.
+        """
         if self._owns_group and dist.is_initialized():
+            _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
 
     def __enter__(self) -> Session:

@@ -58,10 +58,21 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     engine = session.engine(model, args.engine, torch.optim.SGD, lr=0.05, momentum=0.9)
     loader = session.loader(Regression(args.samples), args.global_batch, args.micro_batch, seed=1,
                             max_steps=args.steps)  # fmt: skip
+    ckpt = None
+    if args.ckpt:
+        from pliant.worker.checkpoint import CheckpointManager
+
+        ckpt = CheckpointManager(args.ckpt, engine, loader, job_id="equivalence", async_save=args.async_save)
+        if args.resume:
+            assert ckpt.restore() == args.resume, "resumed from the expected step"
     seen: list[int] = []
     for batch in loader:
         engine.step(batch, loss_fn)
         seen += [int(i) for micro in batch.micro_batches for i in micro[2]]
+        if ckpt is not None and args.stop_after and batch.step + 1 == args.stop_after:
+            ckpt.save(batch.step + 1)
+            ckpt.wait()
+            break
     params = full_params(engine)
     everyone: list[list[int]] = [[] for _ in range(world)]
     dist.all_gather_object(everyone, seen)
@@ -85,6 +96,10 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", default="", help="checkpoint directory")
+    parser.add_argument("--stop-after", type=int, default=0, help="checkpoint after this many steps and stop")
+    parser.add_argument("--resume", type=int, default=0, help="restore (expecting this step) before training")
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for world in args.worlds:

@@ -1,0 +1,180 @@
+"""Checkpoint benchmark, in one run on this machine's disk:
+
+- save and load throughput of a pliant (DCP) checkpoint of a DDP model + SGD momentum, 2 ranks forked on gloo,
+  against ``dd`` write (fdatasync) and read bandwidth of the same directory;
+- the training stall of an async save (what ``save()`` blocks for) against a sync save;
+- the rescale pause: last step of generation n -> every rank stepping in generation n+1, when a second node joins a
+  ``pliant run`` job (examples/train_elastic.py with --checkpoint-dir).
+
+Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 256]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pliant.worker as pw
+from pliant.env import WorkerEnv
+from pliant.worker.checkpoint import CheckpointManager
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dd(directory: Path, mb: int) -> tuple[float, float]:
+    """(write MB/s with fdatasync, read MB/s) of a file of ``mb`` MB in ``directory``."""
+    path = directory / "dd.bin"
+    out = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+                         capture_output=True, text=True, check=True).stderr  # fmt: skip
+    write = mb / float(re.search(r"copied, ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
+    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], capture_output=True)
+    out = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], capture_output=True, text=True, check=True)
+    read = mb / float(re.search(r"copied, ([\d.]+) s", out.stderr).group(1))  # type: ignore[union-attr]
+    path.unlink()
+    return write, read
+
+
+def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                                       master_port=port))  # fmt: skip
+    width = int((mb * 2**20 / 4 / 2) ** 0.5)  # two square layers: parameters = mb / 2, momentum the other half
+    model = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
+    engine = session.engine(model, "ddp", torch.optim.SGD, lr=0.01, momentum=0.9)
+    x = torch.randn(8, width)
+    model(x).sum().backward()
+    engine.optimizer.step()  # creates the momentum buffers
+    results: dict[str, float] = {}
+    for mode in ("sync", "async"):
+        ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode == "async", keep=1)
+        stalls, totals = [], []
+        for step in range(1, 4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            stalls.append(ckpt.save(step))
+            ckpt.wait()
+            dist.barrier()
+            totals.append(time.perf_counter() - t0)
+        results[f"{mode} stall"] = statistics.median(stalls)
+        results[f"{mode} total"] = statistics.median(totals)
+    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], capture_output=True)
+    loads = []
+    for _ in range(3):
+        ckpt = CheckpointManager(Path(directory) / "sync", engine, keep=1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.restore()
+        dist.barrier()
+        loads.append(time.perf_counter() - t0)
+    results["load"] = statistics.median(loads)
+    results["bytes"] = sum(f.stat().st_size for f in (Path(directory) / "sync").rglob("*.distcp"))
+    if rank == 0:
+        queue.put(results)
+    session.close()
+
+
+def rescale_pause(workdir: Path) -> float:
+    """Seconds from generation n's last step to every rank stepping in generation n+1 when a node joins."""
+    port = _free_port()
+    events, ckpt = workdir / "events.jsonl", workdir / "ckpt"
+    script = [str(ROOT / "examples" / "train_elastic.py"), "--steps", "100000", "--step-time", "0.05",
+              "--events", str(events)]  # fmt: skip
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--checkpoint-dir", str(ckpt)]
+    a = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}", *common, *script],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    b = None
+    try:
+        _wait(lambda: any(e["world"] == 2 for e in _events(events)), 120)
+        time.sleep(2)
+        b = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{port}", *common,
+                              *script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
+        _wait(lambda: {e["rank"] for e in _events(events) if e["world"] == 4} == {0, 1, 2, 3}, 120)
+        evs = _events(events)
+        last_old = max(e["time"] for e in evs if e["world"] == 2)
+        first_new = {}
+        for e in evs:
+            if e["world"] == 4:
+                first_new.setdefault(e["rank"], e["time"])
+        return max(first_new.values()) - last_old
+    finally:
+        for proc in (b, a):
+            if proc is not None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in (b, a):
+            if proc is not None:
+                proc.wait(60)
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _wait(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("benchmark scenario timed out")
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="", help="directory on the disk to measure (default: a temporary one)")
+    parser.add_argument("--mb", type=int, default=256, help="checkpoint size (parameters + momentum), MB")
+    args = parser.parse_args()
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="pliant-ckpt-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    write_bw, read_bw = dd(directory, args.mb)
+    queue = mp.get_context("fork").Queue()
+    mp.start_processes(rank_main, args=(2, _free_port(), str(directory), args.mb, queue), nprocs=2,
+                       start_method="fork")  # fmt: skip
+    r = queue.get()
+    mb = r["bytes"] / 2**20
+    pause = rescale_pause(directory / "rescale")
+    print(f"\ncheckpoint of {mb:.0f} MB (2 ranks, gloo) in {directory}")
+    print(f"  dd write (fdatasync)   {write_bw:8.0f} MB/s")
+    print(f"  pliant sync save       {mb / r['sync total']:8.0f} MB/s   ({r['sync total']:.2f} s; "
+          f"{mb / r['sync total'] / write_bw:.2f}x dd)")  # fmt: skip
+    print(f"  dd read                {read_bw:8.0f} MB/s")
+    print(
+        f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
+    )
+    print(f"  training stall: sync save {r['sync stall']:.3f} s, async save {r['async stall']:.3f} s "
+          f"({r['async stall'] / r['sync stall']:.2f}x; async total {r['async total']:.2f} s)")  # fmt: skip
+    print(f"  rescale pause (node joins, 2 -> 4 ranks, checkpoint + restart + restore): {pause:.2f} s")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Checkpoint on rescale and resume after failure, through real agents, a real coordinator and gloo workers running
+examples/train_elastic.py: 4 -> 2 -> 3 ranks reaches the parameters of a static run with every sample of each epoch
+seen once; kill -9 of a node resumes from the last periodic checkpoint; another job's checkpoint is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from pliant.coordinator.client import CoordinatorClient
+from tests.conftest import wait_for
+from tests.integration.harness import assert_all_gone, descendants
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_elastic.py"
+SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch (15 of 64, a tail of 40)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
+        "--nnodes", "1:3", "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
+        "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "0",
+        "--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "logs"), *extra,
+        str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
+        "--micro-batch", "8", "--step-time", "0.1", "--events", str(tmp / "events.jsonl"),
+        "--params-out", str(tmp / "final.pt"),
+    ]  # fmt: skip
+
+
+def _events(tmp: Path) -> list[dict]:
+    path = tmp / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _stepping(tmp: Path, world: int, min_step: int = 0) -> bool:
+    return any(e["world"] == world and e["step"] >= min_step for e in _events(tmp))
+
+
+def _static_run(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
+    out = tmp / "static.pt"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES),
+                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--params-out", str(out)],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn, tmp_path: Path) -> None:
+    steps = 160
+    server = make_coordinator()
+    a = spawn(_agent(server.address, "node-a", 2, tmp_path, steps), name="agent-a")
+    b = spawn(_agent(server.address, "node-b", 2, tmp_path, steps), name="agent-b")
+    wait_for(lambda: _stepping(tmp_path, 4, 5), 90, "world 4 stepping")
+    b_pids = [b.pid, *descendants(b.pid)]
+    b.kill(signal.SIGTERM)  # graceful leave: every rank checkpoints at one step, then b leaves
+    wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
+    assert b.proc.returncode == 0, b.output()[-3000:]
+    assert_all_gone(b_pids)
+    wait_for(lambda: _stepping(tmp_path, 2), 60, "world 2 stepping")
+    c = spawn(_agent(server.address, "node-c", 1, tmp_path, steps), name="agent-c")
+    wait_for(lambda: _stepping(tmp_path, 3), 90, "world 3 stepping")
+    wait_for(lambda: a.proc.poll() is not None and c.proc.poll() is not None, 120, "the job to finish")
+    assert (a.proc.returncode, c.proc.returncode) == (0, 0), a.output()[-3000:] + c.output()[-3000:]
+
+    events = _events(tmp_path)
+    assert {e["world"] for e in events} == {4, 2, 3}
+    # The generation that ran a step last is the one whose update counts; it must hold each sample once per epoch.
+    last_gen: dict[int, int] = {}
+    for e in events:
+        last_gen[e["step"]] = max(last_gen.get(e["step"], 0), e["generation"])
+    assert sorted(last_gen) == list(range(steps)), "every step ran"
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for e in events:
+        if e["generation"] == last_gen[e["step"]]:
+            per_epoch[e["epoch"]] += e["samples"]
+    complete = [ep for ep in per_epoch if ep < max(per_epoch)]
+    assert complete, "the run covered at least one whole epoch"
+    for epoch in complete:
+        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
+
+    final, static = torch.load(tmp_path / "final.pt"), _static_run(tmp_path, steps)
+    diff = max((final[k] - static[k]).abs().max().item() for k in static)
+    print(f"rescaled 4 -> 2 -> 3: max |param diff| vs a static run = {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordinator, spawn, tmp_path: Path) -> None:
+    steps, every = 400, 5
+    server = make_coordinator()
+    extra = ("--rescale-grace", "5")
+    args = [*_agent(server.address, "node-a", 2, tmp_path, steps, extra), "--save-every", str(every)]
+    a = spawn(args, name="agent-a")
+    b = spawn([*_agent(server.address, "node-b", 2, tmp_path, steps, extra), "--save-every", str(every)],
+              name="agent-b")  # fmt: skip
+    wait_for(lambda: _stepping(tmp_path, 4, 12), 90, "world 4 past step 12")
+    b.kill(signal.SIGKILL)
+    killed = time.time()
+    wait_for(lambda: _stepping(tmp_path, 2), 60, "the survivors stepping")
+    events = _events(tmp_path)
+    before = max(e["step"] for e in events if e["world"] == 4 and e["time"] < killed)
+    resumed = min(e["step"] for e in events if e["world"] == 2)
+    lost = before + 1 - resumed
+    print(f"kill -9 node at step {before}: resumed at step {resumed}, {lost} steps redone (interval {every})")
+    assert resumed % every == 0, "resumed from a periodic checkpoint"
+    assert 0 <= lost <= every, f"lost {lost} steps, more than the checkpoint interval {every}"
+    with CoordinatorClient(server.address) as client:
+        client.finish_job("job", True)
+    wait_for(lambda: a.proc.poll() is not None, 60, "agent a to exit")
+
+
+def test_a_checkpoint_of_another_job_is_refused(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "1", "--max-restarts", "0",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    script = [str(SCRIPT), "--steps", "4", "--save-every", "2", "--samples", "100"]
+    first = subprocess.run([*base, "--job", "first", *script], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = subprocess.run([*base, "--job", "second", *script], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1
+    out = second.stdout + second.stderr
+    assert "belongs to job 'first', not 'second'; point --checkpoint-dir at this job's directory" in out
+    assert (tmp_path / "ckpt" / "step-000000000004").exists(), "the other job's checkpoints are left alone"
+
+
+def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path) -> None:
+    """A job saving asynchronously every step is killed -9 (launcher, agent and workers) mid-run, then restarted from
+    scratch: it resumes from a committed checkpoint, ignoring the save that was cut short, and finishes."""
+    ckpt = tmp_path / "ckpt"
+    events = tmp_path / "events.jsonl"
+    cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--max-restarts", "0",
+           "--checkpoint-dir", str(ckpt), str(SCRIPT), "--steps", "60", "--save-every", "1", "--width", "1024",
+           "--samples", "200", "--events", str(events)]  # fmt: skip
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: len([e for e in _events(tmp_path) if e["rank"] == 0]) >= 8, 90, "8 steps")
+        time.sleep(0.15)  # a save (17 MB per checkpoint) is in flight nearly all the time
+        tree = [run.pid, *descendants(run.pid)]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.wait(10)
+        assert_all_gone(tree)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    committed = sorted(p.name for p in ckpt.iterdir() if (p / "pliant-commit.json").exists())
+    partial = sorted(p.name for p in ckpt.iterdir() if not (p / "pliant-commit.json").exists())
+    assert committed, "some checkpoints were committed before the kill"
+    newest = int(committed[-1].split("-")[1])
+    print(f"after kill -9: committed {committed[-1]}, partial {partial}")
+    before = len(_events(tmp_path))
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = min(e["step"] for e in _events(tmp_path)[before:])
+    assert resumed == newest, f"resumed at step {resumed}, the newest committed checkpoint is step {newest}"

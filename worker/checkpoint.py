@@ -1,0 +1,292 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), committed atomically, loadable at any world size.
+
+Layout: ``DIR/step-<step:012d>/`` holds DCP's files (plain ``torch.distributed.checkpoint`` can read them) and, last,
+pliant's commit marker ``pliant-commit.json`` (job, step, generation, world size, model fingerprint), written by rank 0
+through a temporary file, fsync and rename once every rank's shards and DCP's ``.metadata`` are on disk. A directory
+without the marker is partial: never loaded, and removed once a newer checkpoint is committed. The last ``keep``
+committed checkpoints are kept; nothing is deleted that a committed checkpoint has not superseded.
+
+A checkpoint holds the model and optimizer (DCP's state-dict helpers: DDP and FSDP2 shard or replicate as they train;
+a ZeroRedundancyOptimizer is consolidated first), the loader's cursor, the step, and user extras. Loading reshards to
+the current world size. A checkpoint that fails to load (a truncated shard, a missing ``.metadata``) is skipped with a
+warning naming it, on every rank together, and the previous one is used; one from another job or another model is a
+:class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from pliant.env import RESCALE_EXIT_CODE
+from pliant.worker.contract import Engine, WorkerError
+
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+COMMIT = "pliant-commit.json"
+_PREFIX = "step-"
+
+
+class CheckpointError(WorkerError):
+    """A checkpoint that cannot be used for this job or model; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint's marker."""
+
+    path: str
+    step: int
+    generation: int
+    world_size: int
+    job_id: str
+    fingerprint: str
+    saved_at: float
+
+
+def _fingerprint(engine: Engine) -> str:
+    """A hash of the model's parameter names and global shapes: equal for the same model at any world size."""
+    model = getattr(engine.model, "module", engine.model)
+    items = sorted((name, tuple(value.shape)) for name, value in model.state_dict().items())
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def _materialize_zero_state(optimizer: ZeroRedundancyOptimizer) -> None:
+    """Create a fresh ZeRO optimizer's state tensors (momentum, moments) with a zero-learning-rate step, so DCP has a
+    template to load into (DCP's own state-dict helpers do the same for plain optimizers). Collective."""
+    if any(optimizer.optim.state.values()):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+class _TrainState(Stateful):
+    """Model and optimizer, through DCP's state-dict helpers (FSDP2 DTensors stay sharded)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = self.engine.optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            model = getattr(self.engine.model, "module", self.engine.model)
+            _materialize_zero_state(optimizer)
+            optimizer.consolidate_state_dict(to=0)
+            full = [optimizer.state_dict() if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(full, src=0)
+            return {"model": model.state_dict(), "zero_optim": full[0]}
+        model_sd, optim_sd = get_state_dict(self.engine.model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizer = self.engine.optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            getattr(self.engine.model, "module", self.engine.model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["zero_optim"])
+            return
+        set_state_dict(self.engine.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class CheckpointManager:
+    """Save and restore a training run.
+
+    Args:
+        directory: where checkpoints live (a local disk or a shared filesystem such as a Kubernetes PVC).
+        engine: the engine whose model and optimizer are saved.
+        loader: an object with ``state_dict``/``load_state_dict`` (the elastic loader), or None.
+        job_id, generation: recorded in the marker; a checkpoint of another job is refused.
+        keep: committed checkpoints to keep.
+        async_save: write in the background (one save in flight at most; the next save waits for it).
+        every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
+        rescale: a collective returning True once the agent asked for a rescale (the session's); None: never.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        engine: Engine,
+        loader: Any = None,
+        job_id: str = "local",
+        generation: int = 1,
+        keep: int = 3,
+        async_save: bool = True,
+        every_steps: int = 0,
+        rescale: Callable[[], bool] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise CheckpointError(f"keep={keep} must be >= 1")
+        self.directory = Path(directory)
+        self.engine, self.loader = engine, loader
+        self.job_id, self.generation, self.keep, self.async_save = job_id, generation, keep, async_save
+        self.every_steps, self._rescale = every_steps, rescale
+        self.fingerprint = _fingerprint(engine)
+        # Async saves finish with collectives on a background thread: they need a group of their own, or they
+        # interleave with the training loop's collectives differently on each rank and hang.
+        self.group = dist.new_group(backend="gloo")
+        self.extras: dict[str, Any] = {}
+        self._in_flight: tuple[Future[Any], Path, int] | None = None
+        if dist.get_rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def after_step(self, steps_done: int) -> None:
+        """Call after every optimizer step with the number of steps done.
+
+        On a rescale request (every rank agrees on this same step), it saves synchronously and exits the process
+        with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent expects; otherwise it saves every
+        ``every_steps`` steps.
+        """
+        if self._rescale is not None and self._rescale():
+            stall = self.save(steps_done, sync=True)
+            logger.info("rescale: step %d checkpointed in %.2fs; exiting for the next generation", steps_done, stall)
+            raise SystemExit(RESCALE_EXIT_CODE)
+        if self.every_steps and steps_done % self.every_steps == 0:
+            self.save(steps_done)
+
+    # -- saving --------------------------------------------------------------------------------------------------------
+
+    def _state(self, step: int) -> dict[str, Any]:
+        state: dict[str, Any] = {"train": _TrainState(self.engine), "step": step}
+        if self.loader is not None:
+            state["data"] = dict(self.loader.state_dict())
+        if self.extras:
+            state["extras"] = dict(self.extras)
+        return state
+
+    def save(self, step: int, sync: bool | None = None) -> float:
+        """Checkpoint ``step`` (collective). Returns the seconds the caller was blocked (the training stall)."""
+        started = time.perf_counter()
+        self.wait()
+        path = self.directory / f"{_PREFIX}{step:012d}"
+        if (path / COMMIT).exists():
+            return time.perf_counter() - started
+        state = self._state(step)
+        if self.async_save and not sync:
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
+            if dist.get_rank() == 0:  # commit as soon as it is complete, not at the next save
+                future.add_done_callback(lambda f: None if f.exception() else self._commit(path, step))
+            self._in_flight = (future, path, step)
+        else:
+            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+            self._commit(path, step)
+        return time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (rank 0 commits it when it completes)."""
+        if self._in_flight is None:
+            return
+        future, _path, _step = self._in_flight
+        self._in_flight = None
+        future.result()
+
+    def _commit(self, path: Path, step: int) -> None:
+        """Rank 0 writes the marker. DCP's save returns (its future resolves) on rank 0 only after it gathered every
+        rank's write results and wrote ``.metadata``: all shards are on disk, so no barrier is needed."""
+        if dist.get_rank() == 0:
+            info = CheckpointInfo(str(path), step, self.generation, dist.get_world_size(), self.job_id,
+                                  self.fingerprint, time.time())  # fmt: skip
+            tmp = path / f".{COMMIT}.tmp"
+            with open(tmp, "w") as out:
+                json.dump(asdict(info), out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path / COMMIT)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            logger.info("checkpoint of step %d committed at %s", step, path)
+            self._prune()
+
+    def _prune(self) -> None:
+        committed = self.committed()
+        newest = committed[0].step if committed else -1
+        for info in committed[self.keep :]:
+            shutil.rmtree(info.path, ignore_errors=True)
+        for path in self.directory.glob(f"{_PREFIX}*"):
+            if not (path / COMMIT).exists() and _step_of(path) < newest:
+                logger.warning("removing partial checkpoint %s (superseded by step %d)", path, newest)
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading -------------------------------------------------------------------------------------------------------
+
+    def committed(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, newest first (partial ones are ignored)."""
+        out = []
+        for path in self.directory.glob(f"{_PREFIX}*"):
+            try:
+                out.append(CheckpointInfo(**json.loads((path / COMMIT).read_text())))
+            except (OSError, ValueError, TypeError):
+                continue
+        return sorted(out, key=lambda i: i.step, reverse=True)
+
+    def restore(self) -> int | None:
+        """Load the newest usable checkpoint (collective). Returns its step, or None when there is none.
+
+        Raises:
+            CheckpointError: the newest checkpoint belongs to another job or another model.
+        """
+        for info in self.committed():
+            if info.job_id != self.job_id:
+                raise CheckpointError(
+                    f"checkpoint {info.path} belongs to job {info.job_id!r}, not {self.job_id!r}; point "
+                    f"--checkpoint-dir at this job's directory"
+                )
+            if info.fingerprint != self.fingerprint:
+                raise CheckpointError(
+                    f"checkpoint {info.path} was saved from another model (fingerprint {info.fingerprint}, this "
+                    f"model {self.fingerprint}); use the same model definition or another --checkpoint-dir"
+                )
+            state = self._state(info.step)
+            error = ""
+            try:
+                dcp.load(state, checkpoint_id=info.path, process_group=self.group)
+            except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+                error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+            dist.all_reduce(flag, group=self.group)  # every rank moves on together
+            if flag.item():
+                logger.warning("checkpoint %s is unusable on %d rank(s) (%s); trying the previous one", info.path,
+                               flag.item(), error or "another rank failed")  # fmt: skip
+                continue
+            if self.loader is not None and "data" in state:
+                self.loader.load_state_dict(state["data"])
+            self.extras = dict(state.get("extras", {}))
+            logger.info("restored step %d from %s (saved at world size %d, now %d)", info.step, info.path,
+                        info.world_size, dist.get_world_size())  # fmt: skip
+            return info.step
+        return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name[len(_PREFIX) :])
+    except ValueError:
+        return -1
