@@ -116,37 +116,49 @@ def join_burst(address: str, n: int) -> tuple[float, int]:
         return took, published
 
 
-def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float) -> tuple[list[float], float]:
-    job = f"hb{agents}"
+def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float) -> tuple[list[float], float, float]:
+    """Each simulated agent joins, then heartbeats every TTL/4 like a real one; latencies are measured in a window of
+    ``seconds`` once every agent has joined. Returns (latencies, raft entries per heartbeat, join seconds)."""
+    job, ttl = f"hb{agents}", 10.0
+    interval = ttl / 4
     with CoordinatorClient(address) as admin:
-        admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=8, join_grace_s=1))
+        admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
     clients = [CoordinatorClient(address) for _ in range(agents)]
-    grants = []
-    with ThreadPoolExecutor(32) as pool:
-        grants = list(pool.map(lambda i: clients[i].join(job, f"a{i}", f"127.0.0.1:{20000 + i}"), range(agents)))
-    time.sleep(2)
-    rev_before = store.client.status().raft_index
-    latencies: list[float] = []
+    joined = threading.Barrier(agents + 1)
+    window: dict[str, float] = {}
+    calls: list[tuple[float, float]] = []
     lock = threading.Lock()
-    stop = time.monotonic() + seconds
-    interval = 8 / 4
+    stop = threading.Event()
 
     def agent(i: int) -> None:
-        time.sleep(interval * i / agents)  # spread agents over the interval, as real ones drift apart
-        while time.monotonic() < stop:
+        grant = clients[i].join(job, f"a{i}", f"127.0.0.1:{20000 + i}")
+        joined.wait()
+        time.sleep(interval * i / agents)  # agents drift apart over the interval
+        while not stop.is_set():
             t0 = time.perf_counter()
-            clients[i].heartbeat(job, f"a{i}", grants[i].lease_id)
-            dt = time.perf_counter() - t0
+            clients[i].heartbeat(job, f"a{i}", grant.lease_id)
             with lock:
-                latencies.append(dt)
-            time.sleep(max(0.0, interval - dt))
+                calls.append((t0, time.perf_counter() - t0))
+            stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
     with ThreadPoolExecutor(agents) as pool:
-        list(pool.map(agent, range(agents)))
-    writes = store.client.status().raft_index - rev_before
+        started = time.perf_counter()
+        futures = [pool.submit(agent, i) for i in range(agents)]
+        joined.wait()
+        join_seconds = time.perf_counter() - started
+        time.sleep(interval)  # every agent is in its rhythm
+        window["start"] = time.perf_counter()
+        rev_before = store.client.status().raft_index
+        time.sleep(seconds)
+        window["end"] = time.perf_counter()
+        writes = store.client.status().raft_index - rev_before
+        stop.set()
+        for future in futures:
+            future.result()
     for c in clients:
         c.close()
-    return latencies, writes / max(1, len(latencies))
+    latencies = [dt for t0, dt in calls if window["start"] <= t0 < window["end"]]
+    return latencies, writes / max(1, len(latencies)), join_seconds
 
 
 def main() -> None:
@@ -175,11 +187,12 @@ def main() -> None:
                     took, published = join_burst(addresses[1], n)
                     rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published)"))
                 for n in args.heartbeat_agents:
-                    lat, per = heartbeats(addresses[1], store, n, args.seconds)
+                    lat, per, join_s = heartbeats(addresses[1], store, n, args.seconds)
                     q = statistics.quantiles(lat, n=100)
-                    rows.append((f"heartbeat RPC, {n} agents ({len(lat)} calls)",
+                    rows.append((f"heartbeat RPC, {n} agents ({len(lat)} calls in {args.seconds:g}s)",
                                  f"p50 {q[49] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms"))  # fmt: skip
                     rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{per:.2f}"))
+                    rows.append((f"{n} agents all joined (concurrent Joins)", f"{join_s:.2f} s"))
                 took, killed = leader_kill(client, store, procs)
                 rows.append((f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)",
                              f"{took:.2f} s (killed {killed})"))  # fmt: skip

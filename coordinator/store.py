@@ -284,14 +284,21 @@ class EtcdStore:
         Raises:
             NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
         """
-        snap = self.read_job(job)
-        if snap.status.state.terminal:
+        # Only the spec, state and current generation: reading every member here would make N joins cost O(N^2).
+        _, (spec_kv, state_kv, gen_kv) = self._txn(
+            [], [self.tx.get(self.job_key(job, k)) for k in ("spec", "state", "generation")]
+        )
+        if not spec_kv:
+            raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
+        spec = JobSpec.from_json(spec_kv[0][0])
+        status = JobStatus.from_json(state_kv[0][0]) if state_kv else JobStatus(JobState.WAITING, 0.0)
+        generation = Generation.from_json(gen_kv[0][0]).number if gen_kv else 0
+        if status.state.terminal:
             raise FailedPrecondition(
-                f"job {job!r} already {snap.status.state.value} ({snap.status.reason}); "
-                f"start a new job id to train again"
+                f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
             )
         member_key = self.job_key(job, "members", member.node_id)
-        ttl_s = snap.spec.heartbeat_ttl_s
+        ttl_s = spec.heartbeat_ttl_s
         lease = self.client.lease(max(2, round(ttl_s)))
         stored = Member(member.node_id, member.address, member.slots, member.joined_at, 0, lease.id)
         ok, responses = self._txn(
@@ -309,11 +316,11 @@ class EtcdStore:
                 raise AlreadyExists(
                     f"node id {member.node_id!r} already holds a live membership in job {job!r} (address "
                     f"{holder.address}, lease {holder.lease_id:x}); give each agent a unique --node-id, or wait "
-                    f"{snap.spec.heartbeat_ttl_s:g}s for the old lease to expire"
+                    f"{ttl_s:g}s for the old lease to expire"
                 )
             raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
         logger.info("node %s joined job %s (lease %x, address %s)", member.node_id, job, lease.id, member.address)
-        return lease.id, snap.generation.number if snap.generation else 0, ttl_s
+        return lease.id, generation, ttl_s
 
     @_wrap_etcd
     def heartbeat(self, lease_id: int) -> float:
