@@ -245,6 +245,8 @@ def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embed
 def _join_command(args: argparse.Namespace, address: str) -> str:
     parts = ["pliant", "run", "--coordinator", address, "--job", args.job, "--nnodes", args.nnodes,
              "--nproc-per-node", str(args.nproc_per_node)]  # fmt: skip
+    if args.checkpoint_dir:  # every node must save to and restore from the same directory
+        parts += ["--checkpoint-dir", args.checkpoint_dir]
     if args.module:
         parts.append("-m")
     if args.no_python:

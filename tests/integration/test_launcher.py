@@ -31,6 +31,7 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert "other nodes join with:" in out and "pliant run --coordinator 127.0.0.1:" in out
+    assert "--checkpoint-dir" not in out, "only when one is given"
     assert "[0]:step 5 world 2" in out, "rank-prefixed console output"
     steps = read_steps(events)
     assert {(s.rank, s.world, s.restart) for s in steps} == {(0, 2, 0), (1, 2, 0)}

@@ -61,3 +61,12 @@ def test_workers_get_one_openmp_thread_when_sharing_a_node() -> None:
     assert worker_base_env(2, {})["OMP_NUM_THREADS"] == "1"
     assert "OMP_NUM_THREADS" not in worker_base_env(1, {})
     assert worker_base_env(4, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3", "the user's choice wins"
+
+
+def test_the_printed_join_command_keeps_the_shared_checkpoint_dir() -> None:
+    from pliant.agent.launcher import _join_command
+
+    args = parse("run", "--checkpoint-dir", "/shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
+    command = _join_command(args, "10.0.0.1:29400")
+    assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --job default --nnodes 1:2")
+    assert "--checkpoint-dir /shared/ckpt" in command and command.endswith("--steps 5")
