@@ -12,7 +12,6 @@ Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 256]``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import read_jsonl
 
 import pliant.worker as pw
 from pliant.env import WorkerEnv
@@ -100,13 +100,13 @@ def rescale_pause(workdir: Path) -> float:
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     b = None
     try:
-        _wait(lambda: any(e["world"] == 2 for e in _events(events)), 120)
+        _wait(lambda: any(e["world"] == 2 for e in read_jsonl(events)), 120)
         time.sleep(2)
         b = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{port}", *common,
                               *script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)  # fmt: skip
-        _wait(lambda: {e["rank"] for e in _events(events) if e["world"] == 4} == {0, 1, 2, 3}, 120)
-        evs = _events(events)
+        _wait(lambda: {e["rank"] for e in read_jsonl(events) if e["world"] == 4} == {0, 1, 2, 3}, 120)
+        evs = read_jsonl(events)
         last_old = max(e["time"] for e in evs if e["world"] == 2)
         first_new = {}
         for e in evs:
@@ -120,18 +120,6 @@ def rescale_pause(workdir: Path) -> float:
         for proc in (b, a):
             if proc is not None:
                 proc.wait(60)
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def _wait(predicate, timeout_s: float) -> None:

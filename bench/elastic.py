@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from common import read_jsonl
 
 from pliant.net import free_port
 
@@ -51,23 +51,11 @@ class Timeout(Exception):
     pass
 
 
-def read_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def wait_new_world(events: Path, world: int, old_pids: set[int], timeout_s: float) -> tuple[float, list[dict]]:
     """Wait until every rank of a world of ``world`` stepped from a process not in ``old_pids``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        fresh = [s for s in read_steps(events) if s["world"] == world and s["pid"] not in old_pids]
+        fresh = [s for s in read_jsonl(events) if s["world"] == world and s["pid"] not in old_pids]
         if {s["rank"] for s in fresh} == set(range(world)):
             return time.monotonic(), fresh
         time.sleep(0.02)
@@ -137,7 +125,7 @@ def measure(name: str, timeout_s: float) -> Result:
         t, _ = wait_new_world(launcher.events, 2, set(), timeout_s)
         result.start = t - t0
 
-        pids = {s["pid"] for s in read_steps(launcher.events)}
+        pids = {s["pid"] for s in read_jsonl(launcher.events)}
         t0 = time.monotonic()
         node_b = launcher.start("b")
         procs.append(node_b)
@@ -152,10 +140,10 @@ def measure(name: str, timeout_s: float) -> Result:
         window = 5.0
         begin = time.time()
         time.sleep(window)
-        steps = [s for s in read_steps(launcher.events) if s["rank"] == 0 and begin <= s["time"] < begin + window]
+        steps = [s for s in read_jsonl(launcher.events) if s["rank"] == 0 and begin <= s["time"] < begin + window]
         result.throughput = len(steps) / window
 
-        before = read_steps(launcher.events)
+        before = read_jsonl(launcher.events)
         pids = {s["pid"] for s in before}
         victim = max((s for s in before if s["world"] == 4), key=lambda s: (s["time"], s["rank"]))
         t0 = time.monotonic()
@@ -165,7 +153,7 @@ def measure(name: str, timeout_s: float) -> Result:
         result.lost_worker_kill = lost_steps(before, fresh)
 
         time.sleep(2)
-        before = read_steps(launcher.events)
+        before = read_jsonl(launcher.events)
         pids = {s["pid"] for s in before}
         t0 = time.monotonic()
         kill_tree(node_b)

@@ -151,7 +151,7 @@ class CheckpointManager:
         # interleave with the training loop's collectives differently on each rank and hang.
         self.group = dist.new_group(backend="gloo")
         self.extras: dict[str, Any] = {}
-        self._in_flight: tuple[Future[Any], Path, int] | None = None
+        self._in_flight: Future[Any] | None = None
         if dist.get_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -191,7 +191,7 @@ class CheckpointManager:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
             if dist.get_rank() == 0:  # commit as soon as it is complete, not at the next save
                 future.add_done_callback(lambda f: None if f.exception() else self._commit(path, step))
-            self._in_flight = (future, path, step)
+            self._in_flight = future
         else:
             dcp.save(state, checkpoint_id=str(path), process_group=self.group)
             self._commit(path, step)
@@ -201,8 +201,7 @@ class CheckpointManager:
         """Finish the save in flight, if any (rank 0 commits it when it completes)."""
         if self._in_flight is None:
             return
-        future, _path, _step = self._in_flight
-        self._in_flight = None
+        future, self._in_flight = self._in_flight, None
         future.result()
 
     def _commit(self, path: Path, step: int) -> None:

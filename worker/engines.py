@@ -115,15 +115,15 @@ class DDPEngine(Engine):
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
         total = batch.num_samples
-        loss_sum = torch.zeros(())
+        loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
         with self.model.no_sync():
             for micro, n in micros[:-1]:
-                loss_sum += weighted_backward(self.model, loss_fn, micro, n, total).cpu()
+                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, micro, n, total)
         idle_somewhere = batch.plan.some_rank_idle
         self._hook.idle = idle_somewhere and not micros
         with Join([self.model]) if idle_somewhere else nullcontext():
             if micros:
-                loss_sum += weighted_backward(self.model, loss_fn, *micros[-1], total).cpu()
+                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, *micros[-1], total)
         self._hook.idle = False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

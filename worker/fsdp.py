@@ -123,7 +123,7 @@ class FSDPEngine(Engine):
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         micros = list(zip(batch.micro_batches, batch.micro_sizes, strict=True))
         total = batch.num_samples
-        loss_sum = torch.zeros(())
+        loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
         joinable = self.joinable
         joinable.begin(batch, loss_fn)
         with Join([joinable]) if batch.plan.uneven else nullcontext():
@@ -132,7 +132,7 @@ class FSDPEngine(Engine):
                     Join.notify_join_context(joinable)
                 self.fsdp.set_requires_gradient_sync(joinable.sync_now())
                 micro = to_device(micro, self.device)
-                loss_sum += weighted_backward(self.model, loss_fn, micro, n, total, self.world_size).cpu()
+                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, micro, n, total, self.world_size)
                 joinable.iteration += 1
         self.fsdp.set_requires_gradient_sync(True)
         self.optimizer.step()

@@ -25,16 +25,21 @@ class Step:
     pid: int
 
 
-def read_steps(path: Path) -> list[Step]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (none if it does not exist), skipping a line still being written."""
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(Step(**json.loads(line)))
-        except (ValueError, TypeError):
-            continue  # a line being written
+            out.append(json.loads(line))
+        except ValueError:
+            continue
     return out
+
+
+def read_steps(path: Path) -> list[Step]:
+    return [Step(**item) for item in read_jsonl(path)]
 
 
 def agent_args(coordinator: str, job: str, node: str, workdir: Path, nnodes: str = "1:2", steps: int = 100000,

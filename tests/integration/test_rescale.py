@@ -5,7 +5,6 @@ seen once; kill -9 of a node resumes from the last periodic checkpoint; another 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import torch
 
 from pliant.coordinator.client import CoordinatorClient
 from tests.conftest import wait_for
-from tests.integration.harness import assert_all_gone, descendants
+from tests.integration.harness import assert_all_gone, descendants, read_jsonl
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_elastic.py"
 SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch (15 of 64, a tail of 40)
@@ -40,16 +39,7 @@ def _agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int, extra
 
 
 def _events(tmp: Path) -> list[dict]:
-    path = tmp / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_jsonl(tmp / "events.jsonl")
 
 
 def _stepping(tmp: Path, world: int, min_step: int = 0) -> bool:
