@@ -17,12 +17,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from pliant.agent.contract import AgentConfig, AgentError, AgentState, GroupResult
+from pliant.agent.metrics import AgentMetrics
 from pliant.agent.stores import NodeStore, reachable
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import CoordinatorError, Generation, JobState, NotFound, WatchEvent
 from pliant.env import WorkerEnv
+from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import free_port
 
 __all__ = ["Agent"]
@@ -47,9 +51,12 @@ class Agent:
     Args:
         config: the agent's configuration.
         zygote: the worker fork server to use (default: the agent starts its own; none with ``no_python``).
+        registry: where the agent's metrics go (default: a new one); the metrics endpoint serves it.
     """
 
-    def __init__(self, config: AgentConfig, zygote: Zygote | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, zygote: Zygote | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
         self.config = config
         self.command = WorkerCommand.from_launch(config.command, config.no_python)
         self.base_env = worker_base_env(config.nproc_per_node)
@@ -64,6 +71,11 @@ class Agent:
         self.store: NodeStore | None = None
         self._events: queue.Queue[object] = queue.Queue()
         self._stop = threading.Event()
+        registry = CollectorRegistry(auto_describe=True) if registry is None else registry
+        self.metrics = AgentMetrics(registry, config.spec.job_id, config.node_id)
+        self.metrics.set_state(self.state)
+        self.metrics_server: MetricsServer | None = None
+        self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -77,6 +89,9 @@ class Agent:
                 self.zygote = Zygote(self.base_env)  # imports torch while the agent joins
             port = self.config.store_port or free_port(self.config.host)
             self.address = f"{self.config.host}:{port}"
+            if self.config.metrics_port is not None:
+                self.metrics_server = serve_metrics(self.metrics.registry,
+                                                    f"{self.config.host}:{self.config.metrics_port}")  # fmt: skip
             self._ensure_job()
             self._join()
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
@@ -97,12 +112,16 @@ class Agent:
             if self.store is not None:
                 self.store.close()
             self.client.close()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+            self.metrics.close()
 
     def _set_state(self, state: AgentState, why: str = "") -> None:
         if state is not self.state:
             logger.info("agent %s: %s -> %s%s", self.config.node_id, self.state.value, state.value,
                         f" ({why})" if why else "")  # fmt: skip
             self.state = state
+            self.metrics.set_state(state)
 
     def _ensure_job(self) -> None:
         spec = self.config.spec
@@ -129,7 +148,8 @@ class Agent:
             if self._stop.wait(grant.heartbeat_interval_s):
                 return
             try:
-                self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id)
+                step = self.metrics.latest_step()
+                self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step)
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
                 failing = False
@@ -139,6 +159,7 @@ class Agent:
                     while self.grant is grant and not self._stop.wait(0.05):
                         pass
             except CoordinatorError as exc:
+                self.metrics.heartbeat_failures.inc()
                 if not failing:
                     logger.warning("agent %s: heartbeat failed (%s); retrying", self.config.node_id, exc)
                 failing = True
@@ -179,6 +200,16 @@ class Agent:
                 result = self.group.poll()
                 if result is not None:
                     self._on_group_done(result)
+            self._track_workers()
+
+    def _track_workers(self) -> None:
+        """Feed the worker gauges and exit counters; forget groups whose every exit was counted."""
+        for group in self._tracked:
+            if group is not self.group:
+                group.poll()  # a stopped group was reaped; this only refreshes cached exit codes
+        exits = [e for g in self._tracked for e in g.exits()]
+        self.metrics.track(exits, self.group.exits() if self.group else [])
+        self._tracked = [g for g in self._tracked if g is self.group or any(c is None for _p, c in g.exits())]
 
     def _on_watch_event(self, event: WatchEvent) -> int | None:
         gen = event.generation
@@ -230,6 +261,7 @@ class Agent:
                 node_id=self.config.node_id,
                 agent_store=self.store.address,
                 checkpoint_dir=self.config.checkpoint_dir,
+                metrics_dir=self.metrics.worker_dir,
             )
             for local_rank in range(me.nproc)
         ]
@@ -238,6 +270,8 @@ class Agent:
             log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
         self.group = WorkerGroup(gen.number, envs, self.command, log_dir, self.base_env, self.zygote)
         self.group.start()
+        self._tracked.append(self.group)
+        self.metrics.group_started(gen.number)
         self._set_state(AgentState.RUNNING, f"generation {gen.number}, ranks {envs[0].rank}..{envs[-1].rank}")
 
     def _on_group_done(self, result: GroupResult) -> None:

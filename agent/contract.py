@@ -62,6 +62,8 @@ class AgentConfig:
         finish_grace_s: how long workers may take to exit after the job succeeded elsewhere.
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
+        metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
+            (0: a free port); None serves none.
     """
 
     coordinator: tuple[str, ...]
@@ -78,6 +80,7 @@ class AgentConfig:
     finish_grace_s: float = 10.0
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.coordinator:
@@ -90,6 +93,8 @@ class AgentConfig:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be >= 1")
         if not 0 <= self.store_port < 65536:
             raise ConfigError(f"store port {self.store_port} must be in 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port {self.metrics_port} must be in 0..65535 (0: a free port)")
         if self.stop_grace_s < 0 or self.finish_grace_s < 0:
             raise ConfigError("grace periods must be >= 0 seconds")
 

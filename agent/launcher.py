@@ -19,6 +19,7 @@ from pathlib import Path
 from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.coordinator.contract import JobSpec
 from pliant.errors import ConfigError
+from pliant.metrics import add_metrics_port_flag
 
 __all__ = ["add_launch_flags", "agent_main", "config_from_args", "run_main"]
 
@@ -98,6 +99,8 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         "plane, else this host's name)",
     )
     parser.add_argument("--store-port", type=int, default=0, help="port of this node's agent store (default free)")
+    add_metrics_port_flag(parser, "the agent's and its workers', with the embedded control plane also the "
+                          "coordinator's, on --host")  # fmt: skip
     parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
     parser.add_argument("--join-grace", type=float, default=1.0, help="join batching window, s (default 1)")
     parser.add_argument(
@@ -239,6 +242,7 @@ def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embed
         finish_grace_s=args.finish_grace,
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -271,6 +275,8 @@ def run_main(args: argparse.Namespace) -> int:
             raise ConfigError("--standalone starts its own control plane; drop it to join --coordinator")
         return agent_main(args)
 
+    from prometheus_client import CollectorRegistry
+
     from pliant.agent.agent import Agent
     from pliant.agent.workers import Zygote, worker_base_env
     from pliant.coordinator.etcd_server import EtcdServer
@@ -286,9 +292,10 @@ def run_main(args: argparse.Namespace) -> int:
     with EtcdServer(log_path=log_path, die_with_parent=True) as etcd:
         coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
                                          replica_id="embedded")  # fmt: skip
-        with CoordinatorServer(coord_config) as coordinator:
+        registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
+        with CoordinatorServer(coord_config, registry) as coordinator:
             address = coordinator.address
             print(f"pliant: coordinator on {address} (embedded etcd {etcd.endpoint}); other nodes join with:\n"
                   f"  {_join_command(args, address)}", flush=True)  # fmt: skip
             config = config_from_args(args, [address], embedded=True)
-            return Agent(config, zygote=zygote).run()
+            return Agent(config, zygote=zygote, registry=registry).run()

@@ -262,6 +262,10 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
 
+    def exits(self) -> list[tuple[int, int | None]]:
+        """(pid, exit code) of each worker as last polled (None: still running)."""
+        return [(w.proc.pid, w.proc.returncode) for w in self.workers]
+
     def _launch(self, env: WorkerEnv) -> tuple[Proc, bool]:
         child_env = {**self.base_env, **env.to_env()}
         if self.zygote is not None and self.zygote.alive and not self.command.no_python:

@@ -6,12 +6,17 @@ Measures, in one run:
 - N agents joining at once -> one generation (time from the first Join to the generation, and how many were published);
 - heartbeat RPC latency p50/p99 with M agents heartbeating at their interval, and etcd writes per heartbeat.
 
+Simulated agents are asyncio tasks on grpc.aio, one connection each, so the benchmark client stays cheap next to the
+coordinator and etcd on the same machine. The replicas' own metrics (``--metrics-port``) split each figure into
+server-side RPC time, etcd time and reconciler passes.
+
 Usage: ``.venv/bin/python bench/control_plane.py [--join-agents 8] [--heartbeat-agents 200] [--seconds 10]``
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import statistics
@@ -20,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -31,16 +36,19 @@ from pliant.coordinator.contract import Generation, JobSpec
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.store import EtcdStore
 from pliant.net import free_port
+from pliant.v1 import coordinator_pb2 as pb
+from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 def start_replica(
     etcd: str, prefix: str, name: str, log_dir: Path, leader_ttl_s: float
-) -> tuple[subprocess.Popen, str]:
-    address = f"127.0.0.1:{free_port()}"
+) -> tuple[subprocess.Popen, str, str]:
+    """A coordinator replica subprocess; returns (process, gRPC address, metrics URL)."""
+    address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
     with open(log_dir / f"coordinator-{name}.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pliant", "coordinator", "--etcd", etcd, "--listen", address, "--prefix", prefix,
-             "--leader-ttl", str(leader_ttl_s), "--replica-id", name],
+             "--leader-ttl", str(leader_ttl_s), "--replica-id", name, "--metrics-port", str(metrics_port)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     deadline = time.monotonic() + 30
@@ -49,7 +57,7 @@ def start_replica(
         while time.monotonic() < deadline:
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
-                    return proc, address
+                    return proc, address, f"http://127.0.0.1:{metrics_port}/metrics"
             except grpc.RpcError:
                 time.sleep(0.05)
     raise SystemExit(f"replica {name} did not become healthy; see {log_dir}")
@@ -98,67 +106,134 @@ def leader_kill(client: CoordinatorClient, store: EtcdStore, procs: dict[str, su
     return time.monotonic() - killed, leader
 
 
-def join_burst(address: str, n: int) -> tuple[float, int]:
+async def _stubs(address: str, n: int) -> tuple[list[grpc.aio.Channel], list[pb_grpc.CoordinatorStub]]:
+    """``n`` simulated agents, each with its own connection (like real agents), all connected."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(n)]
+    await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 60) for c in channels))
+    return channels, [pb_grpc.CoordinatorStub(c) for c in channels]
+
+
+def join_burst(address: str, n: int, metrics: str) -> tuple[float, int, list[str]]:
+    """N agents join at once (one asyncio task each). Returns (seconds to the generation, generations published,
+    a timeline of where the time went)."""
     job = f"burst{n}"
     with CoordinatorClient(address) as admin:
         admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
-        clients = [CoordinatorClient(address) for _ in range(n)]
-        start = time.monotonic()
-        with ThreadPoolExecutor(min(n, 64)) as pool:
-            list(pool.map(lambda i: clients[i].join(job, f"a{i}", f"127.0.0.1:{10000 + i}"), range(n)))
+        server_before = _scrape(metrics)
+
+        async def burst() -> tuple[float, float, float, float, list[float]]:
+            channels, stubs = await _stubs(address, n)
+            done: list[float] = []
+
+            async def join(i: int) -> None:
+                req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{10000 + i}")
+                await stubs[i].Join(req, timeout=60)
+                done.append(time.monotonic())
+
+            wall, start = time.time(), time.monotonic()
+            await asyncio.gather(*(join(i) for i in range(n)))
+            for c in channels:
+                await c.close()
+            return wall, start, min(done), max(done), done
+
+        wall0, start, first, last, _done = asyncio.run(burst())
         gen = wait_generation(admin, job, 1)
-        took = time.monotonic() - start
+        seen = time.monotonic()
         time.sleep(1.0)  # anything else published would show up now
         published = admin.get_job(job).generation.number
-        for c in clients:
-            c.close()
-        assert gen.world_size == n
-        return took, published
+        server = _delta(_scrape(metrics), server_before)
+    assert gen.world_size == n
+    created = gen.created_at - wall0  # the reconciler's clock (wall) relative to the start
+    timeline = [
+        f"  first Join returned   +{first - start:.3f} s",
+        f"  last Join returned    +{last - start:.3f} s  (server-side Join mean {_mean(server, 'Join'):.1f} ms; "
+        f"etcd 'join' operation mean {_mean(server, 'join', 'etcd'):.1f} ms)",
+        f"  generation planned    +{created:.3f} s  (reconciler passes: {server.get('plans', 0):.0f}, "
+        f"mean {server.get('plan_read_ms', 0.0):.1f} ms etcd read per pass)",
+        f"  watch delivered it    +{seen - start:.3f} s",
+    ]
+    return seen - start, published, timeline
 
 
-def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float) -> tuple[list[float], float, float]:
-    """Each simulated agent joins, then heartbeats every TTL/4 like a real one; latencies are measured in a window of
-    ``seconds`` once every agent has joined. Returns (latencies, raft entries per heartbeat, join seconds)."""
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    out = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out["plans"] = out.get("pliant_coordinator_plan_duration_seconds_count", 0.0)
+    reads = out.get('pliant_coordinator_etcd_operation_duration_seconds_count{operation="read_job"}', 0.0)
+    total = out.get('pliant_coordinator_etcd_operation_duration_seconds_sum{operation="read_job"}', 0.0)
+    out["plan_read_ms"] = 1e3 * total / reads if reads else 0.0
+    return out
+
+
+def _mean(delta: dict[str, float], name: str, kind: str = "rpc") -> float:
+    if kind == "rpc":
+        key = f'pliant_coordinator_rpc_duration_seconds_{{}}{{{{method="{name}"}}}}'
+    else:
+        key = f'pliant_coordinator_etcd_operation_duration_seconds_{{}}{{{{operation="{name}"}}}}'
+    count = delta.get(key.format("count"), 0.0)
+    return 1e3 * delta.get(key.format("sum"), 0.0) / count if count else 0.0
+
+
+def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float, metrics: str) -> dict[str, float]:
+    """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
+    one; latencies are measured in a window of ``seconds`` once every agent has joined."""
     job, ttl = f"hb{agents}", 10.0
     interval = ttl / 4
     with CoordinatorClient(address) as admin:
         admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
-    clients = [CoordinatorClient(address) for _ in range(agents)]
-    joined = threading.Barrier(agents + 1)
-    window: dict[str, float] = {}
-    calls: list[tuple[float, float]] = []
-    lock = threading.Lock()
-    stop = threading.Event()
 
-    def agent(i: int) -> None:
-        grant = clients[i].join(job, f"a{i}", f"127.0.0.1:{20000 + i}")
-        joined.wait()
-        time.sleep(interval * i / agents)  # agents drift apart over the interval
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            clients[i].heartbeat(job, f"a{i}", grant.lease_id)
-            with lock:
-                calls.append((t0, time.perf_counter() - t0))
-            stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
-
-    with ThreadPoolExecutor(agents) as pool:
+    async def run() -> tuple[list[float], float, dict[str, float], float]:
+        channels, stubs = await _stubs(address, agents)
+        calls: list[tuple[float, float]] = []
+        stop = asyncio.Event()
         started = time.perf_counter()
-        futures = [pool.submit(agent, i) for i in range(agents)]
-        joined.wait()
+        grants = await asyncio.gather(*(
+            stubs[i].Join(pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}"), timeout=120)
+            for i in range(agents)
+        ))  # fmt: skip
         join_seconds = time.perf_counter() - started
-        time.sleep(interval)  # every agent is in its rhythm
-        window["start"] = time.perf_counter()
+
+        async def agent(i: int) -> None:
+            await asyncio.sleep(interval * i / agents)  # agents drift apart over the interval
+            req = pb.HeartbeatRequest(job_id=job, node_id=f"a{i}", lease_id=grants[i].lease_id)
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                await stubs[i].Heartbeat(req, timeout=30)
+                calls.append((t0, time.perf_counter() - t0))
+                await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
+
+        tasks = [asyncio.create_task(agent(i)) for i in range(agents)]
+        await asyncio.sleep(interval * 1.5)  # every agent is in its rhythm
+        window = time.perf_counter()
         rev_before = store.client.status().raft_index
-        time.sleep(seconds)
-        window["end"] = time.perf_counter()
+        server_before = _scrape(metrics)
+        await asyncio.sleep(seconds)
+        end = time.perf_counter()
+        server = _delta(_scrape(metrics), server_before)
         writes = store.client.status().raft_index - rev_before
         stop.set()
-        for future in futures:
-            future.result()
-    for c in clients:
-        c.close()
-    latencies = [dt for t0, dt in calls if window["start"] <= t0 < window["end"]]
-    return latencies, writes / max(1, len(latencies)), join_seconds
+        await asyncio.gather(*tasks)
+        for c in channels:
+            await c.close()
+        latencies = [dt for t0, dt in calls if window <= t0 < end]
+        return latencies, writes / max(1, len(latencies)), server, join_seconds
+
+    latencies, per, server, join_seconds = asyncio.run(run())
+    q = statistics.quantiles(latencies, n=100)
+    return {
+        "calls": len(latencies),
+        "p50": q[49],
+        "p99": q[98],
+        "writes": per,
+        "join_s": join_seconds,
+        "server_mean_ms": _mean(server, "Heartbeat"),
+        "etcd_mean_ms": _mean(server, "heartbeat", "etcd"),
+    }
 
 
 def main() -> None:
@@ -171,28 +246,37 @@ def main() -> None:
     args = parser.parse_args()
 
     rows: list[tuple[str, str]] = []
+    timelines: list[str] = []
     log_dir = Path(tempfile.mkdtemp(prefix="pliant-bench-"))
     with EtcdServer(log_path=str(log_dir / "etcd.log")) as etcd:
         prefix = "/bench"
-        procs, addresses = {}, []
+        procs, addresses, metrics = {}, [], []
         for name in ("A", "B"):
-            procs[name], address = start_replica(etcd.endpoint, prefix, name, log_dir, args.leader_ttl)
+            procs[name], address, url = start_replica(etcd.endpoint, prefix, name, log_dir, args.leader_ttl)
             addresses.append(address)
+            metrics.append(url)
         store = EtcdStore([etcd.endpoint], prefix)
         try:
             with CoordinatorClient(addresses, retry_for_s=30) as client:
                 took = lease_expiry(client, args.ttl)
                 rows.append((f"lease expiry -> new generation (TTL {args.ttl:g}s)", f"{took:.2f} s"))
+                # Simulated agents talk to replica B; the leader (A, elected first) reconciles. Joins and plans are
+                # timed by both replicas' own metrics.
                 for n in args.join_agents:
-                    took, published = join_burst(addresses[1], n)
+                    took, published, timeline = join_burst(addresses[1], n, metrics[1])
                     rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published)"))
+                    timelines.append(f"{n} agents joining at once:\n" + "\n".join(timeline))
                 for n in args.heartbeat_agents:
-                    lat, per, join_s = heartbeats(addresses[1], store, n, args.seconds)
-                    q = statistics.quantiles(lat, n=100)
-                    rows.append((f"heartbeat RPC, {n} agents ({len(lat)} calls in {args.seconds:g}s)",
-                                 f"p50 {q[49] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms"))  # fmt: skip
-                    rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{per:.2f}"))
-                    rows.append((f"{n} agents all joined (concurrent Joins)", f"{join_s:.2f} s"))
+                    hb = heartbeats(addresses[1], store, n, args.seconds, metrics[1])
+                    rows.append(
+                        (
+                            f"heartbeat RPC, {n} agents ({hb['calls']:.0f} calls in {args.seconds:g}s)",
+                            f"p50 {hb['p50'] * 1e3:.1f} ms, p99 {hb['p99'] * 1e3:.1f} ms (server mean "
+                            f"{hb['server_mean_ms']:.1f} ms, etcd keepalive mean {hb['etcd_mean_ms']:.1f} ms)",
+                        )
+                    )
+                    rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{hb['writes']:.2f}"))
+                    rows.append((f"{n} agents all joined (concurrent Joins)", f"{hb['join_s']:.2f} s"))
                 took, killed = leader_kill(client, store, procs)
                 rows.append((f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)",
                              f"{took:.2f} s (killed {killed})"))  # fmt: skip
@@ -206,6 +290,8 @@ def main() -> None:
     print(f"\n{'scenario':<{width}}  result")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    for timeline in timelines:
+        print(timeline)
     print(f"(logs in {log_dir})")
 
 

@@ -121,9 +121,11 @@ class CoordinatorClient:
         req = pb.JoinRequest(job_id=job_id, node_id=node_id, address=address, slots=slots)
         return JoinGrant(self._call("Join", req))
 
-    def heartbeat(self, job_id: str, node_id: str, lease_id: int) -> float:
-        """Refresh the membership lease; returns its TTL. Raises NotFound once the lease is gone (Join again)."""
-        return self._call("Heartbeat", pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id)).ttl_s
+    def heartbeat(self, job_id: str, node_id: str, lease_id: int, step: int = 0) -> float:
+        """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns its TTL.
+        Raises NotFound once the lease is gone (Join again)."""
+        req = pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id, step=step)
+        return self._call("Heartbeat", req).ttl_s
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))

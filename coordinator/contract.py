@@ -35,6 +35,7 @@ __all__ = [
     "JobStatus",
     "Keep",
     "Member",
+    "MemberProgress",
     "NewGeneration",
     "NotFound",
     "Unavailable",
@@ -272,6 +273,30 @@ class Member:
 
 
 @dataclass(frozen=True)
+class MemberProgress:
+    """How a member is doing, as GetJob / ListJobs report it (``pliant status``).
+
+    Attributes:
+        heartbeat_age_s: seconds since the node's last heartbeat, from its lease's remaining TTL (1 s granularity);
+            -1 when unknown.
+        step: the latest training step the node's workers reported through heartbeats (0: none yet).
+        step_at: wall-clock seconds when a coordinator recorded that step (0: none yet).
+    """
+
+    heartbeat_age_s: float = -1.0
+    step: int = 0
+    step_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "step_at": self.step_at}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> MemberProgress:
+        data = json.loads(text)
+        return MemberProgress(step=int(data.get("step", 0)), step_at=float(data.get("step_at", 0.0)))
+
+
+@dataclass(frozen=True)
 class GenerationMember:
     """One node's place in a generation: node rank, first global rank, and process count."""
 
@@ -363,12 +388,13 @@ class JobSnapshot:
 
 @dataclass(frozen=True)
 class JobInfo:
-    """What GetJob / ListJobs return: the spec, state, current generation and live members of a job."""
+    """What GetJob / ListJobs return: the spec, state, current generation, live members and their progress."""
 
     spec: JobSpec
     status: JobStatus
     generation: Generation | None = None
     members: tuple[Member, ...] = ()
+    progress: Mapping[str, MemberProgress] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

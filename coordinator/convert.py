@@ -10,6 +10,7 @@ from pliant.coordinator.contract import (
     JobState,
     JobStatus,
     Member,
+    MemberProgress,
 )
 from pliant.v1 import coordinator_pb2 as pb
 
@@ -96,15 +97,25 @@ def generation_from_pb(msg: pb.Generation) -> Generation:
     return Generation(msg.job_id, msg.number, members, msg.reason, msg.restarts_used, msg.created_at)
 
 
+def _member_to_pb(m: Member, progress: MemberProgress) -> pb.Member:
+    return pb.Member(
+        node_id=m.node_id,
+        address=m.address,
+        slots=m.slots,
+        joined_at=m.joined_at,
+        heartbeat_age_s=progress.heartbeat_age_s,
+        step=progress.step,
+        step_at=progress.step_at,
+    )
+
+
 def job_info_to_pb(info: JobInfo) -> pb.JobStatus:
     msg = pb.JobStatus(
         spec=spec_to_pb(info.spec),
         state=state_to_pb(info.status.state),
         reason=info.status.reason,
         state_since=info.status.since,
-        members=[
-            pb.Member(node_id=m.node_id, address=m.address, slots=m.slots, joined_at=m.joined_at) for m in info.members
-        ],
+        members=[_member_to_pb(m, info.progress.get(m.node_id, MemberProgress())) for m in info.members],
     )
     if info.generation is not None:
         msg.generation.CopyFrom(generation_to_pb(info.generation))
@@ -117,4 +128,5 @@ def job_info_from_pb(msg: pb.JobStatus) -> JobInfo:
         status=JobStatus(state_from_pb(msg.state), msg.state_since, msg.reason),
         generation=generation_from_pb(msg.generation) if msg.HasField("generation") else None,
         members=tuple(Member(m.node_id, m.address, m.slots, m.joined_at) for m in msg.members),
+        progress={m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at) for m in msg.members},
     )

@@ -26,6 +26,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_watch import PrefixWatch
+from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.planner import plan
 from pliant.coordinator.store import EtcdStore, Fence
 
@@ -42,7 +43,7 @@ class Reconciler:
         election: this replica's election; the loop idles unless it leads.
         clock: wall clock (the planner's ``now``).
         resync_s: longest sleep between passes.
-        on_plan: optional observer called with (job id, decision, seconds spent planning); used by metrics.
+        metrics: the replica's metrics (plan latency, per-job gauges, generations by reason).
     """
 
     def __init__(
@@ -51,13 +52,13 @@ class Reconciler:
         election: LeaderElection,
         clock: Callable[[], float] = time.time,
         resync_s: float = 5.0,
-        on_plan: Callable[[str, object, float], None] | None = None,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self._store = store
         self._election = election
         self._clock = clock
         self._resync_s = resync_s
-        self._on_plan = on_plan
+        self._metrics = metrics
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._watch = PrefixWatch(store, store.jobs_prefix, self._dirty.set)
@@ -114,8 +115,8 @@ class Reconciler:
         now = self._clock()
         started = time.perf_counter()
         decision = plan(snap, now)
-        if self._on_plan:
-            self._on_plan(job, decision, time.perf_counter() - started)
+        if self._metrics:
+            self._metrics.observe_plan(snap, decision, time.perf_counter() - started)
         try:
             return self._execute(snap, decision, fence, now)
         except FencingError as exc:
@@ -131,6 +132,8 @@ class Reconciler:
             gen = decision.generation
             since = status.since if decision.state is status.state else now
             self._store.publish(snap, gen, JobStatus(decision.state, since), fence)
+            if self._metrics:
+                self._metrics.observe_published(decision)
             logger.info(
                 "job %s: generation %d published (%s): world size %d on %s; job %s",
                 job, gen.number, gen.reason, gen.world_size, ",".join(gen.node_ids) or "no nodes", decision.state.value,

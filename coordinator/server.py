@@ -15,13 +15,16 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from pliant.coordinator.election import LeaderElection
+from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.reconciler import Reconciler
 from pliant.coordinator.servicer import CoordinatorServicer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
 from pliant.errors import ConfigError
+from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import parse_host_port
 from pliant.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -45,6 +48,9 @@ class CoordinatorConfig:
         etcd_timeout_s: deadline of each etcd request.
         max_workers: gRPC worker threads; each open WatchGenerations stream holds one.
         resync_s: longest pause between two reconciler passes.
+        metrics_listen: HOST:PORT to serve Prometheus metrics on (port 0: a free one); "" serves none (the metrics
+            are still kept in ``CoordinatorServer.registry``).
+        progress_interval_s: a node's reported training step is written to etcd at most this often.
     """
 
     etcd_endpoints: tuple[str, ...]
@@ -55,6 +61,8 @@ class CoordinatorConfig:
     etcd_timeout_s: float = 5.0
     max_workers: int = 1100
     resync_s: float = 5.0
+    metrics_listen: str = ""
+    progress_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -62,6 +70,8 @@ class CoordinatorConfig:
         for url in self.etcd_endpoints:
             parse_host_port(url, what="--etcd endpoint")
         parse_host_port(self.listen, what="--listen", allow_zero=True)
+        if self.metrics_listen:
+            parse_host_port(self.metrics_listen, what="--metrics-port address", allow_zero=True)
         if not self.prefix.startswith("/"):
             raise ConfigError(f"--prefix {self.prefix!r} must start with '/', e.g. /pliant/v1")
         if not 2 <= self.leader_ttl_s <= 300:
@@ -73,16 +83,27 @@ class CoordinatorConfig:
 
 
 class CoordinatorServer:
-    """A running replica. ``start()`` binds and returns; ``stop()`` resigns leadership and shuts down."""
+    """A running replica. ``start()`` binds and returns; ``stop()`` resigns leadership and shuts down.
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    Args:
+        config: the replica's settings.
+        registry: where its metrics go (default: a new one, served on ``config.metrics_listen`` if set).
+    """
+
+    def __init__(self, config: CoordinatorConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
+        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s)
         self.health = health.HealthServicer()
         self.election = LeaderElection(self.store, config.replica_id, config.leader_ttl_s, self._set_health)
-        self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s)
+        self.metrics = CoordinatorMetrics(self.registry, lambda: self.election.is_leader)
+        self.store.observer = self.metrics.observe_etcd
+        self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s, metrics=self.metrics)
         self.hub = WatchHub(self.store)
-        self.servicer = CoordinatorServicer(self.store, self.hub, poke=self.reconciler.poke)
+        self.servicer = CoordinatorServicer(self.store, self.hub, observe=self.metrics.observe_rpc,
+                                            poke=self.reconciler.poke,
+                                            progress_interval_s=config.progress_interval_s)  # fmt: skip
+        self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
             options=[("grpc.so_reuseport", 0)],
@@ -117,6 +138,8 @@ class CoordinatorServer:
             raise ConfigError(f"cannot listen on --listen {self.config.listen}: {exc}; pick a free port") from exc
         if self.port == 0:
             raise ConfigError(f"cannot listen on --listen {self.config.listen}; is the port taken?")
+        if self.config.metrics_listen:
+            self.metrics_server = serve_metrics(self.registry, self.config.metrics_listen)
         self._set_health(True)
         self.server.start()
         self.election.start()
@@ -141,6 +164,8 @@ class CoordinatorServer:
         self.hub.close()
         self.election.stop(resign=True)
         self.store.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         logger.info("coordinator %s stopped", self.config.replica_id)
 
     def wait(self) -> None:

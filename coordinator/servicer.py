@@ -20,6 +20,7 @@ from pliant.coordinator.contract import (
     InvalidArgument,
     JobInfo,
     Member,
+    MemberProgress,
     status_for_error,
     validate_address,
     validate_id,
@@ -80,6 +81,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         observe: called with (method, status code, seconds) after each unary call.
         poke: called after a write that the reconciler should look at soon.
         stream_poll_s: how often a WatchGenerations stream checks that its client is still there.
+        progress_interval_s: a node's reported step is written to etcd at most this often (heartbeats themselves
+            write nothing).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         observe: RpcObserver | None = None,
         poke: Callable[[], None] | None = None,
         stream_poll_s: float = 1.0,
+        progress_interval_s: float = 5.0,
     ) -> None:
         self._store = store
         self._hub = hub
@@ -97,12 +101,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.observe: RpcObserver = observe or (lambda method, code, seconds: None)
         self._poke = poke or (lambda: None)
         self._stream_poll_s = stream_poll_s
+        self._progress_interval_s = progress_interval_s
+        self._progress_written: dict[tuple[str, str], tuple[float, int]] = {}  # (job, node) -> (monotonic, step)
 
     # -- jobs ----------------------------------------------------------------------------------------------------------
 
     def _info(self, job: str) -> JobInfo:
         snap = self._store.read_job(validate_id(job, "job_id"))
         return JobInfo(snap.spec, snap.status, snap.generation, snap.members)
+
+    def _info_with_progress(self, job: str) -> JobInfo:
+        info = self._info(job)
+        return JobInfo(info.spec, info.status, info.generation, info.members, self._store.progress(job, info.members))
 
     @_rpc
     def CreateJob(self, request: pb.CreateJobRequest, context: grpc.ServicerContext) -> pb.CreateJobResponse:
@@ -113,11 +123,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_rpc
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
-        return job_info_to_pb(self._info(request.job_id))
+        return job_info_to_pb(self._info_with_progress(request.job_id))
 
     @_rpc
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_info_to_pb(self._info(job)) for job in self._store.list_job_ids()])
+        jobs = [job_info_to_pb(self._info_with_progress(job)) for job in self._store.list_job_ids()]
+        return pb.ListJobsResponse(jobs=jobs)
 
     @_rpc
     def FinishJob(self, request: pb.FinishJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
@@ -140,7 +151,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(ttl_s=self._store.heartbeat(_lease_id(request.lease_id, request.node_id)))
+        ttl = self._store.heartbeat(_lease_id(request.lease_id, request.node_id))
+        if request.step:
+            self._record_progress(request)
+        return pb.HeartbeatResponse(ttl_s=ttl)
+
+    def _record_progress(self, request: pb.HeartbeatRequest) -> None:
+        """Write the node's step to etcd when it changed and the last write is ``progress_interval_s`` old."""
+        key = (validate_id(request.job_id, "job_id"), validate_id(request.node_id, "node_id"))
+        now = time.monotonic()
+        last_at, last_step = self._progress_written.get(key, (-float("inf"), -1))
+        if request.step == last_step or now - last_at < self._progress_interval_s:
+            return
+        self._store.record_progress(*key, request.lease_id, MemberProgress(step=request.step, step_at=self._clock()))
+        if len(self._progress_written) > 100_000:  # nodes come and go: forget them all now and then
+            self._progress_written.clear()
+        self._progress_written[key] = (now, request.step)
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:

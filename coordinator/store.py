@@ -10,6 +10,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
+    progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
+                                        jobs/ so that its writes never wake the reconciler
 
 Every mutation is one etcd transaction, so nothing is ever written half-way. etcd errors are wrapped into
 :class:`Unavailable`; a generation write whose fence fails raises :class:`FencingError`.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ import grpc
 
 from pliant.coordinator.contract import (
     AlreadyExists,
+    CoordinatorError,
     FailedPrecondition,
     FailureReport,
     FencingError,
@@ -41,12 +45,13 @@ from pliant.coordinator.contract import (
     JobState,
     JobStatus,
     Member,
+    MemberProgress,
     NotFound,
     Unavailable,
 )
 from pliant.net import parse_host_port
 
-__all__ = ["HISTORY", "EtcdStore", "Fence"]
+__all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +72,23 @@ class Fence:
     revision: int
 
 
+EtcdObserver = Callable[[str, float, bool], None]
+"""Called with (store operation, seconds, failed) after each store operation; used by metrics."""
+
+
 def _wrap_etcd(fn: Callable[..., _T]) -> Callable[..., _T]:
-    """Turn etcd client errors into :class:`Unavailable` naming the endpoints."""
+    """Turn etcd client errors into :class:`Unavailable` naming the endpoints, and report each call's duration."""
 
     @functools.wraps(fn)
     def wrapper(self: EtcdStore, *args: Any, **kwargs: Any) -> _T:
+        started, failed = time.perf_counter(), True
         try:
-            return fn(self, *args, **kwargs)
+            result = fn(self, *args, **kwargs)
+            failed = False
+            return result
+        except CoordinatorError:
+            failed = False  # a domain answer (NotFound, ...): etcd itself worked
+            raise
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
             # etcd3 raises a bare ValueError for an endpoint it marked failed; other ValueErrors are bugs.
             if type(exc) is ValueError and "failed node" not in str(exc):
@@ -82,6 +97,9 @@ def _wrap_etcd(fn: Callable[..., _T]) -> Callable[..., _T]:
                 f"etcd at {','.join(self.endpoints)} did not answer {fn.__name__} ({type(exc).__name__}: {exc}); "
                 f"the call is safe to retry once etcd is reachable"
             ) from exc
+        finally:
+            if self.observer is not None:
+                self.observer(fn.__name__, time.perf_counter() - started, failed)
 
     return wrapper
 
@@ -97,9 +115,17 @@ class EtcdStore:
         endpoints: etcd client URLs or host:port strings.
         prefix: root of every key.
         timeout_s: per-request deadline.
+        observer: called with (operation, seconds, failed) after each operation (metrics).
     """
 
-    def __init__(self, endpoints: Sequence[str], prefix: str = "/pliant/v1", timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        prefix: str = "/pliant/v1",
+        timeout_s: float = 5.0,
+        observer: EtcdObserver | None = None,
+    ) -> None:
+        self.observer = observer
         if not endpoints:
             raise InvalidArgument("no etcd endpoint given; pass --etcd http://HOST:PORT[,...]")
         self.endpoints = tuple(endpoints)
@@ -126,6 +152,9 @@ class EtcdStore:
 
     def job_key(self, job: str, *parts: str) -> str:
         return "/".join((f"{self.prefix}/jobs/{job}", *parts))
+
+    def progress_key(self, job: str, node: str = "") -> str:
+        return f"{self.prefix}/progress/{job}/{node}"
 
     def history_key(self, job: str, number: int) -> str:
         return self.job_key(job, "generations", f"{number:012d}")
@@ -350,6 +379,29 @@ class EtcdStore:
         if ok:
             logger.info("node %s left job %s", node_id, job)
         return ok
+
+    @_wrap_etcd
+    def record_progress(self, job: str, node_id: str, lease_id: int, progress: MemberProgress) -> None:
+        """Store ``node_id``'s latest step on its membership lease (gone with the membership)."""
+        self.client.put(self.progress_key(job, node_id), progress.to_json(), lease=lease_id)
+
+    @_wrap_etcd
+    def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
+        """Each member's progress: the recorded step and the age of its last heartbeat (from its lease's TTL)."""
+        recorded = {
+            meta.key.decode().rsplit("/", 1)[1]: MemberProgress.from_json(value)
+            for value, meta in self.client.get_prefix(self.progress_key(job))
+        }
+        out = {}
+        for member in members:
+            age = -1.0
+            if member.lease_id:
+                info = self.client.get_lease_info(member.lease_id)
+                if info.TTL > 0:
+                    age = float(max(0, info.grantedTTL - info.TTL))
+            step = recorded.get(member.node_id, MemberProgress())
+            out[member.node_id] = MemberProgress(age, step.step, step.step_at)
+        return out
 
     def _revoke_quietly(self, lease_id: int) -> None:
         try:

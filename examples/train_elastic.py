@@ -58,6 +58,7 @@ def main() -> None:
     loss = float("nan")
     for batch in loader:
         loss = session.all_reduce_sum(engine.step(batch, loss_fn)) / batch.num_samples  # pliant: one global step
+        session.metrics.publish(loss=loss)  # pliant: served as pliant_user_loss{rank=...} on the node's endpoint
         if events is not None:
             seen = [int(i) for micro in batch.micro_batches for i in micro[2]]
             events.write(json.dumps({"generation": session.env.generation, "step": batch.step, "rank": session.rank,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pliant import __version__
 from pliant.errors import PliantError
 from pliant.logsetup import setup_logging
+from pliant.metrics import add_metrics_port_flag
 
 __all__ = ["build_parser", "main"]
 
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("PLIANT_REPLICA_ID", ""),
         help="this replica's name (env PLIANT_REPLICA_ID, default hostname-pid)",
     )
+    add_metrics_port_flag(coord, "on --listen's host")
     coord.set_defaults(func=_cmd_coordinator)
 
     from pliant.agent.launcher import add_launch_flags  # torch-free: flags and config only
@@ -83,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_flags(agent, "agent")
     agent.set_defaults(func=_cmd_agent)
+
+    status = sub.add_parser(
+        "status",
+        help="show jobs, generations and members",
+        description="Show each job's state, generation, world size and members (last heartbeat, step), as a table or "
+        "JSON.",
+    )
+    status.add_argument(
+        "--coordinator",
+        default=_env("PLIANT_COORDINATOR", "127.0.0.1:29400"),
+        help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR, default 127.0.0.1:29400)",
+    )
+    status.add_argument("--job", default=None, help="show only this job id")
+    status.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    status.set_defaults(func=_cmd_status)
 
     etcd = sub.add_parser(
         "etcd",
@@ -116,6 +133,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         leader_ttl_s=args.leader_ttl,
         replica_id=args.replica_id,
+        metrics_listen="" if args.metrics_port is None else f"{args.listen.rpartition(':')[0]}:{args.metrics_port}",
     )
     server = CoordinatorServer(config).start()
     print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)
@@ -136,6 +154,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from pliant.agent.launcher import agent_main
 
     return agent_main(args)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pliant.coordinator.status import status_main
+
+    return status_main(args.coordinator, args.job, args.json)
 
 
 def _cmd_etcd(args: argparse.Namespace) -> int:

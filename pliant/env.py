@@ -95,6 +95,8 @@ class WorkerEnv:
             "PLIANT_AGENT_STORE": self.agent_store,
             "PLIANT_CHECKPOINT_DIR": self.checkpoint_dir,
             "PLIANT_METRICS_DIR": self.metrics_dir,
+            # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
+            **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
 
     @classmethod

@@ -36,6 +36,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pliant.env import RESCALE_EXIT_CODE
 from pliant.worker.contract import Engine, WorkerError
+from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -92,6 +93,7 @@ class _TrainState(Stateful):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.nbytes = 0  # tensor bytes of the last state handed to or received from DCP (this rank's shards)
 
     def state_dict(self) -> dict[str, Any]:
         optimizer = self.engine.optimizer
@@ -101,11 +103,15 @@ class _TrainState(Stateful):
             optimizer.consolidate_state_dict(to=0)
             full = [optimizer.state_dict() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(full, src=0)
-            return {"model": model.state_dict(), "zero_optim": full[0]}
-        model_sd, optim_sd = get_state_dict(self.engine.model, optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+            state = {"model": model.state_dict(), "zero_optim": full[0]}
+        else:
+            model_sd, optim_sd = get_state_dict(self.engine.model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        self.nbytes = tensor_bytes(state)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.nbytes = tensor_bytes(state)
         optimizer = self.engine.optimizer
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             getattr(self.engine.model, "module", self.engine.model).load_state_dict(state["model"])
@@ -126,6 +132,7 @@ class CheckpointManager:
         async_save: write in the background (one save in flight at most; the next save waits for it).
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
         rescale: a collective returning True once the agent asked for a rescale (the session's); None: never.
+        metrics: where save/load times and bytes are reported (the session's), or None.
     """
 
     def __init__(
@@ -139,13 +146,14 @@ class CheckpointManager:
         async_save: bool = True,
         every_steps: int = 0,
         rescale: Callable[[], bool] | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
         self.directory = Path(directory)
         self.engine, self.loader = engine, loader
         self.job_id, self.generation, self.keep, self.async_save = job_id, generation, keep, async_save
-        self.every_steps, self._rescale = every_steps, rescale
+        self.every_steps, self._rescale, self.metrics = every_steps, rescale, metrics
         self.fingerprint = _fingerprint(engine)
         # Async saves finish with collectives on a background thread: they need a group of their own, or they
         # interleave with the training loop's collectives differently on each rank and hang.
@@ -187,15 +195,24 @@ class CheckpointManager:
         if (path / COMMIT).exists():
             return time.perf_counter() - started
         state = self._state(step)
+        train = state["train"]
         if self.async_save and not sync:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
-            if dist.get_rank() == 0:  # commit as soon as it is complete, not at the next save
-                future.add_done_callback(lambda f: None if f.exception() else self._commit(path, step))
+            future.add_done_callback(lambda f: None if f.exception() else self._saved(path, step, started, train))
             self._in_flight = future
         else:
             dcp.save(state, checkpoint_id=str(path), process_group=self.group)
-            self._commit(path, step)
-        return time.perf_counter() - started
+            self._saved(path, step, started, train)
+        stall = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.observe_save(stall)
+        return stall
+
+    def _saved(self, path: Path, step: int, started: float, train: _TrainState) -> None:
+        """A save completed on this rank: commit it (rank 0, as soon as complete) and report it."""
+        self._commit(path, step)
+        if self.metrics is not None:
+            self.metrics.observe_saved(time.perf_counter() - started, train.nbytes)
 
     def wait(self) -> None:
         """Finish the save in flight, if any (rank 0 commits it when it completes)."""
@@ -265,6 +282,7 @@ class CheckpointManager:
                 )
             state = self._state(info.step)
             error = ""
+            started = time.perf_counter()
             try:
                 dcp.load(state, checkpoint_id=info.path, process_group=self.group)
             except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -278,6 +296,8 @@ class CheckpointManager:
             if self.loader is not None and "data" in state:
                 self.loader.load_state_dict(state["data"])
             self.extras = dict(state.get("extras", {}))
+            if self.metrics is not None:
+                self.metrics.observe_load(time.perf_counter() - started, state["train"].nbytes)
             logger.info("restored step %d from %s (saved at world size %d, now %d)", info.step, info.path,
                         info.world_size, dist.get_world_size())  # fmt: skip
             return info.step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from pliant.errors import PliantError
 if TYPE_CHECKING:
     import torch
 
+    from pliant.worker.metrics import WorkerMetrics
     from pliant.worker.plan import StepPlan
 
 __all__ = ["DataError", "Engine", "EngineError", "EngineKind", "GlobalBatch", "LossFn", "WorkerError"]
@@ -81,6 +83,13 @@ class Engine(abc.ABC):
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    metrics: WorkerMetrics | None = None
+    """Set by the session: where step times, samples and shadow steps are reported."""
+
+    def _observe(self, batch: GlobalBatch, started: float, shadow: bool) -> None:
+        """Report one step that began at ``started`` (perf_counter) to the metrics, if any."""
+        if self.metrics is not None:
+            self.metrics.observe_step(batch.step, sum(batch.micro_sizes), time.perf_counter() - started, shadow)
 
     @abc.abstractmethod
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:

@@ -12,6 +12,7 @@ identically. ZeroRedundancyOptimizer then needs no shadowing: every rank calls `
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from pliant.worker.contract import Engine, GlobalBatch, LossFn
+from pliant.worker.metrics import WorkerMetrics
 
 __all__ = ["DDPEngine", "ZeroEngine", "to_device", "weighted_backward"]
 
@@ -54,6 +56,7 @@ def weighted_backward(
 class _HookState:
     group: dist.ProcessGroup | None
     idle: bool = False
+    metrics: WorkerMetrics | None = None
 
 
 def _sum_and_deliver(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations here
@@ -66,11 +69,14 @@ def _sum_and_deliver(state, bucket):  # type: ignore[no-untyped-def]  # DDP reje
     Returns:
         torch.futures.Future[torch.Tensor]: the summed bucket.
     """
+    issued = time.perf_counter()
     work = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True)
     assert work is not None
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0]
+        if state.metrics is not None:
+            state.metrics.observe_collective("grad_allreduce", time.perf_counter() - issued)
         if state.idle:  # the join hook all-reduced zeros for us and drops the result: keep it
             offset = 0
             for param in bucket.parameters():
@@ -113,6 +119,8 @@ class DDPEngine(Engine):
         return cls(self.model.parameters(), **kwargs)
 
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
+        started = time.perf_counter()
+        self._hook.metrics = self.metrics
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
         total = batch.num_samples
         loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
@@ -127,7 +135,9 @@ class DDPEngine(Engine):
         self._hook.idle = False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss_sum)
+        loss = float(loss_sum)
+        self._observe(batch, started, shadow=idle_somewhere and not micros)
+        return loss
 
 
 class ZeroEngine(DDPEngine):

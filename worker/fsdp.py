@@ -14,6 +14,7 @@ shadow sample in training mode; a loss that is NaN/inf on the shadow sample pois
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -121,6 +122,7 @@ class FSDPEngine(Engine):
         return self.model
 
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
+        started = time.perf_counter()
         micros = list(zip(batch.micro_batches, batch.micro_sizes, strict=True))
         total = batch.num_samples
         loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
@@ -137,4 +139,6 @@ class FSDPEngine(Engine):
         self.fsdp.set_requires_gradient_sync(True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss_sum)
+        loss = float(loss_sum)
+        self._observe(batch, started, shadow=len(micros) < joinable.iterations)
+        return loss

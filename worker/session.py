@@ -12,18 +12,21 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 from torch.utils.data import Dataset
 
 from pliant.env import RESCALE_SIGNAL, WorkerEnv
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
+from pliant.worker.metrics import WorkerMetrics
 
 __all__ = ["Session", "init"]
 
@@ -39,10 +42,22 @@ class Session:
         env: the env contract (default: read once from the environment).
         backend: ``gloo`` or ``nccl`` (default: nccl when CUDA is available, else gloo).
         timeout_s: collective timeout.
+        registry: where the worker's metrics go (default: a new registry; under the agent they also land in the
+            node's multiprocess directory, which the agent serves).
+
+    Attributes:
+        metrics: the worker's metrics; ``session.metrics.publish(loss=...)`` publishes your own values.
     """
 
-    def __init__(self, env: WorkerEnv | None = None, backend: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        env: WorkerEnv | None = None,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.env = env or WorkerEnv.from_env()
+        self.metrics = WorkerMetrics(self.env, registry)
         cuda = torch.cuda.is_available()
         self.backend = backend or ("nccl" if cuda else "gloo")
         if self.backend == "nccl":
@@ -88,14 +103,18 @@ class Session:
             kind = EngineKind(kind)
         except ValueError:
             raise EngineError(f"engine {kind!r} is unknown; use one of {[k.value for k in EngineKind]}") from None
+        engine: Engine
         if kind is EngineKind.FSDP:
             from pliant.worker.fsdp import FSDPEngine
 
-            return FSDPEngine(model, optimizer, optimizer_kwargs, self.device)
-        from pliant.worker.engines import DDPEngine, ZeroEngine
+            engine = FSDPEngine(model, optimizer, optimizer_kwargs, self.device)
+        else:
+            from pliant.worker.engines import DDPEngine, ZeroEngine
 
-        cls = ZeroEngine if kind is EngineKind.ZERO else DDPEngine
-        return cls(model, optimizer, optimizer_kwargs, self.device)
+            cls = ZeroEngine if kind is EngineKind.ZERO else DDPEngine
+            engine = cls(model, optimizer, optimizer_kwargs, self.device)
+        engine.metrics = self.metrics
+        return engine
 
     def loader(
         self,
@@ -119,9 +138,12 @@ class Session:
 
     def rescale_requested(self) -> bool:
         """True on every rank once any rank's agent asked for a rescale: one one-integer all-reduce (collective)."""
+        started = time.perf_counter()
         flag = torch.tensor([int(self._rescale_asked)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        asked = bool(flag.item())
+        self.metrics.observe_collective("control", time.perf_counter() - started)
+        return asked
 
     def checkpoints(
         self,
@@ -149,13 +171,17 @@ class Session:
         rescale = self.rescale_requested if self.env.agent_store else None
         env = self.env
         return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,
-                                 async_save=async_save, every_steps=every_steps, rescale=rescale)  # fmt: skip
+                                 async_save=async_save, every_steps=every_steps, rescale=rescale,
+                                 metrics=self.metrics)  # fmt: skip
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""
+        started = time.perf_counter()
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
-        return float(tensor.item())
+        total = float(tensor.item())
+        self.metrics.observe_collective("control", time.perf_counter() - started)
+        return total
 
     def close(self) -> None:
         """Destroy the process groups this session created.

@@ -50,6 +50,7 @@ def test_host_defaults_to_loopback_with_the_embedded_control_plane() -> None:
         (("--nnodes", "0"), "--nnodes '0' must have 1 <= MIN <= MAX"),
         (("--nnodes", "2:x"), "--nnodes '2:x' must be N or MIN:MAX"),
         (("--nproc-per-node", "many"), "--nproc-per-node 'many'"),
+        (("--metrics-port", "70000"), "--metrics-port 70000 must be in 0..65535"),
     ],
 )
 def test_bad_values(argv: tuple[str, ...], needle: str) -> None:
@@ -70,3 +71,14 @@ def test_the_printed_join_command_keeps_the_shared_checkpoint_dir() -> None:
     command = _join_command(args, "10.0.0.1:29400")
     assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --job default --nnodes 1:2")
     assert "--checkpoint-dir /shared/ckpt" in command and command.endswith("--steps 5")
+
+
+def test_metrics_port_flag_and_env(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).metrics_port is None
+    assert config_from_args(parse("run", "--metrics-port", "9400", SCRIPT), ["h:1"], embedded=True).metrics_port == 9400
+    monkeypatch.setenv("PLIANT_METRICS_PORT", "0")
+    assert config_from_args(parse("agent", "--coordinator", "h:1", SCRIPT), ["h:1"], embedded=False).metrics_port == 0
+    monkeypatch.setenv("PLIANT_METRICS_PORT", "nine")
+    with pytest.raises(SystemExit):
+        parse("run", SCRIPT)
+    assert "--metrics-port: invalid int value: 'nine'" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""``pliant status``: jobs, their state, generation, world size and members, as a table or as JSON.
+
+The rendering functions are pure (the time is passed in); :func:`status_main` does the one ListJobs / GetJob call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pliant.coordinator.client import CoordinatorClient
+from pliant.coordinator.contract import CoordinatorError, JobInfo, MemberProgress
+
+__all__ = ["render_json", "render_table", "status_main", "to_dict"]
+
+
+def to_dict(info: JobInfo) -> dict[str, Any]:
+    """One job as plain data (the ``--json`` schema)."""
+    gen = info.generation
+    in_gen = {m.node_id: m for m in gen.members} if gen else {}
+    members = []
+    for m in info.members:
+        p = info.progress.get(m.node_id, MemberProgress())
+        g = in_gen.get(m.node_id)
+        members.append(
+            {
+                "node_id": m.node_id,
+                "address": m.address,
+                "slots": m.slots,
+                "joined_at": m.joined_at,
+                "in_generation": g is not None,
+                "node_rank": g.node_rank if g else None,
+                "ranks": [g.rank_offset, g.rank_offset + g.nproc - 1] if g else None,
+                "heartbeat_age_s": p.heartbeat_age_s if p.heartbeat_age_s >= 0 else None,
+                "step": p.step or None,
+                "step_at": p.step_at or None,
+            }
+        )
+    return {
+        "job_id": info.spec.job_id,
+        "state": info.status.state.value,
+        "reason": info.status.reason,
+        "state_since": info.status.since,
+        "min_nodes": info.spec.min_nodes,
+        "max_nodes": info.spec.max_nodes,
+        "nproc_per_node": info.spec.nproc_per_node,
+        "generation": gen.number if gen else 0,
+        "generation_reason": gen.reason if gen else "",
+        "world_size": gen.world_size if gen else 0,
+        "restarts_used": gen.restarts_used if gen else 0,
+        "members": members,
+    }
+
+
+def render_json(jobs: Sequence[JobInfo]) -> str:
+    return json.dumps({"jobs": [to_dict(j) for j in jobs]}, indent=2, sort_keys=True)
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def render_table(jobs: Sequence[JobInfo], now: float) -> str:
+    """A readable table per job: a header line, then one row per member."""
+    if not jobs:
+        return "no jobs"
+    out: list[str] = []
+    for info in jobs:
+        d = to_dict(info)
+        state = d["state"] + (f" ({d['reason']})" if d["reason"] else "")
+        out.append(f"job {d['job_id']}: {state}, since {_ago(now - d['state_since'])}")
+        out.append(
+            f"  generation {d['generation']} ({d['generation_reason'] or 'none yet'}), world size "
+            f"{d['world_size']}, nodes {len(d['members'])} (min {d['min_nodes']}, max {d['max_nodes']}), "
+            f"restarts used {d['restarts_used']}"
+        )
+        rows = [["NODE", "ADDRESS", "RANKS", "HEARTBEAT", "STEP", "STEP SEEN"]]
+        for m in d["members"]:
+            ranks = f"{m['ranks'][0]}-{m['ranks'][1]}" if m["ranks"] else "spare"
+            seen = _ago(now - m["step_at"]) if m["step_at"] else "-"
+            rows.append([m["node_id"], m["address"], ranks, _ago(m["heartbeat_age_s"]), str(m["step"] or "-"), seen])
+        out.extend("  " + line for line in _table(rows))
+    return "\n".join(out)
+
+
+def status_main(coordinator: str, job: str | None, as_json: bool) -> int:
+    """Print the status of ``job`` (or every job); 1 when the coordinator cannot answer."""
+    client = CoordinatorClient(coordinator, retry_for_s=3.0)
+    try:
+        jobs = [client.get_job(job)] if job else client.list_jobs()
+    except CoordinatorError as exc:
+        print(f"pliant status: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(render_json(jobs) if as_json else render_table(jobs, time.time()))
+    return 0

@@ -1,0 +1,79 @@
+"""One scrape target per node, for real: an agent serves its own and its workers' metrics (prometheus_client
+multiprocess files) on --metrics-port, through a worker kill -9, a restart and checkpoint saves and loads; heartbeats
+carry the workers' step to `pliant status`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pliant.coordinator.client import CoordinatorClient
+from pliant.net import free_port
+from tests.conftest import ROOT, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+SCRIPT = ROOT / "examples" / "train_elastic.py"
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """name{labels} -> value of every sample (empty when the endpoint does not answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def _workers(agent_pid: int) -> list[psutil.Process]:
+    for child in psutil.Process(agent_pid).children():
+        if "pliant.agent.zygote" in " ".join(child.cmdline()):
+            return child.children()
+    return []
+
+
+def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordinator, spawn, tmp_path: Path) -> None:
+    server = make_coordinator()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    agent = spawn([
+        sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "job", "--node-id", "a",
+        "--host", "127.0.0.1", "--nnodes", "1", "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.2",
+        "--stop-grace", "2", "--metrics-port", str(port), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        str(SCRIPT), "--steps", "100000", "--step-time", "0.03", "--save-every", "20",
+    ], name="agent")  # fmt: skip
+    wait_for(lambda: _scrape(url).get("pliant_worker_step", 0) >= 45, 90, "two periodic checkpoints")
+    first = _scrape(url)
+    assert first["pliant_worker_world_size"] == 2 and first["pliant_worker_generation"] == 1
+    assert first["pliant_worker_checkpoint_saved_bytes_total"] > 0
+    assert first["pliant_worker_checkpoint_save_duration_seconds_count"] >= 2
+    assert first['pliant_agent_state{pliant_agent_state="running"}'] == 1
+    assert first['pliant_agent_workers{state="running"}'] == 2
+    assert first['pliant_agent_info{job_id="job",node_id="a"}'] == 1
+    assert first['pliant_user_loss{rank="0"}'] >= 0
+    assert first['pliant_worker_collective_seconds_total{op="grad_allreduce"}'] > 0
+
+    os.kill(_workers(agent.pid)[0].pid, signal.SIGKILL)
+    wait_for(lambda: _scrape(url).get("pliant_worker_generation") == 2 and _scrape(url).get("pliant_worker_step", 0)
+             > 45, 60, "the restarted generation stepping past the old step")  # fmt: skip
+    after = _scrape(url)
+    assert after['pliant_agent_worker_exits_total{code="-9"}'] == 1
+    assert after["pliant_agent_worker_restarts_total"] == 1 and after["pliant_agent_generation"] == 2
+    assert after["pliant_worker_checkpoint_loaded_bytes_total"] > 0  # the new generation restored
+    assert after["pliant_worker_checkpoint_load_duration_seconds_count"] == 2  # one load per rank
+    assert after["pliant_worker_samples_total"] >= first["pliant_worker_samples_total"]  # dead workers' totals stay
+    assert after['pliant_agent_workers{state="running"}'] == 2
+
+    with CoordinatorClient(server.address) as client:
+        wait_for(lambda: client.get_job("job").progress["a"].step > 0, 15, "the step in the job's status")
+        client.finish_job("job", True, "test done")
+    wait_for(lambda: agent.proc.poll() is not None, 30, "the agent to exit")
+    assert agent.proc.returncode == 0, agent.output()[-3000:]

@@ -1,0 +1,91 @@
+"""Metrics objects over injected registries: names, labels, leader-only job series, user gauges."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pliant.coordinator.contract import (
+    Generation,
+    GenerationMember,
+    JobSnapshot,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Keep,
+    Member,
+    NewGeneration,
+)
+from pliant.coordinator.metrics import CoordinatorMetrics
+from pliant.env import WorkerEnv
+from pliant.worker.contract import WorkerError
+from pliant.worker.metrics import WorkerMetrics, tensor_bytes
+
+
+def _sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:
+    return registry.get_sample_value(name, labels or {})
+
+
+def test_coordinator_job_series_come_from_the_leader_only() -> None:
+    registry, leading = CollectorRegistry(), [False]
+    metrics = CoordinatorMetrics(registry, lambda: leading[0])
+    spec = JobSpec("j", min_nodes=2, max_nodes=4, nproc_per_node=2)
+    snap = JobSnapshot(spec, JobStatus(JobState.WAITING, 0.0), (Member("a", "h:1"), Member("b", "h:2")))
+    metrics.observe_plan(snap, Keep(), 0.002)
+    assert _sample(registry, "pliant_job_members", {"job_id": "j"}) is None
+    assert _sample(registry, "pliant_coordinator_leader") == 0.0
+    leading[0] = True
+    assert _sample(registry, "pliant_job_members", {"job_id": "j"}) == 2.0
+    assert _sample(registry, "pliant_job_min_nodes", {"job_id": "j"}) == 2.0
+    assert _sample(registry, "pliant_job_state", {"job_id": "j", "state": "waiting"}) == 1.0
+    gen = Generation("j", 1, (GenerationMember("a", 0, 0, 2, "h:1"), GenerationMember("b", 1, 2, 2, "h:2")), "start")
+    metrics.observe_published(NewGeneration(gen, JobState.RUNNING))
+    assert _sample(registry, "pliant_job_world_size", {"job_id": "j"}) == 4.0
+    assert _sample(registry, "pliant_job_generation", {"job_id": "j"}) == 1.0
+    assert _sample(registry, "pliant_job_state", {"job_id": "j", "state": "running"}) == 1.0
+    assert _sample(registry, "pliant_coordinator_generations_total", {"job_id": "j", "reason": "start"}) == 1.0
+    assert _sample(registry, "pliant_coordinator_plan_duration_seconds_count") == 1.0
+    assert _sample(registry, "pliant_coordinator_leader") == 1.0
+
+
+def test_coordinator_rpc_and_etcd_series() -> None:
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry, lambda: True)
+    metrics.observe_rpc("Join", grpc.StatusCode.OK, 0.003)
+    metrics.observe_rpc("Join", grpc.StatusCode.NOT_FOUND, 0.001)
+    metrics.observe_etcd("join", 0.002, failed=False)
+    metrics.observe_etcd("join", 5.0, failed=True)
+    assert _sample(registry, "pliant_coordinator_rpcs_total", {"method": "Join", "code": "NOT_FOUND"}) == 1.0
+    assert _sample(registry, "pliant_coordinator_rpc_duration_seconds_count", {"method": "Join"}) == 2.0
+    assert _sample(registry, "pliant_coordinator_etcd_errors_total", {"operation": "join"}) == 1.0
+    assert _sample(registry, "pliant_coordinator_etcd_operation_duration_seconds_count", {"operation": "join"}) == 2.0
+    assert b"pliant_coordinator_rpcs_total" in generate_latest(registry)
+
+
+def test_worker_metrics_without_an_agent_stay_in_the_registry() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(WorkerEnv(rank=1, world_size=2, local_rank=1, local_world_size=2), registry)
+    metrics.observe_step(step=9, samples=16, seconds=0.01, shadow=False)
+    metrics.observe_step(step=10, samples=0, seconds=0.01, shadow=True)
+    assert _sample(registry, "pliant_worker_step") == 11.0
+    assert _sample(registry, "pliant_worker_samples_total") == 16.0
+    assert _sample(registry, "pliant_worker_shadow_steps_total") == 1.0
+    assert _sample(registry, "pliant_worker_world_size") == 2.0
+    metrics.publish(loss=0.5)
+    metrics.gauge("lr", "Learning rate.").set(0.1)
+    assert _sample(registry, "pliant_user_loss", {"rank": "1"}) == 0.5
+    assert _sample(registry, "pliant_user_lr", {"rank": "1"}) == 0.1
+
+
+def test_user_metric_names_are_checked() -> None:
+    metrics = WorkerMetrics(WorkerEnv(), CollectorRegistry())
+    with pytest.raises(WorkerError, match="'my-loss' must match"):
+        metrics.publish(**{"my-loss": 1.0})
+
+
+def test_tensor_bytes_counts_nested_state() -> None:
+    import torch
+
+    state = {"model": {"w": torch.zeros(4, 4), "b": torch.zeros(4)}, "optim": [torch.zeros(2, dtype=torch.float64)]}
+    assert tensor_bytes(state) == 16 * 4 + 4 * 4 + 2 * 8

@@ -1,0 +1,64 @@
+"""`pliant status` rendering: pure functions over JobInfo, time passed in."""
+
+from __future__ import annotations
+
+import json
+
+from pliant.coordinator.contract import (
+    Generation,
+    GenerationMember,
+    JobInfo,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Member,
+    MemberProgress,
+)
+from pliant.coordinator.convert import job_info_from_pb, job_info_to_pb
+from pliant.coordinator.status import render_json, render_table
+
+NOW = 1_000_000.0
+
+
+def _job() -> JobInfo:
+    spec = JobSpec("train", min_nodes=1, max_nodes=3, nproc_per_node=2)
+    members = (Member("n0", "10.0.0.1:5000", 2, NOW - 100), Member("n1", "10.0.0.2:5000", 2, NOW - 50),
+               Member("spare", "10.0.0.3:5000", 2, NOW - 10))  # fmt: skip
+    gen = Generation("train", 4, (GenerationMember("n0", 0, 0, 2, "10.0.0.1:5000"),
+                                  GenerationMember("n1", 1, 2, 2, "10.0.0.2:5000")), "join", 1, NOW - 40)  # fmt: skip
+    progress = {"n0": MemberProgress(1.0, 120, NOW - 3), "n1": MemberProgress(0.0, 118, NOW - 4)}
+    return JobInfo(spec, JobStatus(JobState.RUNNING, NOW - 40), gen, members, progress)
+
+
+def test_table_shows_job_generation_and_members() -> None:
+    text = render_table([_job()], NOW)
+    lines = text.splitlines()
+    assert lines[0] == "job train: running, since 40s ago"
+    assert "generation 4 (join), world size 4, nodes 3 (min 1, max 3), restarts used 1" in lines[1]
+    assert lines[2].split() == ["NODE", "ADDRESS", "RANKS", "HEARTBEAT", "STEP", "STEP", "SEEN"]
+    assert lines[3].split() == ["n0", "10.0.0.1:5000", "0-1", "1s", "ago", "120", "3s", "ago"]
+    assert lines[4].split()[:3] == ["n1", "10.0.0.2:5000", "2-3"]
+    assert lines[5].split() == ["spare", "10.0.0.3:5000", "spare", "-", "-", "-"]
+
+
+def test_json_is_stable_for_scripts() -> None:
+    data = json.loads(render_json([_job()]))
+    (job,) = data["jobs"]
+    assert (job["job_id"], job["state"], job["generation"], job["world_size"]) == ("train", "running", 4, 4)
+    n0, n1, spare = job["members"]
+    assert n0 == {"node_id": "n0", "address": "10.0.0.1:5000", "slots": 2, "joined_at": NOW - 100,
+                  "in_generation": True, "node_rank": 0, "ranks": [0, 1], "heartbeat_age_s": 1.0, "step": 120,
+                  "step_at": NOW - 3}  # fmt: skip
+    assert n1["ranks"] == [2, 3]
+    assert spare["in_generation"] is False and spare["heartbeat_age_s"] is None and spare["step"] is None
+
+
+def test_progress_survives_the_protobuf_round_trip() -> None:
+    info = job_info_from_pb(job_info_to_pb(_job()))
+    assert info.progress["n0"] == MemberProgress(1.0, 120, NOW - 3)
+    assert info.progress["spare"] == MemberProgress()
+
+
+def test_no_jobs() -> None:
+    assert render_table([], NOW) == "no jobs"
+    assert json.loads(render_json([])) == {"jobs": []}

@@ -1,0 +1,193 @@
+"""A worker's Prometheus metrics: steps, throughput, world, checkpoints, shadow steps, collectives, and the user's own.
+
+Under the pliant agent the env contract names a prometheus_client multiprocess directory (``PLIANT_METRICS_DIR``);
+every value written here lands in a file there and the agent's endpoint serves the whole node (no port per worker).
+Series are per node: histograms and counters sum the node's ranks, gauges take the live ranks' maximum (step,
+generation, world size) or sum (samples per second). Outside the agent (torchrun, a plain process) the values stay in
+the session's registry, which a script may serve itself with :func:`pliant.metrics.serve_metrics`.
+
+Publish your own values with ``session.metrics.publish(loss=0.25)`` (a gauge ``pliant_user_loss`` labelled by rank)
+or take a gauge with ``session.metrics.gauge("loss")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+
+from pliant.env import WorkerEnv
+from pliant.metrics import SLOW_BUCKETS_S
+from pliant.worker.contract import WorkerError
+
+__all__ = ["WorkerMetrics", "tensor_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _use_multiprocess_dir(directory: str) -> None:
+    """Make sure prometheus_client writes values into ``directory``'s files.
+
+    prometheus_client picks its value class when it is first imported, from PROMETHEUS_MULTIPROC_DIR. A worker forked
+    from the agent's zygote, or a script that imported it before the env was set, may have picked the in-memory one.
+    """
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") != directory:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    if values.ValueClass.__name__ == "MutexValue":
+        values.ValueClass = values.get_value_class()
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the (local shards of the) tensors in a nested state dict."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+class WorkerMetrics:
+    """Every series one worker process writes.
+
+    Args:
+        env: the worker's env contract (its multiprocess directory and rank).
+        registry: where to register (default: a new one; never the global registry).
+    """
+
+    def __init__(self, env: WorkerEnv, registry: CollectorRegistry | None = None) -> None:
+        if env.metrics_dir:
+            _use_multiprocess_dir(env.metrics_dir)
+        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
+        self.rank = str(env.rank)
+        r = self.registry
+        self.step_seconds = Histogram(
+            "pliant_worker_step_duration_seconds",
+            "Time of one engine step (forward, backward, all-reduce, optimizer).",
+            buckets=_STEP_BUCKETS_S,
+            registry=r,
+        )
+        self.steps = Counter("pliant_worker_steps", "Engine steps run, summed over the node's ranks.", registry=r)
+        self.samples = Counter(
+            "pliant_worker_samples", "Real training samples processed by the node's ranks.", registry=r
+        )
+        self.samples_per_second = Gauge(
+            "pliant_worker_samples_per_second",
+            "Samples per second over the last step interval, summed over live ranks.",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.step = Gauge(
+            "pliant_worker_step", "The last global step completed.", multiprocess_mode="livemax", registry=r
+        )
+        self.world_size = Gauge(
+            "pliant_worker_world_size", "Ranks in the worker's process group.", multiprocess_mode="livemax", registry=r
+        )
+        self.generation = Gauge(
+            "pliant_worker_generation", "The generation the worker runs in.", multiprocess_mode="livemax", registry=r
+        )
+        self.shadow_steps = Counter(
+            "pliant_worker_shadow_steps",
+            "Steps a rank had no micro-batch and shadowed the others' collectives (Join).",
+            registry=r,
+        )
+        self.collective_seconds = Counter(
+            "pliant_worker_collective_seconds",
+            "Time collectives were in flight: gradient all-reduces from issue to "
+            "completion, and pliant's blocking control collectives.",
+            ["op"],
+            registry=r,
+        )
+        self.save_seconds = Histogram(
+            "pliant_worker_checkpoint_save_duration_seconds",
+            "Time from the start of a checkpoint save to its completion on this rank.",
+            buckets=SLOW_BUCKETS_S,
+            registry=r,
+        )
+        self.stall_seconds = Histogram(
+            "pliant_worker_checkpoint_stall_seconds",
+            "Time a checkpoint save blocked training.",
+            buckets=SLOW_BUCKETS_S,
+            registry=r,
+        )
+        self.load_seconds = Histogram(
+            "pliant_worker_checkpoint_load_duration_seconds",
+            "Time to load a checkpoint.",
+            buckets=SLOW_BUCKETS_S,
+            registry=r,
+        )
+        self.saved_bytes = Counter(
+            "pliant_worker_checkpoint_saved_bytes", "Tensor bytes written to checkpoints.", registry=r
+        )
+        self.loaded_bytes = Counter(
+            "pliant_worker_checkpoint_loaded_bytes", "Tensor bytes loaded from checkpoints.", registry=r
+        )
+        self.world_size.set(env.world_size)
+        self.generation.set(env.generation)
+        self._user: dict[str, Gauge] = {}
+        self._last_step_end = 0.0
+
+    # -- the engines and the checkpoint manager report here --------------------------------------------------------
+
+    def observe_step(self, step: int, samples: int, seconds: float, shadow: bool) -> None:
+        """One engine step of this rank: ``samples`` real samples (0 when it shadowed) in ``seconds``."""
+        now = time.perf_counter()
+        interval = now - self._last_step_end if self._last_step_end else seconds
+        self._last_step_end = now
+        self.step_seconds.observe(seconds)
+        self.steps.inc()
+        self.samples.inc(samples)
+        self.samples_per_second.set(samples / interval if interval > 0 else 0.0)
+        self.step.set(step + 1)
+        if shadow:
+            self.shadow_steps.inc()
+
+    def observe_collective(self, op: str, seconds: float) -> None:
+        self.collective_seconds.labels(op).inc(seconds)
+
+    def observe_save(self, stall_s: float) -> None:
+        self.stall_seconds.observe(stall_s)
+
+    def observe_saved(self, seconds: float, nbytes: int) -> None:
+        self.save_seconds.observe(seconds)
+        self.saved_bytes.inc(nbytes)
+
+    def observe_load(self, seconds: float, nbytes: int) -> None:
+        self.load_seconds.observe(seconds)
+        self.loaded_bytes.inc(nbytes)
+
+    # -- the user's own values -------------------------------------------------------------------------------------
+
+    def gauge(self, name: str, documentation: str = "") -> Gauge:
+        """This rank's gauge ``pliant_user_<name>{rank="<rank>"}`` (created on first use).
+
+        Raises:
+            WorkerError: ``name`` is not a valid Prometheus name part.
+        """
+        if name not in self._user:
+            if not _NAME_RE.match(name):
+                raise WorkerError(f"metric name {name!r} must match [a-zA-Z_][a-zA-Z0-9_]*, e.g. 'loss' or 'lr'")
+            self._user[name] = Gauge(
+                f"pliant_user_{name}",
+                documentation or f"User metric {name}.",
+                ["rank"],
+                multiprocess_mode="livemax",
+                registry=self.registry,
+            )
+        return self._user[name].labels(self.rank)
+
+    def publish(self, **named_values: float) -> None:
+        """Set user gauges, e.g. ``publish(loss=0.25, lr=1e-3)``."""
+        for name, value in named_values.items():
+            self.gauge(name).set(float(value))
