@@ -10,7 +10,8 @@ Simulated agents are asyncio tasks on grpc.aio, one connection each, so the benc
 coordinator and etcd on the same machine. The replicas' own metrics (``--metrics-port``) split each figure into
 server-side RPC time, etcd time and reconciler passes.
 
-Usage: ``.venv/bin/python bench/control_plane.py [--join-agents 8] [--heartbeat-agents 200] [--seconds 10]``
+Usage: ``.venv/bin/python bench/control_plane.py [--join-agents 100 500 1000] [--heartbeat-agents 100 500 1000]
+[--seconds 10]`` (about a minute).
 """
 
 from __future__ import annotations
@@ -106,28 +107,38 @@ def leader_kill(client: CoordinatorClient, store: EtcdStore, procs: dict[str, su
     return time.monotonic() - killed, leader
 
 
-async def _stubs(address: str, n: int) -> tuple[list[grpc.aio.Channel], list[pb_grpc.CoordinatorStub]]:
-    """``n`` simulated agents, each with its own connection (like real agents), all connected."""
-    channels = [grpc.aio.insecure_channel(address) for _ in range(n)]
+async def _stubs(addresses: list[str], n: int) -> tuple[list[grpc.aio.Channel], list[pb_grpc.CoordinatorStub]]:
+    """``n`` simulated agents, each with its own connection (like real agents), all connected; agent i talks to
+    replica ``i % len(addresses)``, as agents behind a Kubernetes Service spread over its replicas."""
+    channels = [grpc.aio.insecure_channel(addresses[i % len(addresses)]) for i in range(n)]
     await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 60) for c in channels))
     return channels, [pb_grpc.CoordinatorStub(c) for c in channels]
 
 
-def join_burst(address: str, n: int, metrics: str) -> tuple[float, int, list[str]]:
+def _retire(store: EtcdStore, admin: CoordinatorClient, job: str, leases: list[int]) -> None:
+    """End a scenario's job and revoke its simulated agents' leases now, so that they do not expire in the middle of
+    the next scenario's measurement."""
+    admin.finish_job(job, True, "benchmark scenario done")
+    for lease_id in leases:
+        store.client.revoke_lease(lease_id)
+
+
+def join_burst(addresses: list[str], store: EtcdStore, n: int, metrics: list[str]) -> tuple[float, int, list[str]]:
     """N agents join at once (one asyncio task each). Returns (seconds to the generation, generations published,
     a timeline of where the time went)."""
     job = f"burst{n}"
-    with CoordinatorClient(address) as admin:
+    with CoordinatorClient(addresses) as admin:
         admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
         server_before = _scrape(metrics)
+        leases: list[int] = []
 
         async def burst() -> tuple[float, float, float, float, list[float]]:
-            channels, stubs = await _stubs(address, n)
+            channels, stubs = await _stubs(addresses, n)
             done: list[float] = []
 
             async def join(i: int) -> None:
                 req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{10000 + i}")
-                await stubs[i].Join(req, timeout=60)
+                leases.append((await stubs[i].Join(req, timeout=60)).lease_id)
                 done.append(time.monotonic())
 
             wall, start = time.time(), time.monotonic()
@@ -142,6 +153,7 @@ def join_burst(address: str, n: int, metrics: str) -> tuple[float, int, list[str
         time.sleep(1.0)  # anything else published would show up now
         published = admin.get_job(job).generation.number
         server = _delta(_scrape(metrics), server_before)
+        _retire(store, admin, job, leases)
     assert gen.world_size == n
     created = gen.created_at - wall0  # the reconciler's clock (wall) relative to the start
     timeline = [
@@ -155,10 +167,16 @@ def join_burst(address: str, n: int, metrics: str) -> tuple[float, int, list[str
     return seen - start, published, timeline
 
 
-def _scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+def _scrape(urls: list[str]) -> dict[str, float]:
+    """Every sample of the replicas' metrics, summed over the replicas."""
+    out: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line[:1] != "#":
+                    name, value = line.rsplit(" ", 1)
+                    out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -179,16 +197,18 @@ def _mean(delta: dict[str, float], name: str, kind: str = "rpc") -> float:
     return 1e3 * delta.get(key.format("sum"), 0.0) / count if count else 0.0
 
 
-def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float, metrics: str) -> dict[str, float]:
+def heartbeats(
+    addresses: list[str], store: EtcdStore, agents: int, seconds: float, metrics: list[str]
+) -> dict[str, float]:
     """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
     one; latencies are measured in a window of ``seconds`` once every agent has joined."""
     job, ttl = f"hb{agents}", 10.0
     interval = ttl / 4
-    with CoordinatorClient(address) as admin:
+    with CoordinatorClient(addresses) as admin:
         admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
 
-    async def run() -> tuple[list[float], float, dict[str, float], float]:
-        channels, stubs = await _stubs(address, agents)
+    async def run() -> tuple[list[float], float, dict[str, float], float, list[int]]:
+        channels, stubs = await _stubs(addresses, agents)
         calls: list[tuple[float, float]] = []
         stop = asyncio.Event()
         started = time.perf_counter()
@@ -221,9 +241,11 @@ def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float, metr
         for c in channels:
             await c.close()
         latencies = [dt for t0, dt in calls if window <= t0 < end]
-        return latencies, writes / max(1, len(latencies)), server, join_seconds
+        return latencies, writes / max(1, len(latencies)), server, join_seconds, [g.lease_id for g in grants]
 
-    latencies, per, server, join_seconds = asyncio.run(run())
+    latencies, per, server, join_seconds, leases = asyncio.run(run())
+    with CoordinatorClient(addresses) as admin:
+        _retire(store, admin, job, leases)
     q = statistics.quantiles(latencies, n=100)
     return {
         "calls": len(latencies),
@@ -238,8 +260,8 @@ def heartbeats(address: str, store: EtcdStore, agents: int, seconds: float, metr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--join-agents", type=int, nargs="+", default=[8])
-    parser.add_argument("--heartbeat-agents", type=int, nargs="+", default=[200])
+    parser.add_argument("--join-agents", type=int, nargs="+", default=[100, 500, 1000])
+    parser.add_argument("--heartbeat-agents", type=int, nargs="+", default=[100, 500, 1000])
     parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat measurement window")
     parser.add_argument("--ttl", type=float, default=2.0, help="heartbeat TTL of the expiry scenario")
     parser.add_argument("--leader-ttl", type=float, default=2.0)
@@ -260,14 +282,14 @@ def main() -> None:
             with CoordinatorClient(addresses, retry_for_s=30) as client:
                 took = lease_expiry(client, args.ttl)
                 rows.append((f"lease expiry -> new generation (TTL {args.ttl:g}s)", f"{took:.2f} s"))
-                # Simulated agents talk to replica B; the leader (A, elected first) reconciles. Joins and plans are
-                # timed by both replicas' own metrics.
+                # Simulated agents spread over both replicas; the leader (A, elected first) also reconciles. Joins
+                # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
-                    took, published, timeline = join_burst(addresses[1], n, metrics[1])
+                    took, published, timeline = join_burst(addresses, store, n, metrics)
                     rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published)"))
                     timelines.append(f"{n} agents joining at once:\n" + "\n".join(timeline))
                 for n in args.heartbeat_agents:
-                    hb = heartbeats(addresses[1], store, n, args.seconds, metrics[1])
+                    hb = heartbeats(addresses, store, n, args.seconds, metrics)
                     rows.append(
                         (
                             f"heartbeat RPC, {n} agents ({hb['calls']:.0f} calls in {args.seconds:g}s)",

@@ -12,6 +12,7 @@ Usage: ``.venv/bin/python bench/engine.py [--steps 200]``
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import socket
 import statistics
@@ -54,11 +55,18 @@ def timed(steps: int, warmup: int, step) -> list[float]:
     return times
 
 
-def plain_ddp(rank: int, world: int, steps: int) -> list[float]:
+def plain_ddp_step(rank: int, world: int):  # type: ignore[no-untyped-def]
+    """One step of plain torch DDP (a function of the step index)."""
     model = DistributedDataParallel(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sampler = torch.utils.data.distributed.DistributedSampler(dataset(), world, rank, seed=0)
-    batches = iter(DataLoader(dataset(), batch_size=MICRO, sampler=sampler))
+
+    def epochs():  # as many epochs as --steps needs, like the pliant loader
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from DataLoader(dataset(), batch_size=MICRO, sampler=sampler)
+
+    batches = epochs()
 
     def step(_i: int) -> None:
         x, y = next(batches)
@@ -67,15 +75,27 @@ def plain_ddp(rank: int, world: int, steps: int) -> list[float]:
         loss.backward()
         opt.step()
 
-    return timed(steps, 10, step)
+    return step
 
 
-def pliant_engine(rank: int, world: int, steps: int, kind: str, global_batch: int) -> list[float]:
+def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int):  # type: ignore[no-untyped-def]
+    """One step of the pliant engine (a function of the step index)."""
     session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                                        master_port=int(os.environ["MASTER_PORT"])))  # fmt: skip
     engine = session.engine(make_model(), kind, torch.optim.SGD, lr=0.01)
-    batches = iter(session.loader(dataset(), global_batch, MICRO, max_steps=steps + 10))
-    return timed(steps, 10, lambda _i: engine.step(next(batches), loss_fn))
+    batches = iter(session.loader(dataset(), global_batch, MICRO))
+    return lambda _i: engine.step(next(batches), loss_fn)
+
+
+def interleaved(steps: int, runs: dict[str, object], chunk: int = 25) -> dict[str, list[float]]:
+    """Time the step functions in alternating chunks (A B A B ...), so that drift on a busy machine hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for step in runs.values():
+        timed(0, 10, step)  # warm-up
+    for start in range(0, steps, chunk):
+        for name, step in runs.items():
+            times[name] += timed(min(chunk, steps - start), 0, step)
+    return times
 
 
 def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue) -> None:
@@ -83,16 +103,15 @@ def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue) -> 
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    for name, run in (
-        ("plain ddp", lambda: plain_ddp(rank, world, steps)),
-        ("pliant ddp", lambda: pliant_engine(rank, world, steps, "ddp", MICRO * world)),
-        ("pliant ddp, one micro-batch", lambda: pliant_engine(rank, world, steps, "ddp", MICRO)),
-        ("pliant fsdp", lambda: pliant_engine(rank, world, steps, "fsdp", MICRO * world)),
-        ("pliant fsdp, one micro-batch", lambda: pliant_engine(rank, world, steps, "fsdp", MICRO)),
-    ):
-        dist.barrier()
-        results[name] = statistics.median(run())
+    runs = {
+        "plain ddp": plain_ddp_step(rank, world),
+        "pliant ddp": pliant_engine_step(rank, world, "ddp", MICRO * world),
+        "pliant ddp, one micro-batch": pliant_engine_step(rank, world, "ddp", MICRO),
+        "pliant fsdp": pliant_engine_step(rank, world, "fsdp", MICRO * world),
+        "pliant fsdp, one micro-batch": pliant_engine_step(rank, world, "fsdp", MICRO),
+    }
+    dist.barrier()
+    results = {name: statistics.median(t) for name, t in interleaved(steps, runs).items()}
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -109,7 +128,7 @@ def main() -> None:
     mp.start_processes(rank_main, args=(2, port, args.steps, queue), nprocs=2, start_method="fork")
     results = dict(queue.get() for _ in range(2))
     plain, ours = results[0]["plain ddp"], results[0]["pliant ddp"]
-    print(f"\nmedian step time, 2 ranks, {args.steps} steps (rank 0)")
+    print(f"\nmedian step time, 2 ranks, {args.steps} steps each, interleaved in chunks of 25 (rank 0)")
     print(f"  plain torch DDP            {plain * 1e3:8.2f} ms")
     print(f"  pliant DDP engine          {ours * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / ours:.3f}")
     for kind in ("ddp", "fsdp"):

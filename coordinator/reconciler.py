@@ -34,6 +34,9 @@ __all__ = ["Reconciler"]
 
 logger = logging.getLogger(__name__)
 
+PACING_FACTOR = 2.0  # after a pass that took t seconds, the next one starts no sooner than PACING_FACTOR * t later
+PACING_MAX_S = 0.25
+
 
 class Reconciler:
     """Leader-only loop that turns planner decisions into etcd writes.
@@ -89,6 +92,7 @@ class Reconciler:
                 continue
             self._dirty.clear()
             wake = self._clock() + self._resync_s
+            started = time.perf_counter()
             try:
                 for job in self._store.list_job_ids():
                     deadline = self.reconcile(job, fence)
@@ -100,6 +104,9 @@ class Reconciler:
                 self._stop.wait(delay)
                 delay = min(delay * 2, 2.0)
                 continue
+            # Pace passes by their own cost: a burst of changes (1000 joins) is read in a few big passes instead of
+            # back-to-back ones that take the CPU the joins need. Small jobs' passes take milliseconds: no delay.
+            self._stop.wait(min(PACING_MAX_S, PACING_FACTOR * (time.perf_counter() - started)))
             self._dirty.wait(max(0.0, wake - self._clock()))
 
     def reconcile(self, job: str, fence: Fence) -> float | None:

@@ -49,6 +49,7 @@ from pliant.coordinator.contract import (
     NotFound,
     Unavailable,
 )
+from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
 
 __all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
@@ -126,6 +127,9 @@ class EtcdStore:
         observer: EtcdObserver | None = None,
     ) -> None:
         self.observer = observer
+        self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
+        self.timeout_s = timeout_s
+        self._keepalive = KeepAliveStream(lambda: self.client.leasestub)
         if not endpoints:
             raise InvalidArgument("no etcd endpoint given; pass --etcd http://HOST:PORT[,...]")
         self.endpoints = tuple(endpoints)
@@ -138,6 +142,7 @@ class EtcdStore:
         self.tx = self.client.transactions
 
     def close(self) -> None:
+        self._keepalive.close()
         self.client.close()
 
     # -- keys ----------------------------------------------------------------------------------------------------------
@@ -304,7 +309,7 @@ class EtcdStore:
     # -- members -------------------------------------------------------------------------------------------------------
 
     @_wrap_etcd
-    def join(self, job: str, member: Member) -> tuple[int, int, float]:
+    def join(self, job: str, member: Member, _retry: bool = True) -> tuple[int, int, float]:
         """Grant a lease of the job's heartbeat TTL and write ``member``'s key on it.
 
         Returns:
@@ -313,28 +318,20 @@ class EtcdStore:
         Raises:
             NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
         """
-        # Only the spec, state and current generation: reading every member here would make N joins cost O(N^2).
-        _, (spec_kv, state_kv, gen_kv) = self._txn(
-            [], [self.tx.get(self.job_key(job, k)) for k in ("spec", "state", "generation")]
-        )
-        if not spec_kv:
-            raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
-        spec = JobSpec.from_json(spec_kv[0][0])
-        status = JobStatus.from_json(state_kv[0][0]) if state_kv else JobStatus(JobState.WAITING, 0.0)
-        generation = Generation.from_json(gen_kv[0][0]).number if gen_kv else 0
-        if status.state.terminal:
-            raise FailedPrecondition(
-                f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
-            )
+        spec, spec_revision = self._spec(job)
         member_key = self.job_key(job, "members", member.node_id)
         ttl_s = spec.heartbeat_ttl_s
         lease = self.client.lease(max(2, round(ttl_s)))
         stored = Member(member.node_id, member.address, member.slots, member.joined_at, 0, lease.id)
+        # One transaction: the member key must be free and the spec the one cached (a job deleted and re-created under
+        # the same id has another create revision); it also reads the state and generation the answer needs.
         ok, responses = self._txn(
-            compare=[self.tx.create(member_key) == 0, self.tx.version(self.job_key(job, "spec")) > 0],
+            compare=[self.tx.create(member_key) == 0, self.tx.create(self.job_key(job, "spec")) == spec_revision],
             success=[
                 self.tx.put(member_key, stored.to_json(), lease=lease.id),
                 self.tx.delete(self.job_key(job, "departed", member.node_id)),
+                self.tx.get(self.job_key(job, "state")),
+                self.tx.get(self.job_key(job, "generation")),
             ],
             failure=[self.tx.get(member_key)],
         )
@@ -347,9 +344,39 @@ class EtcdStore:
                     f"{holder.address}, lease {holder.lease_id:x}); give each agent a unique --node-id, or wait "
                     f"{ttl_s:g}s for the old lease to expire"
                 )
+            self._specs.pop(job, None)  # deleted, or re-created with another spec: read it again
+            if _retry:
+                return self.join(job, member, _retry=False)
             raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
+        state_kv, gen_kv = responses[2], responses[3]
+        status = JobStatus.from_json(state_kv[0][0]) if state_kv else JobStatus(JobState.WAITING, 0.0)
+        if status.state.terminal:  # rare: undo the membership (checked here to save a read on every join)
+            written = responses[0].response_put.header.revision
+            self._txn([self.tx.mod(member_key) == written], [self.tx.delete(member_key)])
+            self._revoke_quietly(lease.id)
+            raise FailedPrecondition(
+                f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
+            )
+        generation = Generation.from_json(gen_kv[0][0]).number if gen_kv else 0
         logger.info("node %s joined job %s (lease %x, address %s)", member.node_id, job, lease.id, member.address)
         return lease.id, generation, ttl_s
+
+    def _spec(self, job: str) -> tuple[JobSpec, int]:
+        """The job's spec and its key's create revision; cached, since a job's spec never changes.
+
+        Raises:
+            NotFound: no such job.
+        """
+        cached = self._specs.get(job)
+        if cached is not None:
+            return cached
+        value, meta = self.client.get(self.job_key(job, "spec"))
+        if value is None:
+            raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
+        if len(self._specs) > 10_000:
+            self._specs.clear()
+        self._specs[job] = JobSpec.from_json(value), meta.create_revision
+        return self._specs[job]
 
     @_wrap_etcd
     def heartbeat(self, lease_id: int) -> float:
@@ -358,10 +385,7 @@ class EtcdStore:
         Raises:
             NotFound: the lease expired or was revoked; the node must Join again.
         """
-        ttl = -1
-        for response in self.client.refresh_lease(lease_id):
-            ttl = response.TTL
-            break
+        ttl = self._keepalive.refresh(lease_id, self.timeout_s)
         if ttl <= 0:
             raise NotFound(f"lease {lease_id:x} expired or was revoked; the node's membership is gone, Join again")
         return float(ttl)

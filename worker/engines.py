@@ -1,12 +1,14 @@
 """DDP and ZeRO engines: a fixed global batch whatever the world size, with Join for ranks that run out of inputs.
 
-Each micro-batch's mean loss is weighted by ``samples / global samples`` and gradients are *summed* across ranks (a
-comm hook), so the update equals the mean gradient over the global batch on any world size. A rank accumulates its
-micro-batches under ``no_sync`` and syncs on its last one, so every rank with inputs runs exactly one all-reduce per
+Each micro-batch's mean loss is weighted by ``samples / global samples`` and scaled by the world size, and DDP's own
+(C++) all-reduce averages over the world, so the gradients are the *sum* of the weighted ones: the update equals the
+mean gradient over the global batch on any world size, with no Python comm hook on the hot path. A rank accumulates
+its micro-batches under ``no_sync`` and syncs on its last one, so every rank with inputs runs exactly one all-reduce per
 step. When some rank has no micro-batch this step (the plan tells every rank), the step's synced iteration runs inside
-torch's ``Join`` context: the idle rank's DDP join hook shadows the all-reduce, and pliant's comm hook also delivers
-the reduced gradients into the idle rank's ``.grad`` (torch's hook discards them), so every rank steps its optimizer
-identically. ZeroRedundancyOptimizer then needs no shadowing: every rank calls ``step()``.
+torch's ``Join`` context: the idle rank's DDP join hook shadows the all-reduce (dividing by the initial world size, as
+the others do) and discards the result, so afterwards one rank that had inputs broadcasts the reduced gradients to
+every rank (this costs one more collective, on such steps only), and every rank steps its optimizer identically.
+ZeroRedundancyOptimizer then needs no shadowing: every rank calls ``step()``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,9 +25,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from pliant.worker.contract import Engine, GlobalBatch, LossFn
-from pliant.worker.metrics import WorkerMetrics
 
 __all__ = ["DDPEngine", "ZeroEngine", "to_device", "weighted_backward"]
+
+_DDP_SAMPLE_RATE = 10
 
 logger = logging.getLogger(__name__)
 
@@ -52,44 +54,8 @@ def weighted_backward(
     return loss.detach() * samples
 
 
-@dataclass
-class _HookState:
-    group: dist.ProcessGroup | None
-    idle: bool = False
-    metrics: WorkerMetrics | None = None
-
-
-def _sum_and_deliver(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations here
-    """All-reduce (sum) a gradient bucket; on an idle rank also write the result into the parameters' ``.grad``.
-
-    Args:
-        state (_HookState): the engine's hook state.
-        bucket (dist.GradBucket): the bucket DDP hands over.
-
-    Returns:
-        torch.futures.Future[torch.Tensor]: the summed bucket.
-    """
-    issued = time.perf_counter()
-    work = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True)
-    assert work is not None
-
-    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = fut.value()[0]
-        if state.metrics is not None:
-            state.metrics.observe_collective("grad_allreduce", time.perf_counter() - issued)
-        if state.idle:  # the join hook all-reduced zeros for us and drops the result: keep it
-            offset = 0
-            for param in bucket.parameters():
-                n = param.numel()
-                param.grad = reduced[offset : offset + n].view_as(param).clone()
-                offset += n
-        return reduced
-
-    return work.get_future().then(done)
-
-
 class DDPEngine(Engine):
-    """torch DDP with pliant's sum comm hook.
+    """torch DDP (its own all-reduce) with world-size-scaled loss weights and Join for idle ranks.
 
     Args:
         model: the module (moved to ``device``).
@@ -109,10 +75,14 @@ class DDPEngine(Engine):
         **ddp_kwargs: Any,
     ) -> None:
         self.device = device
+        self.group = group
+        self.world_size = dist.get_world_size(group)
         device_ids = [device.index] if device.type == "cuda" else None
         self.model = DistributedDataParallel(model.to(device), device_ids=device_ids, process_group=group, **ddp_kwargs)
-        self._hook = _HookState(group)
-        self.model.register_comm_hook(self._hook, _sum_and_deliver)
+        # torch's DDP times the all-reduce of every SAMPLE_RATE-th iteration; the metrics extrapolate from those.
+        self.model._set_ddp_runtime_logging_sample_rate(_DDP_SAMPLE_RATE)
+        self._last_comm_start = 0
+        self._synced_since_sample = 0
         self.optimizer = self._optimizer(optimizer_class, optimizer_kwargs)
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
@@ -120,24 +90,57 @@ class DDPEngine(Engine):
 
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         started = time.perf_counter()
-        self._hook.metrics = self.metrics
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
-        total = batch.num_samples
+        total, scale = batch.num_samples, float(self.world_size)
         loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
         with self.model.no_sync():
             for micro, n in micros[:-1]:
-                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, micro, n, total)
+                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, micro, n, total, scale)
         idle_somewhere = batch.plan.some_rank_idle
-        self._hook.idle = idle_somewhere and not micros
         with Join([self.model]) if idle_somewhere else nullcontext():
             if micros:
-                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, *micros[-1], total)
-        self._hook.idle = False
+                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, *micros[-1], total, scale)
+        if idle_somewhere:
+            self._share_gradients(batch)
+        if micros or idle_somewhere:
+            self._observe_allreduce()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = float(loss_sum)
         self._observe(batch, started, shadow=idle_somewhere and not micros)
         return loss
+
+    def _share_gradients(self, batch: GlobalBatch) -> None:
+        """Broadcast the reduced gradients from the first rank that had inputs to the ranks that had none."""
+        started = time.perf_counter()
+        src = next(r for r, count in enumerate(batch.plan.counts()) if count)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if dist.get_rank(self.group) == src:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        else:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+        dist.broadcast(flat, dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        if not batch.micro_batches:
+            offset = 0
+            for param in params:
+                param.grad = flat[offset : offset + param.numel()].view_as(param).clone()
+                offset += param.numel()
+        if self.metrics is not None:
+            self.metrics.observe_collective("grad_broadcast", time.perf_counter() - started)
+
+    def _observe_allreduce(self) -> None:
+        """Report gradient all-reduce time: each iteration torch's DDP sampled counts for the iterations since the
+        previous sample (DDP times one iteration in ``_DDP_SAMPLE_RATE``)."""
+        self._synced_since_sample += 1
+        if self.metrics is None or self._synced_since_sample < _DDP_SAMPLE_RATE:
+            return
+        data = self.model._get_ddp_logging_data()
+        start = data.get("backward_comm_time_start", 0)
+        if start and start != self._last_comm_start:
+            self._last_comm_start = start
+            seconds = data.get("backward_comm_time", 0) / 1e9 * self._synced_since_sample
+            self.metrics.observe_collective("grad_allreduce", seconds)
+            self._synced_since_sample = 0
 
 
 class ZeroEngine(DDPEngine):

@@ -87,3 +87,20 @@ def test_leave_is_graceful_and_frees_the_node_id(make_coordinator) -> None:
         b2 = client.join("job", "b", "127.0.0.1:2")  # the id is free again at once
         assert b2.lease_id != b.lease_id
         client.heartbeat("job", "a", a.lease_id)
+
+
+def test_concurrent_heartbeats_share_one_keepalive_stream(make_coordinator) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = make_coordinator()
+    with CoordinatorClient(server.address) as client:
+        client.create_job(JobSpec("job", 1, 40, heartbeat_ttl_s=3))
+        grants = [client.join("job", f"n{i}", f"127.0.0.1:{i + 1}") for i in range(20)]
+        calls = [(f"n{i % 20}", grants[i % 20].lease_id) for i in range(200)]  # 10 heartbeats per lease, in parallel
+        with ThreadPoolExecutor(32) as pool:
+            ttls = list(pool.map(lambda c: client.heartbeat("job", c[0], c[1]), calls))
+        assert all(2 <= ttl <= 3 for ttl in ttls)
+        server.store.client.revoke_lease(grants[0].lease_id)
+        with pytest.raises(NotFound, match="expired or was revoked"):
+            client.heartbeat("job", "n0", grants[0].lease_id)
+        assert client.heartbeat("job", "n1", grants[1].lease_id) > 0  # the stream is still fine

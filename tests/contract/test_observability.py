@@ -88,3 +88,18 @@ def test_replica_metrics_endpoint_counts_rpcs_etcd_and_generations(make_coordina
     with urllib.request.urlopen(f"http://{server.metrics_server.address}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     assert 'pliant_job_members{job_id="job"} 1.0' in text
+
+
+def test_joining_a_finished_job_is_refused_and_leaves_nothing(make_coordinator) -> None:
+    from pliant.coordinator.contract import FailedPrecondition
+
+    server = make_coordinator()
+    with CoordinatorClient(server.address) as client:
+        client.create_job(JobSpec("done", 1, 2, heartbeat_ttl_s=4))
+        client.join("done", "a", "127.0.0.1:1")  # caches the spec in the store
+        client.finish_job("done", True, "finished")
+        with pytest.raises(FailedPrecondition, match="'done' already succeeded"):
+            client.join("done", "b", "127.0.0.1:2")
+        assert [m.node_id for m in client.get_job("done").members] == ["a"]
+        with pytest.raises(NotFound, match="'nope' does not exist"):
+            client.join("nope", "c", "127.0.0.1:3")

@@ -26,8 +26,9 @@ def test_etcd_restart_mid_run_loses_no_generation(make_coordinator, tmp_path) ->
         server = make_coordinator("solo", endpoints=(etcd.endpoint,))
         with CoordinatorClient(server.address, retry_for_s=30) as client:
             client.create_job(JobSpec("job", 1, 4, heartbeat_ttl_s=30, join_grace_s=0.1))
-            client.join("job", "a", "127.0.0.1:1")
+            grant = client.join("job", "a", "127.0.0.1:1")
             _generation(client, 1)
+            assert client.heartbeat("job", "a", grant.lease_id) > 0  # opens the replica's keepalive stream
             client.join("job", "b", "127.0.0.1:2")
             assert _generation(client, 2).node_ids == ("a", "b")
 
@@ -36,6 +37,8 @@ def test_etcd_restart_mid_run_loses_no_generation(make_coordinator, tmp_path) ->
 
             # The client retries UNAVAILABLE while etcd comes back; the leader re-arms its watches.
             client.join("job", "c", "127.0.0.1:3")
+            # The keepalive stream broke with etcd; the retried heartbeat reopens it and the lease survived.
+            assert client.heartbeat("job", "a", grant.lease_id) > 0
             third = _generation(client, 3)
             assert third.number == 3 and third.node_ids == ("a", "b", "c")
             gens, status = server.store.generations_since("job", 1)
