@@ -6,8 +6,10 @@ that the running job exports.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.parse
@@ -110,8 +112,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 
 def _base_env() -> dict[str, str]:
-    import os
-
     keep = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")
     return {k: v for k, v in os.environ.items() if k in keep}
 
@@ -250,3 +250,37 @@ def test_promtool_checks_rules_and_metrics(deployment: Deployment, tmp_path: Pat
         text = _http(f"http://{target}/metrics")
         result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"{target}: {result.stdout}{result.stderr}"
+
+
+def _status(cluster: Cluster) -> dict[str, Any]:
+    coordinator = cluster.pods_of("pliant-coordinator")[0]
+    out = subprocess.run(
+        [sys.executable, "-m", "pliant", "status", "--coordinator", f"{coordinator.ip}:29400", "--json"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)["jobs"][0]
+
+
+def test_scaling_the_agent_statefulset_down_and_up(deployment: Deployment) -> None:
+    """`kubectl scale` as the pods see it: the highest pod gets its preStop (SIGTERM to the agent, PID 1 in its
+    container) and leaves gracefully; a new pod with the same command joins again."""
+    cluster = deployment.cluster
+    last = cluster.pods_of("pliant-agent")[-1]
+    first = cluster.pods_of("pliant-agent")[0]
+    before = _status(cluster)["generation"]
+    proc = deployment.procs[last.name]
+    os.kill(proc.pid, signal.SIGTERM)  # what the preStop hook's `kill -TERM 1` does
+    wait_for(lambda: proc.proc.poll() is not None, 60, "the leaving agent to exit")
+    assert proc.proc.returncode == 0, proc.output()[-3000:]
+    down = wait_for(lambda: (j := _status(cluster))["world_size"] == 2 and j["generation"] > before and j, 30,
+                    "the job at world size 2")  # fmt: skip
+    assert down["generation_reason"] == "leave" and down["restarts_used"] == 0
+    step = _scrape_step(f"{first.ip}:9400")
+    wait_for(lambda: _scrape_step(f"{first.ip}:9400") > step, 60, "the remaining node stepping")
+
+    argv, env = cluster.command(last)
+    deployment.procs[last.name] = Spawned(argv, cluster.workdir / f"{last.name}-again.log", {**_base_env(), **env})
+    up = wait_for(lambda: (j := _status(cluster))["world_size"] == 4 and j["generation"] > down["generation"] and j,
+                  60, "the job back at world size 4")  # fmt: skip
+    assert up["generation_reason"] == "join"
+    wait_for(lambda: _scrape_step(f"{last.ip}:9400") > 0, 60, "the new pod's workers stepping")
