@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pliant.worker.contract import Engine, GlobalBatch, LossFn
 
-__all__ = ["DDPEngine", "ZeroEngine", "to_device", "weighted_backward"]
+__all__ = ["DDPEngine", "ZeroEngine", "loss_sum", "to_device", "weighted_backward"]
 
 _DDP_SAMPLE_RATE = 10
 
@@ -46,12 +46,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def weighted_backward(
     model: torch.nn.Module, loss_fn: LossFn, micro: Any, samples: int, total: int, scale: float = 1.0
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """Backward of one micro-batch's mean loss weighted by its share of the global batch (times ``scale``, which
-    undoes a collective's averaging); returns loss * samples."""
+    undoes a collective's averaging); returns (the detached loss, samples) for :func:`loss_sum`."""
     loss = loss_fn(model, micro)
-    (loss * (samples * scale / total)).backward()
-    return loss.detach() * samples
+    weight = samples * scale / total
+    (loss if weight == 1.0 else loss * weight).backward()  # an even split at world W weighs exactly 1
+    return loss.detach(), samples
+
+
+def loss_sum(losses: list[tuple[torch.Tensor, int]]) -> float:
+    """Sum of loss * samples over a step's micro-batches, with a single device sync."""
+    if len(losses) == 1:
+        loss, samples = losses[0]
+        return float(loss) * samples
+    return float(sum(loss * samples for loss, samples in losses)) if losses else 0.0
 
 
 class DDPEngine(Engine):
@@ -92,21 +101,21 @@ class DDPEngine(Engine):
         started = time.perf_counter()
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
         total, scale = batch.num_samples, float(self.world_size)
-        loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
+        losses = []  # stay on the device: one sync per step, in loss_sum() below
         with self.model.no_sync():
             for micro, n in micros[:-1]:
-                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, micro, n, total, scale)
+                losses.append(weighted_backward(self.model, loss_fn, micro, n, total, scale))
         idle_somewhere = batch.plan.some_rank_idle
         with Join([self.model]) if idle_somewhere else nullcontext():
             if micros:
-                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, *micros[-1], total, scale)
+                losses.append(weighted_backward(self.model, loss_fn, *micros[-1], total, scale))
         if idle_somewhere:
             self._share_gradients(batch)
         if micros or idle_somewhere:
             self._observe_allreduce()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(loss_sum)
+        loss = loss_sum(losses)
         self._observe(batch, started, shadow=idle_somewhere and not micros)
         return loss
 

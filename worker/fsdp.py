@@ -25,7 +25,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
-from pliant.worker.engines import to_device, weighted_backward
+from pliant.worker.engines import loss_sum, to_device, weighted_backward
 
 __all__ = ["FSDPEngine", "FSDPJoinable"]
 
@@ -125,7 +125,7 @@ class FSDPEngine(Engine):
         started = time.perf_counter()
         micros = list(zip(batch.micro_batches, batch.micro_sizes, strict=True))
         total = batch.num_samples
-        loss_sum: torch.Tensor | float = 0.0  # stays on the device: one sync per step, in float() below
+        losses = []  # stay on the device: one sync per step, in loss_sum() below
         joinable = self.joinable
         joinable.begin(batch, loss_fn)
         with Join([joinable]) if batch.plan.uneven else nullcontext():
@@ -134,11 +134,11 @@ class FSDPEngine(Engine):
                     Join.notify_join_context(joinable)
                 self.fsdp.set_requires_gradient_sync(joinable.sync_now())
                 micro = to_device(micro, self.device)
-                loss_sum = loss_sum + weighted_backward(self.model, loss_fn, micro, n, total, self.world_size)
+                losses.append(weighted_backward(self.model, loss_fn, micro, n, total, self.world_size))
                 joinable.iteration += 1
         self.fsdp.set_requires_gradient_sync(True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(loss_sum)
+        loss = loss_sum(losses)
         self._observe(batch, started, shadow=len(micros) < joinable.iterations)
         return loss
