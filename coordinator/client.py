@@ -107,11 +107,14 @@ class CoordinatorClient:
         resp = self._call("CreateJob", pb.CreateJobRequest(spec=spec_to_pb(spec)))
         return job_info_from_pb(resp.job), resp.created
 
-    def get_job(self, job_id: str) -> JobInfo:
-        return job_info_from_pb(self._call("GetJob", pb.GetJobRequest(job_id=job_id)))
+    def get_job(self, job_id: str, progress: bool = False) -> JobInfo:
+        """The job; with ``progress`` also each member's heartbeat age and step (costs the coordinator a lease
+        lookup per member: for ``pliant status``, not for agents)."""
+        return job_info_from_pb(self._call("GetJob", pb.GetJobRequest(job_id=job_id, include_progress=progress)))
 
-    def list_jobs(self) -> list[JobInfo]:
-        return [job_info_from_pb(j) for j in self._call("ListJobs", pb.ListJobsRequest()).jobs]
+    def list_jobs(self, progress: bool = False) -> list[JobInfo]:
+        req = pb.ListJobsRequest(include_progress=progress)
+        return [job_info_from_pb(j) for j in self._call("ListJobs", req).jobs]
 
     def finish_job(self, job_id: str, succeeded: bool, reason: str = "") -> JobInfo:
         msg = self._call("FinishJob", pb.FinishJobRequest(job_id=job_id, succeeded=succeeded, reason=reason))

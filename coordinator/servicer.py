@@ -123,11 +123,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_rpc
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
-        return job_info_to_pb(self._info_with_progress(request.job_id))
+        info = self._info_with_progress if request.include_progress else self._info
+        return job_info_to_pb(info(request.job_id))
 
     @_rpc
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        jobs = [job_info_to_pb(self._info_with_progress(job)) for job in self._store.list_job_ids()]
+        info = self._info_with_progress if request.include_progress else self._info
+        jobs = [job_info_to_pb(info(job)) for job in self._store.list_job_ids()]
         return pb.ListJobsResponse(jobs=jobs)
 
     @_rpc

@@ -101,7 +101,7 @@ def status_main(coordinator: str, job: str | None, as_json: bool) -> int:
     """Print the status of ``job`` (or every job); 1 when the coordinator cannot answer."""
     client = CoordinatorClient(coordinator, retry_for_s=3.0)
     try:
-        jobs = [client.get_job(job)] if job else client.list_jobs()
+        jobs = [client.get_job(job, progress=True)] if job else client.list_jobs(progress=True)
     except CoordinatorError as exc:
         print(f"pliant status: error: {exc}", file=sys.stderr)
         return 1

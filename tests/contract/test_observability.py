@@ -23,19 +23,23 @@ def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_co
     with CoordinatorClient(server.address) as client:
         client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=4, join_grace_s=0.1))
         grant = client.join("job", "a", "127.0.0.1:1", slots=2)
-        before = client.get_job("job").progress["a"]
+        before = client.get_job("job", progress=True).progress["a"]
         assert before.step == 0 and 0 <= before.heartbeat_age_s <= 1
 
         client.heartbeat("job", "a", grant.lease_id, step=42)
         client.heartbeat("job", "a", grant.lease_id, step=43)  # within the interval: not written
-        progress = client.get_job("job").progress["a"]
+        progress = client.get_job("job", progress=True).progress["a"]
         assert progress.step == 42 and progress.step_at > 0
+        assert client.get_job("job").progress["a"].heartbeat_age_s == -1  # not asked for: no lease lookups
         store = server.store
         _value, meta = store.client.get(store.progress_key("job", "a"))
         assert meta.lease_id == grant.lease_id  # gone with the membership
 
-        wait_for(lambda: client.heartbeat("job", "a", grant.lease_id, step=44) and
-                 client.get_job("job").progress["a"].step == 44, 5, "the next step after the interval")  # fmt: skip
+        def reported_44() -> bool:
+            client.heartbeat("job", "a", grant.lease_id, step=44)
+            return client.get_job("job", progress=True).progress["a"].step == 44
+
+        wait_for(reported_44, 5, "the next step after the interval")
         client.leave("job", "a", grant.lease_id)
         assert store.client.get(store.progress_key("job", "a"))[0] is None
 

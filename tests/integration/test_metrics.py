@@ -73,7 +73,8 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordi
     assert after['pliant_agent_workers{state="running"}'] == 2
 
     with CoordinatorClient(server.address) as client:
-        wait_for(lambda: client.get_job("job").progress["a"].step > 0, 15, "the step in the job's status")
+        step = lambda: client.get_job("job", progress=True).progress["a"].step  # noqa: E731
+        wait_for(lambda: step() > 0, 15, "the step in the job's status")
         client.finish_job("job", True, "test done")
     wait_for(lambda: agent.proc.poll() is not None, 30, "the agent to exit")
     assert agent.proc.returncode == 0, agent.output()[-3000:]
