@@ -138,7 +138,7 @@ class CoordinatorMetrics:
         if failed:
             self.etcd_errors.labels(operation).inc()
 
-    def observe_plan(self, snap: JobSnapshot, decision: object, seconds: float) -> None:
+    def observe_plan(self, snap: JobSnapshot, seconds: float) -> None:
         self.plan_seconds.observe(seconds)
         gen = snap.generation
         spec = snap.spec

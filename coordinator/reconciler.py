@@ -123,7 +123,7 @@ class Reconciler:
         started = time.perf_counter()
         decision = plan(snap, now)
         if self._metrics:
-            self._metrics.observe_plan(snap, decision, time.perf_counter() - started)
+            self._metrics.observe_plan(snap, time.perf_counter() - started)
         try:
             return self._execute(snap, decision, fence, now)
         except FencingError as exc:

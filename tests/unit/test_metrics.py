@@ -13,7 +13,6 @@ from pliant.coordinator.contract import (
     JobSpec,
     JobState,
     JobStatus,
-    Keep,
     Member,
     NewGeneration,
 )
@@ -32,7 +31,7 @@ def test_coordinator_job_series_come_from_the_leader_only() -> None:
     metrics = CoordinatorMetrics(registry, lambda: leading[0])
     spec = JobSpec("j", min_nodes=2, max_nodes=4, nproc_per_node=2)
     snap = JobSnapshot(spec, JobStatus(JobState.WAITING, 0.0), (Member("a", "h:1"), Member("b", "h:2")))
-    metrics.observe_plan(snap, Keep(), 0.002)
+    metrics.observe_plan(snap, 0.002)
     assert _sample(registry, "pliant_job_members", {"job_id": "j"}) is None
     assert _sample(registry, "pliant_coordinator_leader") == 0.0
     leading[0] = True
