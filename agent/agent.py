@@ -24,10 +24,18 @@ from pliant.agent.metrics import AgentMetrics
 from pliant.agent.stores import NodeStore, reachable
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
-from pliant.coordinator.contract import CoordinatorError, Generation, JobState, NotFound, WatchEvent
+from pliant.coordinator.contract import (
+    CoordinatorError,
+    Generation,
+    JobState,
+    NotFound,
+    PermissionDenied,
+    WatchEvent,
+)
 from pliant.env import WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import free_port
+from pliant.tls import Role
 
 __all__ = ["Agent"]
 
@@ -62,7 +70,9 @@ class Agent:
         self.base_env = worker_base_env(config.nproc_per_node)
         self.zygote = zygote
         self.address = ""
-        self.client = CoordinatorClient(list(config.coordinator), retry_for_s=config.heartbeat_retry_s)
+        self.tls = config.tls.load(expect=Role.AGENT) if config.tls else None
+        self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
+        self.join_token = config.join_token
         self.state = AgentState.JOINING
         self.generation: Generation | None = None
         self.group: WorkerGroup | None = None
@@ -92,14 +102,13 @@ class Agent:
             if self.config.metrics_port is not None:
                 self.metrics_server = serve_metrics(self.metrics.registry,
                                                     f"{self.config.host}:{self.config.metrics_port}")  # fmt: skip
-            self._ensure_job()
             self._join()
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
             # The join grace runs while the store starts (the agent's torch import); heartbeats are already going.
             self.store = NodeStore(self.config.host, port)
             return self._loop()
-        except CoordinatorError as exc:
+        except (CoordinatorError, AgentError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)
             print(f"pliant agent: error: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -123,20 +132,45 @@ class Agent:
             self.state = state
             self.metrics.set_state(state)
 
-    def _ensure_job(self) -> None:
+    def _create_job(self) -> None:
+        """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.
+
+        Raises:
+            AgentError: the job exists and this agent has no token, or it may not create the job.
+        """
         spec = self.config.spec
+        admin = self.config.admin_tls
+        client = self.client
+        if admin is not None:
+            client = CoordinatorClient(list(self.config.coordinator), admin.load(expect=Role.ADMIN))
         try:
-            info = self.client.get_job(spec.job_id)
-            logger.info("agent %s: job %s exists (%s)", self.config.node_id, spec.job_id, info.status.state.value)
-        except NotFound:
-            _info, created = self.client.create_job(spec)
-            logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
+            _info, created, token = client.create_job(spec, self.join_token)
+        except PermissionDenied as exc:
+            raise AgentError(
+                f"job {spec.job_id!r} does not exist, and this agent may not create it ({exc}); an admin creates it "
+                f"with `pliant job create {spec.job_id}` and gives the agents its join token (--join-token)"
+            ) from exc
+        finally:
+            if client is not self.client:
+                client.close()
+        if not created and not self.join_token:
+            raise AgentError(f"job {spec.job_id!r} already exists; pass its join token with --join-token (or "
+                             f"PLIANT_JOIN_TOKEN): the one printed when the job was created")  # fmt: skip
+        self.join_token = token
+        logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
 
     def _join(self) -> None:
-        self.grant = self.client.join(
-            self.config.spec.job_id, self.config.node_id, self.address, self.config.nproc_per_node
-        )
-        self._set_state(AgentState.WAITING, f"joined job {self.config.spec.job_id}, lease {self.grant.lease_id:x}")
+        job = self.config.spec.job_id
+        if not self.join_token:
+            self._create_job()
+        try:
+            self.grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
+                                          self.join_token)  # fmt: skip
+        except NotFound:
+            self._create_job()
+            self.grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
+                                          self.join_token)  # fmt: skip
+        self._set_state(AgentState.WAITING, f"joined job {job}")
 
     # -- background threads --------------------------------------------------------------------------------------------
 
@@ -153,7 +187,7 @@ class Agent:
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
                 failing = False
-            except NotFound as exc:
+            except (NotFound, PermissionDenied) as exc:  # the membership is gone (or another's): join again
                 if grant is self.grant:  # not already re-joined
                     self._events.put(_LeaseLost(exc))
                     while self.grant is grant and not self._stop.wait(0.05):
@@ -281,7 +315,7 @@ class Agent:
             logger.info("agent %s: all workers of generation %d exited 0", self.config.node_id, gen.number)
             self.group = None
             self._set_state(AgentState.WAITING, "workers done; waiting for the job to finish")
-            self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number)
+            self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number, self._lease())
             return
         if result.saved_for_rescale:
             # Workers checkpointed and exited for a rescale another node asked for; the new generation follows.
@@ -298,6 +332,9 @@ class Agent:
         self._set_state(AgentState.WAITING, "worker failure reported")
         self._report_failure(gen, code, message)
 
+    def _lease(self) -> int:
+        return self.grant.lease_id if self.grant else 0
+
     def _rank_of(self, local_rank: int) -> int:
         gen = self.generation
         me = next((m for m in gen.members if m.node_id == self.config.node_id), None) if gen else None
@@ -309,7 +346,7 @@ class Agent:
         if unreachable:
             logger.warning("agent %s: agents of %s are unreachable", self.config.node_id, ",".join(unreachable))
         accepted, current = self.client.report_failure(
-            self.config.spec.job_id, self.config.node_id, gen.number, code, message, unreachable
+            self.config.spec.job_id, self.config.node_id, gen.number, code, message, unreachable, self._lease()
         )
         logger.info("agent %s: failure of generation %d reported (%s; current generation %d)", self.config.node_id,
                     gen.number, "accepted" if accepted else "stale", current)  # fmt: skip

@@ -11,6 +11,7 @@ from pliant.coordinator.contract import JobSpec
 from pliant.env import RESCALE_EXIT_CODE
 from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
+from pliant.tls import TlsConfig
 
 __all__ = ["AgentConfig", "AgentError", "AgentState", "GroupResult", "default_node_id"]
 
@@ -64,6 +65,11 @@ class AgentConfig:
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
             (0: a free port); None serves none.
+        tls: the agent's TLS files (an agent certificate naming ``node_id``); None: plaintext (``--insecure``).
+        join_token: the job's join token; "" lets the agent create the job (admin or plaintext only) and join with
+            the token it chose.
+        admin_tls: an admin certificate the agent creates the job with when it does not exist (``pliant run``'s
+            embedded control plane); None: the agent's own certificate.
     """
 
     coordinator: tuple[str, ...]
@@ -81,6 +87,9 @@ class AgentConfig:
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None
+    tls: TlsConfig | None = None
+    join_token: str = ""
+    admin_tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.coordinator:

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import shlex
+import shutil
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.coordinator.contract import JobSpec
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
+from pliant.net import parse_host_port
+from pliant.tls import Role, TlsConfig, add_tls_flags, read_token_file, tls_from_flags
 
 __all__ = ["add_launch_flags", "agent_main", "config_from_args", "run_main"]
 
@@ -82,6 +85,21 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
             "--standalone",
             action="store_true",
             help="one node with the embedded control plane (the default without --coordinator)",
+        )
+    add_tls_flags(parser, "agent")
+    parser.add_argument(
+        "--join-token",
+        default=env("PLIANT_JOIN_TOKEN", ""),
+        help="the job's join token (env PLIANT_JOIN_TOKEN): printed by `pliant run`'s join command or `pliant job "
+        "create`; without one the agent creates the job (needs admin rights)",
+    )
+    parser.add_argument("--join-token-file", default=None, help="read the join token from this file")
+    if mode == "run":
+        parser.add_argument(
+            "--certs-dir",
+            default="",
+            help="where the embedded control plane writes the certificates of this run (its own CA, made at start; "
+            "default: a new temporary directory)",
         )
     parser.add_argument(
         "--checkpoint-dir",
@@ -199,8 +217,10 @@ def _min_nodes_timeout(args: argparse.Namespace) -> float:
     return args.min_nodes_timeout
 
 
-def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embedded: bool) -> AgentConfig:
-    """Build the agent's config from parsed launch flags.
+def config_from_args(
+    args: argparse.Namespace, coordinator: Sequence[str], embedded: bool, tls: TlsConfig | None = None
+) -> AgentConfig:
+    """Build the agent's config from parsed launch flags and the agent's TLS files (None: plaintext).
 
     Raises:
         ConfigError: a flag has a bad value; the message names it and the fix.
@@ -227,12 +247,23 @@ def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embed
             raise ConfigError(f"training script {script!r} not found (cwd {os.getcwd()}); pass a path to a .py file")
         command = (script, *args.training_script_args)
     host = args.host or ("127.0.0.1" if embedded else socket.gethostname())
+    node_id = args.node_id
+    if tls is not None:
+        identity = tls.load(expect=Role.AGENT).identity
+        assert identity is not None
+        if node_id and node_id != identity.name:
+            raise ConfigError(
+                f"--node-id {node_id!r} differs from the node id in {tls.cert} ({identity.name!r}); drop --node-id, "
+                f"or use that node's certificate (pliant certs create-agent {node_id})"
+            )
+        node_id = identity.name
+    token = read_token_file(args.join_token_file) if args.join_token_file else args.join_token
     return AgentConfig(
         coordinator=tuple(coordinator),
         spec=spec,
         command=command,
         nproc_per_node=nproc,
-        node_id=args.node_id or default_node_id(),
+        node_id=node_id or default_node_id(),
         host=host,
         store_port=args.store_port,
         log_dir=args.log_dir,
@@ -243,12 +274,16 @@ def config_from_args(args: argparse.Namespace, coordinator: Sequence[str], embed
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,
+        tls=tls,
+        join_token=token,
     )
 
 
-def _join_command(args: argparse.Namespace, address: str) -> str:
-    parts = ["pliant", "run", "--coordinator", address, "--job", args.job, "--nnodes", args.nnodes,
-             "--nproc-per-node", str(args.nproc_per_node)]  # fmt: skip
+def _join_command(args: argparse.Namespace, address: str, tls_dir: Path | None, token: str) -> str:
+    parts = ["pliant", "run", "--coordinator", address]
+    parts += ["--tls-dir", str(tls_dir)] if tls_dir else ["--insecure"]
+    parts += ["--join-token", token, "--job", args.job, "--nnodes", args.nnodes,
+              "--nproc-per-node", str(args.nproc_per_node)]  # fmt: skip
     if args.checkpoint_dir:  # every node must save to and restore from the same directory
         parts += ["--checkpoint-dir", args.checkpoint_dir]
     if args.module:
@@ -265,7 +300,8 @@ def agent_main(args: argparse.Namespace) -> int:
 
     _ignored_notes(args)
     coordinator = [c.strip() for c in args.coordinator.split(",") if c.strip()]
-    return Agent(config_from_args(args, coordinator, embedded=False)).run()
+    tls = tls_from_flags(args.tls_dir, args.insecure, "agent")
+    return Agent(config_from_args(args, coordinator, embedded=False, tls=tls)).run()
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -275,15 +311,30 @@ def run_main(args: argparse.Namespace) -> int:
             raise ConfigError("--standalone starts its own control plane; drop it to join --coordinator")
         return agent_main(args)
 
+    import dataclasses
+    import secrets
+
     from prometheus_client import CollectorRegistry
 
     from pliant.agent.agent import Agent
+    from pliant.agent.bootstrap import make_run_certs
     from pliant.agent.workers import Zygote, worker_base_env
     from pliant.coordinator.etcd_server import EtcdServer
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
 
     _ignored_notes(args)
-    draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)  # validate every flag before starting anything
+    if args.tls_dir:
+        raise ConfigError("--tls-dir is for joining a running coordinator (with --coordinator); the embedded control "
+                          "plane makes its own certificates (see --certs-dir)")  # fmt: skip
+    # Validate every flag before creating or starting anything.
+    draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
+    listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
+    certs = None
+    if not args.insecure:  # secure by default: an ephemeral CA for this run
+        args.node_id = draft.node_id
+        certs = make_run_certs(args.certs_dir, args.node_id, listen_host, max(1, draft.spec.max_nodes - 1))
+    token = draft.join_token or secrets.token_urlsafe(32)
+    args.join_token, args.join_token_file = token, None
     # The worker zygote imports torch while etcd and the coordinator start; the agent owns and closes it.
     zygote = None if draft.no_python else Zygote(worker_base_env(draft.nproc_per_node))
     log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
@@ -291,11 +342,24 @@ def run_main(args: argparse.Namespace) -> int:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     with EtcdServer(log_path=log_path, die_with_parent=True) as etcd:
         coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
-                                         replica_id="embedded")  # fmt: skip
+                                         replica_id="embedded", tls=certs.coordinator if certs else None,
+                                         insecure=certs is None)  # fmt: skip
         registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
         with CoordinatorServer(coord_config, registry) as coordinator:
             address = coordinator.address
-            print(f"pliant: coordinator on {address} (embedded etcd {etcd.endpoint}); other nodes join with:\n"
-                  f"  {_join_command(args, address)}", flush=True)  # fmt: skip
-            config = config_from_args(args, [address], embedded=True)
-            return Agent(config, zygote=zygote, registry=registry).run()
+            joiner = certs.joiners[0] if certs and certs.joiners else None
+            security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
+            print(f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint}); other nodes join "
+                  f"with:\n  {_join_command(args, address, joiner, token)}", flush=True)  # fmt: skip
+            if certs:
+                more = f"; {certs.directory}/join-2 .. join-{len(certs.joiners)} for more nodes" \
+                    if len(certs.joiners) > 1 else ""
+                print(f"pliant: `pliant status --coordinator {address} --tls-dir {certs.directory / 'admin'}` shows "
+                      f"the job{more}", flush=True)  # fmt: skip
+            config = config_from_args(args, [address], embedded=True, tls=certs.agent if certs else None)
+            config = dataclasses.replace(config, admin_tls=certs.admin if certs else None)
+            try:
+                return Agent(config, zygote=zygote, registry=registry).run()
+            finally:
+                if certs and not args.certs_dir:  # a temporary directory: the CA died with the run
+                    shutil.rmtree(certs.directory, ignore_errors=True)

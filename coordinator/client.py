@@ -1,13 +1,16 @@
 """A Python client of the coordinator API, for agents, ``pliant status`` and the benches (no torch).
 
-It spreads over several replicas: an UNAVAILABLE answer (a replica down, or etcd unreachable behind it) is retried on
-the next replica with backoff for up to ``retry_for_s``. Status codes become domain errors through the contract's one
+Every channel is mutual TLS when the client is given its TLS files (:class:`pliant.tls.TlsMaterial`): the server is
+checked against the CA, and this process's certificate says who it is. It spreads over several replicas: an
+UNAVAILABLE answer (a replica down, or etcd unreachable behind it) is retried on the next replica with backoff for up
+to ``retry_for_s``; no other code is ever retried. Status codes become domain errors through the contract's one
 table. Watches resume from the next generation number on another replica, so an agent misses nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -24,6 +27,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.convert import generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
 from pliant.net import parse_host_port
+from pliant.tls import TlsMaterial, channel_credentials
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -48,11 +52,18 @@ class CoordinatorClient:
 
     Args:
         targets: ``HOST:PORT`` of one or more replicas, as a list or a comma-separated string.
+        tls: this process's TLS files (CA, certificate, key); None: plaintext, for a coordinator run with --insecure.
         timeout_s: deadline of each unary call.
         retry_for_s: how long UNAVAILABLE answers are retried (rotating over replicas) before raising.
     """
 
-    def __init__(self, targets: str | Sequence[str], timeout_s: float = 5.0, retry_for_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        targets: str | Sequence[str],
+        tls: TlsMaterial | None = None,
+        timeout_s: float = 5.0,
+        retry_for_s: float = 10.0,
+    ) -> None:
         items = targets.split(",") if isinstance(targets, str) else list(targets)
         self.targets = [t.strip() for t in items if t.strip()]
         for target in self.targets:
@@ -61,7 +72,11 @@ class CoordinatorClient:
             raise ValueError("no coordinator address given; pass --coordinator HOST:PORT")
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
-        self._channels = [grpc.insecure_channel(t) for t in self.targets]
+        if tls is None:
+            self._channels = [grpc.insecure_channel(t) for t in self.targets]
+        else:
+            creds = channel_credentials(tls)
+            self._channels = [grpc.secure_channel(t, creds) for t in self.targets]  # type: ignore[arg-type]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._current = 0
 
@@ -102,10 +117,24 @@ class CoordinatorClient:
 
     # -- API -----------------------------------------------------------------------------------------------------------
 
-    def create_job(self, spec: JobSpec) -> tuple[JobInfo, bool]:
-        """Create the job, or return the identical existing one (created=False)."""
-        resp = self._call("CreateJob", pb.CreateJobRequest(spec=spec_to_pb(spec)))
-        return job_info_from_pb(resp.job), resp.created
+    def create_job(self, spec: JobSpec, join_token: str = "") -> tuple[JobInfo, bool, str]:
+        """Create the job (admin), or return the identical existing one (created=False).
+
+        The join token is chosen here when not given, so a retried call creates the job with the token this caller
+        knows. Returns (job, created, join token): the token is "" when the job already existed.
+        """
+        token = join_token or secrets.token_urlsafe(32)
+        resp = self._call("CreateJob", pb.CreateJobRequest(spec=spec_to_pb(spec), join_token=token))
+        return job_info_from_pb(resp.job), resp.created, token if resp.created or join_token else ""
+
+    def delete_job(self, job_id: str) -> None:
+        """Delete a finished job (admin)."""
+        self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id))
+
+    def rotate_join_token(self, job_id: str, join_token: str = "") -> str:
+        """Give the job a new join token (admin); returns it."""
+        token = join_token or secrets.token_urlsafe(32)
+        return self._call("RotateJoinToken", pb.RotateJoinTokenRequest(job_id=job_id, join_token=token)).join_token
 
     def get_job(self, job_id: str, progress: bool = False) -> JobInfo:
         """The job; with ``progress`` also each member's heartbeat age and step (costs the coordinator a lease
@@ -120,8 +149,8 @@ class CoordinatorClient:
         msg = self._call("FinishJob", pb.FinishJobRequest(job_id=job_id, succeeded=succeeded, reason=reason))
         return job_info_from_pb(msg)
 
-    def join(self, job_id: str, node_id: str, address: str, slots: int = 0) -> JoinGrant:
-        req = pb.JoinRequest(job_id=job_id, node_id=node_id, address=address, slots=slots)
+    def join(self, job_id: str, node_id: str, address: str, slots: int = 0, join_token: str = "") -> JoinGrant:
+        req = pb.JoinRequest(job_id=job_id, node_id=node_id, address=address, slots=slots, join_token=join_token)
         return JoinGrant(self._call("Join", req))
 
     def heartbeat(self, job_id: str, node_id: str, lease_id: int, step: int = 0) -> float:
@@ -141,8 +170,10 @@ class CoordinatorClient:
         exit_code: int,
         message: str = "",
         unreachable_nodes: Sequence[str] = (),
+        lease_id: int = 0,
     ) -> tuple[bool, int]:
-        """Report a worker failure (and peers whose agents are unreachable). Returns (accepted, current generation)."""
+        """Report a worker failure (and peers whose agents are unreachable), with this node's membership lease.
+        Returns (accepted, current generation)."""
         req = pb.ReportFailureRequest(
             job_id=job_id,
             node_id=node_id,
@@ -150,15 +181,16 @@ class CoordinatorClient:
             exit_code=exit_code,
             message=message,
             unreachable_nodes=list(unreachable_nodes),
+            lease_id=lease_id,
         )
         resp = self._call("ReportFailure", req)
         return resp.accepted, resp.current_generation
 
-    def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:
-        """Report that all of this node's workers of ``generation`` exited 0. Returns (job succeeded, current gen)."""
-        resp = self._call(
-            "ReportSuccess", pb.ReportSuccessRequest(job_id=job_id, node_id=node_id, generation=generation)
-        )
+    def report_success(self, job_id: str, node_id: str, generation: int, lease_id: int = 0) -> tuple[bool, int]:
+        """Report that all of this node's workers of ``generation`` exited 0, with this node's membership lease.
+        Returns (job succeeded, current gen)."""
+        req = pb.ReportSuccessRequest(job_id=job_id, node_id=node_id, generation=generation, lease_id=lease_id)
+        resp = self._call("ReportSuccess", req)
         return resp.accepted, resp.current_generation
 
     def watch(self, job_id: str, from_generation: int = 0) -> Iterator[WatchEvent]:

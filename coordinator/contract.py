@@ -7,6 +7,7 @@ Everything here is plain data (frozen dataclasses) with no I/O. The table that m
 from __future__ import annotations
 
 import enum
+import ipaddress
 import json
 import re
 from collections.abc import Mapping
@@ -18,6 +19,10 @@ import grpc
 from pliant.errors import PliantError
 
 __all__ = [
+    "MAX_ADDRESS_BYTES",
+    "MAX_NPROC",
+    "MAX_REASON_BYTES",
+    "MAX_WORLD_SIZE",
     "AlreadyExists",
     "CoordinatorError",
     "Decision",
@@ -38,16 +43,27 @@ __all__ = [
     "MemberProgress",
     "NewGeneration",
     "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "Unauthenticated",
     "Unavailable",
     "WaitUntil",
     "WatchEvent",
     "error_for_status",
+    "quote",
     "status_for_error",
+    "truncate_reason",
     "validate_address",
     "validate_id",
+    "validate_slots",
 ]
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HOST_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+MAX_ADDRESS_BYTES = 255  # host:port a node advertises
+MAX_REASON_BYTES = 4096  # FinishJob reasons and failure messages; longer ones are truncated with a note
+MAX_NPROC = 1024  # processes per node (nproc_per_node, a Join's slots)
+MAX_WORLD_SIZE = 65_536  # processes in one generation
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -82,7 +98,24 @@ class FencingError(CoordinatorError):
     """A generation write was rejected because the writer is no longer leader or its view of the job is stale."""
 
 
+class Unauthenticated(CoordinatorError):
+    """The caller did not prove who it is: a missing or wrong join token (gRPC UNAUTHENTICATED)."""
+
+
+class PermissionDenied(CoordinatorError, PermissionError):
+    """The caller is known but may not do this: another node's lease, a non-member, a call that needs the admin
+    role (gRPC PERMISSION_DENIED). Nothing was changed."""
+
+
+class ResourceExhausted(CoordinatorError):
+    """A limit was reached: the job quota, watch streams, etcd's request size or space quota. Retrying the same call
+    does not help until something is freed (gRPC RESOURCE_EXHAUSTED)."""
+
+
 _STATUS_BY_ERROR: tuple[tuple[type[CoordinatorError], grpc.StatusCode], ...] = (
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
@@ -114,21 +147,75 @@ def error_for_status(code: grpc.StatusCode, message: str) -> CoordinatorError:
 # Validation helpers
 
 
+def quote(value: object, limit: int = 100) -> str:
+    """``repr`` of a bad value for an error message, cut to about ``limit`` characters (with its full length)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = len(value) if isinstance(value, str | bytes) else len(text)
+    return f"{text[:limit]}... ({size} characters)"
+
+
 def validate_id(value: str, what: str) -> str:
     """Check a job or node id: 1-128 characters of letters, digits, '.', '_' and '-', starting with a letter/digit."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise InvalidArgument(
-            f"{what} {value!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f"{what} {quote(value)} is invalid: use 1-128 letters, digits, '.', '_' or '-', starting with a letter "
+            f"or digit"
         )
     return value
 
 
+def _valid_host(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+        except ValueError:
+            return False
+    try:
+        ipaddress.IPv4Address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return bool(host) and all(_HOST_LABEL_RE.fullmatch(label) for label in labels) and not labels[-1].isdigit()
+
+
 def validate_address(value: str, what: str = "address") -> str:
-    """Check a ``host:port`` address a node advertises."""
-    host, sep, port = (value or "").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"{what} {value!r} is not HOST:PORT with a port in 1..65535, e.g. 10.0.0.5:29500")
+    """Check a ``host:port`` address a node advertises: a hostname or IP (IPv6 in brackets) and a port in 1..65535,
+    at most 255 bytes."""
+    text = value or ""
+    host, sep, port = text.rpartition(":")
+    if (
+        len(text.encode()) > MAX_ADDRESS_BYTES
+        or not sep
+        or not _valid_host(host)
+        or not port.isascii()
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+    ):
+        raise InvalidArgument(
+            f"{what} {quote(value)} is not HOST:PORT (a hostname or IP address, a port in 1..65535, at most "
+            f"{MAX_ADDRESS_BYTES} bytes), e.g. 10.0.0.5:29500 or node-3.pool.svc:29500"
+        )
     return value
+
+
+def validate_slots(value: int, what: str = "slots") -> int:
+    """Check a process count per node: 0 (the job's default, for a Join's slots) up to MAX_NPROC."""
+    if not isinstance(value, int) or not 0 <= value <= MAX_NPROC:
+        raise InvalidArgument(f"{what}={quote(value)} must be between 1 and {MAX_NPROC} processes per node")
+    return value
+
+
+def truncate_reason(text: str, limit: int = MAX_REASON_BYTES) -> str:
+    """Cut a reason or failure message to ``limit`` UTF-8 bytes, saying how much was dropped."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    note = f" ... [truncated: {len(data)} bytes, kept {limit}]"
+    return data[: limit - len(note.encode())].decode(errors="ignore") + note
 
 
 def _from_mapping(cls: type, data: Mapping[str, Any]) -> Any:
@@ -188,7 +275,16 @@ class JobSpec:
         for name in ("min_nodes", "max_nodes", "nproc_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name}={value!r} must be an integer >= 1")
+                raise InvalidArgument(f"{name}={quote(value)} must be an integer >= 1")
+        if self.nproc_per_node > MAX_NPROC:
+            raise InvalidArgument(f"nproc_per_node={self.nproc_per_node} must be at most {MAX_NPROC}")
+        if self.min_nodes * self.nproc_per_node > MAX_WORLD_SIZE:
+            raise InvalidArgument(
+                f"min_nodes={self.min_nodes} x nproc_per_node={self.nproc_per_node} exceeds the largest world size, "
+                f"{MAX_WORLD_SIZE} processes; lower min_nodes"
+            )
+        if self.max_nodes > MAX_WORLD_SIZE:
+            raise InvalidArgument(f"max_nodes={self.max_nodes} must be at most {MAX_WORLD_SIZE}")
         if self.min_nodes > self.max_nodes:
             raise InvalidArgument(
                 f"min_nodes={self.min_nodes} is greater than max_nodes={self.max_nodes}; "
@@ -375,6 +471,7 @@ class JobSnapshot:
         failures: failure reports for the current generation.
         departed: node ids that left gracefully (Leave) recently.
         generation_mod_revision: mod revision of the current-generation key (0 if absent): the fence of the next write.
+        status_mod_revision: mod revision of the state key (0 if absent).
     """
 
     spec: JobSpec
@@ -384,6 +481,7 @@ class JobSnapshot:
     failures: tuple[FailureReport, ...] = ()
     departed: frozenset[str] = field(default_factory=frozenset)
     generation_mod_revision: int = 0
+    status_mod_revision: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ __all__ = [
     "spec_to_pb",
     "state_from_pb",
     "state_to_pb",
+    "without_addresses",
 ]
 
 _STATE_TO_PB = {
@@ -130,3 +131,16 @@ def job_info_from_pb(msg: pb.JobStatus) -> JobInfo:
         members=tuple(Member(m.node_id, m.address, m.slots, m.joined_at) for m in msg.members),
         progress={m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at) for m in msg.members},
     )
+
+
+def without_addresses(msg: pb.JobStatus) -> pb.JobStatus:
+    """A copy of ``msg`` with every node address removed (what a non-admin caller may see of a job)."""
+    out = pb.JobStatus()
+    out.CopyFrom(msg)
+    for member in out.members:
+        member.address = ""
+    if out.HasField("generation"):
+        for member in out.generation.members:
+            member.address = ""
+        out.generation.store_address = ""
+    return out

@@ -165,7 +165,7 @@ class LeaderElection:
         interval = self.ttl_s / 4
         while not self._stop.wait(interval):
             try:
-                self._store.heartbeat(self._lease_id)
+                self._store.refresh_lease(self._lease_id)
                 if self._store.leader()[1] != fence.revision:
                     logger.warning("replica %s: leader key was taken over; stepping down", self.replica_id)
                     break

@@ -2,7 +2,8 @@
 
 Rules (see docs/architecture.md):
 - Survivors keep their relative order, so the node of rank 0 keeps rank 0 while it lives; new nodes are appended in
-  join order (their etcd create revision). At most ``max_nodes`` nodes train; later joiners wait as spares.
+  join order (their etcd create revision). At most ``max_nodes`` nodes (and MAX_WORLD_SIZE processes) train; later
+  joiners wait as spares.
 - Scale-ups that arrive within ``join_grace_s`` of each other are batched into one generation; reaching
   ``max_nodes`` publishes at once. There is no fixed "last call".
 - A lost node (lease expired) or a graceful leave publishes a new generation at once, with every live node.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pliant.coordinator.contract import (
+    MAX_WORLD_SIZE,
     Decision,
     FailJob,
     Generation,
@@ -46,6 +48,20 @@ def assign_ranks(spec: JobSpec, nodes: Sequence[Member]) -> tuple[GenerationMemb
         out.append(GenerationMember(member.node_id, node_rank, offset, nproc, member.address))
         offset += nproc
     return tuple(out)
+
+
+def _admit(spec: JobSpec, survivors: Sequence[Member], newcomers: Sequence[Member]) -> list[Member]:
+    """Newcomers (in join order) that fit under ``max_nodes`` and the largest world size; the rest wait as spares."""
+    world = sum(m.slots or spec.nproc_per_node for m in survivors)
+    room = max(spec.max_nodes - len(survivors), 0)
+    admitted: list[Member] = []
+    for member in newcomers:
+        nproc = member.slots or spec.nproc_per_node
+        if len(admitted) >= room or world + nproc > MAX_WORLD_SIZE:
+            break
+        admitted.append(member)
+        world += nproc
+    return admitted
 
 
 def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float) -> NewGeneration:
@@ -89,7 +105,7 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     survivors = [live_by_id[n] for n in current_ids if n in live_by_id]
     removed = [n for n in current_ids if n not in live_by_id]
     newcomers = [m for m in live if m.node_id not in current_ids]
-    admitted = newcomers[: max(spec.max_nodes - len(survivors), 0)]
+    admitted = _admit(spec, survivors, newcomers)
     target = survivors + admitted
     running = bool(gen and gen.members)
     restarts = gen.restarts_used if gen else 0

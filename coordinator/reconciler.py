@@ -47,6 +47,8 @@ class Reconciler:
         clock: wall clock (the planner's ``now``).
         resync_s: longest sleep between passes.
         metrics: the replica's metrics (plan latency, per-job gauges, generations by reason).
+        finished_job_ttl_s: a finished job is deleted this long after it finished (0: never), as Kubernetes'
+            ``ttlSecondsAfterFinished``.
     """
 
     def __init__(
@@ -56,12 +58,14 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         resync_s: float = 5.0,
         metrics: CoordinatorMetrics | None = None,
+        finished_job_ttl_s: float = 0.0,
     ) -> None:
         self._store = store
         self._election = election
         self._clock = clock
         self._resync_s = resync_s
         self._metrics = metrics
+        self._finished_job_ttl_s = finished_job_ttl_s
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._watch = PrefixWatch(store, store.jobs_prefix, self._dirty.set)
@@ -120,6 +124,14 @@ class Reconciler:
         except NotFound:
             return None
         now = self._clock()
+        if snap.status.state.terminal and self._finished_job_ttl_s:
+            expires = snap.status.since + self._finished_job_ttl_s
+            if now < expires:
+                return expires
+            self._store.delete_job(job)
+            logger.info("job %s deleted %.0fs after it %s (finished-job TTL)", job, now - snap.status.since,
+                        snap.status.state.value)  # fmt: skip
+            return None
         started = time.perf_counter()
         decision = plan(snap, now)
         if self._metrics:

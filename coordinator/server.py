@@ -1,7 +1,9 @@
 """One coordinator replica: the gRPC server (Coordinator + standard health service), leader election and reconciler.
 
-Every replica serves every API call and every watch; only the elected leader runs the reconciler. The health service
-reports SERVING while the replica reaches etcd and NOT_SERVING while it does not, for Kubernetes probes.
+Every replica serves every API call and every watch; only the elected leader runs the reconciler. The API port is
+mutual TLS (``tls``) unless the replica runs with ``insecure=True``. The health service reports SERVING while the
+replica reaches etcd and NOT_SERVING while it does not, for Kubernetes probes; since a kubelet's gRPC probe presents no
+client certificate, it is also served, alone, on a plaintext ``health_listen`` port.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pliant.coordinator.watch_hub import WatchHub
 from pliant.errors import ConfigError
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import parse_host_port
+from pliant.tls import Role, TlsConfig, server_credentials
 from pliant.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = ["CoordinatorConfig", "CoordinatorServer"]
@@ -51,6 +54,17 @@ class CoordinatorConfig:
         metrics_listen: HOST:PORT to serve Prometheus metrics on (port 0: a free one); "" serves none (the metrics
             are still kept in ``CoordinatorServer.registry``).
         progress_interval_s: a node's reported training step is written to etcd at most this often.
+        tls: the replica's TLS files (a coordinator certificate); clients must present a certificate from the same CA.
+        insecure: serve plaintext without client authentication (explicitly; logged as a warning). Exactly one of
+            ``tls`` and ``insecure`` is required.
+        etcd_tls: CA, client certificate and key for etcd over TLS (``https://`` endpoints); None: plaintext etcd.
+        health_listen: HOST:PORT of a plaintext port serving only the health service (for kubelet probes); "": none.
+        max_jobs: jobs the deployment holds at most; CreateJob past it is RESOURCE_EXHAUSTED (0: no limit).
+        finished_job_ttl_s: finished jobs are deleted this long after they finished (0: kept until DeleteJob).
+        max_watch_streams: WatchGenerations streams served at once (0: ``max_workers`` less a tenth, at least 4
+            threads, kept for unary calls).
+        max_concurrent_rpcs: calls in flight at once, streams included; past it a call is RESOURCE_EXHAUSTED (0: twice
+            ``max_workers``).
     """
 
     etcd_endpoints: tuple[str, ...]
@@ -63,6 +77,14 @@ class CoordinatorConfig:
     resync_s: float = 5.0
     metrics_listen: str = ""
     progress_interval_s: float = 5.0
+    tls: TlsConfig | None = None
+    insecure: bool = False
+    etcd_tls: TlsConfig | None = None
+    health_listen: str = ""
+    max_jobs: int = 1000
+    finished_job_ttl_s: float = 86400.0
+    max_watch_streams: int = 0
+    max_concurrent_rpcs: int = 0
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -78,6 +100,25 @@ class CoordinatorConfig:
             raise ConfigError(f"--leader-ttl {self.leader_ttl_s!r} must be between 2 and 300 seconds")
         if self.max_workers < 4:
             raise ConfigError(f"max_workers={self.max_workers} must be at least 4")
+        if (self.tls is None) == (not self.insecure):
+            raise ConfigError(
+                "the coordinator needs --tls-dir DIR (ca.crt, tls.crt, tls.key of a coordinator certificate; create "
+                "them with `pliant certs`) or an explicit --insecure" if self.tls is None else
+                "--tls-dir and --insecure contradict each other; drop one"
+            )  # fmt: skip
+        if self.health_listen:
+            parse_host_port(self.health_listen, what="--health-port address", allow_zero=True)
+        if self.max_jobs < 0 or self.finished_job_ttl_s < 0:
+            raise ConfigError(f"--max-jobs {self.max_jobs} and --finished-job-ttl {self.finished_job_ttl_s:g} must "
+                              f"be >= 0 (0: no limit / keep finished jobs)")  # fmt: skip
+        reserve = max(4, self.max_workers // 10)
+        if not self.max_watch_streams:
+            object.__setattr__(self, "max_watch_streams", self.max_workers - reserve)
+        if not 1 <= self.max_watch_streams <= self.max_workers - 4:
+            raise ConfigError(f"--max-watch-streams {self.max_watch_streams} must be between 1 and max_workers - 4 "
+                              f"({self.max_workers - 4}): streams must leave threads for heartbeats")  # fmt: skip
+        if not self.max_concurrent_rpcs:
+            object.__setattr__(self, "max_concurrent_rpcs", 2 * self.max_workers)
         if not self.replica_id:
             object.__setattr__(self, "replica_id", f"{socket.gethostname()}-{os.getpid()}")
 
@@ -93,24 +134,35 @@ class CoordinatorServer:
     def __init__(self, config: CoordinatorConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
-        self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s)
+        self.tls = config.tls.load(expect=Role.COORDINATOR) if config.tls else None
+        etcd_creds = None
+        if config.etcd_tls is not None:
+            etcd_files = config.etcd_tls.load(need_role=False)
+            etcd_creds = grpc.ssl_channel_credentials(etcd_files.ca_pem, etcd_files.key_pem, etcd_files.cert_pem)
+        self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s, credentials=etcd_creds)
         self.health = health.HealthServicer()
         self.election = LeaderElection(self.store, config.replica_id, config.leader_ttl_s, self._set_health)
         self.metrics = CoordinatorMetrics(self.registry, lambda: self.election.is_leader)
         self.store.observer = self.metrics.observe_etcd
-        self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s, metrics=self.metrics)
+        self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s, metrics=self.metrics,
+                                     finished_job_ttl_s=config.finished_job_ttl_s)  # fmt: skip
         self.hub = WatchHub(self.store)
         self.servicer = CoordinatorServicer(self.store, self.hub, observe=self.metrics.observe_rpc,
                                             poke=self.reconciler.poke,
-                                            progress_interval_s=config.progress_interval_s)  # fmt: skip
+                                            progress_interval_s=config.progress_interval_s,
+                                            max_jobs=config.max_jobs,
+                                            max_watch_streams=config.max_watch_streams)  # fmt: skip
         self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 1 << 20)],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health_server: grpc.Server | None = None
         self.port = 0
+        self.health_port = 0
         self._stopped = threading.Event()
 
     @property
@@ -133,11 +185,26 @@ class CoordinatorServer:
         """
         host, port = parse_host_port(self.config.listen, allow_zero=True)
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if self.tls is not None:
+                assert self.config.tls is not None
+                creds = server_credentials(self.config.tls, self.tls)
+                self.port = self.server.add_secure_port(f"{host}:{port}", creds)  # type: ignore[arg-type]
+            else:
+                logger.warning("coordinator %s serves PLAINTEXT without client authentication (--insecure): anyone "
+                               "who reaches %s can create, finish and delete jobs", self.config.replica_id,
+                               self.config.listen)  # fmt: skip
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on --listen {self.config.listen}: {exc}; pick a free port") from exc
         if self.port == 0:
             raise ConfigError(f"cannot listen on --listen {self.config.listen}; is the port taken?")
+        if self.config.health_listen:
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(self.config.health_listen)
+            if self.health_port == 0:
+                raise ConfigError(f"cannot listen on health address {self.config.health_listen}; is the port taken?")
+            self.health_server.start()
         if self.config.metrics_listen:
             self.metrics_server = serve_metrics(self.registry, self.config.metrics_listen)
         self._set_health(True)
@@ -145,9 +212,10 @@ class CoordinatorServer:
         self.election.start()
         self.reconciler.start()
         logger.info(
-            "coordinator %s serving on %s (etcd %s, prefix %s)",
+            "coordinator %s serving on %s (%s; etcd %s, prefix %s)",
             self.config.replica_id,
             self.address,
+            f"mutual TLS as {self.tls.identity}" if self.tls else "plaintext",
             ",".join(self.config.etcd_endpoints),
             self.config.prefix,
         )
@@ -160,6 +228,8 @@ class CoordinatorServer:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s)
+        if self.health_server is not None:
+            self.health_server.stop(0)
         self.reconciler.stop()
         self.hub.close()
         self.election.stop(resign=True)

@@ -1,19 +1,25 @@
-"""The Coordinator gRPC service: validates requests, calls the store, and maps domain errors to status codes.
+"""The Coordinator gRPC service: authorizes and validates requests, calls the store, and maps domain errors to status
+codes.
 
-Any replica serves every call: all state lives in etcd. Domain errors become gRPC status codes here only, through
-:func:`pliant.coordinator.contract.status_for_error`.
+Any replica serves every call: all state lives in etcd. Every call is authorized in one place, :meth:`_authorize`,
+by the rules of :mod:`pliant.coordinator.authz` and, for calls that carry a lease, by the store's proof that the lease
+is the caller's own membership. Domain errors become gRPC status codes here only, through
+:func:`pliant.coordinator.contract.status_for_error`. No message ever carries a lease id or a token.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
+from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, require_node
 from pliant.coordinator.contract import (
     CoordinatorError,
     FailureReport,
@@ -21,13 +27,19 @@ from pliant.coordinator.contract import (
     JobInfo,
     Member,
     MemberProgress,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
     status_for_error,
+    truncate_reason,
     validate_address,
     validate_id,
+    validate_slots,
 )
-from pliant.coordinator.convert import generation_to_pb, job_info_to_pb, spec_from_pb, state_to_pb
+from pliant.coordinator.convert import generation_to_pb, job_info_to_pb, spec_from_pb, state_to_pb, without_addresses
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
+from pliant.tls import peer_identity
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -44,13 +56,15 @@ def _abort(context: grpc.ServicerContext, exc: CoordinatorError) -> None:
 
 
 def _rpc(fn: _F) -> _F:
-    """Run a unary handler, turning domain errors into their status codes and reporting (method, code, seconds)."""
+    """Run a unary handler: authorize the caller (the handler gets the :class:`Caller`, not the context), turn domain
+    errors into their status codes, and report (method, code, seconds)."""
 
     @functools.wraps(fn)
     def handler(self: CoordinatorServicer, request: Any, context: grpc.ServicerContext) -> Any:
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
-            return fn(self, request, context)
+            caller = self._authorize(fn.__name__, request, context)
+            return fn(self, request, caller)
         except CoordinatorError as exc:
             code = status_for_error(exc)
             logger.debug("%s -> %s: %s", fn.__name__, code.name, exc)
@@ -67,8 +81,23 @@ def _rpc(fn: _F) -> _F:
 
 def _lease_id(value: int, node_id: str) -> int:
     if value == 0:
-        raise InvalidArgument(f"lease_id for node {node_id!r} is 0; send the lease_id that Join returned")
+        raise InvalidArgument(f"lease_id for node {node_id[:100]!r} is 0; send the lease_id that Join returned")
     return value
+
+
+def _token(value: str) -> str:
+    """A join token chosen by the caller: 16-256 printable ASCII characters."""
+    if value and not (16 <= len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value):
+        raise InvalidArgument(
+            f"join_token of {len(value)} characters is invalid: use 16-256 printable ASCII characters without spaces, "
+            f"or leave it empty and the coordinator generates one"
+        )
+    return value
+
+
+def new_token() -> str:
+    """A fresh join token: 256 random bits, URL-safe."""
+    return secrets.token_urlsafe(32)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -83,6 +112,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         stream_poll_s: how often a WatchGenerations stream checks that its client is still there.
         progress_interval_s: a node's reported step is written to etcd at most this often (heartbeats themselves
             write nothing).
+        max_jobs: jobs this coordinator deployment holds at most (0: no limit); CreateJob past it is
+            RESOURCE_EXHAUSTED.
+        max_watch_streams: open WatchGenerations streams this replica serves at most (each holds a server thread);
+            past it a new stream is RESOURCE_EXHAUSTED, so streams never starve heartbeats of threads.
     """
 
     def __init__(
@@ -94,6 +127,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         poke: Callable[[], None] | None = None,
         stream_poll_s: float = 1.0,
         progress_interval_s: float = 5.0,
+        max_jobs: int = 0,
+        max_watch_streams: int = 0,
     ) -> None:
         self._store = store
         self._hub = hub
@@ -103,6 +138,41 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._stream_poll_s = stream_poll_s
         self._progress_interval_s = progress_interval_s
         self._progress_written: dict[tuple[str, str], tuple[float, int]] = {}  # (job, node) -> (monotonic, step)
+        self._max_jobs = max_jobs
+        self._max_watch_streams = max_watch_streams
+        self._watch_streams = 0
+        self._watch_lock = threading.Lock()
+
+    # -- authorization: the one place ----------------------------------------------------------------------------------
+
+    def _authorize(self, method: str, request: Any, context: grpc.ServicerContext) -> Caller:
+        """Check that the caller may make this call; return who it is.
+
+        Raises:
+            PermissionDenied: the caller's role, node or lease does not allow the call (nothing was touched).
+            NotFound: the call carries a lease for a membership that no longer exists.
+        """
+        caller = Caller(peer_identity(context))
+        if method in ADMIN_METHODS:
+            require_admin(caller, method)
+        elif method in ("GetJob", "WatchGenerations"):
+            if not caller.is_admin:
+                job = validate_id(request.job_id, "job_id")
+                node = caller.node_id
+                if node is None or not self._store.is_member(job, node):
+                    raise PermissionDenied(
+                        f"{method} of job {job!r} refused: {caller} is not a member of it; only its members and "
+                        f"admins see a job"
+                    )
+        elif method == "Join":
+            require_node(caller, request.node_id, method)
+        else:  # Heartbeat, Leave, ReportFailure, ReportSuccess: the caller's own node, with its own lease
+            require_node(caller, request.node_id, method)
+            job = validate_id(request.job_id, "job_id")
+            node = validate_id(request.node_id, "node_id")
+            if method != "Leave":  # Leave checks the lease in its own transaction
+                self._store.check_member(job, node, _lease_id(request.lease_id, node))
+        return caller
 
     # -- jobs ----------------------------------------------------------------------------------------------------------
 
@@ -115,52 +185,73 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return JobInfo(info.spec, info.status, info.generation, info.members, self._store.progress(job, info.members))
 
     @_rpc
-    def CreateJob(self, request: pb.CreateJobRequest, context: grpc.ServicerContext) -> pb.CreateJobResponse:
+    def CreateJob(self, request: pb.CreateJobRequest, caller: Caller) -> pb.CreateJobResponse:
         spec = spec_from_pb(request.spec)
-        _spec, created = self._store.create_job(spec, self._clock())
+        given = _token(request.join_token)
+        token = given or new_token()
+        _spec, created = self._store.create_job(spec, self._clock(), token, self._max_jobs, same_token=bool(given))
         self._poke()
-        return pb.CreateJobResponse(job=job_info_to_pb(self._info(spec.job_id)), created=created)
+        info = job_info_to_pb(self._info(spec.job_id))
+        return pb.CreateJobResponse(job=info, created=created, join_token=token if created else "")
 
     @_rpc
-    def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
+    def GetJob(self, request: pb.GetJobRequest, caller: Caller) -> pb.JobStatus:
         info = self._info_with_progress if request.include_progress else self._info
-        return job_info_to_pb(info(request.job_id))
+        msg = job_info_to_pb(info(request.job_id))
+        return msg if caller.is_admin else without_addresses(msg)
 
     @_rpc
-    def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
+    def ListJobs(self, request: pb.ListJobsRequest, caller: Caller) -> pb.ListJobsResponse:
         info = self._info_with_progress if request.include_progress else self._info
-        jobs = [job_info_to_pb(info(job)) for job in self._store.list_job_ids()]
+        jobs = []
+        for job in self._store.list_job_ids():
+            try:
+                jobs.append(job_info_to_pb(info(job)))
+            except NotFound:  # deleted while listing
+                continue
         return pb.ListJobsResponse(jobs=jobs)
 
     @_rpc
-    def FinishJob(self, request: pb.FinishJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
+    def FinishJob(self, request: pb.FinishJobRequest, caller: Caller) -> pb.JobStatus:
         job = validate_id(request.job_id, "job_id")
-        self._store.finish_job(job, request.succeeded, request.reason, self._clock())
+        self._store.finish_job(job, request.succeeded, truncate_reason(request.reason), self._clock())
         return job_info_to_pb(self._info(job))
+
+    @_rpc
+    def DeleteJob(self, request: pb.DeleteJobRequest, caller: Caller) -> pb.DeleteJobResponse:
+        self._store.delete_job(validate_id(request.job_id, "job_id"))
+        return pb.DeleteJobResponse()
+
+    @_rpc
+    def RotateJoinToken(self, request: pb.RotateJoinTokenRequest, caller: Caller) -> pb.RotateJoinTokenResponse:
+        token = _token(request.join_token) or new_token()
+        self._store.rotate_token(validate_id(request.job_id, "job_id"), token)
+        return pb.RotateJoinTokenResponse(join_token=token)
 
     # -- members -------------------------------------------------------------------------------------------------------
 
     @_rpc
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+    def Join(self, request: pb.JoinRequest, caller: Caller) -> pb.JoinResponse:
         job = validate_id(request.job_id, "job_id")
         node = validate_id(request.node_id, "node_id")
-        member = Member(node, validate_address(request.address), request.slots, self._clock())
-        lease_id, generation, ttl = self._store.join(job, member)
+        slots = validate_slots(request.slots)
+        member = Member(node, validate_address(request.address), slots, self._clock())
+        lease_id, generation, ttl = self._store.join(job, member, request.join_token)
         self._poke()
         return pb.JoinResponse(
             lease_id=lease_id, heartbeat_ttl_s=ttl, heartbeat_interval_s=max(0.2, ttl / 4), generation=generation
         )
 
     @_rpc
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        ttl = self._store.heartbeat(_lease_id(request.lease_id, request.node_id))
+    def Heartbeat(self, request: pb.HeartbeatRequest, caller: Caller) -> pb.HeartbeatResponse:
+        ttl = self._store.heartbeat(request.job_id, request.node_id, request.lease_id)
         if request.step:
             self._record_progress(request)
         return pb.HeartbeatResponse(ttl_s=ttl)
 
     def _record_progress(self, request: pb.HeartbeatRequest) -> None:
         """Write the node's step to etcd when it changed and the last write is ``progress_interval_s`` old."""
-        key = (validate_id(request.job_id, "job_id"), validate_id(request.node_id, "node_id"))
+        key = (request.job_id, request.node_id)  # checked by _authorize
         now = time.monotonic()
         last_at, last_step = self._progress_written.get(key, (-float("inf"), -1))
         if request.step == last_step or now - last_at < self._progress_interval_s:
@@ -171,34 +262,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._progress_written[key] = (now, request.step)
 
     @_rpc
-    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
+    def Leave(self, request: pb.LeaveRequest, caller: Caller) -> pb.LeaveResponse:
         job = validate_id(request.job_id, "job_id")
         node = validate_id(request.node_id, "node_id")
         self._store.read_job(job)  # NotFound for an unknown job
-        self._store.leave(job, node, request.lease_id)
+        self._store.leave(job, node, _lease_id(request.lease_id, node))
         self._poke()
         return pb.LeaveResponse()
 
     @_rpc
-    def ReportFailure(
-        self, request: pb.ReportFailureRequest, context: grpc.ServicerContext
-    ) -> pb.ReportFailureResponse:
-        job = validate_id(request.job_id, "job_id")
-        node = validate_id(request.node_id, "node_id")
+    def ReportFailure(self, request: pb.ReportFailureRequest, caller: Caller) -> pb.ReportFailureResponse:
+        job, node = request.job_id, request.node_id  # checked by _authorize
         if request.generation == 0:
             raise InvalidArgument("generation 0 in ReportFailure; report the generation the failed worker ran in")
-        report = FailureReport(node, request.generation, request.exit_code, request.message[:4096], self._clock())
         unreachable = [validate_id(n, "unreachable node id") for n in request.unreachable_nodes]
+        report = FailureReport(node, request.generation, request.exit_code, truncate_reason(request.message),
+                               self._clock())  # fmt: skip
         accepted, current = self._store.report_failure(job, report, unreachable)
         self._poke()
         return pb.ReportFailureResponse(accepted=accepted, current_generation=current)
 
     @_rpc
-    def ReportSuccess(
-        self, request: pb.ReportSuccessRequest, context: grpc.ServicerContext
-    ) -> pb.ReportSuccessResponse:
-        job = validate_id(request.job_id, "job_id")
-        node = validate_id(request.node_id, "node_id")
+    def ReportSuccess(self, request: pb.ReportSuccessRequest, caller: Caller) -> pb.ReportSuccessResponse:
+        job, node = request.job_id, request.node_id  # checked by _authorize
         if request.generation == 0:
             raise InvalidArgument("generation 0 in ReportSuccess; report the generation the workers completed")
         accepted, current = self._store.report_success(job, node, request.generation, self._clock())
@@ -210,9 +296,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.WatchGenerationsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.WatchGenerationsResponse]:
         """Stream generations from ``from_generation`` on, in order, plus job state changes, until the client leaves."""
+        with self._watch_lock:
+            admitted = not self._max_watch_streams or self._watch_streams < self._max_watch_streams
+            self._watch_streams += admitted
         try:
+            if not admitted:
+                raise ResourceExhausted(
+                    f"this replica serves {self._max_watch_streams} WatchGenerations streams, its limit; retry on "
+                    f"another replica, or raise --max-watch-streams (with --max-workers)"
+                )
+            self._authorize("WatchGenerations", request, context)
             sub = self._hub.subscribe(validate_id(request.job_id, "job_id"), request.from_generation)
         except CoordinatorError as exc:
+            with self._watch_lock:
+                self._watch_streams -= admitted
             self.observe("WatchGenerations", status_for_error(exc), 0.0)
             _abort(context, exc)
             return
@@ -229,3 +326,5 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield msg
         finally:
             sub.close()
+            with self._watch_lock:
+                self._watch_streams -= 1

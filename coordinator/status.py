@@ -13,6 +13,7 @@ from typing import Any
 
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobInfo, MemberProgress
+from pliant.tls import TlsConfig
 
 __all__ = ["render_json", "render_table", "status_main", "to_dict"]
 
@@ -97,9 +98,13 @@ def render_table(jobs: Sequence[JobInfo], now: float) -> str:
     return "\n".join(out)
 
 
-def status_main(coordinator: str, job: str | None, as_json: bool) -> int:
-    """Print the status of ``job`` (or every job); 1 when the coordinator cannot answer."""
-    client = CoordinatorClient(coordinator, retry_for_s=3.0)
+def status_main(coordinator: str, job: str | None, as_json: bool, tls: TlsConfig | None = None) -> int:
+    """Print the status of ``job`` (or every job); 1 when the coordinator cannot answer.
+
+    Raises:
+        ConfigError: the TLS files do not load.
+    """
+    client = CoordinatorClient(coordinator, tls.load() if tls else None, retry_for_s=3.0)
     try:
         jobs = [client.get_job(job, progress=True)] if job else client.list_jobs(progress=True)
     except CoordinatorError as exc:

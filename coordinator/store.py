@@ -4,175 +4,61 @@ Key layout under the prefix (default ``/pliant/v1``)::
 
     leader                              elected replica id (leased; its create revision is the fencing token)
     jobs/<job>/spec                     JobSpec JSON
+    jobs/<job>/token                    "sha256:<hex>" of the job's join token (never the token itself)
     jobs/<job>/state                    JobStatus JSON (waiting | running | succeeded | failed)
     jobs/<job>/members/<node>           Member JSON, attached to the node's lease
     jobs/<job>/generation               the current Generation JSON
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
+    index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
                                         jobs/ so that its writes never wake the reconciler
 
-Every mutation is one etcd transaction, so nothing is ever written half-way. etcd errors are wrapped into
-:class:`Unavailable`; a generation write whose fence fails raises :class:`FencingError`.
+Every mutation is one etcd transaction, so nothing is ever written half-way. etcd's lost connections are wrapped into
+:class:`Unavailable` (safe to retry), its size and space-quota errors into :class:`ResourceExhausted` (not); a
+generation write whose fence fails raises :class:`FencingError`. A member acts only through the lease its member key is
+bound to: :meth:`EtcdStore.check_member` is the one place that proves it.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
-import time
-import types
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import etcd3
-import etcd3.exceptions
-import etcd3.watch
-import grpc
+from typing import Any
 
 from pliant.coordinator.contract import (
     AlreadyExists,
-    CoordinatorError,
     FailedPrecondition,
     FailureReport,
     FencingError,
     Generation,
-    InvalidArgument,
     JobSnapshot,
     JobSpec,
     JobState,
     JobStatus,
     Member,
-    MemberProgress,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
-from pliant.coordinator.keepalive import KeepAliveStream
-from pliant.net import parse_host_port
+from pliant.coordinator.store_base import HISTORY, EtcdObserver, Fence, etcd_call, range_end, token_digest
+from pliant.coordinator.store_members import MemberStore
 
 __all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
 
 logger = logging.getLogger(__name__)
 
-HISTORY = 100  # generations kept per job for resumable watches
 
-if not hasattr(etcd3.watch, "six"):
-    # python3-etcd3 0.13.0's watch thread calls six.itervalues() without importing six, so a broken watch stream
-    # never reaches its callbacks (and PrefixWatch would never re-arm). Give it the one function it uses.
-    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(d.values()))  # type: ignore[attr-defined]
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class Fence:
-    """Proof of leadership: the leader key and the create revision it had when this replica won the election."""
-
-    key: str
-    revision: int
-
-
-EtcdObserver = Callable[[str, float, bool], None]
-"""Called with (store operation, seconds, failed) after each store operation; used by metrics."""
-
-
-def _wrap_etcd(fn: Callable[..., _T]) -> Callable[..., _T]:
-    """Turn etcd client errors into :class:`Unavailable` naming the endpoints, and report each call's duration."""
-
-    @functools.wraps(fn)
-    def wrapper(self: EtcdStore, *args: Any, **kwargs: Any) -> _T:
-        started, failed = time.perf_counter(), True
-        try:
-            result = fn(self, *args, **kwargs)
-            failed = False
-            return result
-        except CoordinatorError:
-            failed = False  # a domain answer (NotFound, ...): etcd itself worked
-            raise
-        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
-            # etcd3 raises a bare ValueError for an endpoint it marked failed; other ValueErrors are bugs.
-            if type(exc) is ValueError and "failed node" not in str(exc):
-                raise
-            raise Unavailable(
-                f"etcd at {','.join(self.endpoints)} did not answer {fn.__name__} ({type(exc).__name__}: {exc}); "
-                f"the call is safe to retry once etcd is reachable"
-            ) from exc
-        finally:
-            if self.observer is not None:
-                self.observer(fn.__name__, time.perf_counter() - started, failed)
-
-    return wrapper
-
-
-def _range_end(prefix: str) -> bytes:
-    return etcd3.utils.prefix_range_end(prefix.encode())
-
-
-class EtcdStore:
-    """All of the coordinator's reads and writes of etcd.
-
-    Args:
-        endpoints: etcd client URLs or host:port strings.
-        prefix: root of every key.
-        timeout_s: per-request deadline.
-        observer: called with (operation, seconds, failed) after each operation (metrics).
+class EtcdStore(MemberStore):
+    """All of the coordinator's reads and writes of etcd: leadership, jobs and generations here, members in
+    :class:`MemberStore`, the client and keys in :class:`EtcdBase`.
     """
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        prefix: str = "/pliant/v1",
-        timeout_s: float = 5.0,
-        observer: EtcdObserver | None = None,
-    ) -> None:
-        self.observer = observer
-        self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
-        self.timeout_s = timeout_s
-        self._keepalive = KeepAliveStream(lambda: self.client.leasestub)
-        if not endpoints:
-            raise InvalidArgument("no etcd endpoint given; pass --etcd http://HOST:PORT[,...]")
-        self.endpoints = tuple(endpoints)
-        self.prefix = prefix.rstrip("/")
-        eps = []
-        for url in self.endpoints:
-            host, port = parse_host_port(url, what="etcd endpoint")
-            eps.append(etcd3.Endpoint(host, port, secure=False, time_retry=0.5))
-        self.client = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
-        self.tx = self.client.transactions
-
-    def close(self) -> None:
-        self._keepalive.close()
-        self.client.close()
-
-    # -- keys ----------------------------------------------------------------------------------------------------------
-
-    @property
-    def leader_key(self) -> str:
-        return f"{self.prefix}/leader"
-
-    @property
-    def jobs_prefix(self) -> str:
-        return f"{self.prefix}/jobs/"
-
-    def job_key(self, job: str, *parts: str) -> str:
-        return "/".join((f"{self.prefix}/jobs/{job}", *parts))
-
-    def progress_key(self, job: str, node: str = "") -> str:
-        return f"{self.prefix}/progress/{job}/{node}"
-
-    def history_key(self, job: str, number: int) -> str:
-        return self.job_key(job, "generations", f"{number:012d}")
-
-    def _txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
-        return self.client.transaction(compare=compare, success=success, failure=failure or [])
-
-    def _prefix_get(self, prefix: str) -> Any:
-        return self.tx.get(prefix, _range_end(prefix))
 
     # -- leadership ----------------------------------------------------------------------------------------------------
 
-    @_wrap_etcd
+    @etcd_call
     def campaign(self, replica_id: str, ttl_s: float) -> tuple[Fence, int] | None:
         """Take the leader key if nobody holds it. Returns (fence, lease id) when won, else None."""
         if self.client.get(self.leader_key)[0] is not None:
@@ -186,13 +72,13 @@ class EtcdStore:
             return None
         return Fence(self.leader_key, responses[0].response_put.header.revision), lease.id
 
-    @_wrap_etcd
+    @etcd_call
     def leader(self) -> tuple[str, int]:
         """The current leader's replica id and fencing revision, ("", 0) when none."""
         value, meta = self.client.get(self.leader_key)
         return (value.decode(), meta.create_revision) if value is not None else ("", 0)
 
-    @_wrap_etcd
+    @etcd_call
     def resign(self, fence: Fence, lease_id: int) -> None:
         """Delete the leader key if it is still ours, and revoke our lease."""
         self._txn([self.tx.create(fence.key) == fence.revision], [self.tx.delete(fence.key)])
@@ -200,43 +86,103 @@ class EtcdStore:
 
     # -- jobs ----------------------------------------------------------------------------------------------------------
 
-    @_wrap_etcd
-    def create_job(self, spec: JobSpec, now: float) -> tuple[JobSpec, bool]:
-        """Create ``spec``'s job; an identical existing job is returned with ``created=False``.
+    @etcd_call
+    def create_job(
+        self, spec: JobSpec, now: float, token: str, max_jobs: int = 0, same_token: bool = True
+    ) -> tuple[JobSpec, bool]:
+        """Create ``spec``'s job with join token ``token`` (only its digest is stored); an identical existing job is
+        returned with ``created=False`` (when ``same_token``, only if it has that token).
 
         Raises:
-            AlreadyExists: a job with that id exists with a different spec.
+            AlreadyExists: a job with that id exists with a different spec or join token.
+            ResourceExhausted: ``max_jobs`` jobs exist already (0: no limit).
         """
-        spec_key = self.job_key(spec.job_id, "spec")
+        job = spec.job_id
+        spec_key, token_key = self.job_key(job, "spec"), self.job_key(job, "token")
+        if max_jobs and self.client.get(spec_key)[0] is None:
+            count = len(self.list_job_ids())
+            if count >= max_jobs:
+                raise ResourceExhausted(
+                    f"this coordinator holds {count} jobs, its limit (--max-jobs {max_jobs}); delete finished jobs "
+                    f"(DeleteJob), wait for --finished-job-ttl to remove them, or raise --max-jobs"
+                )
         ok, responses = self._txn(
             compare=[self.tx.create(spec_key) == 0],
             success=[
                 self.tx.put(spec_key, spec.to_json()),
-                self.tx.put(self.job_key(spec.job_id, "state"), JobStatus(JobState.WAITING, now).to_json()),
+                self.tx.put(self.job_key(job, "state"), JobStatus(JobState.WAITING, now).to_json()),
+                self.tx.put(token_key, token_digest(token)),
+                self.tx.put(self.index_key(job), ""),
             ],
-            failure=[self.tx.get(spec_key)],
+            failure=[self.tx.get(spec_key), self.tx.get(token_key)],
         )
         if ok:
-            logger.info("job %s created: %s", spec.job_id, spec)
+            logger.info("job %s created: %s", job, spec)
             return spec, True
         existing = JobSpec.from_json(responses[0][0][0])
         diff = existing.differences(spec)
         if diff:
             raise AlreadyExists(
-                f"job {spec.job_id!r} already exists with a different spec ({'; '.join(diff)}); "
-                f"use another job id or the existing spec"
+                f"job {job!r} already exists with a different spec ({'; '.join(diff)}); use another job id or the "
+                f"existing spec"
+            )
+        stored = responses[1][0][0].decode() if responses[1] else ""
+        if same_token and not hmac.compare_digest(stored, token_digest(token)):
+            raise AlreadyExists(
+                f"job {job!r} already exists with another join token; join it with the token its creator was given, "
+                f"or rotate the token (RotateJoinToken, admin)"
             )
         return existing, False
 
-    @_wrap_etcd
+    @etcd_call
     def list_job_ids(self) -> list[str]:
-        ids = set()
-        for _value, meta in self.client.get_prefix(self.jobs_prefix, keys_only=True):
-            rest = meta.key.decode()[len(self.jobs_prefix) :]
-            ids.add(rest.split("/", 1)[0])
-        return sorted(ids)
+        prefix = self.index_key("")
+        return sorted(meta.key.decode()[len(prefix) :] for _v, meta in self.client.get_prefix(prefix, keys_only=True))
 
-    @_wrap_etcd
+    @etcd_call
+    def delete_job(self, job: str) -> None:
+        """Delete a finished job: every key of it, and the leases of members still holding one.
+
+        Raises:
+            NotFound: no such job. FailedPrecondition: the job has not finished.
+        """
+        snap = self.read_job(job)
+        if not snap.status.state.terminal:
+            raise FailedPrecondition(
+                f"job {job!r} is {snap.status.state.value}; finish it first (FinishJob / pliant job finish), then "
+                f"delete it"
+            )
+        prefix = self.job_key(job) + "/"
+        ok, _ = self._txn(
+            compare=[self.tx.mod(self.job_key(job, "state")) == snap.status_mod_revision],
+            success=[
+                self.tx.delete(prefix, range_end(prefix)),
+                self.tx.delete(self.progress_key(job), range_end(self.progress_key(job))),
+                self.tx.delete(self.index_key(job)),
+            ],
+        )
+        if not ok:
+            raise Unavailable(f"job {job!r} changed while it was being deleted; retry")
+        for member in snap.members:
+            self._revoke_quietly(member.lease_id)
+        self._specs.pop(job, None)
+        logger.info("job %s deleted (%s)", job, snap.status.state.value)
+
+    @etcd_call
+    def rotate_token(self, job: str, token: str) -> None:
+        """Replace ``job``'s join token (members already joined keep their leases).
+
+        Raises:
+            NotFound: no such job.
+        """
+        token_key = self.job_key(job, "token")
+        spec_exists = self.tx.create(self.job_key(job, "spec")) > 0
+        ok, _ = self._txn(compare=[spec_exists], success=[self.tx.put(token_key, token_digest(token))])
+        if not ok:
+            raise NotFound(f"job {job!r} does not exist; check the job id")
+        logger.info("job %s: join token rotated", job)
+
+    @etcd_call
     def read_job(self, job: str) -> JobSnapshot:
         """Read everything the planner needs about ``job`` in one transaction (a single etcd revision).
 
@@ -272,9 +218,10 @@ class EtcdStore:
             ),
             departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in departed),
             generation_mod_revision=current[0][1].mod_revision if current else 0,
+            status_mod_revision=state[0][1].mod_revision if state else 0,
         )
 
-    @_wrap_etcd
+    @etcd_call
     def finish_job(self, job: str, succeeded: bool, reason: str, now: float) -> JobStatus:
         """Mark ``job`` succeeded or failed. Finishing twice the same way is a no-op.
 
@@ -306,189 +253,9 @@ class EtcdStore:
                 return new
         raise Unavailable(f"job {job!r} state kept changing while finishing it; retry")
 
-    # -- members -------------------------------------------------------------------------------------------------------
-
-    @_wrap_etcd
-    def join(self, job: str, member: Member, _retry: bool = True) -> tuple[int, int, float]:
-        """Grant a lease of the job's heartbeat TTL and write ``member``'s key on it.
-
-        Returns:
-            (lease id, current generation number or 0, heartbeat TTL in seconds).
-
-        Raises:
-            NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
-        """
-        spec, spec_revision = self._spec(job)
-        member_key = self.job_key(job, "members", member.node_id)
-        ttl_s = spec.heartbeat_ttl_s
-        lease = self.client.lease(max(2, round(ttl_s)))
-        stored = Member(member.node_id, member.address, member.slots, member.joined_at, 0, lease.id)
-        # One transaction: the member key must be free and the spec the one cached (a job deleted and re-created under
-        # the same id has another create revision); it also reads the state and generation the answer needs.
-        ok, responses = self._txn(
-            compare=[self.tx.create(member_key) == 0, self.tx.create(self.job_key(job, "spec")) == spec_revision],
-            success=[
-                self.tx.put(member_key, stored.to_json(), lease=lease.id),
-                self.tx.delete(self.job_key(job, "departed", member.node_id)),
-                self.tx.get(self.job_key(job, "state")),
-                self.tx.get(self.job_key(job, "generation")),
-            ],
-            failure=[self.tx.get(member_key)],
-        )
-        if not ok:
-            self._revoke_quietly(lease.id)
-            if responses and responses[0]:
-                holder = Member.from_json(responses[0][0][0])
-                raise AlreadyExists(
-                    f"node id {member.node_id!r} already holds a live membership in job {job!r} (address "
-                    f"{holder.address}, lease {holder.lease_id:x}); give each agent a unique --node-id, or wait "
-                    f"{ttl_s:g}s for the old lease to expire"
-                )
-            self._specs.pop(job, None)  # deleted, or re-created with another spec: read it again
-            if _retry:
-                return self.join(job, member, _retry=False)
-            raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
-        state_kv, gen_kv = responses[2], responses[3]
-        status = JobStatus.from_json(state_kv[0][0]) if state_kv else JobStatus(JobState.WAITING, 0.0)
-        if status.state.terminal:  # rare: undo the membership (checked here to save a read on every join)
-            written = responses[0].response_put.header.revision
-            self._txn([self.tx.mod(member_key) == written], [self.tx.delete(member_key)])
-            self._revoke_quietly(lease.id)
-            raise FailedPrecondition(
-                f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
-            )
-        generation = Generation.from_json(gen_kv[0][0]).number if gen_kv else 0
-        logger.info("node %s joined job %s (lease %x, address %s)", member.node_id, job, lease.id, member.address)
-        return lease.id, generation, ttl_s
-
-    def _spec(self, job: str) -> tuple[JobSpec, int]:
-        """The job's spec and its key's create revision; cached, since a job's spec never changes.
-
-        Raises:
-            NotFound: no such job.
-        """
-        cached = self._specs.get(job)
-        if cached is not None:
-            return cached
-        value, meta = self.client.get(self.job_key(job, "spec"))
-        if value is None:
-            raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
-        if len(self._specs) > 10_000:
-            self._specs.clear()
-        self._specs[job] = JobSpec.from_json(value), meta.create_revision
-        return self._specs[job]
-
-    @_wrap_etcd
-    def heartbeat(self, lease_id: int) -> float:
-        """Refresh ``lease_id`` and return its TTL.
-
-        Raises:
-            NotFound: the lease expired or was revoked; the node must Join again.
-        """
-        ttl = self._keepalive.refresh(lease_id, self.timeout_s)
-        if ttl <= 0:
-            raise NotFound(f"lease {lease_id:x} expired or was revoked; the node's membership is gone, Join again")
-        return float(ttl)
-
-    @_wrap_etcd
-    def leave(self, job: str, node_id: str, lease_id: int) -> bool:
-        """Gracefully remove ``node_id`` (marking the departure) and revoke its lease; False if it was not a member."""
-        member_key = self.job_key(job, "members", node_id)
-        ok, _ = self._txn(
-            compare=[self.tx.create(member_key) > 0],
-            success=[self.tx.delete(member_key), self.tx.put(self.job_key(job, "departed", node_id), "leave")],
-        )
-        if lease_id:
-            self._revoke_quietly(lease_id)
-        if ok:
-            logger.info("node %s left job %s", node_id, job)
-        return ok
-
-    @_wrap_etcd
-    def record_progress(self, job: str, node_id: str, lease_id: int, progress: MemberProgress) -> None:
-        """Store ``node_id``'s latest step on its membership lease (gone with the membership)."""
-        self.client.put(self.progress_key(job, node_id), progress.to_json(), lease=lease_id)
-
-    @_wrap_etcd
-    def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
-        """Each member's progress: the recorded step and the age of its last heartbeat (from its lease's TTL)."""
-        recorded = {
-            meta.key.decode().rsplit("/", 1)[1]: MemberProgress.from_json(value)
-            for value, meta in self.client.get_prefix(self.progress_key(job))
-        }
-        out = {}
-        for member in members:
-            age = -1.0
-            if member.lease_id:
-                info = self.client.get_lease_info(member.lease_id)
-                if info.TTL > 0:
-                    age = float(max(0, info.grantedTTL - info.TTL))
-            step = recorded.get(member.node_id, MemberProgress())
-            out[member.node_id] = MemberProgress(age, step.step, step.step_at)
-        return out
-
-    def _revoke_quietly(self, lease_id: int) -> None:
-        try:
-            self.client.revoke_lease(lease_id)
-        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
-            logger.debug("revoking lease %x failed (it expires by itself): %s", lease_id, exc)
-
-    def _current(self, job: str) -> tuple[Generation | None, int]:
-        """The current generation and the mod revision of its key (NotFound for an unknown job)."""
-        value, meta = self.client.get(self.job_key(job, "generation"))
-        if value is None:
-            self.read_job(job)  # NotFound for an unknown job
-            return None, 0
-        return Generation.from_json(value), meta.mod_revision
-
-    @_wrap_etcd
-    def report_failure(self, job: str, report: FailureReport, unreachable: Sequence[str] = ()) -> tuple[bool, int]:
-        """Record a worker failure of the current generation, evicting the ``unreachable`` nodes in the same txn.
-
-        Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
-        revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
-
-        Returns:
-            (accepted, current generation number): not accepted when the report names an older generation.
-        """
-        current, mod_revision = self._current(job)
-        if current is None or report.generation != current.number:
-            return False, current.number if current else 0
-        suspects = [n for n in dict.fromkeys(unreachable) if n in current.node_ids and n != report.node_id]
-        leases = []
-        for node in suspects:
-            value, _meta = self.client.get(self.job_key(job, "members", node))
-            if value is not None:
-                leases.append(Member.from_json(value).lease_id)
-        key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
-        ops = [self.tx.put(key, report.to_json())]
-        ops += [self.tx.delete(self.job_key(job, "members", n)) for n in suspects]
-        ok, _ = self._txn([self.tx.mod(self.job_key(job, "generation")) == mod_revision], ops)
-        if ok:
-            for lease_id in leases:
-                self._revoke_quietly(lease_id)
-            logger.info(
-                "failure reported in job %s generation %d by %s (exit %d)%s",
-                job,
-                current.number,
-                report.node_id,
-                report.exit_code,
-                f"; evicted unreachable {suspects}" if suspects else "",
-            )
-        return ok, current.number
-
-    @_wrap_etcd
-    def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:
-        """A node's workers of ``generation`` all exited 0: mark the job succeeded if that generation is current."""
-        current, _ = self._current(job)
-        if current is None or generation != current.number or node_id not in current.node_ids:
-            return False, current.number if current else 0
-        status = self.finish_job(job, True, f"node {node_id}'s workers completed generation {generation}", now)
-        return status.state is JobState.SUCCEEDED, current.number
-
     # -- generations and state (leader only) ---------------------------------------------------------------------------
 
-    @_wrap_etcd
+    @etcd_call
     def publish(self, snap: JobSnapshot, generation: Generation, status: JobStatus, fence: Fence) -> None:
         """Write ``generation`` as the job's current one and record ``status``, fenced.
 
@@ -504,16 +271,16 @@ class EtcdStore:
             self.tx.put(self.job_key(job, "generation"), generation.to_json()),
             self.tx.put(self.history_key(job, generation.number), generation.to_json()),
             self.tx.put(self.job_key(job, "state"), status.to_json()),
-            self.tx.delete(self.job_key(job, "departed") + "/", _range_end(self.job_key(job, "departed") + "/")),
+            self.tx.delete(self.job_key(job, "departed") + "/", range_end(self.job_key(job, "departed") + "/")),
         ]
         if snap.generation:
             old = self.job_key(job, "failures", f"{snap.generation.number:012d}") + "/"
-            ops.append(self.tx.delete(old, _range_end(old)))
+            ops.append(self.tx.delete(old, range_end(old)))
         if generation.number > HISTORY:
             ops.append(self.tx.delete(self.history_key(job, generation.number - HISTORY)))
         self._fenced(fence, [self.tx.mod(self.job_key(job, "generation")) == snap.generation_mod_revision], ops)
 
-    @_wrap_etcd
+    @etcd_call
     def set_status(self, job: str, status: JobStatus, fence: Fence) -> None:
         """Record the job's state (leader only, fenced)."""
         self._fenced(fence, [], [self.tx.put(self.job_key(job, "state"), status.to_json())])
@@ -525,7 +292,7 @@ class EtcdStore:
                 f"write rejected: leadership (create revision {fence.revision}) or the job's generation changed"
             )
 
-    @_wrap_etcd
+    @etcd_call
     def generations_since(self, job: str, first: int) -> tuple[list[Generation], JobStatus]:
         """Generations numbered >= ``first`` still in the history (oldest first), and the job's state.
 
@@ -533,7 +300,7 @@ class EtcdStore:
             NotFound: no such job.
         """
         start = self.history_key(job, max(first, 0))
-        end = _range_end(self.job_key(job, "generations") + "/")
+        end = range_end(self.job_key(job, "generations") + "/")
         _, (spec, state, history) = self._txn(
             compare=[],
             success=[
@@ -546,3 +313,4 @@ class EtcdStore:
             raise NotFound(f"job {job!r} does not exist; check the job id")
         status = JobStatus.from_json(state[0][0]) if state else JobStatus(JobState.WAITING, 0.0)
         return [Generation.from_json(v) for v, _m in history], status
+

@@ -17,6 +17,7 @@ from pliant import __version__
 from pliant.errors import PliantError
 from pliant.logsetup import setup_logging
 from pliant.metrics import add_metrics_port_flag
+from pliant.tls import add_tls_flags, tls_from_flags
 
 __all__ = ["build_parser", "main"]
 
@@ -46,9 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument(
         "--listen",
-        default=_env("PLIANT_LISTEN", "0.0.0.0:29400"),
-        help="HOST:PORT to serve gRPC on (env PLIANT_LISTEN, default 0.0.0.0:29400)",
+        default=_env("PLIANT_LISTEN", "127.0.0.1:29400"),
+        help="HOST:PORT to serve gRPC on (env PLIANT_LISTEN, default 127.0.0.1:29400; 0.0.0.0:29400 for every "
+        "interface)",
     )
+    add_tls_flags(coord, "coordinator")
+    coord.add_argument("--etcd-cacert", default=_env("PLIANT_ETCD_CACERT"),
+                       help="CA certificate etcd's server certificate is checked against (https:// endpoints)")
+    coord.add_argument("--etcd-cert", default=_env("PLIANT_ETCD_CERT"),
+                       help="client certificate for etcd's --client-cert-auth")
+    coord.add_argument("--etcd-key", default=_env("PLIANT_ETCD_KEY"), help="its private key")
+    coord.add_argument("--health-port", type=int, default=None,
+                       help="also serve the gRPC health service alone, in plaintext, on this port of --listen's host "
+                       "(for kubelet probes, which present no client certificate)")
+    coord.add_argument("--max-jobs", type=int, default=int(_env("PLIANT_MAX_JOBS", "1000") or 1000),
+                       help="jobs the deployment holds at most; CreateJob past it is RESOURCE_EXHAUSTED (default 1000)")
+    coord.add_argument("--finished-job-ttl", type=float, default=86400.0,
+                       help="seconds after which a finished job is deleted (like ttlSecondsAfterFinished; 0 keeps "
+                       "them; default 86400)")
+    coord.add_argument("--max-watch-streams", type=int, default=0,
+                       help="WatchGenerations streams one replica serves at once (default: max workers less 10%%)")
     coord.add_argument(
         "--prefix",
         default=_env("PLIANT_ETCD_PREFIX", "/pliant/v1"),
@@ -99,7 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--job", default=None, help="show only this job id")
     status.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    add_tls_flags(status, "admin")
     status.set_defaults(func=_cmd_status)
+
+    from pliant.certs import add_certs_commands
+
+    add_certs_commands(sub)
+    from pliant.coordinator.admin import add_job_commands
+
+    add_job_commands(sub)
 
     etcd = sub.add_parser(
         "etcd",
@@ -122,18 +148,31 @@ def _wait_for_signal() -> None:
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+    from pliant.errors import ConfigError
+    from pliant.tls import TlsConfig
 
     if not args.etcd:
         raise SystemExit(
             "pliant coordinator: --etcd is required (or set PLIANT_ETCD), e.g. --etcd http://127.0.0.1:2379"
         )
+    etcd_files = [args.etcd_cacert, args.etcd_cert, args.etcd_key]
+    if any(etcd_files) and not all(etcd_files):
+        raise ConfigError("etcd TLS needs all three of --etcd-cacert, --etcd-cert and --etcd-key")
+    host = args.listen.rpartition(":")[0]
     config = CoordinatorConfig(
         etcd_endpoints=tuple(u.strip() for u in args.etcd.split(",") if u.strip()),
         listen=args.listen,
         prefix=args.prefix,
         leader_ttl_s=args.leader_ttl,
         replica_id=args.replica_id,
-        metrics_listen="" if args.metrics_port is None else f"{args.listen.rpartition(':')[0]}:{args.metrics_port}",
+        metrics_listen="" if args.metrics_port is None else f"{host}:{args.metrics_port}",
+        tls=tls_from_flags(args.tls_dir, args.insecure, "coordinator"),
+        insecure=args.insecure,
+        etcd_tls=TlsConfig(*etcd_files) if all(etcd_files) else None,
+        health_listen="" if args.health_port is None else f"{host}:{args.health_port}",
+        max_jobs=args.max_jobs,
+        finished_job_ttl_s=args.finished_job_ttl,
+        max_watch_streams=args.max_watch_streams,
     )
     server = CoordinatorServer(config).start()
     print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)
@@ -159,7 +198,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from pliant.coordinator.status import status_main
 
-    return status_main(args.coordinator, args.job, args.json)
+    return status_main(args.coordinator, args.job, args.json, tls_from_flags(args.tls_dir, args.insecure, "status"))
 
 
 def _cmd_etcd(args: argparse.Namespace) -> int:

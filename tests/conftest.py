@@ -50,16 +50,47 @@ def prefix() -> str:
     return f"/test/{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """The tests' CA (a :class:`pliant.tls.LocalCA`): coordinator, admin and per-node agent certificates on demand."""
+    from pliant.tls import LocalCA
+
+    return LocalCA(tmp_path_factory.mktemp("pki"))
+
+
 @pytest.fixture
-def make_coordinator(etcd: object, prefix: str) -> Iterator[Callable[..., object]]:
-    """Start in-process coordinator replicas on free ports; all are stopped at teardown."""
+def fleet(pki: object) -> Iterator[Callable[..., object]]:
+    """``fleet(server_or_addresses, **client_kwargs)``: a :class:`tests.fleet.Fleet` over mutual TLS (plaintext for a
+    server started with ``insecure=True``); closed at teardown."""
+    from tests.fleet import Fleet
+
+    made: list[Fleet] = []
+
+    def make(target: object, **kwargs: object) -> Fleet:
+        insecure = getattr(getattr(target, "config", None), "insecure", False)
+        address = getattr(target, "address", target)
+        made.append(Fleet(None if insecure else pki, address, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for item in made:
+        item.close()
+
+
+@pytest.fixture
+def make_coordinator(etcd: object, prefix: str, pki: object) -> Iterator[Callable[..., object]]:
+    """Start in-process coordinator replicas on free ports, with mutual TLS unless ``insecure=True``; all are stopped
+    at teardown."""
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+    from tests.fleet import coordinator_tls
 
     started: list[CoordinatorServer] = []
 
     def make(replica_id: str = "r0", endpoints: tuple[str, ...] | None = None, **kwargs: object) -> CoordinatorServer:
         kwargs.setdefault("leader_ttl_s", 2.0)
         kwargs.setdefault("resync_s", 1.0)
+        if not kwargs.get("insecure"):
+            kwargs.setdefault("tls", coordinator_tls(pki))  # type: ignore[arg-type]
         config = CoordinatorConfig(
             etcd_endpoints=endpoints or (etcd.endpoint,),  # type: ignore[attr-defined]
             listen="127.0.0.1:0",
@@ -117,9 +148,11 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Spawned]]:
         child.kill()
 
 
-def health_serving(address: str) -> bool:
-    """True when the gRPC health service at ``address`` answers SERVING."""
-    with grpc.insecure_channel(address) as channel:
+def health_serving(address: str, ca: object | None = None) -> bool:
+    """True when the gRPC health service at ``address`` answers SERVING (over mutual TLS as an admin with ``ca``)."""
+    from tests.fleet import secure_channel
+
+    with secure_channel(ca, address) as channel:  # type: ignore[arg-type]
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
         except grpc.RpcError:
@@ -127,21 +160,60 @@ def health_serving(address: str) -> bool:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+TEST_JOIN_TOKEN = "integration-test-join-token"
+
+
 @pytest.fixture
-def spawn_coordinator(spawn: Callable[..., Spawned], etcd: object, prefix: str) -> Callable[..., tuple[Spawned, str]]:
-    """Start a coordinator replica as a real ``python -m pliant coordinator`` process; returns (process, address)."""
+def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[..., object]) -> Callable[..., Spawned]:
+    """``spawn_agent(server, argv, name)``: run ``pliant agent`` argv as a real node does against a TLS coordinator.
+
+    The first agent of a job has its job created by an admin (the spec its own flags describe, with a test token);
+    every agent gets its own node's certificate (``--tls-dir``) and the token (``--join-token``).
+    """
+    import argparse
+
+    from pliant.agent.launcher import add_launch_flags, config_from_args
+    from tests.fleet import agent_tls
+
+    created: set[tuple[str, str]] = set()
+
+    def start(server: object, argv: list[str], name: str = "agent") -> Spawned:
+        at = argv.index("agent") + 1
+        parser = argparse.ArgumentParser()
+        add_launch_flags(parser, "agent")
+        config = config_from_args(parser.parse_args(["--insecure", *argv[at:]]), ["127.0.0.1:1"], embedded=False)
+        key = (server.address, config.spec.job_id)  # type: ignore[attr-defined]
+        if key not in created:
+            fleet(server).create_job(config.spec, TEST_JOIN_TOKEN)  # type: ignore[attr-defined]
+            created.add(key)
+        tls_dir = str(Path(agent_tls(pki, config.node_id).cert).parent)  # type: ignore[arg-type]
+        return spawn([*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]], name=name)
+
+    return start
+
+
+@pytest.fixture
+def spawn_coordinator(
+    spawn: Callable[..., Spawned], etcd: object, prefix: str, pki: object
+) -> Callable[..., tuple[Spawned, str]]:
+    """Start a coordinator replica as a real ``python -m pliant coordinator`` process with mutual TLS; returns
+    (process, address)."""
     from pliant.net import free_port
+    from tests.fleet import coordinator_tls
+
+    tls_dir = str(Path(coordinator_tls(pki).cert).parent)  # type: ignore[arg-type]
 
     def start(replica_id: str, leader_ttl_s: float = 2.0, etcd_url: str | None = None) -> tuple[Spawned, str]:
         address = f"127.0.0.1:{free_port()}"
         args = [
             sys.executable, "-m", "pliant", "coordinator",
             "--etcd", etcd_url or etcd.endpoint,  # type: ignore[attr-defined]
-            "--listen", address, "--prefix", prefix,
+            "--listen", address, "--prefix", prefix, "--tls-dir", tls_dir,
             "--leader-ttl", str(leader_ttl_s), "--replica-id", replica_id,
         ]  # fmt: skip
         child = spawn(args, name=f"coordinator-{replica_id}")
-        wait_for(lambda: health_serving(address) or child.proc.poll() is not None, 30, f"replica {replica_id} health")
+        wait_for(lambda: health_serving(address, pki) or child.proc.poll() is not None, 30,
+                 f"replica {replica_id} health")  # fmt: skip
         assert child.proc.poll() is None, child.output()
         return child, address
 

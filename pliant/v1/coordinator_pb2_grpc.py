@@ -54,6 +54,16 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.FinishJobRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/pliant.v1.Coordinator/DeleteJob',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
+        self.RotateJoinToken = channel.unary_unary(
+                '/pliant.v1.Coordinator/RotateJoinToken',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenResponse.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/pliant.v1.Coordinator/Join',
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
@@ -109,6 +119,20 @@ class CoordinatorServicer:
 
     def FinishJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Delete a finished job and every key of it (admin). Finished jobs are also deleted after the coordinator's TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateJoinToken(self, request, context):
+        """Replace a job's join token (admin); members already joined are not affected.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -172,6 +196,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FinishJob,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.FinishJobRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.DeleteJobRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.DeleteJobResponse.SerializeToString,
+            ),
+            'RotateJoinToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateJoinToken,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenResponse.SerializeToString,
             ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
@@ -312,6 +346,60 @@ class Coordinator:
             '/pliant.v1.Coordinator/FinishJob',
             pliant_dot_v1_dot_coordinator__pb2.FinishJobRequest.SerializeToString,
             pliant_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/DeleteJob',
+            pliant_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateJoinToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/RotateJoinToken',
+            pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

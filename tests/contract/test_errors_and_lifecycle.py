@@ -8,12 +8,12 @@ import time
 import grpc
 import pytest
 
-from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, JobState, NotFound, Unavailable
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
+from tests.fleet import secure_channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,9 +31,9 @@ def _expect(call, request, code: grpc.StatusCode, needle: str) -> None:
     assert needle in info.value.details(), info.value.details()
 
 
-def test_every_bad_input_gets_its_status_code(make_coordinator) -> None:
+def test_every_bad_input_gets_its_status_code(make_coordinator, pki) -> None:
     server = make_coordinator()
-    with grpc.insecure_channel(server.address) as channel:
+    with secure_channel(pki, server.address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(min_nodes=3, max_nodes=2)), Code.INVALID_ARGUMENT,
                 "min_nodes=3 is greater than max_nodes=2")  # fmt: skip
@@ -46,64 +46,67 @@ def test_every_bad_input_gets_its_status_code(make_coordinator) -> None:
         first_event = lambda req, timeout: next(stub.WatchGenerations(req, timeout=timeout))  # noqa: E731
         _expect(first_event, pb.WatchGenerationsRequest(job_id="ghost"), Code.NOT_FOUND, "'ghost'")
 
-        stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10)
+        token = stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10).join_token
         again = stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10)
         assert not again.created  # identical spec: idempotent
         _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(max_nodes=5)), Code.ALREADY_EXISTS,
                 "max_nodes: 2 != 5")  # fmt: skip
 
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="", address="h:1"), Code.INVALID_ARGUMENT,
-                "node_id ''")  # fmt: skip
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="nohost"), Code.INVALID_ARGUMENT,
-                "address 'nohost' is not HOST:PORT")  # fmt: skip
-        grant = stub.Join(pb.JoinRequest(job_id="job", node_id="a", address="h:1"), timeout=10)
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="h:2"), Code.ALREADY_EXISTS,
-                "node id 'a' already holds a live membership")  # fmt: skip
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="", address="h:1", join_token=token),
+                Code.INVALID_ARGUMENT, "node_id ''")  # fmt: skip
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="nohost", join_token=token),
+                Code.INVALID_ARGUMENT, "address 'nohost' is not HOST:PORT")  # fmt: skip
+        grant = stub.Join(pb.JoinRequest(job_id="job", node_id="a", address="h:1", join_token=token), timeout=10)
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="h:2", join_token=token),
+                Code.ALREADY_EXISTS, "node id 'a' already holds a live membership")  # fmt: skip
         _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=0), Code.INVALID_ARGUMENT,
                 "lease_id for node 'a' is 0")  # fmt: skip
-        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=12345), Code.NOT_FOUND,
-                "lease 3039 expired")  # fmt: skip
-        _expect(stub.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=0),
+        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=12345),
+                Code.PERMISSION_DENIED, "the lease sent is not the one node 'a''s membership")  # fmt: skip
+        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="z", lease_id=12345), Code.NOT_FOUND,
+                "node 'z' has no live membership")  # fmt: skip
+        _expect(stub.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=0,
+                                                            lease_id=grant.lease_id),
                 Code.INVALID_ARGUMENT, "generation 0")  # fmt: skip
         assert stub.Heartbeat(pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=grant.lease_id), timeout=10)
 
         stub.FinishJob(pb.FinishJobRequest(job_id="job", succeeded=False, reason="user stopped it"), timeout=10)
         _expect(stub.FinishJob, pb.FinishJobRequest(job_id="job", succeeded=True), Code.FAILED_PRECONDITION,
                 "already failed (user stopped it)")  # fmt: skip
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="b", address="h:3"), Code.FAILED_PRECONDITION,
-                "start a new job id")  # fmt: skip
+        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="b", address="h:3", join_token=token),
+                Code.FAILED_PRECONDITION, "start a new job id")  # fmt: skip
 
 
-def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tmp_path) -> None:
+def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tmp_path, fleet, pki) -> None:
     etcd = EtcdServer(data_dir=str(tmp_path / "etcd")).start()
     try:
         server = make_coordinator("solo", endpoints=(etcd.endpoint,), etcd_timeout_s=1.0)
         etcd.kill()
-        with grpc.insecure_channel(server.address) as channel:
+        with secure_channel(pki, server.address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(job_id="lost")), Code.UNAVAILABLE,
                     f"etcd at {etcd.endpoint} did not answer")  # fmt: skip
         with (
-            CoordinatorClient(server.address, retry_for_s=1.5) as client,
+            fleet(server.address, retry_for_s=1.5) as client,
             pytest.raises(Unavailable, match="no coordinator answered"),
         ):
             client.get_job("lost")
         etcd.start()
-        with CoordinatorClient(server.address, retry_for_s=20) as client:
+        with fleet(server.address, retry_for_s=20) as client:
             assert [j.spec.job_id for j in client.list_jobs()] == [], "nothing may be written while etcd is down"
             etcd.kill()
             # A client call made while etcd is down succeeds once etcd is back: UNAVAILABLE is retried.
             threading.Timer(1.0, etcd.start).start()
-            _info, created = client.create_job(JobSpec("late", 1, 1))
+            _info, created, _token = client.create_job(JobSpec("late", 1, 1))
             assert created
             assert client.get_job("late").status.state is JobState.WAITING
     finally:
         etcd.stop()
 
 
-def test_below_min_nodes_the_job_waits_then_fails_with_a_clear_reason(make_coordinator) -> None:
+def test_below_min_nodes_the_job_waits_then_fails_with_a_clear_reason(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 2, 2, heartbeat_ttl_s=2, join_grace_s=0, min_nodes_timeout_s=1.5))
         grant = client.join("job", "a", "127.0.0.1:1")
         started = time.monotonic()
@@ -114,9 +117,9 @@ def test_below_min_nodes_the_job_waits_then_fails_with_a_clear_reason(make_coord
         assert "--nnodes" in info.status.reason
 
 
-def test_restart_budget_is_spent_on_failures_only(make_coordinator) -> None:
+def test_restart_budget_is_spent_on_failures_only(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, join_grace_s=0, max_restarts=1))
         client.join("job", "a", "127.0.0.1:1")
         gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
@@ -132,9 +135,9 @@ def test_restart_budget_is_spent_on_failures_only(make_coordinator) -> None:
         assert "max_restarts=1" in info.status.reason and "failed again on a" in info.status.reason
 
 
-def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make_coordinator) -> None:
+def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
         a = client.join("job", "a", "127.0.0.1:1")
         b = client.join("job", "b", "127.0.0.1:2")
@@ -149,9 +152,9 @@ def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make
         client.heartbeat("job", "a", a.lease_id)
 
 
-def test_report_success_finishes_the_job(make_coordinator) -> None:
+def test_report_success_finishes_the_job(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 1, join_grace_s=0))
         client.join("job", "a", "127.0.0.1:1")
         gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")

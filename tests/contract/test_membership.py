@@ -7,16 +7,15 @@ import time
 
 import pytest
 
-from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, JobState, NotFound
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_join_grants_a_lease_and_the_member_is_visible(make_coordinator) -> None:
+def test_join_grants_a_lease_and_the_member_is_visible(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=3))
         grant = client.join("job", "node-a", "127.0.0.1:29500", slots=2)
         assert grant.lease_id != 0
@@ -35,10 +34,10 @@ def test_join_grants_a_lease_and_the_member_is_visible(make_coordinator) -> None
         assert client.heartbeat("job", "node-a", grant.lease_id) == pytest.approx(3, abs=1)
 
 
-def test_silent_member_expires_and_a_new_generation_follows_within_ttl_plus_1s(make_coordinator) -> None:
+def test_silent_member_expires_and_a_new_generation_follows_within_ttl_plus_1s(make_coordinator, fleet) -> None:
     server = make_coordinator()
     ttl = 2.0
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=ttl, join_grace_s=0.2))
         a = client.join("job", "a", "127.0.0.1:1")
         b = client.join("job", "b", "127.0.0.1:2")
@@ -72,9 +71,9 @@ def test_silent_member_expires_and_a_new_generation_follows_within_ttl_plus_1s(m
             client.heartbeat("job", "b", b.lease_id)
 
 
-def test_leave_is_graceful_and_frees_the_node_id(make_coordinator) -> None:
+def test_leave_is_graceful_and_frees_the_node_id(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 2, join_grace_s=0.1))
         a = client.join("job", "a", "127.0.0.1:1")
         b = client.join("job", "b", "127.0.0.1:2")
@@ -89,11 +88,11 @@ def test_leave_is_graceful_and_frees_the_node_id(make_coordinator) -> None:
         client.heartbeat("job", "a", a.lease_id)
 
 
-def test_concurrent_heartbeats_share_one_keepalive_stream(make_coordinator) -> None:
+def test_concurrent_heartbeats_share_one_keepalive_stream(make_coordinator, fleet) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 40, heartbeat_ttl_s=3))
         grants = [client.join("job", f"n{i}", f"127.0.0.1:{i + 1}") for i in range(20)]
         calls = [(f"n{i % 20}", grants[i % 20].lease_id) for i in range(200)]  # 10 heartbeats per lease, in parallel

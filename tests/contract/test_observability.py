@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from pliant.cli import main
-from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, NotFound
 from tests.conftest import wait_for
+from tests.fleet import admin_tls
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_coordinator) -> None:
+def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_coordinator, fleet) -> None:
     server = make_coordinator(progress_interval_s=2.0)
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=4, join_grace_s=0.1))
         grant = client.join("job", "a", "127.0.0.1:1", slots=2)
         before = client.get_job("job", progress=True).progress["a"]
@@ -44,35 +45,37 @@ def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_co
         assert store.client.get(store.progress_key("job", "a"))[0] is None
 
 
-def test_status_command_prints_table_and_json(make_coordinator, capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_command_prints_table_and_json(make_coordinator, capsys: pytest.CaptureFixture[str], fleet,
+                                             pki) -> None:  # fmt: skip
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    admin = ["--tls-dir", str(Path(admin_tls(pki).cert).parent)]
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 2, nproc_per_node=2, heartbeat_ttl_s=4, join_grace_s=0.1))
         grant = client.join("job", "a", "127.0.0.1:1")
         client.heartbeat("job", "a", grant.lease_id, step=7)
         wait_for(lambda: client.get_job("job").generation, 10, "the first generation")
-    assert main(["status", "--coordinator", server.address, "--json"]) == 0
+    assert main(["status", "--coordinator", server.address, "--json", *admin]) == 0
     (job,) = json.loads(capsys.readouterr().out)["jobs"]
     assert (job["job_id"], job["state"], job["world_size"], job["generation"]) == ("job", "running", 2, 1)
     assert [(m["node_id"], m["step"], m["ranks"]) for m in job["members"]] == [("a", 7, [0, 1])]
-    assert main(["status", "--coordinator", server.address, "--job", "job"]) == 0
+    assert main(["status", "--coordinator", server.address, "--job", "job", *admin]) == 0
     table = capsys.readouterr().out
     assert "job job: running" in table and "generation 1 (start), world size 2" in table
-    assert main(["status", "--coordinator", server.address, "--job", "nope"]) == 1
+    assert main(["status", "--coordinator", server.address, "--job", "nope", *admin]) == 1
     assert "job 'nope' does not exist" in capsys.readouterr().err
 
 
 def test_status_names_an_unreachable_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
     from pliant.net import free_port
 
-    assert main(["status", "--coordinator", f"127.0.0.1:{free_port()}"]) == 1
+    assert main(["status", "--coordinator", f"127.0.0.1:{free_port()}", "--insecure"]) == 1
     assert "error" in capsys.readouterr().err
 
 
-def test_replica_metrics_endpoint_counts_rpcs_etcd_and_generations(make_coordinator) -> None:
+def test_replica_metrics_endpoint_counts_rpcs_etcd_and_generations(make_coordinator, fleet) -> None:
     server = make_coordinator(metrics_listen="127.0.0.1:0")
     assert server.metrics_server is not None
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 1, heartbeat_ttl_s=4, join_grace_s=0.1))
         client.join("job", "a", "127.0.0.1:1")
         with pytest.raises(NotFound):
@@ -94,11 +97,11 @@ def test_replica_metrics_endpoint_counts_rpcs_etcd_and_generations(make_coordina
     assert 'pliant_job_members{job_id="job"} 1.0' in text
 
 
-def test_joining_a_finished_job_is_refused_and_leaves_nothing(make_coordinator) -> None:
+def test_joining_a_finished_job_is_refused_and_leaves_nothing(make_coordinator, fleet) -> None:
     from pliant.coordinator.contract import FailedPrecondition
 
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("done", 1, 2, heartbeat_ttl_s=4))
         client.join("done", "a", "127.0.0.1:1")  # caches the spec in the store
         client.finish_job("done", True, "finished")

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 
-from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, JobState
 from pliant.coordinator.etcd_server import EtcdServer
 from tests.conftest import wait_for
@@ -14,17 +13,17 @@ from tests.conftest import wait_for
 pytestmark = pytest.mark.timeout(90)
 
 
-def _generation(client: CoordinatorClient, number: int):
+def _generation(client, number: int):
     return wait_for(
         lambda: (g := client.get_job("job").generation) and g.number >= number and g, 15, f"generation {number}"
     )
 
 
-def test_etcd_restart_mid_run_loses_no_generation(make_coordinator, tmp_path) -> None:
+def test_etcd_restart_mid_run_loses_no_generation(make_coordinator, tmp_path, fleet) -> None:
     etcd = EtcdServer(data_dir=str(tmp_path / "etcd")).start()
     try:
         server = make_coordinator("solo", endpoints=(etcd.endpoint,))
-        with CoordinatorClient(server.address, retry_for_s=30) as client:
+        with fleet(server.address, retry_for_s=30) as client:
             client.create_job(JobSpec("job", 1, 4, heartbeat_ttl_s=30, join_grace_s=0.1))
             grant = client.join("job", "a", "127.0.0.1:1")
             _generation(client, 1)
@@ -48,9 +47,9 @@ def test_etcd_restart_mid_run_loses_no_generation(make_coordinator, tmp_path) ->
         etcd.stop()
 
 
-def test_a_watch_resumed_from_n_receives_n_plus_1_onwards_in_order(make_coordinator) -> None:
+def test_a_watch_resumed_from_n_receives_n_plus_1_onwards_in_order(make_coordinator, fleet) -> None:
     server = make_coordinator()
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 8, join_grace_s=0))
         for i in range(1, 5):
             client.join("job", f"n{i}", f"127.0.0.1:{i}")
@@ -77,19 +76,20 @@ def test_a_watch_resumed_from_n_receives_n_plus_1_onwards_in_order(make_coordina
         assert received == [3, 4, 5, 6]
 
 
-def test_a_watch_moves_to_another_replica_and_misses_nothing(make_coordinator) -> None:
+def test_a_watch_moves_to_another_replica_and_misses_nothing(make_coordinator, fleet) -> None:
     first = make_coordinator("first")
     second = make_coordinator("second")
-    with CoordinatorClient([first.address, second.address]) as client:
+    with fleet([first.address, second.address]) as client:
         client.create_job(JobSpec("job", 1, 8, join_grace_s=0))
         client.join("job", "n1", "127.0.0.1:1")
         _generation(client, 1)
         events = client.watch("job", 1)
         assert next(e for e in events if e.generation).generation.number == 1
-        serving = first if client._current == 0 else second
+        serving = first if client.admin._current == 0 else second
         other = second if serving is first else first
         serving.stop(grace_s=0)  # the replica serving the stream goes away
-        with CoordinatorClient(other.address) as admin:
+        with fleet(other.address) as admin:
+            admin.tokens.update(client.tokens)
             for i in range(2, 4):
                 admin.join("job", f"n{i}", f"127.0.0.1:{i}")
                 _generation(admin, i)

@@ -7,24 +7,25 @@ import time
 
 import pytest
 
-from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import FencingError, JobSpec, JobState, JobStatus, Member
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.planner import plan
 from pliant.coordinator.store import EtcdStore
 from tests.conftest import wait_for
 
+TOKEN = "test-join-token-0123456789"
+
 pytestmark = pytest.mark.timeout(90)
 
 
-def test_the_api_works_through_a_non_leader_replica(make_coordinator) -> None:
+def test_the_api_works_through_a_non_leader_replica(make_coordinator, fleet) -> None:
     leader = make_coordinator("leader")
     assert leader.election.wait_for(True, 10)
     follower = make_coordinator("follower")
     time.sleep(0.3)
     assert not follower.election.is_leader
-    with CoordinatorClient(follower.address) as client:
-        _info, created = client.create_job(JobSpec("job", 2, 2, join_grace_s=0.1))
+    with fleet(follower.address) as client:
+        _info, created, _token = client.create_job(JobSpec("job", 2, 2, join_grace_s=0.1))
         assert created
         events = client.watch("job", 1)
         client.join("job", "a", "127.0.0.1:1")
@@ -40,13 +41,13 @@ def test_the_api_works_through_a_non_leader_replica(make_coordinator) -> None:
         events.close()
 
 
-def test_kill_9_of_the_leader_and_the_other_replica_publishes(spawn_coordinator, etcd, prefix) -> None:
+def test_kill_9_of_the_leader_and_the_other_replica_publishes(spawn_coordinator, etcd, prefix, fleet) -> None:
     proc_a, addr_a = spawn_coordinator("a")
     store = EtcdStore([etcd.endpoint], prefix)
     try:
         wait_for(lambda: store.leader()[0] == "a", 10, "replica a to lead")
         proc_b, addr_b = spawn_coordinator("b")
-        with CoordinatorClient([addr_b, addr_a]) as client:
+        with fleet([addr_b, addr_a]) as client:
             client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=10, join_grace_s=0.1))
             client.join("job", "n1", "127.0.0.1:1")
             wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
@@ -74,8 +75,8 @@ def test_a_deposed_leader_cannot_publish(etcd, prefix) -> None:
         assert first.wait_for(True, 10)
         old_fence = first.fence
         assert old_fence is not None
-        store.create_job(JobSpec("job", 1, 1, join_grace_s=0), time.time())
-        store.join("job", Member("a", "127.0.0.1:1", 0, time.time()))
+        store.create_job(JobSpec("job", 1, 1, join_grace_s=0), time.time(), TOKEN)
+        store.join("job", Member("a", "127.0.0.1:1", 0, time.time()), TOKEN)
 
         # Depose the first leader: its key goes away (as when its lease expires), the second wins.
         first.stop(resign=True)
@@ -103,9 +104,9 @@ def test_no_generation_number_is_published_twice(etcd, prefix) -> None:
     try:
         assert election.wait_for(True, 10)
         fence = election.fence
-        store.create_job(JobSpec("job", 1, 8, join_grace_s=0), time.time())
+        store.create_job(JobSpec("job", 1, 8, join_grace_s=0), time.time(), TOKEN)
         for number in range(1, 6):
-            store.join("job", Member(f"n{number}", f"127.0.0.1:{number}", 0, time.time()))
+            store.join("job", Member(f"n{number}", f"127.0.0.1:{number}", 0, time.time()), TOKEN)
             snap = store.read_job("job")
             decision = plan(snap, time.time())
             wins, losses = [], []

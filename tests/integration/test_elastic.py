@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobState
 from tests.conftest import wait_for
 from tests.integration.harness import agent_args, assert_all_gone, descendants, read_steps, wait_world
@@ -22,17 +21,17 @@ def _last_step(events) -> int:
     return max(s.step for s in read_steps(events))
 
 
-def test_second_node_joins_then_a_worker_is_killed(make_coordinator, spawn, tmp_path) -> None:
+def test_second_node_joins_then_a_worker_is_killed(make_coordinator, spawn_agent, tmp_path, fleet) -> None:
     server = make_coordinator()
     events = tmp_path / "events.jsonl"
-    a = spawn(agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
+    a = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
     wait_world(events, restart=0, world=2, timeout_s=60)
 
-    b = spawn(agent_args(server.address, "job", "node-b", tmp_path), name="agent-b")
+    b = spawn_agent(server, agent_args(server.address, "job", "node-b", tmp_path), name="agent-b")
     before = _last_step(events)
     steps = wait_world(events, restart=1, world=4, timeout_s=60, after_step=before)
     assert min(s.step for s in steps) >= before, "the bigger world resumes from the checkpoint, not from 0"
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         gen = client.get_job("job").generation
         assert (gen.number, gen.reason, gen.node_ids, gen.world_size) == (2, "join", ("node-a", "node-b"), 4)
 
@@ -50,11 +49,11 @@ def test_second_node_joins_then_a_worker_is_killed(make_coordinator, spawn, tmp_
     assert_all_gone(pids)
 
 
-def test_kill_9_of_a_node_and_the_survivors_continue(make_coordinator, spawn, tmp_path) -> None:
+def test_kill_9_of_a_node_and_the_survivors_continue(make_coordinator, spawn_agent, tmp_path, fleet) -> None:
     server = make_coordinator()
     events = tmp_path / "events.jsonl"
-    a = spawn(agent_args(server.address, "job", "node-a", tmp_path, nnodes="1:2"), name="agent-a")
-    b = spawn(agent_args(server.address, "job", "node-b", tmp_path, nnodes="1:2"), name="agent-b")
+    a = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path, nnodes="1:2"), name="agent-a")
+    b = spawn_agent(server, agent_args(server.address, "job", "node-b", tmp_path, nnodes="1:2"), name="agent-b")
     steps = wait_world(events, restart=0, world=4, timeout_s=90)
     b_workers = descendants(b.pid)
     b_pids = [b.pid, *b_workers]
@@ -68,7 +67,7 @@ def test_kill_9_of_a_node_and_the_survivors_continue(make_coordinator, spawn, tm
     took = time.monotonic() - killed
     assert_all_gone(b_pids)
     assert min(s.step for s in survivors) >= before - 1, "survivors resume from the checkpoint"
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         info = client.get_job("job")
         assert info.generation.node_ids == ("node-a",) and info.generation.reason == "failure"
         assert info.generation.restarts_used == 0, "a lost node is not a worker failure"
@@ -79,12 +78,14 @@ def test_kill_9_of_a_node_and_the_survivors_continue(make_coordinator, spawn, tm
     print(f"kill -9 node -> survivors stepping: {took:.2f}s")
 
 
-def test_below_min_nodes_the_job_waits_then_fails(make_coordinator, spawn, tmp_path) -> None:
+def test_below_min_nodes_the_job_waits_then_fails(make_coordinator, spawn_agent, tmp_path, fleet) -> None:
     server = make_coordinator()
     events = tmp_path / "events.jsonl"
     extra = ("--min-nodes-timeout", "4")
-    a = spawn(agent_args(server.address, "job", "node-a", tmp_path, nnodes="2:2", extra=extra), name="agent-a")
-    b = spawn(agent_args(server.address, "job", "node-b", tmp_path, nnodes="2:2", extra=extra), name="agent-b")
+    a = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path, nnodes="2:2", extra=extra),
+                    name="agent-a")
+    b = spawn_agent(server, agent_args(server.address, "job", "node-b", tmp_path, nnodes="2:2", extra=extra),
+                    name="agent-b")
     wait_world(events, restart=0, world=4, timeout_s=90)
     a_pids = [a.pid, *descendants(a.pid)]
     b.kill(signal.SIGKILL)
@@ -95,15 +96,15 @@ def test_below_min_nodes_the_job_waits_then_fails(make_coordinator, spawn, tmp_p
     out = a.output()
     assert "failed: job 'job' waited 4s with 1 of the 2 nodes it needs (live: node-a)" in out
     assert_all_gone(a_pids)
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         assert client.get_job("job").status.state is JobState.FAILED
 
 
-def test_sigterm_to_an_agent_is_a_graceful_leave(make_coordinator, spawn, tmp_path) -> None:
+def test_sigterm_to_an_agent_is_a_graceful_leave(make_coordinator, spawn_agent, tmp_path, fleet) -> None:
     server = make_coordinator()
     events = tmp_path / "events.jsonl"
-    a = spawn(agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
-    b = spawn(agent_args(server.address, "job", "node-b", tmp_path), name="agent-b")
+    a = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
+    b = spawn_agent(server, agent_args(server.address, "job", "node-b", tmp_path), name="agent-b")
     wait_world(events, restart=0, world=4, timeout_s=90)
     b_pids = [b.pid, *descendants(b.pid)]
     b.kill(signal.SIGTERM)
@@ -113,7 +114,7 @@ def test_sigterm_to_an_agent_is_a_graceful_leave(make_coordinator, spawn, tmp_pa
     assert_all_gone(b_pids)
     before = _last_step(events)
     wait_world(events, restart=1, world=2, timeout_s=60, after_step=before)
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         gen = client.get_job("job").generation
         assert (gen.reason, gen.node_ids, gen.restarts_used) == ("leave", ("node-a",), 0)
         client.finish_job("job", True)

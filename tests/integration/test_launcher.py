@@ -31,6 +31,7 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert "other nodes join with:" in out and "pliant run --coordinator 127.0.0.1:" in out
+    assert "mutual TLS, certificates in" in out and "--tls-dir" in out and "--join-token" in out
     assert "--checkpoint-dir" not in out, "only when one is given"
     assert "[0]:step 5 world 2" in out, "rank-prefixed console output"
     steps = read_steps(events)
@@ -91,7 +92,7 @@ def test_a_missing_script_is_a_clear_error(tmp_path) -> None:
 
 def test_an_unreachable_coordinator_is_a_clear_error() -> None:
     result = _run([sys.executable, "-m", "pliant", "agent", "--coordinator", "127.0.0.1:1", "--job", "j",
-                   "--rpc-retry", "1", str(SCRIPT)], timeout=60)  # fmt: skip
+                   "--rpc-retry", "1", "--insecure", str(SCRIPT)], timeout=60)  # fmt: skip
     assert result.returncode == 1
     assert "no coordinator answered at 127.0.0.1:1 for 1s" in result.stderr, result.stderr
 

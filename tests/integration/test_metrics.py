@@ -14,7 +14,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pliant.coordinator.client import CoordinatorClient
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
 
@@ -40,11 +39,12 @@ def _workers(agent_pid: int) -> list[psutil.Process]:
     return []
 
 
-def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordinator, spawn, tmp_path: Path) -> None:
+def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordinator, spawn_agent, tmp_path: Path,
+                                                                    fleet) -> None:  # fmt: skip
     server = make_coordinator()
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
-    agent = spawn([
+    agent = spawn_agent(server, [
         sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "job", "--node-id", "a",
         "--host", "127.0.0.1", "--nnodes", "1", "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.2",
         "--stop-grace", "2", "--metrics-port", str(port), "--checkpoint-dir", str(tmp_path / "ckpt"),
@@ -72,7 +72,7 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordi
     assert after["pliant_worker_samples_total"] >= first["pliant_worker_samples_total"]  # dead workers' totals stay
     assert after['pliant_agent_workers{state="running"}'] == 2
 
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         step = lambda: client.get_job("job", progress=True).progress["a"].step  # noqa: E731
         wait_for(lambda: step() > 0, 15, "the step in the job's status")
         client.finish_job("job", True, "test done")

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pliant.coordinator.client import CoordinatorClient
 from tests.conftest import wait_for
 from tests.integration.harness import assert_all_gone, descendants, read_jsonl
 
@@ -55,11 +54,11 @@ def _static_run(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
-def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn, tmp_path: Path) -> None:
+def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent, tmp_path: Path) -> None:
     steps = 160
     server = make_coordinator()
-    a = spawn(_agent(server.address, "node-a", 2, tmp_path, steps), name="agent-a")
-    b = spawn(_agent(server.address, "node-b", 2, tmp_path, steps), name="agent-b")
+    a = spawn_agent(server, _agent(server.address, "node-a", 2, tmp_path, steps), name="agent-a")
+    b = spawn_agent(server, _agent(server.address, "node-b", 2, tmp_path, steps), name="agent-b")
     wait_for(lambda: _stepping(tmp_path, 4, 5), 90, "world 4 stepping")
     b_pids = [b.pid, *descendants(b.pid)]
     b.kill(signal.SIGTERM)  # graceful leave: every rank checkpoints at one step, then b leaves
@@ -67,7 +66,7 @@ def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn, tmp_p
     assert b.proc.returncode == 0, b.output()[-3000:]
     assert_all_gone(b_pids)
     wait_for(lambda: _stepping(tmp_path, 2), 60, "world 2 stepping")
-    c = spawn(_agent(server.address, "node-c", 1, tmp_path, steps), name="agent-c")
+    c = spawn_agent(server, _agent(server.address, "node-c", 1, tmp_path, steps), name="agent-c")
     wait_for(lambda: _stepping(tmp_path, 3), 90, "world 3 stepping")
     wait_for(lambda: a.proc.poll() is not None and c.proc.poll() is not None, 120, "the job to finish")
     assert (a.proc.returncode, c.proc.returncode) == (0, 0), a.output()[-3000:] + c.output()[-3000:]
@@ -94,13 +93,14 @@ def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn, tmp_p
     assert diff <= 1e-5
 
 
-def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordinator, spawn, tmp_path: Path) -> None:
+def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordinator, spawn_agent, tmp_path: Path,
+                                                                   fleet) -> None:  # fmt: skip
     steps, every = 400, 5
     server = make_coordinator()
     extra = ("--rescale-grace", "5")
     args = [*_agent(server.address, "node-a", 2, tmp_path, steps, extra), "--save-every", str(every)]
-    a = spawn(args, name="agent-a")
-    b = spawn([*_agent(server.address, "node-b", 2, tmp_path, steps, extra), "--save-every", str(every)],
+    a = spawn_agent(server, args, name="agent-a")
+    b = spawn_agent(server, [*_agent(server.address, "node-b", 2, tmp_path, steps, extra), "--save-every", str(every)],
               name="agent-b")  # fmt: skip
     wait_for(lambda: _stepping(tmp_path, 4, 12), 90, "world 4 past step 12")
     b.kill(signal.SIGKILL)
@@ -113,7 +113,7 @@ def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordin
     print(f"kill -9 node at step {before}: resumed at step {resumed}, {lost} steps redone (interval {every})")
     assert resumed % every == 0, "resumed from a periodic checkpoint"
     assert 0 <= lost <= every, f"lost {lost} steps, more than the checkpoint interval {every}"
-    with CoordinatorClient(server.address) as client:
+    with fleet(server.address) as client:
         client.finish_job("job", True)
     wait_for(lambda: a.proc.poll() is not None, 60, "agent a to exit")
 

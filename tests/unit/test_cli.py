@@ -17,7 +17,7 @@ def test_coordinator_requires_etcd(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 
 
 def test_bad_listen_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["coordinator", "--etcd", "http://127.0.0.1:2379", "--listen", "nowhere"])
+    code = main(["coordinator", "--etcd", "http://127.0.0.1:2379", "--listen", "nowhere", "--insecure"])
     assert code == 2
     err = capsys.readouterr().err
     assert "--listen 'nowhere' is not HOST:PORT" in err
@@ -40,7 +40,7 @@ def test_unknown_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> No
     ],
 )
 def test_config_validation(kwargs: dict, needle: str) -> None:
-    args = {"etcd_endpoints": ("http://127.0.0.1:2379",), **kwargs}
+    args = {"etcd_endpoints": ("http://127.0.0.1:2379",), "insecure": True, **kwargs}
     with pytest.raises(ConfigError, match=needle):
         CoordinatorConfig(**args)
 
@@ -56,5 +56,5 @@ def test_parse_host_port() -> None:
 def test_env_is_the_default_for_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PLIANT_ETCD", "http://127.0.0.1:2379")
     monkeypatch.setenv("PLIANT_LISTEN", "bad-listen")
-    assert main(["coordinator"]) == 2
+    assert main(["coordinator", "--insecure"]) == 2
     assert "'bad-listen'" in capsys.readouterr().err

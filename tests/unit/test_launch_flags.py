@@ -17,7 +17,7 @@ SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py")
 def parse(mode: str, *argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_launch_flags(parser, mode)
-    return parser.parse_args(list(argv))
+    return parser.parse_args(["--insecure", *argv])
 
 
 def test_torchrun_spellings_are_accepted() -> None:
@@ -68,8 +68,9 @@ def test_the_printed_join_command_keeps_the_shared_checkpoint_dir() -> None:
     from pliant.agent.launcher import _join_command
 
     args = parse("run", "--checkpoint-dir", "/shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
-    command = _join_command(args, "10.0.0.1:29400")
-    assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --job default --nnodes 1:2")
+    command = _join_command(args, "10.0.0.1:29400", Path("/run/certs/join-1"), "TOKEN")
+    assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --tls-dir /run/certs/join-1 --join-token TOKEN "
+                              "--job default --nnodes 1:2")  # fmt: skip
     assert "--checkpoint-dir /shared/ckpt" in command and command.endswith("--steps 5")
 
 

@@ -1,0 +1,73 @@
+"""Who may call what: the coordinator's authorization rules as pure functions of the caller's identity (no I/O).
+
+The caller's identity comes from its verified client certificate (:func:`pliant.tls.peer_identity`). The rules:
+
+============================  =======================================================================================
+call                          who may make it
+============================  =======================================================================================
+CreateJob, FinishJob,         admin
+DeleteJob, RotateJoinToken,
+ListJobs
+GetJob                        admin (everything); an agent that is a member of the job (node addresses removed)
+Join                          the agent whose certificate names the node id joined (with the job's token); admin
+Heartbeat, Leave,             the agent of that node, with the lease its Join returned (checked against etcd by the
+ReportFailure, ReportSuccess  servicer); reports only from members of the generation named; admin with the lease
+WatchGenerations              admin; an agent that is a member of the job
+============================  =======================================================================================
+
+A coordinator certificate serves; it may not call. On a plaintext channel (``--insecure``) there is no identity: every
+caller may do what an admin may, and only the lease and token checks remain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pliant.coordinator.contract import PermissionDenied
+from pliant.tls import Identity, Role
+
+__all__ = ["ADMIN_METHODS", "Caller", "require_admin", "require_node"]
+
+ADMIN_METHODS = frozenset({"CreateJob", "FinishJob", "DeleteJob", "RotateJoinToken", "ListJobs"})
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The peer of one call: its certificate's identity, or None on a plaintext channel."""
+
+    identity: Identity | None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.identity is None or self.identity.role is Role.ADMIN
+
+    @property
+    def node_id(self) -> str | None:
+        """The node id an agent certificate names (None for other callers)."""
+        return self.identity.name if self.identity and self.identity.role is Role.AGENT else None
+
+    def __str__(self) -> str:
+        return "a plaintext caller" if self.identity is None else f"the {self.identity}"
+
+
+def require_admin(caller: Caller, method: str) -> None:
+    """Raise PermissionDenied unless ``caller`` may make admin call ``method``."""
+    if not caller.is_admin:
+        raise PermissionDenied(
+            f"{method} needs an admin certificate, and {caller} is not one; run it with the --tls-dir of an admin "
+            f"(pliant certs create-admin)"
+        )
+
+
+def require_node(caller: Caller, node_id: str, method: str) -> None:
+    """Raise PermissionDenied unless ``caller`` may act for node ``node_id`` (its own agent, or an admin)."""
+    if caller.is_admin:
+        return
+    if caller.node_id is None:
+        raise PermissionDenied(f"{method} is for agents, and {caller} is not one; use an agent certificate "
+                               f"(pliant certs create-agent NODE_ID)")  # fmt: skip
+    if caller.node_id != node_id:
+        raise PermissionDenied(
+            f"{method} for node {node_id[:100]!r} refused: {caller} acts only for node {caller.node_id!r}; run each "
+            f"agent with its own certificate, whose name is its --node-id"
+        )

@@ -1,0 +1,208 @@
+"""The base of the coordinator's etcd store: the client (plaintext or TLS), the key names, error wrapping.
+
+:mod:`pliant.coordinator.store` (jobs, leadership, generations) and :mod:`pliant.coordinator.store_members` (members,
+heartbeats, reports) build on it. etcd's lost connections are wrapped into :class:`Unavailable` (safe to retry), its
+size and space-quota errors into :class:`ResourceExhausted` (not).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import etcd3
+import etcd3.exceptions
+import etcd3.watch
+import grpc
+
+from pliant.coordinator.contract import (
+    CoordinatorError,
+    Generation,
+    InvalidArgument,
+    JobSpec,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from pliant.coordinator.keepalive import KeepAliveStream
+from pliant.net import parse_host_port
+
+__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "etcd_call", "range_end", "token_digest"]
+
+logger = logging.getLogger(__name__)
+
+HISTORY = 100  # generations kept per job for resumable watches
+
+if not hasattr(etcd3.watch, "six"):
+    # python3-etcd3 0.13.0's watch thread calls six.itervalues() without importing six, so a broken watch stream
+    # never reaches its callbacks (and PrefixWatch would never re-arm). Give it the one function it uses.
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(d.values()))  # type: ignore[attr-defined]
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Proof of leadership: the leader key and the create revision it had when this replica won the election."""
+
+    key: str
+    revision: int
+
+
+EtcdObserver = Callable[[str, float, bool], None]
+"""Called with (store operation, seconds, failed) after each store operation; used by metrics."""
+
+
+def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Turn etcd client errors into :class:`Unavailable` naming the endpoints, and report each call's duration."""
+
+    @functools.wraps(fn)
+    def wrapper(self: EtcdBase, *args: Any, **kwargs: Any) -> _T:
+        started, failed = time.perf_counter(), True
+        try:
+            result = fn(self, *args, **kwargs)
+            failed = False
+            return result
+        except CoordinatorError:
+            failed = False  # a domain answer (NotFound, ...): etcd itself worked
+            raise
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            details = (exc.details() if callable(getattr(exc, "details", None)) else "") or ""
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in details or "space exceeded" in details:
+                raise ResourceExhausted(
+                    f"etcd refused {fn.__name__}: {details[:200]}; the request is too large or etcd's space quota is "
+                    f"full (compact and defragment etcd, or raise --quota-backend-bytes); retrying will not help"
+                ) from exc
+            raise Unavailable(
+                f"etcd at {','.join(self.endpoints)} did not answer {fn.__name__} ({code.name if code else 'error'}: "
+                f"{details[:200]}); the call is safe to retry once etcd is reachable"
+            ) from exc
+        except (etcd3.exceptions.Etcd3Exception, ValueError) as exc:
+            # etcd3 raises a bare ValueError for an endpoint it marked failed; other ValueErrors are bugs.
+            if type(exc) is ValueError and "failed node" not in str(exc):
+                raise
+            raise Unavailable(
+                f"etcd at {','.join(self.endpoints)} did not answer {fn.__name__} ({type(exc).__name__}: {exc}); "
+                f"the call is safe to retry once etcd is reachable"
+            ) from exc
+        finally:
+            if self.observer is not None:
+                self.observer(fn.__name__, time.perf_counter() - started, failed)
+
+    return wrapper
+
+
+def range_end(prefix: str) -> bytes:
+    return etcd3.utils.prefix_range_end(prefix.encode())
+
+
+def token_digest(token: str) -> str:
+    """What etcd stores of a join token: its SHA-256 (the token is 256 random bits, so no slow hash is needed)."""
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+
+
+
+class EtcdBase:
+    """The etcd client, the key names and the helpers every store operation shares.
+
+    Args:
+        endpoints: etcd client URLs or host:port strings.
+        prefix: root of every key.
+        timeout_s: per-request deadline.
+        observer: called with (operation, seconds, failed) after each operation (metrics).
+        credentials: gRPC channel credentials for etcd over TLS (a client certificate when etcd runs with
+            ``--client-cert-auth``); None: plaintext.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        prefix: str = "/pliant/v1",
+        timeout_s: float = 5.0,
+        observer: EtcdObserver | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.observer = observer
+        self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
+        self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
+        self.timeout_s = timeout_s
+        self._keepalive = KeepAliveStream(lambda: self.client.leasestub)
+        if not endpoints:
+            raise InvalidArgument("no etcd endpoint given; pass --etcd http://HOST:PORT[,...]")
+        self.endpoints = tuple(endpoints)
+        self.prefix = prefix.rstrip("/")
+        eps = []
+        for url in self.endpoints:
+            host, port = parse_host_port(url, what="etcd endpoint")
+            if url.startswith("https://") and credentials is None:
+                raise InvalidArgument(f"etcd endpoint {url} is https but no etcd TLS files were given; pass "
+                                      f"--etcd-cacert/--etcd-cert/--etcd-key (or --etcd-tls-dir)")  # fmt: skip
+            secure = credentials is not None
+            eps.append(etcd3.Endpoint(host, port, secure=secure, creds=credentials, time_retry=0.5))
+        self.client = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
+        self.tx = self.client.transactions
+
+    def close(self) -> None:
+        self._keepalive.close()
+        self.client.close()
+
+    # -- keys ----------------------------------------------------------------------------------------------------------
+
+    @property
+    def leader_key(self) -> str:
+        return f"{self.prefix}/leader"
+
+    @property
+    def jobs_prefix(self) -> str:
+        return f"{self.prefix}/jobs/"
+
+    def job_key(self, job: str, *parts: str) -> str:
+        return "/".join((f"{self.prefix}/jobs/{job}", *parts))
+
+    def index_key(self, job: str) -> str:
+        return f"{self.prefix}/index/{job}"
+
+    def progress_key(self, job: str, node: str = "") -> str:
+        return f"{self.prefix}/progress/{job}/{node}"
+
+    def history_key(self, job: str, number: int) -> str:
+        return self.job_key(job, "generations", f"{number:012d}")
+
+    def _txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
+        return self.client.transaction(compare=compare, success=success, failure=failure or [])
+
+    def _prefix_get(self, prefix: str) -> Any:
+        return self.tx.get(prefix, range_end(prefix))
+
+    @etcd_call
+    def refresh_lease(self, lease_id: int) -> float:
+        """Refresh a lease over the shared keep-alive stream and return its TTL.
+
+        Raises:
+            NotFound: the lease expired or was revoked.
+        """
+        ttl = self._keepalive.refresh(lease_id, self.timeout_s)
+        if ttl <= 0:
+            raise NotFound("the lease expired or was revoked")
+        return float(ttl)
+
+    def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            self.client.revoke_lease(lease_id)
+        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
+            logger.debug("revoking lease %x failed (it expires by itself): %s", lease_id, exc)
+
+    def _current(self, job: str) -> tuple[Generation | None, int]:
+        """The current generation and the mod revision of its key (NotFound for an unknown job)."""
+        value, meta = self.client.get(self.job_key(job, "generation"))
+        if value is None:
+            self.read_job(job)  # NotFound for an unknown job
+            return None, 0
+        return Generation.from_json(value), meta.mod_revision
+

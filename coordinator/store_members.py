@@ -1,0 +1,284 @@
+"""Members in etcd: Join (with the job's token), the lease binding that authorizes a member's calls, heartbeats,
+graceful leaves, progress, and failure and success reports.
+
+A member acts only through the lease its member key is bound to: :meth:`MemberStore.check_member` is the one place
+that proves it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+
+from pliant.coordinator.contract import (
+    AlreadyExists,
+    FailedPrecondition,
+    FailureReport,
+    Generation,
+    InvalidArgument,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Member,
+    MemberProgress,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    quote,
+)
+from pliant.coordinator.store_base import EtcdBase, etcd_call, token_digest
+
+__all__ = ["MemberStore"]
+
+logger = logging.getLogger(__name__)
+
+
+class MemberStore(EtcdBase):
+    """The member operations of the store (see :class:`pliant.coordinator.store.EtcdStore`)."""
+
+    @etcd_call
+    def join(self, job: str, member: Member, token: str, _retry: bool = True) -> tuple[int, int, float]:
+        """Check the join token, grant a lease of the job's heartbeat TTL and write ``member``'s key on it.
+
+        The token's digest is compared inside the transaction that writes the member key, so a token rotated on
+        another replica takes effect at once; a wrong token is refused before any lease is granted.
+
+        Returns:
+            (lease id, current generation number or 0, heartbeat TTL in seconds).
+
+        Raises:
+            NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
+            Unauthenticated: the token is missing or wrong.
+        """
+        spec, spec_revision = self._spec(job)
+        member_key = self.job_key(job, "members", member.node_id)
+        token_key = self.job_key(job, "token")
+        digest = token_digest(token)
+        stored = self.client.get(token_key)[0]
+        if not token or stored is None or not hmac.compare_digest(stored.decode(), digest):
+            raise Unauthenticated(
+                f"{'no' if not token else 'a wrong'} join token for job {job!r}; pass the token the job's creator was "
+                f"given (the join command `pliant run` prints, `pliant job create`) with --join-token or "
+                f"PLIANT_JOIN_TOKEN"
+            )
+        ttl_s = spec.heartbeat_ttl_s
+        lease = self.client.lease(max(2, round(ttl_s)))
+        stored = Member(member.node_id, member.address, member.slots, member.joined_at, 0, lease.id)
+        # One transaction: the member key must be free and the spec the one cached (a job deleted and re-created under
+        # the same id has another create revision); it also reads the state and generation the answer needs.
+        ok, responses = self._txn(
+            compare=[
+                self.tx.create(member_key) == 0,
+                self.tx.create(self.job_key(job, "spec")) == spec_revision,
+                self.tx.value(token_key) == digest,
+            ],
+            success=[
+                self.tx.put(member_key, stored.to_json(), lease=lease.id),
+                self.tx.delete(self.job_key(job, "departed", member.node_id)),
+                self.tx.get(self.job_key(job, "state")),
+                self.tx.get(self.job_key(job, "generation")),
+            ],
+            failure=[self.tx.get(member_key), self.tx.get(token_key)],
+        )
+        if not ok:
+            self._revoke_quietly(lease.id)
+            if responses and responses[0]:
+                holder = Member.from_json(responses[0][0][0])
+                raise AlreadyExists(
+                    f"node id {member.node_id!r} already holds a live membership in job {job!r} (address "
+                    f"{holder.address}); give each agent a unique --node-id, or wait {ttl_s:g}s for the old lease to "
+                    f"expire"
+                )
+            if responses and responses[1] and responses[1][0][0].decode() != digest:
+                raise Unauthenticated(f"the join token for job {job!r} was rotated while node {member.node_id!r} "
+                                      f"joined; ask the job's admin for the new token")  # fmt: skip
+            self._specs.pop(job, None)  # deleted, or re-created with another spec: read it again
+            if _retry:
+                return self.join(job, member, token, _retry=False)
+            raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
+        state_kv, gen_kv = responses[2], responses[3]
+        status = JobStatus.from_json(state_kv[0][0]) if state_kv else JobStatus(JobState.WAITING, 0.0)
+        if status.state.terminal:  # rare: undo the membership (checked here to save a read on every join)
+            written = responses[0].response_put.header.revision
+            self._txn([self.tx.mod(member_key) == written], [self.tx.delete(member_key)])
+            self._revoke_quietly(lease.id)
+            raise FailedPrecondition(
+                f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
+            )
+        generation = Generation.from_json(gen_kv[0][0]).number if gen_kv else 0
+        self._bound[lease.id] = (job, member.node_id)
+        logger.info("node %s joined job %s (address %s)", member.node_id, job, member.address)
+        return lease.id, generation, ttl_s
+
+    def _spec(self, job: str) -> tuple[JobSpec, int]:
+        """The job's spec and its key's create revision; cached, since a job's spec never changes.
+
+        Raises:
+            NotFound: no such job.
+        """
+        cached = self._specs.get(job)
+        if cached is not None:
+            return cached
+        value, meta = self.client.get(self.job_key(job, "spec"))
+        if value is None:
+            raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
+        if len(self._specs) > 10_000:
+            self._specs.clear()
+        self._specs[job] = JobSpec.from_json(value), meta.create_revision
+        return self._specs[job]
+
+    @etcd_call
+    def check_member(self, job: str, node_id: str, lease_id: int) -> Member:
+        """Prove that ``lease_id`` is the lease ``node_id``'s member key in ``job`` is bound to.
+
+        A lease once seen bound to a member key stays bound to it until it dies (Join grants a fresh lease every time),
+        so the answer is cached: a heartbeat reads etcd only the first time a replica sees its lease.
+
+        Raises:
+            NotFound: the node has no live membership (it must Join again).
+            PermissionDenied: the membership is bound to another lease; nothing is touched.
+        """
+        if self._bound.get(lease_id) == (job, node_id):
+            return Member(node_id, "", lease_id=lease_id)
+        value, meta = self.client.get(self.job_key(job, "members", node_id))
+        if value is None:
+            raise NotFound(f"node {node_id!r} has no live membership in job {job!r} (its lease expired or was revoked: "
+                           f"it went silent, left or was evicted); Join again")  # fmt: skip
+        member = Member.from_json(value, order=meta.create_revision, lease_id=meta.lease_id)
+        if member.lease_id != lease_id:
+            raise PermissionDenied(
+                f"the lease sent is not the one node {node_id!r}'s membership in job {job!r} holds; a node acts only "
+                f"with the lease_id its own Join returned"
+            )
+        if len(self._bound) > 100_000:  # leases come and go: forget them all now and then
+            self._bound.clear()
+        self._bound[lease_id] = (job, node_id)
+        return member
+
+    @etcd_call
+    def is_member(self, job: str, node_id: str) -> bool:
+        """True while ``node_id`` holds a live membership in ``job``."""
+        return self.client.get(self.job_key(job, "members", node_id))[0] is not None
+
+    @etcd_call
+    def heartbeat(self, job: str, node_id: str, lease_id: int) -> float:
+        """Refresh ``node_id``'s membership lease and return its TTL.
+
+        Raises:
+            NotFound: the lease expired or was revoked; the node must Join again.
+            PermissionDenied: ``lease_id`` is not the node's membership lease.
+        """
+        self.check_member(job, node_id, lease_id)
+        try:
+            return self.refresh_lease(lease_id)
+        except NotFound:
+            self._bound.pop(lease_id, None)
+            raise NotFound(
+                f"node {node_id!r}'s membership lease in job {job!r} expired or was revoked; Join again"
+            ) from None
+
+    @etcd_call
+    def leave(self, job: str, node_id: str, lease_id: int) -> bool:
+        """Gracefully remove ``node_id`` (marking the departure) and revoke its lease; False if it was not a member.
+
+        Raises:
+            PermissionDenied: ``lease_id`` is not the node's membership lease (nothing is touched).
+        """
+        member_key = self.job_key(job, "members", node_id)
+        value, meta = self.client.get(member_key)
+        if value is None:
+            return False
+        if meta.lease_id != lease_id:
+            raise PermissionDenied(f"the lease sent is not the one node {node_id!r}'s membership in job {job!r} "
+                                   f"holds; a node leaves only with the lease_id its own Join returned")  # fmt: skip
+        ok, _ = self._txn(
+            compare=[self.tx.mod(member_key) == meta.mod_revision],
+            success=[self.tx.delete(member_key), self.tx.put(self.job_key(job, "departed", node_id), "leave")],
+        )
+        if ok:
+            self._revoke_quietly(lease_id)
+            self._bound.pop(lease_id, None)
+            logger.info("node %s left job %s", node_id, job)
+        return ok
+
+    @etcd_call
+    def record_progress(self, job: str, node_id: str, lease_id: int, progress: MemberProgress) -> None:
+        """Store ``node_id``'s latest step on its membership lease (gone with the membership)."""
+        self.client.put(self.progress_key(job, node_id), progress.to_json(), lease=lease_id)
+
+    @etcd_call
+    def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
+        """Each member's progress: the recorded step and the age of its last heartbeat (from its lease's TTL)."""
+        recorded = {
+            meta.key.decode().rsplit("/", 1)[1]: MemberProgress.from_json(value)
+            for value, meta in self.client.get_prefix(self.progress_key(job))
+        }
+        out = {}
+        for member in members:
+            age = -1.0
+            if member.lease_id:
+                info = self.client.get_lease_info(member.lease_id)
+                if info.TTL > 0:
+                    age = float(max(0, info.grantedTTL - info.TTL))
+            step = recorded.get(member.node_id, MemberProgress())
+            out[member.node_id] = MemberProgress(age, step.step, step.step_at)
+        return out
+
+    @etcd_call
+    def report_failure(self, job: str, report: FailureReport, unreachable: Sequence[str] = ()) -> tuple[bool, int]:
+        """Record a worker failure of the current generation, evicting the ``unreachable`` nodes in the same txn.
+
+        Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
+        revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
+
+        Returns:
+            (accepted, current generation number): not accepted when the report names an older generation.
+        """
+        current, mod_revision = self._current(job)
+        if current is None or report.generation != current.number:
+            return False, current.number if current else 0
+        if report.node_id not in current.node_ids:
+            raise PermissionDenied(f"node {report.node_id!r} is not a member of job {job!r}'s generation "
+                                   f"{current.number}; only its members report its failures")  # fmt: skip
+        strangers = [n for n in unreachable if n not in current.node_ids]
+        if strangers:
+            raise InvalidArgument(
+                f"unreachable_nodes names {quote(strangers)}, not members of job {job!r}'s generation "
+                f"{current.number}; name only nodes of the generation reported"
+            )
+        suspects = [n for n in dict.fromkeys(unreachable) if n != report.node_id]
+        leases = []
+        for node in suspects:
+            value, _meta = self.client.get(self.job_key(job, "members", node))
+            if value is not None:
+                leases.append(Member.from_json(value).lease_id)
+        key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
+        ops = [self.tx.put(key, report.to_json())]
+        ops += [self.tx.delete(self.job_key(job, "members", n)) for n in suspects]
+        ok, _ = self._txn([self.tx.mod(self.job_key(job, "generation")) == mod_revision], ops)
+        if ok:
+            for lease_id in leases:
+                self._revoke_quietly(lease_id)
+            logger.info(
+                "failure reported in job %s generation %d by %s (exit %d)%s",
+                job,
+                current.number,
+                report.node_id,
+                report.exit_code,
+                f"; evicted unreachable {suspects}" if suspects else "",
+            )
+        return ok, current.number
+
+    @etcd_call
+    def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:
+        """A node's workers of ``generation`` all exited 0: mark the job succeeded if that generation is current."""
+        current, _ = self._current(job)
+        if current is None or generation != current.number:
+            return False, current.number if current else 0
+        if node_id not in current.node_ids:
+            raise PermissionDenied(f"node {node_id!r} is not a member of job {job!r}'s generation {current.number}; "
+                                   f"only its members report its success")  # fmt: skip
+        status = self.finish_job(job, True, f"node {node_id}'s workers completed generation {generation}", now)
+        return status.state is JobState.SUCCEEDED, current.number
+

@@ -1,0 +1,491 @@
+"""Mutual TLS for every gRPC channel: certificates that carry a role, loading and checking a TLS directory, and the
+gRPC credentials built from it.
+
+A TLS directory (``--tls-dir`` / ``PLIANT_TLS_DIR``) holds three PEM files: ``ca.crt`` (the CA every peer is checked
+against), ``tls.crt`` (this process's certificate) and ``tls.key`` (its private key). A certificate's subject names
+its role and, for agents, the node id::
+
+    O=pliant, OU=<role>, CN=<name>          role: coordinator | agent | admin; name: the node id for agents
+
+``pliant certs`` (see :mod:`pliant.certs`) creates a CA and issues certificates in this layout, as
+``cockroach cert create-ca / create-node / create-client`` do. Keys are ECDSA P-256: a handshake costs well under a
+millisecond, which keeps mutual TLS cheap on the control plane's hot paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import enum
+import functools
+import ipaddress
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pliant.errors import ConfigError
+
+__all__ = [
+    "CA_CERT",
+    "TLS_CERT",
+    "TLS_KEY",
+    "Identity",
+    "IssuedCert",
+    "LocalCA",
+    "Role",
+    "TlsConfig",
+    "TlsMaterial",
+    "add_tls_flags",
+    "channel_credentials",
+    "identity_from_pem",
+    "issue_cert",
+    "new_ca",
+    "peer_identity",
+    "read_token_file",
+    "server_credentials",
+    "tls_from_flags",
+    "write_tls_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+CA_CERT, TLS_CERT, TLS_KEY = "ca.crt", "tls.crt", "tls.key"
+_ORG = "pliant"
+
+
+class Role(enum.Enum):
+    """What a certificate's holder may do. COORDINATOR serves the API (and talks to etcd); AGENT acts for its own node
+    only; ADMIN creates, finishes, deletes and reads every job."""
+
+    COORDINATOR = "coordinator"
+    AGENT = "agent"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a verified peer certificate says its holder is."""
+
+    role: Role
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.role.value} {self.name!r}"
+
+
+@dataclass(frozen=True)
+class IssuedCert:
+    """A certificate and its private key, PEM-encoded."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Issuing (the cryptography package)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _new_key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def new_ca(common_name: str = "pliant CA", lifetime_days: float = 3650) -> IssuedCert:
+    """Create a self-signed CA certificate and its key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    key = _new_key()
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=lifetime_days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                          key_encipherment=False, data_encipherment=False, key_agreement=False,
+                          encipher_only=False, decipher_only=False),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    from cryptography.hazmat.primitives import serialization
+
+    return IssuedCert(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def issue_cert(
+    ca: IssuedCert,
+    role: Role,
+    name: str,
+    hosts: Sequence[str] = (),
+    lifetime_days: float = 365,
+    not_before: datetime.datetime | None = None,
+) -> IssuedCert:
+    """Issue a certificate for ``role``/``name`` signed by ``ca``.
+
+    Args:
+        ca: the CA certificate and key.
+        role: the holder's role.
+        name: the node id (agents), the replica or user name (others).
+        hosts: DNS names and IP addresses the holder serves on (coordinators, etcd); they become SANs.
+        lifetime_days: validity from now.
+        not_before: start of validity (default: 5 minutes ago, for clock skew); tests pass a past time to make
+            an expired certificate.
+
+    Raises:
+        ConfigError: the CA files do not parse or ``name`` is empty.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if not name or len(name) > 128:
+        raise ConfigError(f"certificate name {name[:100]!r} must be 1-128 characters (a node id or user name)")
+    try:
+        ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
+        ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
+    except ValueError as exc:
+        raise ConfigError(
+            f"the CA certificate or key does not parse ({exc}); create one with pliant certs create-ca"
+        ) from exc
+    key = _new_key()
+    start = not_before or _now() - datetime.timedelta(minutes=5)
+    sans: list[x509.GeneralName] = []
+    for host in dict.fromkeys(hosts):
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if role is Role.COORDINATOR or hosts:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+                                 x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
+                                 x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=lifetime_days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return IssuedCert(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def write_tls_dir(directory: str | os.PathLike[str], ca_cert_pem: bytes, issued: IssuedCert) -> Path:
+    """Write ``ca.crt``, ``tls.crt`` and ``tls.key`` (mode 0600) into ``directory`` (created 0700)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (path / CA_CERT).write_bytes(ca_cert_pem)
+    (path / TLS_CERT).write_bytes(issued.cert_pem)
+    key_path = path / TLS_KEY
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(issued.key_pem)
+    return path
+
+
+class LocalCA:
+    """A CA whose key lives only in this process, issuing ``--tls-dir`` directories under one folder on demand: the
+    ephemeral PKI of ``pliant run``, the tests and the benches.
+
+    Args:
+        directory: where ``ca.crt`` and the issued directories go (created 0700).
+        lifetime_days: validity of the CA and of what it issues.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], lifetime_days: float = 365) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.lifetime_days = lifetime_days
+        self.ca = new_ca("pliant ephemeral CA", lifetime_days)
+        (self.directory / CA_CERT).write_bytes(self.ca.cert_pem)
+        self._issued: dict[str, TlsConfig] = {}
+
+    def issue(self, sub: str, role: Role, name: str, hosts: Sequence[str] = ()) -> TlsConfig:
+        """The TLS directory ``DIRECTORY/sub`` for ``role``/``name``, issued the first time it is asked for."""
+        if sub not in self._issued:
+            issued = issue_cert(self.ca, role, name, hosts, self.lifetime_days)
+            self._issued[sub] = TlsConfig.from_dir(write_tls_dir(self.directory / sub, self.ca.cert_pem, issued))
+        return self._issued[sub]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading and checking
+
+
+@functools.lru_cache(maxsize=4096)
+def identity_from_pem(cert_pem: bytes) -> Identity | None:
+    """The role and name a pliant certificate carries; None when its subject names no pliant role."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    try:
+        subject = x509.load_pem_x509_certificate(cert_pem).subject
+    except ValueError:
+        return None
+    ous = subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    cns = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(ous) != 1 or len(cns) != 1:
+        return None
+    try:
+        role = Role(str(ous[0].value))
+    except ValueError:
+        return None
+    return Identity(role, str(cns[0].value))
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """The PEM bytes of a TLS directory, checked, and the identity its certificate carries."""
+
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+    identity: Identity | None  # None only for certificates loaded with need_role=False
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Where a process's TLS files are. Build it with :meth:`from_dir`; :meth:`load` reads and checks them.
+
+    Attributes:
+        ca: the CA certificate peers are checked against.
+        cert: this process's certificate.
+        key: its private key.
+    """
+
+    ca: str
+    cert: str
+    key: str
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str]) -> TlsConfig:
+        """The standard layout: ``DIR/ca.crt``, ``DIR/tls.crt``, ``DIR/tls.key``.
+
+        Raises:
+            ConfigError: the directory does not exist.
+        """
+        path = Path(directory)
+        if not path.is_dir():
+            raise ConfigError(
+                f"--tls-dir {str(directory)[:200]!r} is not a directory; create one with `pliant certs` "
+                f"(ca.crt, tls.crt, tls.key) or pass --insecure to run without TLS"
+            )
+        return cls(str(path / CA_CERT), str(path / TLS_CERT), str(path / TLS_KEY))
+
+    def load(self, expect: Role | None = None, need_role: bool = True) -> TlsMaterial:
+        """Read and check the files: each parses, the key matches the certificate, the CA signed it, it is valid now
+        and names a pliant role (``expect`` when given; none needed with ``need_role=False``, e.g. for etcd's own
+        certificates).
+
+        Raises:
+            ConfigError: naming the file and the fix.
+        """
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        fix = "create it with `pliant certs` (see docs/operations.md, Security)"
+        pems = []
+        for what, path in (("CA certificate", self.ca), ("certificate", self.cert), ("private key", self.key)):
+            try:
+                data = Path(path).read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"TLS {what} {path} cannot be read ({exc.strerror}); {fix}") from exc
+            if not data.strip():
+                raise ConfigError(f"TLS {what} {path} is empty; {fix}")
+            pems.append(data)
+        ca_pem, cert_pem, key_pem = pems
+        try:
+            ca = x509.load_pem_x509_certificate(ca_pem)
+        except ValueError as exc:
+            raise ConfigError(f"TLS CA certificate {self.ca} is not a PEM certificate ({exc}); {fix}") from exc
+        try:
+            cert = x509.load_pem_x509_certificate(cert_pem)
+        except ValueError as exc:
+            raise ConfigError(f"TLS certificate {self.cert} is not a PEM certificate ({exc}); {fix}") from exc
+        try:
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"TLS private key {self.key} is not an unencrypted PEM private key ({exc}); {fix}"
+            ) from exc
+        spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+            raise ConfigError(f"TLS private key {self.key} does not belong to certificate {self.cert}; {fix}")
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, Exception) as exc:  # InvalidSignature has no common base
+            raise ConfigError(
+                f"TLS certificate {self.cert} was not issued by the CA in {self.ca}; use certificates from one CA"
+            ) from exc
+        now = _now()
+        for what, path, item in (("certificate", self.cert, cert), ("CA certificate", self.ca, ca)):
+            if item.not_valid_after_utc < now:
+                raise ConfigError(f"TLS {what} {path} expired on {item.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; "
+                                  f"issue a new one with `pliant certs`")  # fmt: skip
+            if item.not_valid_before_utc > now:
+                raise ConfigError(f"TLS {what} {path} is not valid before {item.not_valid_before_utc:%Y-%m-%d %H:%M} "
+                                  f"UTC; check this machine's clock")  # fmt: skip
+        identity = identity_from_pem(cert_pem)
+        if identity is None and need_role:
+            raise ConfigError(
+                f"TLS certificate {self.cert} names no pliant role (subject {cert.subject.rfc4514_string()[:100]}); "
+                f"issue it with `pliant certs create-coordinator|create-agent|create-admin`"
+            )
+        if expect is not None and identity.role is not expect:
+            raise ConfigError(
+                f"TLS certificate {self.cert} is for {identity}, but this command needs a {expect.value} certificate; "
+                f"pass the --tls-dir of a {expect.value} (pliant certs create-{expect.value})"
+            )
+        days_left = (cert.not_valid_after_utc - now).days
+        if days_left < 30:
+            logger.warning("TLS certificate %s expires in %d days; issue a new one with `pliant certs`", self.cert,
+                           days_left)  # fmt: skip
+        return TlsMaterial(ca_pem, cert_pem, key_pem, identity)
+
+    def mtimes(self) -> tuple[float, ...]:
+        """Modification times of the three files (0 for a missing one): a change means rotated certificates."""
+        out = []
+        for path in (self.ca, self.cert, self.key):
+            try:
+                out.append(os.stat(path).st_mtime)
+            except OSError:
+                out.append(0.0)
+        return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gRPC credentials
+
+
+def server_credentials(config: TlsConfig, material: TlsMaterial) -> object:
+    """Server credentials that require a client certificate from the CA, and pick up rotated files by themselves.
+
+    The files are checked again whenever their modification time changes (gRPC asks before each handshake); a
+    rotation that does not load keeps the previous certificates and logs why.
+    """
+    import grpc
+
+    def build(m: TlsMaterial) -> object:
+        return grpc.ssl_server_certificate_configuration([(m.key_pem, m.cert_pem)], root_certificates=m.ca_pem)
+
+    seen = [config.mtimes()]
+
+    def fetch() -> object | None:
+        mtimes = config.mtimes()
+        if mtimes == seen[0]:
+            return None
+        seen[0] = mtimes
+        try:
+            fresh = config.load(expect=material.identity.role if material.identity else None)
+        except ConfigError as exc:
+            logger.error("rotated TLS files not used: %s", exc)
+            return None
+        logger.info("TLS certificates reloaded from %s", config.cert)
+        return build(fresh)
+
+    return grpc.dynamic_ssl_server_credentials(build(material), fetch, require_client_authentication=True)
+
+
+def channel_credentials(material: TlsMaterial) -> object:
+    """Client credentials: check the server against the CA, present this process's certificate."""
+    import grpc
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=material.ca_pem, private_key=material.key_pem, certificate_chain=material.cert_pem
+    )
+
+
+def peer_identity(context: object) -> Identity | None:
+    """The identity of the peer of a gRPC server call (None on a plaintext channel or without a pliant role)."""
+    auth: Callable[[], dict[str, list[bytes]]] = context.auth_context  # type: ignore[attr-defined]
+    pems = auth().get("x509_pem_cert")
+    return identity_from_pem(pems[0]) if pems else None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command-line flags
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """Add ``--tls-dir`` (env ``PLIANT_TLS_DIR``) and ``--insecure`` to a command run as ``role``."""
+    parser.add_argument(
+        "--tls-dir",
+        default=os.environ.get("PLIANT_TLS_DIR") or None,
+        help=f"directory with ca.crt, tls.crt and tls.key of a{'n' if role[0] in 'aeiou' else ''} {role} certificate "
+        f"(env PLIANT_TLS_DIR; create them with `pliant certs`)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC without certificates: anyone who reaches the coordinator can do anything (not for "
+        "shared networks)",
+    )
+
+
+def tls_from_flags(tls_dir: str | None, insecure: bool, command: str) -> TlsConfig | None:
+    """The TLS files named by ``--tls-dir``, or None with ``--insecure`` (logged as a warning).
+
+    Raises:
+        ConfigError: neither or both were given, or the directory does not exist.
+    """
+    if tls_dir and insecure:
+        raise ConfigError(f"pliant {command}: --tls-dir (or PLIANT_TLS_DIR) and --insecure contradict each other; "
+                          f"drop one")  # fmt: skip
+    if insecure:
+        logger.warning("pliant %s: --insecure: gRPC in plaintext, no certificates checked", command)
+        return None
+    if not tls_dir:
+        raise ConfigError(
+            f"pliant {command} needs TLS: pass --tls-dir DIR (or set PLIANT_TLS_DIR) with ca.crt, tls.crt and tls.key "
+            f"(create them with `pliant certs`), or --insecure for plaintext"
+        )
+    return TlsConfig.from_dir(tls_dir)
+
+
+def read_token_file(path: str) -> str:
+    """The join token in ``path`` (surrounding whitespace removed).
+
+    Raises:
+        ConfigError: the file cannot be read or is empty.
+    """
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"join token file {path} cannot be read ({exc.strerror}); check the path") from exc
+    if not token:
+        raise ConfigError(f"join token file {path} is empty; write the job's token into it (pliant job create "
+                          f"--write-token {path})")  # fmt: skip
+    return token
