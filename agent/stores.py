@@ -4,11 +4,16 @@ Workers rendezvous through the generation's store (MASTER_ADDR:MASTER_PORT, reac
 TORCHELASTIC_USE_AGENT_STORE=True), so every generation starts from an empty namespace: torch's env:// init does not
 prefix keys by restart count, and stale keys of a dead generation would otherwise hang the next one. The node-rank-0
 agent publishes each generation's port in its long-lived store, where the other agents read it.
+
+Every store listens on the node's advertised address only (torch's TCPStore server would listen on every interface):
+pliant binds the socket itself and hands it over with ``master_listen_fd``. TCPStore has no authentication; see
+docs/operations.md (Security) for what the NetworkPolicy closes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 
@@ -24,6 +29,35 @@ _KEEP = 2  # generation stores kept alive (the current and the previous one)
 
 def _port_key(generation: int) -> str:
     return f"/pliant/gen/{generation}/master_port"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` only (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _store_server(host: str, port: int) -> object:
+    """A TCPStore server listening on ``host:port`` only. The store owns the socket (it closes it when deleted)."""
+    from torch.distributed import TCPStore  # imported here: the agent joins before paying for torch
+
+    sock = _listen(host, port)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
+                        master_listen_fd=fd, use_libuv=True)  # fmt: skip
+    except Exception:
+        os.close(fd)
+        raise
 
 
 def reachable(address: str, timeout_s: float = 0.5) -> bool:
@@ -45,29 +79,27 @@ class NodeStore:
     """
 
     def __init__(self, host: str, port: int = 0) -> None:
-        from torch.distributed import TCPStore  # imported here: the agent joins before paying for torch
-
         self.host = host
         try:
-            self.server = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+            self.server = _store_server(host, port)
         except Exception as exc:
             raise AgentError(
-                f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port"
+                f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port, or a --host "
+                f"that is one of this machine's addresses"
             ) from exc
-        self.address = f"{host}:{self.server.port}"
+        self.address = f"{host}:{self.server.port}"  # type: ignore[attr-defined]
         self._generation_stores: dict[int, object] = {}
 
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
-        from torch.distributed import TCPStore
-
-        store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        store = _store_server(self.host, 0)
         self._generation_stores[generation] = store
         for old in sorted(self._generation_stores)[:-_KEEP]:
             del self._generation_stores[old]
-        self.server.set(_port_key(generation), str(store.port))
-        logger.info("generation %d: store serving on %s:%d", generation, self.host, store.port)
-        return int(store.port)
+        port = int(store.port)  # type: ignore[attr-defined]
+        self.server.set(_port_key(generation), str(port))  # type: ignore[attr-defined]
+        logger.info("generation %d: store serving on %s:%d", generation, self.host, port)
+        return port
 
     @staticmethod
     def generation_port(store_address: str, generation: int, timeout_s: float) -> int:

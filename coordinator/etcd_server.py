@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 import etcd3
+import grpc
 
 from pliant.coordinator.contract import CoordinatorError
 from pliant.net import free_port
 from pliant.spawn import die_with_parent
+from pliant.tls import TlsConfig
 
 __all__ = ["EtcdServer", "EtcdServerError", "find_etcd_binary"]
 
@@ -60,6 +62,8 @@ class EtcdServer:
         client_port, peer_port: ports to use; free ones are picked when None. They are kept across restarts.
         log_path: file for etcd's own output; discarded when None.
         die_with_parent: SIGKILL etcd when this process dies, even by kill -9 (the embedded etcd of ``pliant run``).
+        tls: serve clients over TLS with this certificate (its names must include ``host``) and require client
+            certificates from its CA (``--client-cert-auth``); None: plaintext.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class EtcdServer:
         peer_port: int | None = None,
         log_path: str | None = None,
         die_with_parent: bool = False,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
@@ -79,12 +84,13 @@ class EtcdServer:
         self.peer_port = peer_port or free_port(host)
         self.log_path = log_path
         self.die_with_parent = die_with_parent
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        """The client URL, e.g. ``http://127.0.0.1:23790``."""
-        return f"http://{self.host}:{self.client_port}"
+        """The client URL, e.g. ``http://127.0.0.1:23790`` (``https://`` with TLS)."""
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
         """Start etcd and wait until it answers a status request.
@@ -106,6 +112,12 @@ class EtcdServer:
             "--election-timeout", "250",
             "--log-level", "warn",
         ]  # fmt: skip
+        creds = None
+        if self.tls is not None:
+            cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
+                    "--client-cert-auth"]  # fmt: skip
+            files = self.tls.load(need_role=False)
+            creds = grpc.ssl_channel_credentials(files.ca_pem, files.key_pem, files.cert_pem)
         if self.die_with_parent:
             cmd = die_with_parent(cmd)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -113,7 +125,7 @@ class EtcdServer:
         if out is not subprocess.DEVNULL:
             out.close()
         deadline = time.monotonic() + timeout_s
-        endpoint = etcd3.Endpoint(self.host, self.client_port, secure=False, time_retry=0.1)
+        endpoint = etcd3.Endpoint(self.host, self.client_port, secure=creds is not None, creds=creds, time_retry=0.1)
         client = etcd3.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=1, failover=True)
         try:
             while time.monotonic() < deadline:

@@ -365,9 +365,10 @@ class TlsConfig:
                 f"issue it with `pliant certs create-coordinator|create-agent|create-admin`"
             )
         if expect is not None and identity.role is not expect:
+            article = "an" if expect.value[0] in "aeiou" else "a"
             raise ConfigError(
-                f"TLS certificate {self.cert} is for {identity}, but this command needs a {expect.value} certificate; "
-                f"pass the --tls-dir of a {expect.value} (pliant certs create-{expect.value})"
+                f"TLS certificate {self.cert} is for {identity}, but this command needs {article} {expect.value} "
+                f"certificate; pass the --tls-dir of {article} {expect.value} (pliant certs create-{expect.value})"
             )
         days_left = (cert.not_valid_after_utc - now).days
         if days_left < 30:

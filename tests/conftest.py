@@ -89,6 +89,7 @@ def make_coordinator(etcd: object, prefix: str, pki: object) -> Iterator[Callabl
     def make(replica_id: str = "r0", endpoints: tuple[str, ...] | None = None, **kwargs: object) -> CoordinatorServer:
         kwargs.setdefault("leader_ttl_s", 2.0)
         kwargs.setdefault("resync_s", 1.0)
+        kwargs.setdefault("max_workers", 32)
         if not kwargs.get("insecure"):
             kwargs.setdefault("tls", coordinator_tls(pki))  # type: ignore[arg-type]
         config = CoordinatorConfig(
@@ -96,7 +97,6 @@ def make_coordinator(etcd: object, prefix: str, pki: object) -> Iterator[Callabl
             listen="127.0.0.1:0",
             prefix=prefix,
             replica_id=replica_id,
-            max_workers=32,
             **kwargs,  # type: ignore[arg-type]
         )
         server = CoordinatorServer(config).start()

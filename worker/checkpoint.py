@@ -88,8 +88,40 @@ def _materialize_zero_state(optimizer: ZeroRedundancyOptimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module) -> dict[str, Any]:
+    """This rank's ZeRO optimizer shard keyed by parameter name (``<fqn>.<state key>``), plus the hyperparameters.
+
+    Each rank saves only the parameters it owns and loads only those it owns in the new world, so a checkpoint
+    reshards to any world size through DCP itself: no rank ever ships its state to another as a pickle.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    state: dict[str, Any] = {}
+    for group in optimizer.optim.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.optim.state.get(param, {}).items():
+                state[f"{names[id(param)]}.{key}"] = value
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def _load_zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    params = dict(model.named_parameters())
+    for flat, value in saved["state"].items():
+        name, key = flat.rsplit(".", 1)
+        slot = optimizer.optim.state[params[name]]
+        if isinstance(value, torch.Tensor) and isinstance(slot.get(key), torch.Tensor):
+            if slot[key] is not value:
+                slot[key].copy_(value)
+        else:
+            slot[key] = value
+    for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
+        group.update(hyper)
+    for group, hyper in zip(optimizer.optim.param_groups, saved["groups"], strict=False):
+        group.update(hyper)
+
+
 class _TrainState(Stateful):
-    """Model and optimizer, through DCP's state-dict helpers (FSDP2 DTensors stay sharded)."""
+    """Model and optimizer, through DCP's state-dict helpers (FSDP2 DTensors stay sharded; ZeRO shards by name)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -100,10 +132,7 @@ class _TrainState(Stateful):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             model = getattr(self.engine.model, "module", self.engine.model)
             _materialize_zero_state(optimizer)
-            optimizer.consolidate_state_dict(to=0)
-            full = [optimizer.state_dict() if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(full, src=0)
-            state = {"model": model.state_dict(), "zero_optim": full[0]}
+            state = {"model": model.state_dict(), "zero_shard": _zero_local_state(optimizer, model)}
         else:
             model_sd, optim_sd = get_state_dict(self.engine.model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
@@ -114,8 +143,9 @@ class _TrainState(Stateful):
         self.nbytes = tensor_bytes(state)
         optimizer = self.engine.optimizer
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            getattr(self.engine.model, "module", self.engine.model).load_state_dict(state["model"])
-            optimizer.load_state_dict(state["zero_optim"])
+            model = getattr(self.engine.model, "module", self.engine.model)
+            model.load_state_dict(state["model"])
+            _load_zero_local_state(optimizer, model, state["zero_shard"])
             return
         set_state_dict(self.engine.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

@@ -1,0 +1,314 @@
+"""Probes of a real coordinator (mutual TLS) on a real etcd, one per way in which anyone who reached the coordinator
+could once fail, finish or read any job: each is now refused with the right status code and a clear message, and the
+refused call leaves etcd's contents exactly as they were."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pliant.coordinator.contract import JobSpec, JobState
+from pliant.coordinator.store import EtcdStore
+from pliant.tls import LocalCA, Role, TlsConfig, channel_credentials, issue_cert, write_tls_dir
+from pliant.v1 import coordinator_pb2 as pb
+from pliant.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
+from tests.fleet import agent_tls, secure_channel
+
+pytestmark = pytest.mark.timeout(90)
+
+Code = grpc.StatusCode
+
+
+class Probe:
+    """A running coordinator with one job (nodes a and b in generation 1 or 2), stubs as admin, as a, as b and as a
+    stranger node, and a view of etcd to prove that refused calls change nothing."""
+
+    def __init__(self, server: object, pki: LocalCA, etcd_endpoint: str, prefix: str, fleet: object) -> None:
+        self.server, self.pki, self.prefix = server, pki, prefix
+        self.store = EtcdStore((etcd_endpoint,), prefix)
+        self.fleet = fleet
+        self.channels: list[grpc.Channel] = []
+        _info, _created, self.token = fleet.create_job(JobSpec("job", 1, 4, heartbeat_ttl_s=30, join_grace_s=0))
+        self.a = fleet.join("job", "a", "127.0.0.1:1001")
+        self.b = fleet.join("job", "b", "127.0.0.1:1002")
+        self.gen = wait_for(lambda: (g := fleet.get_job("job").generation) and g.node_ids == ("a", "b") and g, 10,
+                            "generation with a and b")  # fmt: skip
+
+    def stub(self, who: str) -> pb_grpc.CoordinatorStub:
+        channel = secure_channel(self.pki, self.server.address, who)
+        self.channels.append(channel)
+        return pb_grpc.CoordinatorStub(channel)
+
+    def etcd(self) -> dict[bytes, bytes]:
+        return {meta.key: value for value, meta in self.store.client.get_prefix(self.prefix)}
+
+    def refused(self, call: Callable, request: object, code: grpc.StatusCode, needle: str) -> str:
+        """Make ``call``; assert it fails with ``code`` and ``needle`` in the message, and that etcd is unchanged."""
+        before = self.etcd()
+        with pytest.raises(grpc.RpcError) as info:
+            result = call(request, timeout=10)
+            if hasattr(result, "__next__"):
+                next(result)
+        details = info.value.details() or ""
+        assert info.value.code() == code, details
+        assert needle in details, details
+        for secret in (str(self.a.lease_id), f"{self.a.lease_id:x}", str(self.b.lease_id), f"{self.b.lease_id:x}",
+                       self.token):  # fmt: skip
+            assert secret not in details, f"the message leaks a lease id or the token: {details}"
+        assert self.etcd() == before, f"a refused {type(request).__name__} changed etcd"
+        return details
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        self.store.close()
+
+
+@pytest.fixture
+def probe(make_coordinator, pki, etcd, prefix, fleet) -> Iterator[Probe]:
+    server = make_coordinator()
+    item = Probe(server, pki, etcd.endpoint, prefix, fleet(server))
+    yield item
+    item.close()
+
+
+def test_failure_and_success_reports_only_from_members_of_the_generation(probe: Probe) -> None:
+    stranger, a = probe.stub("mallory"), probe.stub("a")
+    number = probe.gen.number
+    report = pb.ReportFailureRequest(job_id="job", node_id="mallory", generation=number, exit_code=1, lease_id=12345)
+    for _ in range(3):  # three of them once spent the restart budget and failed the job
+        probe.refused(stranger.ReportFailure, report, Code.NOT_FOUND, "node 'mallory' has no live membership")
+    # Posing as a member: another node's certificate, or a's identity without a's lease.
+    probe.refused(stranger.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=number,
+                  lease_id=probe.a.lease_id), Code.PERMISSION_DENIED, "acts only for node 'mallory'")  # fmt: skip
+    probe.refused(a.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=number,
+                  lease_id=probe.b.lease_id), Code.PERMISSION_DENIED, "not the one node 'a''s membership")  # fmt: skip
+    # unreachable_nodes names only members of the generation reported.
+    probe.refused(a.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=number,
+                  lease_id=probe.a.lease_id, unreachable_nodes=["ghost"]), Code.INVALID_ARGUMENT,
+                  "not members of job 'job'")  # fmt: skip
+    probe.refused(stranger.ReportSuccess, pb.ReportSuccessRequest(job_id="job", node_id="mallory", generation=number,
+                  lease_id=12345), Code.NOT_FOUND, "no live membership")  # fmt: skip
+    info = probe.fleet.get_job("job")
+    assert info.status.state is JobState.RUNNING and info.generation.restarts_used == 0
+
+
+def test_a_spare_is_no_member_of_the_generation(make_coordinator, fleet) -> None:
+    server = make_coordinator()
+    with fleet(server) as client:
+        client.create_job(JobSpec("job", 1, 1, heartbeat_ttl_s=30, join_grace_s=0))
+        client.join("job", "a", "127.0.0.1:1")
+        client.join("job", "spare", "127.0.0.1:2")  # max_nodes=1: it waits as a spare
+        gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
+        for report in (lambda: client.report_failure("job", "spare", gen.number, 1),
+                       lambda: client.report_success("job", "spare", gen.number)):  # fmt: skip
+            with pytest.raises(Exception, match="node 'spare' is not a member of job 'job''s generation 1") as info:
+                report()
+            assert type(info.value).__name__ == "PermissionDenied"
+        assert client.get_job("job").status.state is JobState.RUNNING
+
+
+def test_admin_calls_need_the_admin_role(probe: Probe) -> None:
+    a = probe.stub("a")
+    probe.refused(a.FinishJob, pb.FinishJobRequest(job_id="job", succeeded=True), Code.PERMISSION_DENIED,
+                  "FinishJob needs an admin certificate")  # fmt: skip
+    probe.refused(a.CreateJob, pb.CreateJobRequest(spec=pb.JobSpec(job_id="x", min_nodes=1, max_nodes=1,
+                  nproc_per_node=1)), Code.PERMISSION_DENIED, "CreateJob needs an admin")  # fmt: skip
+    probe.refused(a.ListJobs, pb.ListJobsRequest(), Code.PERMISSION_DENIED, "ListJobs needs an admin")
+    probe.refused(a.DeleteJob, pb.DeleteJobRequest(job_id="job"), Code.PERMISSION_DENIED, "DeleteJob needs an admin")
+    probe.refused(a.RotateJoinToken, pb.RotateJoinTokenRequest(job_id="job"), Code.PERMISSION_DENIED,
+                  "RotateJoinToken needs an admin")  # fmt: skip
+    # A member reads its job without any node's address; a stranger not at all; an admin everything.
+    seen = a.GetJob(pb.GetJobRequest(job_id="job"), timeout=10)
+    assert [m.address for m in seen.members] == ["", ""] and seen.generation.store_address == ""
+    probe.refused(probe.stub("mallory").GetJob, pb.GetJobRequest(job_id="job"), Code.PERMISSION_DENIED,
+                  "not a member of it")  # fmt: skip
+    full = probe.stub("admin").GetJob(pb.GetJobRequest(job_id="job"), timeout=10)
+    assert full.generation.store_address == "127.0.0.1:1001"
+
+
+def test_leases_are_bound_to_their_node(probe: Probe) -> None:
+    a, b = probe.stub("a"), probe.stub("b")
+    leader_lease = probe.store.client.get(probe.store.leader_key)[1].lease_id
+    # Leave with the leader's lease (any lease) once revoked it: the coordinator stepped down.
+    probe.refused(a.Leave, pb.LeaveRequest(job_id="job", node_id="a", lease_id=leader_lease), Code.PERMISSION_DENIED,
+                  "a node leaves only with the lease_id its own Join returned")  # fmt: skip
+    probe.refused(a.Leave, pb.LeaveRequest(job_id="job", node_id="b", lease_id=probe.b.lease_id),
+                  Code.PERMISSION_DENIED, "acts only for node 'a'")  # fmt: skip
+    assert probe.server.election.is_leader
+    # Heartbeat is no oracle of lease ids: a's certificate may only ask about a, and with any lease not its own the
+    # answer is the same refusal, whether the id exists (b's, the leader's) or not.
+    for lease in (probe.b.lease_id, leader_lease, 12345, 2**62):
+        probe.refused(a.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=lease),
+                      Code.PERMISSION_DENIED, "not the one node 'a''s membership")  # fmt: skip
+    probe.refused(b.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=probe.a.lease_id),
+                  Code.PERMISSION_DENIED, "acts only for node 'b'")  # fmt: skip
+    assert a.Heartbeat(pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=probe.a.lease_id), timeout=10).ttl_s
+    # ALREADY_EXISTS names the holder's address, never its lease.
+    probe.refused(a.Join, pb.JoinRequest(job_id="job", node_id="a", address="127.0.0.1:9", join_token=probe.token),
+                  Code.ALREADY_EXISTS, "already holds a live membership")  # fmt: skip
+
+
+def test_join_needs_the_token_and_the_node_own_certificate(probe: Probe) -> None:
+    d = probe.stub("d")
+    join = pb.JoinRequest(job_id="job", node_id="d", address="127.0.0.1:1004")
+    probe.refused(d.Join, join, Code.UNAUTHENTICATED, "no join token for job 'job'; pass the token")
+    join.join_token = "wrong-" + probe.token[6:]
+    probe.refused(d.Join, join, Code.UNAUTHENTICATED, "a wrong join token")
+    join.join_token, join.node_id = probe.token, "e"
+    probe.refused(d.Join, join, Code.PERMISSION_DENIED, "acts only for node 'd'")
+    # A rotated token replaces the old one at once, on every replica.
+    new = probe.fleet.admin.rotate_join_token("job")
+    join.node_id = "d"
+    probe.refused(d.Join, join, Code.UNAUTHENTICATED, "a wrong join token")
+    join.join_token = new
+    assert d.Join(join, timeout=10).lease_id
+
+
+def test_watch_only_for_members_and_admins(probe: Probe) -> None:
+    probe.refused(probe.stub("mallory").WatchGenerations, pb.WatchGenerationsRequest(job_id="job"),
+                  Code.PERMISSION_DENIED, "not a member of it")  # fmt: skip
+    for who in ("a", "admin"):
+        first = next(probe.stub(who).WatchGenerations(pb.WatchGenerationsRequest(job_id="job"), timeout=10))
+        assert first.generation.number == probe.gen.number
+
+
+def test_bounded_inputs(probe: Probe) -> None:
+    admin, a = probe.stub("admin"), probe.stub("a")
+    spec = dict(min_nodes=1, max_nodes=2, nproc_per_node=1)
+    probe.refused(admin.CreateJob, pb.CreateJobRequest(spec=pb.JobSpec(job_id="abc\n", **spec)), Code.INVALID_ARGUMENT,
+                  "job_id 'abc\\n' is invalid")  # fmt: skip
+    probe.refused(admin.CreateJob, pb.CreateJobRequest(spec=pb.JobSpec(job_id="big", min_nodes=1, max_nodes=1,
+                  nproc_per_node=2**32 - 1)), Code.INVALID_ARGUMENT, "must be at most 1024")  # fmt: skip
+    join = pb.JoinRequest(job_id="job", node_id="a", join_token=probe.token)
+    for address in ("evil host\n:80", "h" * 1_000_000 + ":80", "-bad-.example:80", "host:0", "[::1:80"):
+        join.address = address
+        details = probe.refused(a.Join, join, Code.INVALID_ARGUMENT, "is not HOST:PORT")
+        assert len(details) < 400, "a bad value is quoted in at most ~100 characters"
+    join.address, join.slots = "127.0.0.1:80", 2**32 - 1
+    probe.refused(a.Join, join, Code.INVALID_ARGUMENT, "slots=4294967295 must be between 1 and 1024")
+    # A long reason is kept, truncated to 4 KiB with a note; one over the message limit is RESOURCE_EXHAUSTED, which
+    # the client does not retry.
+    admin.FinishJob(pb.FinishJobRequest(job_id="job", succeeded=False, reason="r" * 1_000_000), timeout=10)
+    reason = probe.fleet.get_job("job").status.reason
+    assert len(reason.encode()) <= 4096 and "[truncated: 1000000 bytes, kept 4096]" in reason
+    probe.refused(admin.FinishJob, pb.FinishJobRequest(job_id="job", reason="r" * 2_000_000), Code.RESOURCE_EXHAUSTED,
+                  "")  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED|larger than max"):
+        probe.fleet.admin.finish_job("job", False, "r" * 2_000_000)
+    assert time.monotonic() - started < 2, "RESOURCE_EXHAUSTED is not 'safe to retry'"
+
+
+def test_job_quota_delete_and_ttl(make_coordinator, fleet) -> None:
+    server = make_coordinator(max_jobs=2, finished_job_ttl_s=1.0)
+    with fleet(server) as client:
+        client.create_job(JobSpec("one"))
+        client.create_job(JobSpec("two"))
+        with pytest.raises(Exception, match="holds 2 jobs, its limit \\(--max-jobs 2\\)") as info:
+            client.create_job(JobSpec("three"))
+        assert type(info.value).__name__ == "ResourceExhausted"
+        with pytest.raises(Exception, match="finish it first") as info:
+            client.delete_job("one")
+        assert type(info.value).__name__ == "FailedPrecondition"
+        client.finish_job("one", True, "done")
+        client.delete_job("one")
+        client.create_job(JobSpec("three"))
+        client.finish_job("two", False, "stopped")
+        wait_for(lambda: [j.spec.job_id for j in client.list_jobs()] == ["three"], 10, "the TTL to delete job two")
+
+
+def test_watch_streams_are_capped_and_never_starve_heartbeats(make_coordinator, fleet) -> None:
+    server = make_coordinator(max_workers=8, max_watch_streams=3)
+    with fleet(server) as client:
+        client.create_job(JobSpec("job", 1, 2, join_grace_s=0))
+        grant = client.join("job", "a", "127.0.0.1:1")
+        streams = [client.node("a").watch("job") for _ in range(3)]
+        for stream in streams:
+            next(stream)
+        with pytest.raises(Exception, match="serves 3 WatchGenerations streams, its limit") as info:
+            next(client.watch("job"))
+        assert type(info.value).__name__ == "ResourceExhausted"
+        results: list[float] = []
+        threads = [threading.Thread(target=lambda: results.append(client.heartbeat("job", "a", grant.lease_id)))
+                   for _ in range(8)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(results) == 8, "heartbeats are served while the stream cap is reached"
+        for stream in streams:
+            stream.close()
+
+
+def test_connections_without_a_valid_certificate_are_refused(make_coordinator, pki, tmp_path: Path) -> None:
+    server = make_coordinator()
+    request = pb.ListJobsRequest()
+
+    def refused(channel: grpc.Channel) -> None:
+        with channel, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CoordinatorStub(channel).ListJobs(request, timeout=5)
+        assert info.value.code() == Code.UNAVAILABLE
+
+    refused(grpc.insecure_channel(server.address))  # no TLS at all
+    other = LocalCA(tmp_path / "other")  # a certificate from another CA, for the right name and role
+    refused(grpc.secure_channel(server.address, channel_credentials(other.issue("admin", Role.ADMIN, "x").load())))
+    expired_dir = tmp_path / "expired"  # an expired admin certificate from the right CA
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+    write_tls_dir(expired_dir, pki.ca.cert_pem, issue_cert(pki.ca, Role.ADMIN, "old", lifetime_days=1, not_before=past))
+    files = TlsConfig.from_dir(expired_dir)
+    with pytest.raises(Exception, match="expired on"):
+        files.load()  # our own clients refuse to use it, naming the file
+    from pliant.tls import TlsMaterial
+
+    material = TlsMaterial(Path(files.ca).read_bytes(), Path(files.cert).read_bytes(), Path(files.key).read_bytes(),
+                           None)  # fmt: skip
+    refused(grpc.secure_channel(server.address, channel_credentials(material)))  # and the server refuses it
+    # A client that does not trust the server's CA does not talk to it either.
+    refused(grpc.secure_channel(server.address, grpc.ssl_channel_credentials(other.ca.cert_pem)))
+    agent_tls(pki, "ok").load()  # the right CA still works (sanity)
+
+
+def test_etcd_over_tls_with_client_certificates(make_coordinator, fleet, pki, tmp_path: Path) -> None:
+    from pliant.coordinator.etcd_server import EtcdServer
+
+    etcd_tls = pki.issue("etcd-server", Role.COORDINATOR, "etcd", ["127.0.0.1"])
+    client_tls = pki.issue("etcd-client", Role.COORDINATOR, "coordinator-etcd-client")
+    with EtcdServer(data_dir=str(tmp_path / "etcd"), tls=etcd_tls) as etcd:
+        assert etcd.endpoint.startswith("https://")
+        server = make_coordinator("tls-etcd", endpoints=(etcd.endpoint,), etcd_tls=client_tls)
+        with fleet(server) as client:
+            client.create_job(JobSpec("job", 1, 1, join_grace_s=0))
+            client.join("job", "a", "127.0.0.1:1")
+            assert wait_for(lambda: client.get_job("job").generation, 10, "a generation over etcd TLS").node_ids == (
+                "a",
+            )
+        # Without a client certificate etcd refuses the connection; without TLS files an https endpoint is an error.
+        with pytest.raises(Exception, match="is https but no etcd TLS files"):
+            EtcdStore((etcd.endpoint,), "/x")
+        other = LocalCA(tmp_path / "other").issue("c", Role.COORDINATOR, "intruder")
+        files = other.load()
+        store = EtcdStore((etcd.endpoint,), "/x", timeout_s=2,
+                          credentials=grpc.ssl_channel_credentials(pki.ca.cert_pem, files.key_pem, files.cert_pem))
+        with pytest.raises(Exception, match="did not answer"):
+            store.list_job_ids()
+        store.close()
+
+
+def test_etcd_size_errors_are_resource_exhausted_not_unavailable(etcd, prefix) -> None:
+    store = EtcdStore((etcd.endpoint,), prefix)
+    try:
+        store.create_job(JobSpec("job"), time.time(), "token-0123456789abcdef")
+        with pytest.raises(Exception, match="retrying will not help") as info:
+            store.finish_job("job", True, "x" * 3_000_000, time.time())  # past the servicer's 4 KiB cut
+        assert type(info.value).__name__ == "ResourceExhausted"
+        assert store.read_job("job").status.state is JobState.WAITING, "nothing was written"
+    finally:
+        store.close()

@@ -1,0 +1,94 @@
+"""Secure by default, as a user runs it: ``pliant run`` makes its own CA, the join command it prints works when pasted,
+a wrong token is refused with a clear error, and an admin's ``pliant job create`` token lets agents with their own
+certificates join a standalone coordinator."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_JOIN_TOKEN, wait_for
+from tests.fleet import admin_tls, agent_tls
+from tests.integration.harness import SCRIPT, assert_all_gone, descendants, read_steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def _printed(proc_output: callable, pattern: str) -> re.Match[str]:
+    return wait_for(lambda: re.search(pattern, proc_output()), 60, f"output matching {pattern!r}")  # type: ignore[return-value]
+
+
+def _as_python(command: str) -> list[str]:
+    """The printed ``pliant ...`` command as this test runs it (``python -m pliant ...``)."""
+    argv = shlex.split(command)
+    assert argv[0] == "pliant"
+    return [sys.executable, "-m", "pliant", *argv[1:]]
+
+
+def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> None:
+    events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
+    first = spawn([sys.executable, "-m", "pliant", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
+                   "--certs-dir", str(certs), "--heartbeat-ttl", "3", "--join-grace", "0.3", str(SCRIPT),
+                   "--steps", "100000", "--step-time", "0.03", "--events", str(events)], name="first")  # fmt: skip
+    join = _printed(first.output, r"other nodes join with:\n  (pliant run .*)\n").group(1)
+    assert f"--tls-dir {certs}/join-1" in join and "--join-token" in join
+    assert "mutual TLS, certificates in" in first.output()
+    for name in ("ca.crt", "coordinator/tls.key", "admin/tls.crt", "self/tls.crt", "join-1/tls.crt"):
+        assert (certs / name).is_file(), name
+    wait_for(lambda: any(s.world == 1 for s in read_steps(events)), 60, "the first node stepping")
+
+    # A wrong token is refused at once, with where the right one comes from.
+    wrong = re.sub(r"--join-token \S+", "--join-token not-the-token-0123456789", join)
+    bad = subprocess.run(_as_python(wrong), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "a wrong join token for job 'default'" in bad.stderr, bad.stderr[-2000:]
+
+    second = spawn(_as_python(join), name="second")
+    wait_for(lambda: {s.rank for s in read_steps(events) if s.world == 2} == {0, 1}, 90, "world 2 stepping")
+    status = subprocess.run([sys.executable, "-m", "pliant", "status", "--coordinator",
+                             re.search(r"--coordinator (\S+)", join).group(1), "--tls-dir", str(certs / "admin"),
+                             "--json"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert status.returncode == 0 and '"node_id": "join-1"' in status.stdout, status.stderr
+    pids = [first.pid, second.pid, *descendants(first.pid), *descendants(second.pid)]
+    second.kill(15)  # a graceful leave
+    wait_for(lambda: second.proc.poll() is not None, 30, "the second node to leave")
+    assert second.proc.returncode == 0, second.output()[-3000:]
+    first.kill(15)
+    wait_for(lambda: first.proc.poll() is not None, 30, "the first node to stop")
+    assert_all_gone(pids)
+
+
+def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinator, pki, spawn, tmp_path) -> None:
+    server = make_coordinator()
+    admin = str(Path(admin_tls(pki).cert).parent)
+    created = subprocess.run([sys.executable, "-m", "pliant", "job", "create", "j1", "--coordinator", server.address,
+                              "--tls-dir", admin, "--nnodes", "1:2", "--nproc-per-node", "1", "--heartbeat-ttl", "3",
+                              "--join-token-file", str(_token_file(tmp_path))],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert created.returncode == 0 and f"--join-token {TEST_JOIN_TOKEN}" in created.stdout, created.stderr
+    events = tmp_path / "events.jsonl"
+    agent = spawn([sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "j1",
+                   "--tls-dir", str(Path(agent_tls(pki, "n1").cert).parent), "--join-token-file",
+                   str(_token_file(tmp_path)), "--nproc-per-node", "1", str(SCRIPT), "--steps", "5",
+                   "--events", str(events)], name="agent")  # fmt: skip
+    wait_for(lambda: agent.proc.poll() is not None, 90, "the job to finish")
+    assert agent.proc.returncode == 0, agent.output()[-3000:]
+    assert sorted(s.step for s in read_steps(events)) == [0, 1, 2, 3, 4]
+    # The agent's certificate may not create jobs: a job that does not exist says who creates it.
+    missing = subprocess.run([sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "nope",
+                              "--tls-dir", str(Path(agent_tls(pki, "n1").cert).parent), "--join-token",
+                              TEST_JOIN_TOKEN, str(SCRIPT)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 1 and "pliant job create nope" in missing.stderr, missing.stderr[-2000:]
+    deleted = subprocess.run([sys.executable, "-m", "pliant", "job", "delete", "j1", "--coordinator", server.address,
+                              "--tls-dir", admin], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert deleted.returncode == 0, deleted.stderr
+
+
+def _token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TEST_JOIN_TOKEN + "\n")
+    return path
