@@ -4,14 +4,16 @@ Measures, in one run:
 - lease expiry -> new generation (an agent stops heartbeating);
 - leader kill -9 -> next generation published by the other replica;
 - N agents joining at once -> one generation (time from the first Join to the generation, and how many were published);
-- heartbeat RPC latency p50/p99 with M agents heartbeating at their interval, and etcd writes per heartbeat.
+- heartbeat RPC latency p50/p99 with M agents heartbeating at their interval, and etcd writes per heartbeat;
+- all of it with mutual TLS on (every simulated agent has its own agent certificate) and off (``--insecure``), in the
+  same run, and the cost of TLS as ratios.
 
 Simulated agents are asyncio tasks on grpc.aio, one connection each, so the benchmark client stays cheap next to the
 coordinator and etcd on the same machine. The replicas' own metrics (``--metrics-port``) split each figure into
 server-side RPC time, etcd time and reconciler passes.
 
 Usage: ``.venv/bin/python bench/control_plane.py [--join-agents 100 500 1000] [--heartbeat-agents 100 500 1000]
-[--seconds 10]`` (about a minute).
+[--seconds 10] [--tls both|on|off]`` (about two minutes with both).
 """
 
 from __future__ import annotations
@@ -37,23 +39,66 @@ from pliant.coordinator.contract import Generation, JobSpec
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.store import EtcdStore
 from pliant.net import free_port
+from pliant.tls import LocalCA, Role, TlsMaterial, channel_credentials
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
 
+class Security:
+    """TLS on (a CA, a certificate per simulated agent) or off (plaintext, ``--insecure``) for one suite."""
+
+    def __init__(self, ca: LocalCA | None) -> None:
+        self.ca = ca
+        self._creds: dict[str, grpc.ChannelCredentials] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.ca is not None
+
+    def replica_flags(self) -> list[str]:
+        if self.ca is None:
+            return ["--insecure"]
+        tls = self.ca.issue("coordinator", Role.COORDINATOR, "bench", ["127.0.0.1"])
+        return ["--tls-dir", str(Path(tls.cert).parent)]
+
+    def material(self, who: str) -> TlsMaterial | None:
+        """``who``: "admin" or a node id."""
+        if self.ca is None:
+            return None
+        role = Role.ADMIN if who == "admin" else Role.AGENT
+        return self.ca.issue(f"{role.value}-{who}", role, who).load()
+
+    def creds(self, who: str) -> grpc.ChannelCredentials:
+        if who not in self._creds:
+            self._creds[who] = channel_credentials(self.material(who))  # type: ignore[arg-type,assignment]
+        return self._creds[who]
+
+    def channel(self, address: str, who: str = "admin") -> grpc.Channel:
+        return grpc.insecure_channel(address) if self.ca is None else grpc.secure_channel(address, self.creds(who))
+
+    def aio_channel(self, address: str, who: str) -> grpc.aio.Channel:
+        if self.ca is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, self.creds(who))
+
+    def client(self, addresses: list[str], **kwargs: object) -> CoordinatorClient:
+        return CoordinatorClient(addresses, self.material("admin"), **kwargs)  # type: ignore[arg-type]
+
+
 def start_replica(
-    etcd: str, prefix: str, name: str, log_dir: Path, leader_ttl_s: float
+    etcd: str, prefix: str, name: str, log_dir: Path, leader_ttl_s: float, security: Security
 ) -> tuple[subprocess.Popen, str, str]:
     """A coordinator replica subprocess; returns (process, gRPC address, metrics URL)."""
     address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
     with open(log_dir / f"coordinator-{name}.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pliant", "coordinator", "--etcd", etcd, "--listen", address, "--prefix", prefix,
-             "--leader-ttl", str(leader_ttl_s), "--replica-id", name, "--metrics-port", str(metrics_port)],
+             "--leader-ttl", str(leader_ttl_s), "--replica-id", name, "--metrics-port", str(metrics_port),
+             *security.replica_flags()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     deadline = time.monotonic() + 30
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -76,9 +121,9 @@ def wait_generation(client: CoordinatorClient, job: str, number: int, timeout_s:
 
 
 def lease_expiry(client: CoordinatorClient, ttl_s: float) -> float:
-    client.create_job(JobSpec("expiry", 1, 2, heartbeat_ttl_s=ttl_s, join_grace_s=0.1))
-    keep = client.join("expiry", "keeper", "127.0.0.1:1")
-    lost = client.join("expiry", "lost", "127.0.0.1:2")
+    _info, _created, token = client.create_job(JobSpec("expiry", 1, 2, heartbeat_ttl_s=ttl_s, join_grace_s=0.1))
+    keep = client.join("expiry", "keeper", "127.0.0.1:1", join_token=token)
+    lost = client.join("expiry", "lost", "127.0.0.1:2", join_token=token)
     wait_generation(client, "expiry", 1)
     stop = threading.Event()
 
@@ -96,21 +141,24 @@ def lease_expiry(client: CoordinatorClient, ttl_s: float) -> float:
 
 
 def leader_kill(client: CoordinatorClient, store: EtcdStore, procs: dict[str, subprocess.Popen]) -> tuple[float, str]:
-    client.create_job(JobSpec("failover", 1, 4, heartbeat_ttl_s=30, join_grace_s=0))
-    client.join("failover", "n1", "127.0.0.1:1")
+    _info, _created, token = client.create_job(JobSpec("failover", 1, 4, heartbeat_ttl_s=30, join_grace_s=0))
+    client.join("failover", "n1", "127.0.0.1:1", join_token=token)
     wait_generation(client, "failover", 1)
     leader = store.leader()[0]
     os.killpg(procs[leader].pid, signal.SIGKILL)
     killed = time.monotonic()
-    client.join("failover", "n2", "127.0.0.1:2")
+    client.join("failover", "n2", "127.0.0.1:2", join_token=token)
     wait_generation(client, "failover", 2)
     return time.monotonic() - killed, leader
 
 
-async def _stubs(addresses: list[str], n: int) -> tuple[list[grpc.aio.Channel], list[pb_grpc.CoordinatorStub]]:
-    """``n`` simulated agents, each with its own connection (like real agents), all connected; agent i talks to
-    replica ``i % len(addresses)``, as agents behind a Kubernetes Service spread over its replicas."""
-    channels = [grpc.aio.insecure_channel(addresses[i % len(addresses)]) for i in range(n)]
+async def _stubs(
+    addresses: list[str], n: int, security: Security
+) -> tuple[list[grpc.aio.Channel], list[pb_grpc.CoordinatorStub]]:
+    """``n`` simulated agents ``a0``.., each with its own connection (like real agents) and, with TLS, its own agent
+    certificate, all connected; agent i talks to replica ``i % len(addresses)``, as agents behind a Kubernetes Service
+    spread over its replicas."""
+    channels = [security.aio_channel(addresses[i % len(addresses)], f"a{i}") for i in range(n)]
     await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 60) for c in channels))
     return channels, [pb_grpc.CoordinatorStub(c) for c in channels]
 
@@ -123,21 +171,25 @@ def _retire(store: EtcdStore, admin: CoordinatorClient, job: str, leases: list[i
         store.client.revoke_lease(lease_id)
 
 
-def join_burst(addresses: list[str], store: EtcdStore, n: int, metrics: list[str]) -> tuple[float, int, list[str]]:
+def join_burst(
+    addresses: list[str], store: EtcdStore, n: int, metrics: list[str], security: Security
+) -> tuple[float, int, list[str], float]:
     """N agents join at once (one asyncio task each). Returns (seconds to the generation, generations published,
-    a timeline of where the time went)."""
+    a timeline of where the time went, seconds the N connections took to open (TLS handshakes included))."""
     job = f"burst{n}"
-    with CoordinatorClient(addresses) as admin:
-        admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
+    with security.client(addresses) as admin:
+        _info, _created, token = admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
         server_before = _scrape(metrics)
         leases: list[int] = []
 
-        async def burst() -> tuple[float, float, float, float, list[float]]:
-            channels, stubs = await _stubs(addresses, n)
+        async def burst() -> tuple[float, float, float, float, float]:
+            opened = time.monotonic()
+            channels, stubs = await _stubs(addresses, n, security)
+            connect = time.monotonic() - opened
             done: list[float] = []
 
             async def join(i: int) -> None:
-                req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{10000 + i}")
+                req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{10000 + i}", join_token=token)
                 leases.append((await stubs[i].Join(req, timeout=60)).lease_id)
                 done.append(time.monotonic())
 
@@ -145,9 +197,9 @@ def join_burst(addresses: list[str], store: EtcdStore, n: int, metrics: list[str
             await asyncio.gather(*(join(i) for i in range(n)))
             for c in channels:
                 await c.close()
-            return wall, start, min(done), max(done), done
+            return wall, start, min(done), max(done), connect
 
-        wall0, start, first, last, _done = asyncio.run(burst())
+        wall0, start, first, last, connect = asyncio.run(burst())
         gen = wait_generation(admin, job, 1)
         seen = time.monotonic()
         time.sleep(1.0)  # anything else published would show up now
@@ -164,7 +216,7 @@ def join_burst(addresses: list[str], store: EtcdStore, n: int, metrics: list[str
         f"mean {server.get('plan_read_ms', 0.0):.1f} ms etcd read per pass)",
         f"  watch delivered it    +{seen - start:.3f} s",
     ]
-    return seen - start, published, timeline
+    return seen - start, published, timeline, connect
 
 
 def _scrape(urls: list[str]) -> dict[str, float]:
@@ -198,22 +250,23 @@ def _mean(delta: dict[str, float], name: str, kind: str = "rpc") -> float:
 
 
 def heartbeats(
-    addresses: list[str], store: EtcdStore, agents: int, seconds: float, metrics: list[str]
+    addresses: list[str], store: EtcdStore, agents: int, seconds: float, metrics: list[str], security: Security
 ) -> dict[str, float]:
     """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
     one; latencies are measured in a window of ``seconds`` once every agent has joined."""
     job, ttl = f"hb{agents}", 10.0
     interval = ttl / 4
-    with CoordinatorClient(addresses) as admin:
-        admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
+    with security.client(addresses) as admin:
+        _info, _created, token = admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
 
     async def run() -> tuple[list[float], float, dict[str, float], float, list[int]]:
-        channels, stubs = await _stubs(addresses, agents)
+        channels, stubs = await _stubs(addresses, agents, security)
         calls: list[tuple[float, float]] = []
         stop = asyncio.Event()
         started = time.perf_counter()
         grants = await asyncio.gather(*(
-            stubs[i].Join(pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}"), timeout=120)
+            stubs[i].Join(pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}",
+                                         join_token=token), timeout=120)
             for i in range(agents)
         ))  # fmt: skip
         join_seconds = time.perf_counter() - started
@@ -244,7 +297,7 @@ def heartbeats(
         return latencies, writes / max(1, len(latencies)), server, join_seconds, [g.lease_id for g in grants]
 
     latencies, per, server, join_seconds, leases = asyncio.run(run())
-    with CoordinatorClient(addresses) as admin:
+    with security.client(addresses) as admin:
         _retire(store, admin, job, leases)
     q = statistics.quantiles(latencies, n=100)
     return {
@@ -258,38 +311,36 @@ def heartbeats(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--join-agents", type=int, nargs="+", default=[100, 500, 1000])
-    parser.add_argument("--heartbeat-agents", type=int, nargs="+", default=[100, 500, 1000])
-    parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat measurement window")
-    parser.add_argument("--ttl", type=float, default=2.0, help="heartbeat TTL of the expiry scenario")
-    parser.add_argument("--leader-ttl", type=float, default=2.0)
-    args = parser.parse_args()
-
+def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tuple[list[tuple[str, str]],
+                                                                                 list[str], dict[str, float]]:
+    """Every scenario against fresh etcd and replicas. Returns (rows, timelines, key figures for the TLS ratios)."""
     rows: list[tuple[str, str]] = []
     timelines: list[str] = []
-    log_dir = Path(tempfile.mkdtemp(prefix="pliant-bench-"))
-    with EtcdServer(log_path=str(log_dir / "etcd.log")) as etcd:
+    figures: dict[str, float] = {}
+    mode = "tls" if security.on else "plain"
+    with EtcdServer(log_path=str(log_dir / f"etcd-{mode}.log")) as etcd:
         prefix = "/bench"
         procs, addresses, metrics = {}, [], []
         for name in ("A", "B"):
-            procs[name], address, url = start_replica(etcd.endpoint, prefix, name, log_dir, args.leader_ttl)
+            procs[name], address, url = start_replica(etcd.endpoint, prefix, name, log_dir, args.leader_ttl,
+                                                      security)  # fmt: skip
             addresses.append(address)
             metrics.append(url)
         store = EtcdStore([etcd.endpoint], prefix)
         try:
-            with CoordinatorClient(addresses, retry_for_s=30) as client:
+            with security.client(addresses, retry_for_s=30) as client:
                 took = lease_expiry(client, args.ttl)
                 rows.append((f"lease expiry -> new generation (TTL {args.ttl:g}s)", f"{took:.2f} s"))
                 # Simulated agents spread over both replicas; the leader (A, elected first) also reconciles. Joins
                 # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
-                    took, published, timeline = join_burst(addresses, store, n, metrics)
+                    took, published, timeline, connect = join_burst(addresses, store, n, metrics, security)
                     rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published)"))
-                    timelines.append(f"{n} agents joining at once:\n" + "\n".join(timeline))
+                    rows.append((f"{n} agents open their connections", f"{connect:.3f} s"))
+                    timelines.append(f"[{mode}] {n} agents joining at once:\n" + "\n".join(timeline))
+                    figures[f"join{n}"], figures[f"connect{n}"] = took, connect
                 for n in args.heartbeat_agents:
-                    hb = heartbeats(addresses, store, n, args.seconds, metrics)
+                    hb = heartbeats(addresses, store, n, args.seconds, metrics, security)
                     rows.append(
                         (
                             f"heartbeat RPC, {n} agents ({hb['calls']:.0f} calls in {args.seconds:g}s)",
@@ -299,6 +350,7 @@ def main() -> None:
                     )
                     rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{hb['writes']:.2f}"))
                     rows.append((f"{n} agents all joined (concurrent Joins)", f"{hb['join_s']:.2f} s"))
+                    figures[f"p50_{n}"], figures[f"p99_{n}"] = hb["p50"], hb["p99"]
                 took, killed = leader_kill(client, store, procs)
                 rows.append((f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)",
                              f"{took:.2f} s (killed {killed})"))  # fmt: skip
@@ -308,12 +360,53 @@ def main() -> None:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGTERM)
                     proc.wait(10)
-    width = max(len(r[0]) for r in rows)
-    print(f"\n{'scenario':<{width}}  result")
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    for timeline in timelines:
-        print(timeline)
+    return rows, timelines, figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--join-agents", type=int, nargs="+", default=[100, 500, 1000])
+    parser.add_argument("--heartbeat-agents", type=int, nargs="+", default=[100, 500, 1000])
+    parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat measurement window")
+    parser.add_argument("--ttl", type=float, default=2.0, help="heartbeat TTL of the expiry scenario")
+    parser.add_argument("--leader-ttl", type=float, default=2.0)
+    parser.add_argument("--tls", choices=["both", "on", "off"], default="both",
+                        help="mutual TLS on, off (--insecure), or both in one run with their ratios (default)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --tls both: suites per mode, in the order off, on, on, off, ... so that drift on a "
+                        "shared machine cancels; the ratios compare the modes' means (default 2)")
+    args = parser.parse_args()
+
+    log_dir = Path(tempfile.mkdtemp(prefix="pliant-bench-"))
+    if args.tls == "both":
+        modes = [m for r in range(args.rounds) for m in ([False, True] if r % 2 == 0 else [True, False])]
+    else:
+        modes = [args.tls == "on"]
+    results: dict[bool, tuple[list[tuple[str, str]], list[str], dict[str, float]]] = {}
+    all_figures: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for tls in modes:
+        security = Security(LocalCA(log_dir / "pki") if tls else None)
+        results[tls] = run_suite(args, security, log_dir)
+        all_figures[tls].append(results[tls][2])
+    for tls, rows_timelines_figures in results.items():
+        results[tls] = (*rows_timelines_figures[:2],
+                        {k: statistics.mean(f[k] for f in all_figures[tls]) for k in all_figures[tls][0]})  # fmt: skip
+    for tls, (rows, timelines, _figures) in results.items():
+        width = max(len(r[0]) for r in rows)
+        print(f"\n{'mutual TLS' if tls else 'plaintext (--insecure)'}\n{'scenario':<{width}}  result")
+        for name, value in rows:
+            print(f"{name:<{width}}  {value}")
+        for timeline in timelines:
+            print(timeline)
+    if len(results) == 2:
+        plain, tls_on = results[False][2], results[True][2]
+        print(f"\ncost of mutual TLS (TLS / plaintext, same run, mean of {args.rounds} suites each; goal < 1.20; the "
+              f"tables above are each mode's last suite):")
+        for key in sorted(plain):
+            if key in tls_on and plain[key] > 0:
+                print(f"  {key:<14} {plain[key] * (1e3 if key.startswith('p') else 1):9.3f} -> "
+                      f"{tls_on[key] * (1e3 if key.startswith('p') else 1):9.3f} {'ms' if key.startswith('p') else 's'}"
+                      f"   {tls_on[key] / plain[key]:.2f}x")  # fmt: skip
     print(f"(logs in {log_dir})")
 
 

@@ -166,6 +166,7 @@ class EtcdStore(MemberStore):
         for member in snap.members:
             self._revoke_quietly(member.lease_id)
         self._specs.pop(job, None)
+        self._token_digests.pop(job, None)
         logger.info("job %s deleted (%s)", job, snap.status.state.value)
 
     @etcd_call
@@ -180,6 +181,7 @@ class EtcdStore(MemberStore):
         ok, _ = self._txn(compare=[spec_exists], success=[self.tx.put(token_key, token_digest(token))])
         if not ok:
             raise NotFound(f"job {job!r} does not exist; check the job id")
+        self._token_digests[job] = token_digest(token)
         logger.info("job %s: join token rotated", job)
 
     @etcd_call

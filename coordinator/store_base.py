@@ -131,6 +131,7 @@ class EtcdBase:
         self.observer = observer
         self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
+        self._token_digests: dict[str, str] = {}  # job -> join token digest last read (Join's txn re-checks it)
         self.timeout_s = timeout_s
         self._keepalive = KeepAliveStream(lambda: self.client.leasestub)
         if not endpoints:

@@ -55,8 +55,14 @@ class MemberStore(EtcdBase):
         member_key = self.job_key(job, "members", member.node_id)
         token_key = self.job_key(job, "token")
         digest = token_digest(token)
-        stored = self.client.get(token_key)[0]
-        if not token or stored is None or not hmac.compare_digest(stored.decode(), digest):
+        cached = self._token_digests.get(job)
+        if cached is None or not hmac.compare_digest(cached, digest):  # the transaction below re-checks a cached one
+            stored = self.client.get(token_key)[0]
+            cached = stored.decode() if stored is not None else ""
+            if len(self._token_digests) > 10_000:
+                self._token_digests.clear()
+            self._token_digests[job] = cached
+        if not token or not hmac.compare_digest(cached, digest):
             raise Unauthenticated(
                 f"{'no' if not token else 'a wrong'} join token for job {job!r}; pass the token the job's creator was "
                 f"given (the join command `pliant run` prints, `pliant job create`) with --join-token or "
@@ -90,6 +96,7 @@ class MemberStore(EtcdBase):
                     f"{holder.address}); give each agent a unique --node-id, or wait {ttl_s:g}s for the old lease to "
                     f"expire"
                 )
+            self._token_digests.pop(job, None)
             if responses and responses[1] and responses[1][0][0].decode() != digest:
                 raise Unauthenticated(f"the join token for job {job!r} was rotated while node {member.node_id!r} "
                                       f"joined; ask the job's admin for the new token")  # fmt: skip

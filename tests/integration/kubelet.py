@@ -7,7 +7,10 @@ expansion in command and args, StatefulSet pod names ``<set>-<i>``. What a clust
 - DNS (in HOST:PORT): ``<pod>.<headless service>`` resolves to that pod's address, ``<service>`` to the first pod
   it selects;
 - the image: ``/app`` is the repository, ``pliant`` the installed console script, ``etcd`` the etcd binary;
-- volumes: each mount path becomes a directory under the test's temporary directory (per pod, or shared for a PVC).
+- volumes: each mount path becomes a directory under the test's temporary directory (per pod, or shared for a PVC);
+  a Secret volume is filled from the test's ``secrets`` (its ``items`` mapping, ``optional`` keys skipped), and
+  ``subPathExpr`` picks the pod's own subdirectory; ``secretKeyRef`` env values come from the same secrets;
+- a Job is one pod, run to completion by the test.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Pod:
     labels: dict[str, str]
     container: dict[str, Any]
     volumes: dict[str, Path] = field(default_factory=dict)  # mount path -> local directory
+    secret_mounts: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)  # (mount, secret source)
 
     def port(self, name: str) -> int:
         return next(int(p["containerPort"]) for p in self.container.get("ports", []) if p.get("name") == name)
@@ -67,16 +71,21 @@ class Cluster:
         docs: the manifests.
         workdir: where volumes live.
         etcd_binary: the local etcd executable.
+        secrets: Secret name -> key -> bytes (what ``kubectl create secret`` would hold).
     """
 
-    def __init__(self, docs: list[dict[str, Any]], workdir: Path, etcd_binary: str) -> None:
+    def __init__(
+        self, docs: list[dict[str, Any]], workdir: Path, etcd_binary: str,
+        secrets: dict[str, dict[str, bytes]] | None = None,
+    ) -> None:  # fmt: skip
         self.docs = docs
         self.workdir = workdir
+        self.secrets = secrets or {}
         self.executables = {"pliant": str(Path(sys.executable).with_name("pliant")), "etcd": etcd_binary}
         self.pods: list[Pod] = []
         claims = {c["metadata"]["name"]: workdir / "pvc" / c["metadata"]["name"]
                   for c in of_kind(docs, "PersistentVolumeClaim")}  # fmt: skip
-        workloads = of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment")
+        workloads = of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job")
         for k, workload in enumerate(workloads, start=1):
             name, spec = workload["metadata"]["name"], workload["spec"]
             template = spec["template"]
@@ -86,10 +95,13 @@ class Cluster:
                 pod = Pod(pod_name, f"127.0.{k}.{i + 1}", name, template["metadata"]["labels"], container)
                 volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
                 for mount in container.get("volumeMounts", []):
-                    claim = volumes.get(mount["name"], {}).get("persistentVolumeClaim")
+                    source = volumes.get(mount["name"], {})
+                    claim = source.get("persistentVolumeClaim")
                     local = claims[claim["claimName"]] if claim else workdir / "pods" / pod_name / mount["name"]
                     local.mkdir(parents=True, exist_ok=True)
                     pod.volumes[mount["mountPath"]] = local
+                    if "secret" in source:
+                        pod.secret_mounts.append((mount, source["secret"]))
                 self.pods.append(pod)
         self.names: dict[str, str] = {}
         for service in of_kind(docs, "Service"):
@@ -110,9 +122,31 @@ class Cluster:
         return text
 
     def _paths(self, pod: Pod, text: str) -> str:
-        for mount, local in sorted(pod.volumes.items(), key=lambda kv: len(kv[0]), reverse=True):
-            text = text.replace(mount, str(local))
-        return text.replace("/app/", f"{ROOT}/")
+        """Mount paths (longest first, in one pass: a local path is never mapped again) and /app/ mapped locally."""
+        mounts = {**{m: str(local) for m, local in pod.volumes.items()}, "/app": str(ROOT)}
+        pattern = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+        return re.sub(rf"(?<![\w.-])({pattern})(?=/|$|[^\w.-])", lambda m: mounts[m.group(1)], text)
+
+    def _secret(self, name: str, key: str) -> bytes | None:
+        return self.secrets.get(name, {}).get(key)
+
+    def _fill_secret_volumes(self, pod: Pod, env: dict[str, str]) -> None:
+        """Write each Secret volume's files (its items, or every key) and point the mount at its subPathExpr."""
+        for mount, source in pod.secret_mounts:
+            volume = self.workdir / "pods" / pod.name / f"secret-{mount['name']}"
+            items = source.get("items") or [{"key": k, "path": k} for k in self.secrets.get(source["secretName"], {})]
+            for item in items:
+                data = self._secret(source["secretName"], item["key"])
+                if data is None:
+                    if source.get("optional"):
+                        continue
+                    raise KeyError(f"secret {source['secretName']} has no key {item['key']}")
+                target = volume / item["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            expr = mount.get("subPathExpr", mount.get("subPath", ""))
+            sub = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), expr)
+            pod.volumes[mount["mountPath"]] = volume / sub if sub else volume
 
     def command(self, pod: Pod) -> tuple[list[str], dict[str, str]]:
         """The pod's argv and environment, as the container would get them (names and paths mapped)."""
@@ -121,8 +155,15 @@ class Cluster:
             if "value" in var:
                 env[var["name"]] = str(var["value"])
                 continue
-            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            ref = var["valueFrom"]
+            if "secretKeyRef" in ref:
+                data = self._secret(ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"])
+                if data is not None:
+                    env[var["name"]] = data.decode()
+                continue
+            path = ref["fieldRef"]["fieldPath"]
             env[var["name"]] = {"metadata.name": pod.name, "status.podIP": pod.ip}[path]
+        self._fill_secret_volumes(pod, env)
 
         def expand(text: str) -> str:
             return self._paths(pod, self._resolve(_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)))

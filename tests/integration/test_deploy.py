@@ -1,6 +1,7 @@
-"""deploy/ checked for real: the manifests' containers run as local processes and train; a real Prometheus scrapes them
-with the manifests' ServiceMonitor targets and the PrometheusRule loaded; the dashboard's queries name only metrics
-that the running job exports.
+"""deploy/ checked for real: the manifests' containers run as local processes and train, with TLS everywhere (etcd
+clients and peers, the coordinator API) and the Secrets an operator creates with `pliant certs`; a real Prometheus
+scrapes them with the manifests' ServiceMonitor targets and the PrometheusRule loaded; the dashboard's queries name only
+metrics that the running job exports.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.parse
@@ -22,6 +24,7 @@ import pytest
 import yaml
 
 from pliant.net import free_port
+from pliant.tls import LocalCA, Role
 from tests.conftest import Spawned, health_serving, wait_for
 from tests.integration.kubelet import DEPLOY, Cluster, load_manifests, of_kind, selects
 
@@ -77,12 +80,39 @@ class Deployment:
         return sorted(set(targets))
 
 
+def make_secrets(cluster: Cluster, workdir: Path) -> dict[str, dict[str, bytes]]:
+    """The Secrets the manifests mount, as an operator would create them with `pliant certs` (one CA for etcd, one
+    for pliant), with the names and addresses the pods are reached by."""
+    etcd_ca, pliant_ca = LocalCA(workdir / "etcd-ca"), LocalCA(workdir / "pliant-ca")
+
+    def files(tls: Any, prefix: str = "tls") -> dict[str, bytes]:
+        return {"ca.crt": Path(tls.ca).read_bytes(), f"{prefix}.crt": Path(tls.cert).read_bytes(),
+                f"{prefix}.key": Path(tls.key).read_bytes()}  # fmt: skip
+
+    # etcd checks a peer's certificate against the address it connects from: locally that is 127.0.0.1, not the pod's.
+    etcd_names = [n for p in cluster.pods_of("etcd") for n in (f"{p.name}.etcd", p.ip)] + ["127.0.0.1"]
+    coordinator_names = ["pliant-coordinator", *(p.ip for p in cluster.pods_of("pliant-coordinator"))]
+    coordinator = pliant_ca.issue("coordinator", Role.COORDINATOR, "coordinator", coordinator_names)
+    agents: dict[str, bytes] = {}
+    for pod in cluster.pods_of("pliant-agent"):
+        agents.update(files(pliant_ca.issue(pod.name, Role.AGENT, pod.name), pod.name))
+    return {
+        "etcd-tls": files(etcd_ca.issue("etcd", Role.COORDINATOR, "etcd", etcd_names)),
+        "pliant-etcd-client-tls": files(etcd_ca.issue("etcd-client", Role.COORDINATOR, "pliant-coordinator")),
+        "pliant-coordinator-tls": files(coordinator),
+        "pliant-admin-tls": files(pliant_ca.issue("admin", Role.ADMIN, "operator")),
+        "pliant-agent-tls": {"ca.crt": pliant_ca.ca.cert_pem, **{k: v for k, v in agents.items() if k != "ca.crt"}},
+        "pliant-join-token": {"token": b"deploy-test-join-token-0123456789"},
+    }
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     from pliant.coordinator.etcd_server import find_etcd_binary
 
     workdir = tmp_path_factory.mktemp("cluster")
     cluster = Cluster(load_manifests(), workdir, find_etcd_binary())
+    cluster.secrets = make_secrets(cluster, workdir)
     procs: dict[str, Spawned] = {}
 
     def start(workload: str) -> None:
@@ -96,8 +126,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             url = f"http://{pod.ip}:{pod.port('metrics')}/health"
             wait_for(lambda url=url: _healthy(url), 60, f"etcd member {url}")
         start("pliant-coordinator")
-        for address in [f"{p.ip}:{p.port('grpc')}" for p in cluster.pods_of("pliant-coordinator")]:
-            wait_for(lambda a=address: health_serving(a), 60, f"coordinator {address}")
+        for address in [f"{p.ip}:{p.port('health')}" for p in cluster.pods_of("pliant-coordinator")]:
+            wait_for(lambda a=address: health_serving(a), 60, f"coordinator health {address}")
+        start("pliant-create-job")  # the admin's Job: create the job with the token's Secret
+        creator = procs[cluster.pods_of("pliant-create-job")[0].name]
+        wait_for(lambda: creator.proc.poll() is not None, 60, "the create-job Job to complete")
+        assert creator.proc.returncode == 0, creator.output()
+        assert "job example created" in creator.output()
         start("pliant-agent")
         agents = [f"{p.ip}:{p.port('metrics')}" for p in cluster.pods_of("pliant-agent")]
         wait_for(lambda: all(_scrape_step(a) >= 5 for a in agents), 180, "both agents' workers past step 5")
@@ -125,12 +160,7 @@ def _healthy(url: str) -> bool:
 
 def test_manifests_run_as_written_and_train(deployment: Deployment) -> None:
     cluster = deployment.cluster
-    coordinator = cluster.pods_of("pliant-coordinator")[0]
-    out = subprocess.run(
-        [sys.executable, "-m", "pliant", "status", "--coordinator", f"{coordinator.ip}:29400", "--json"],
-        capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
-    (job,) = json.loads(out.stdout)["jobs"]
+    (job,) = _status_all(cluster)
     agents = cluster.pods_of("pliant-agent")
     assert job["state"] == "running"
     assert job["world_size"] == 2 * len(agents)
@@ -252,13 +282,40 @@ def test_promtool_checks_rules_and_metrics(deployment: Deployment, tmp_path: Pat
         assert result.returncode == 0, f"{target}: {result.stdout}{result.stderr}"
 
 
-def _status(cluster: Cluster) -> dict[str, Any]:
+def _status_all(cluster: Cluster) -> list[dict[str, Any]]:
+    """`pliant status --json` as the operator runs it: with the admin certificate of Secret pliant-admin-tls."""
     coordinator = cluster.pods_of("pliant-coordinator")[0]
+    admin = cluster.workdir / "pods" / cluster.pods_of("pliant-create-job")[0].name / "secret-admin-tls"
     out = subprocess.run(
-        [sys.executable, "-m", "pliant", "status", "--coordinator", f"{coordinator.ip}:29400", "--json"],
+        [sys.executable, "-m", "pliant", "status", "--coordinator", f"{coordinator.ip}:29400", "--json",
+         "--tls-dir", str(admin)],
         capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
-    return json.loads(out.stdout)["jobs"][0]
+    return json.loads(out.stdout)["jobs"]
+
+
+def test_the_api_refuses_what_the_manifests_do_not_grant(deployment: Deployment) -> None:
+    """Plaintext clients get nothing; an agent's certificate may not finish the job; etcd refuses clients without a
+    certificate from its CA."""
+    cluster = deployment.cluster
+    coordinator = f"{cluster.pods_of('pliant-coordinator')[0].ip}:29400"
+    plain = subprocess.run([sys.executable, "-m", "pliant", "status", "--coordinator", coordinator, "--insecure"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert plain.returncode == 1, plain.stdout
+    agent_dir = cluster.workdir / "pods" / "pliant-agent-0" / "secret-tls" / "pliant-agent-0"
+    finish = subprocess.run([sys.executable, "-m", "pliant", "job", "finish", "example", "--coordinator", coordinator,
+                             "--tls-dir", str(agent_dir)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert finish.returncode == 1 and "FinishJob needs an admin certificate" in finish.stderr, finish.stderr
+    etcd = cluster.pods_of("etcd")[0]
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # no client certificate, trust anything
+    with pytest.raises(OSError):  # etcd ends the handshake (or the request) of a client without a certificate
+        urllib.request.urlopen(f"https://{etcd.ip}:2379/version", timeout=5, context=context).read()
+    assert _status_all(cluster)[0]["state"] == "running"
+
+
+def _status(cluster: Cluster) -> dict[str, Any]:
+    return _status_all(cluster)[0]
 
 
 def test_scaling_the_agent_statefulset_down_and_up(deployment: Deployment) -> None:

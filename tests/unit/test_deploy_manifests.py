@@ -78,7 +78,9 @@ def test_wiring_is_consistent(tmp_path: Path) -> None:
         for port in service["spec"]["ports"]:
             assert port.get("targetPort", port["name"]) in declared | {port["port"]}, (service["metadata"], port)
     coordinator = cluster.pods_of("pliant-coordinator")[0].container
-    assert coordinator["readinessProbe"]["grpc"]["port"] == coordinator["livenessProbe"]["grpc"]["port"] == 29400
+    health = next(p["containerPort"] for p in coordinator["ports"] if p["name"] == "health")
+    assert coordinator["readinessProbe"]["grpc"]["port"] == coordinator["livenessProbe"]["grpc"]["port"] == health
+    assert f"--health-port={health}" in coordinator["args"]
     for pdb in of_kind(docs, "PodDisruptionBudget"):
         assert any(p.labels.items() >= pdb["spec"]["selector"]["matchLabels"].items() for p in cluster.pods)
     argv, env = cluster.command(cluster.pods_of("pliant-agent")[1])
@@ -118,3 +120,67 @@ def test_env_expansion_uses_field_refs(tmp_path: Path) -> None:
     pod = cluster.pods_of("pliant-coordinator")[1]
     argv, _ = cluster.command(pod)
     assert f"--listen={pod.ip}:29400" in argv and f"--replica-id={pod.name}" in argv
+
+
+def _workloads() -> list[dict[str, Any]]:
+    docs = load_manifests()
+    return of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job")
+
+
+def test_every_pod_is_hardened() -> None:
+    """Non-root, no privilege escalation, read-only root filesystem, no capabilities, RuntimeDefault seccomp, CPU and
+    memory requests and limits, images pinned by tag, no service-account token."""
+    for workload in _workloads():
+        name, pod = workload["metadata"]["name"], workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            res = container["resources"]
+            assert {"cpu", "memory"} <= res["requests"].keys() and {"cpu", "memory"} <= res["limits"].keys(), name
+            image = container["image"]
+            assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image by tag, not {image}"
+    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert all(i["newTag"] != "latest" for i in kust["images"])
+
+
+def test_every_channel_is_tls_with_client_certificates() -> None:
+    docs = load_manifests()
+    (etcd,) = [w for w in of_kind(docs, "StatefulSet") if w["metadata"]["name"] == "etcd"]
+    args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
+    for flag in ("--client-cert-auth", "--peer-client-cert-auth", "--cert-file=", "--peer-cert-file=",
+                 "--trusted-ca-file=", "--auto-compaction-retention=", "--quota-backend-bytes="):  # fmt: skip
+        assert any(a.startswith(flag) for a in args), flag
+    assert not any("http://" in a for a in args if not a.startswith("--listen-metrics-urls")), args
+    quota = int(next(a for a in args if a.startswith("--quota-backend-bytes=")).split("=")[1])
+    volume = etcd["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    assert volume.endswith("Gi") and quota < int(volume[:-2]) * 2**30, "etcd's quota must stay below its volume"
+    coordinator = of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--tls-dir=/etc/pliant/tls" in coordinator and not any(a == "--insecure" for a in coordinator)
+    assert all(url.startswith("https://") for a in coordinator if a.startswith("--etcd=") for url in
+               a.split("=", 1)[1].split(","))  # fmt: skip
+    for name in ("pliant-agent", "pliant-create-job"):
+        (workload,) = [w for w in _workloads() if w["metadata"]["name"] == name]
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        assert any(a.startswith("--tls-dir=") for a in container["args"]), name
+        assert "--insecure" not in container["args"], name
+
+
+def test_network_policies_close_every_component() -> None:
+    docs = load_manifests()
+    policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(docs, "NetworkPolicy")}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    for component in ("etcd", "pliant-coordinator", "pliant-agent"):
+        spec = policies[component]
+        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == component
+    sources = lambda spec, port: {  # noqa: E731 - who may reach ``port``
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        for rule in spec["ingress"] if not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+        for peer in rule["from"] if "podSelector" in peer
+    }  # fmt: skip
+    assert sources(policies["etcd"], 2379) == {"pliant-coordinator", "etcd"}
+    assert sources(policies["pliant-coordinator"], 29400) == {"pliant-agent", "pliant-admin"}
+    assert sources(policies["pliant-agent"], 12345) == {"pliant-agent"}, "store and gloo ports: the job's pods only"
