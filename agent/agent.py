@@ -315,7 +315,11 @@ class Agent:
             logger.info("agent %s: all workers of generation %d exited 0", self.config.node_id, gen.number)
             self.group = None
             self._set_state(AgentState.WAITING, "workers done; waiting for the job to finish")
-            self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number, self._lease())
+            try:
+                self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number, self._lease())
+            except (NotFound, PermissionDenied) as exc:  # the membership is gone: the heartbeat re-joins
+                logger.warning("agent %s: success of generation %d not reported: %s", self.config.node_id,
+                               gen.number, exc)  # fmt: skip
             return
         if result.saved_for_rescale:
             # Workers checkpointed and exited for a rescale another node asked for; the new generation follows.
@@ -345,9 +349,13 @@ class Agent:
         unreachable = [m.node_id for m in others if not reachable(m.address)]
         if unreachable:
             logger.warning("agent %s: agents of %s are unreachable", self.config.node_id, ",".join(unreachable))
-        accepted, current = self.client.report_failure(
-            self.config.spec.job_id, self.config.node_id, gen.number, code, message, unreachable, self._lease()
-        )
+        try:
+            accepted, current = self.client.report_failure(
+                self.config.spec.job_id, self.config.node_id, gen.number, code, message, unreachable, self._lease()
+            )
+        except (NotFound, PermissionDenied) as exc:  # evicted meanwhile; the heartbeat re-joins
+            logger.warning("agent %s: failure of generation %d not reported: %s", self.config.node_id, gen.number, exc)
+            return
         logger.info("agent %s: failure of generation %d reported (%s; current generation %d)", self.config.node_id,
                     gen.number, "accepted" if accepted else "stale", current)  # fmt: skip
 

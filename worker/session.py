@@ -9,12 +9,14 @@ and elastic loaders. Works under the pliant agent, under torchrun, and as a sing
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +34,28 @@ __all__ = ["Session", "init"]
 
 logger = logging.getLogger(__name__)
 
-_RETIRED_GROUPS: list[object] = []  # see Session.close
+_RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see Session.close
+
+
+def _settle_gloo_threads(timeout_s: float = 2.0) -> None:
+    """Give gloo's worker threads (``pt_gloo_runloop``) the GIL to finish a collective's clean-up before the script
+    may end: such a thread drops the last reference to a collective's tensors after the caller's wait returned, which
+    needs the GIL, and a thread that asks for the GIL while the interpreter finalizes is ended in a ``noexcept`` frame
+    (an abort). Polls /proc (Linux) with the GIL released until no such thread runs, for at most ``timeout_s``."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        running = False
+        for task in tasks.iterdir():
+            try:
+                if (task / "comm").read_text().startswith("pt_gloo_runloop"):
+                    running |= (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+            except OSError:  # the thread ended meanwhile
+                continue
+        quiet = 0 if running else quiet + 1
+        time.sleep(0.002)
 
 
 class Session:
@@ -186,12 +209,19 @@ class Session:
     def close(self) -> None:
         """Destroy the process groups this session created.
 
-        The groups stay referenced until interpreter shutdown: a gloo group freed later by a DDP reducer (when the
-        training function returns) can deadlock in its destructor, which joins a thread that waits for the GIL.
+        The groups are never freed: a gloo group's destructor joins its worker threads, and a worker thread that
+        needs the GIL as it exits either deadlocks with the destroying thread (when a DDP reducer drops the group as
+        the training function returns) or, during interpreter shutdown, is ended by Python with ``pthread_exit``
+        inside a ``noexcept`` frame, which aborts the process ("terminate called without an active exception", seen
+        under torchrun on a loaded machine). One reference per group is leaked on purpose, so the destructor never
+        runs; the threads stay parked until the process exits.
         """
         if self._owns_group and dist.is_initialized():
-            _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+            for group in dist.distributed_c10d._world.pg_map:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+                _RETIRED_GROUPS.append(group)
             dist.destroy_process_group()
+            _settle_gloo_threads()
 
     def __enter__(self) -> Session:
         return self
