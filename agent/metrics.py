@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable
 
@@ -104,7 +105,7 @@ class AgentMetrics:
             for family in self._workers.collect():
                 if family.name == "pliant_worker_step":
                     step = max([step, *(s.value for s in family.samples)])
-        except (OSError, ValueError) as exc:  # a file being written or removed under us: try again next time
+        except (OSError, ValueError, struct.error) as exc:  # a file being created, written or removed: next time
             logger.debug("reading worker metrics failed: %s", exc)
         return int(step)
 

@@ -470,8 +470,8 @@ def tls_from_flags(tls_dir: str | None, insecure: bool, command: str) -> TlsConf
         return None
     if not tls_dir:
         raise ConfigError(
-            f"pliant {command} needs TLS: pass --tls-dir DIR (or set PLIANT_TLS_DIR) with ca.crt, tls.crt and tls.key "
-            f"(create them with `pliant certs`), or --insecure for plaintext"
+            f"TLS is required for `pliant {command}`: pass --tls-dir DIR (or set PLIANT_TLS_DIR) with ca.crt, tls.crt "
+            f"and tls.key (create them with `pliant certs`), or --insecure for plaintext"
         )
     return TlsConfig.from_dir(tls_dir)
 

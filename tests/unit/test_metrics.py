@@ -88,3 +88,18 @@ def test_tensor_bytes_counts_nested_state() -> None:
 
     state = {"model": {"w": torch.zeros(4, 4), "b": torch.zeros(4)}, "optim": [torch.zeros(2, dtype=torch.float64)]}
     assert tensor_bytes(state) == 16 * 4 + 4 * 4 + 2 * 8
+
+
+def test_agent_reads_no_step_from_a_worker_file_being_created() -> None:
+    """A worker's multiprocess file exists but is still empty: the heartbeat's step read returns 0, not an error (it
+    once killed the heartbeat thread, and the node lost its membership)."""
+    from pathlib import Path
+
+    from pliant.agent.metrics import AgentMetrics
+
+    metrics = AgentMetrics(CollectorRegistry(), "job", "node")
+    try:
+        (Path(metrics.worker_dir) / "gauge_livemax_1234.db").write_bytes(b"")
+        assert metrics.latest_step() == 0
+    finally:
+        metrics.close()

@@ -74,7 +74,7 @@ def test_bad_tls_files_are_named_with_the_fix(tmp_path: Path) -> None:
 
 
 def test_tls_or_insecure_is_an_explicit_choice(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="needs TLS: pass --tls-dir DIR"):
+    with pytest.raises(ConfigError, match="TLS is required for `pliant agent`: pass --tls-dir DIR"):
         tls_from_flags(None, False, "agent")
     with pytest.raises(ConfigError, match="contradict each other"):
         tls_from_flags(str(tmp_path), True, "agent")
