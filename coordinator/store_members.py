@@ -57,8 +57,8 @@ class MemberStore(EtcdBase):
         digest = token_digest(token)
         cached = self._token_digests.get(job)
         if cached is None or not hmac.compare_digest(cached, digest):  # the transaction below re-checks a cached one
-            stored = self.client.get(token_key)[0]
-            cached = stored.decode() if stored is not None else ""
+            value = self.client.get(token_key)[0]
+            cached = value.decode() if value is not None else ""
             if len(self._token_digests) > 10_000:
                 self._token_digests.clear()
             self._token_digests[job] = cached
