@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pliant.coordinator.client import CoordinatorClient
@@ -171,11 +172,25 @@ def _retire(store: EtcdStore, admin: CoordinatorClient, job: str, leases: list[i
         store.client.revoke_lease(lease_id)
 
 
+def replica_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the coordinator replicas have used so far (user + system), to split the service's own cost from
+    the simulated agents' on a shared machine."""
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def join_burst(
-    addresses: list[str], store: EtcdStore, n: int, metrics: list[str], security: Security
-) -> tuple[float, int, list[str], float]:
+    addresses: list[str], store: EtcdStore, n: int, metrics: list[str], security: Security, pids: list[int]
+) -> tuple[float, int, list[str], float, float]:
     """N agents join at once (one asyncio task each). Returns (seconds to the generation, generations published,
-    a timeline of where the time went, seconds the N connections took to open (TLS handshakes included))."""
+    a timeline of where the time went, seconds the N connections took to open (TLS handshakes included), the
+    replicas' CPU milliseconds per Join)."""
     job = f"burst{n}"
     with security.client(addresses) as admin:
         _info, _created, token = admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
@@ -193,13 +208,14 @@ def join_burst(
                 leases.append((await stubs[i].Join(req, timeout=60)).lease_id)
                 done.append(time.monotonic())
 
-            wall, start = time.time(), time.monotonic()
+            wall, start, cpu = time.time(), time.monotonic(), replica_cpu_s(pids)
             await asyncio.gather(*(join(i) for i in range(n)))
+            cpu = replica_cpu_s(pids) - cpu
             for c in channels:
                 await c.close()
-            return wall, start, min(done), max(done), connect
+            return wall, start, min(done), max(done), connect, cpu
 
-        wall0, start, first, last, connect = asyncio.run(burst())
+        wall0, start, first, last, connect, cpu = asyncio.run(burst())
         gen = wait_generation(admin, job, 1)
         seen = time.monotonic()
         time.sleep(1.0)  # anything else published would show up now
@@ -216,7 +232,7 @@ def join_burst(
         f"mean {server.get('plan_read_ms', 0.0):.1f} ms etcd read per pass)",
         f"  watch delivered it    +{seen - start:.3f} s",
     ]
-    return seen - start, published, timeline, connect
+    return seen - start, published, timeline, connect, 1e3 * cpu / n
 
 
 def _scrape(urls: list[str]) -> dict[str, float]:
@@ -250,7 +266,8 @@ def _mean(delta: dict[str, float], name: str, kind: str = "rpc") -> float:
 
 
 def heartbeats(
-    addresses: list[str], store: EtcdStore, agents: int, seconds: float, metrics: list[str], security: Security
+    addresses: list[str], store: EtcdStore, agents: int, seconds: float, metrics: list[str], security: Security,
+    pids: list[int],
 ) -> dict[str, float]:
     """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
     one; latencies are measured in a window of ``seconds`` once every agent has joined."""
@@ -258,6 +275,8 @@ def heartbeats(
     interval = ttl / 4
     with security.client(addresses) as admin:
         _info, _created, token = admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
+
+    cpu_us: list[float] = []
 
     async def run() -> tuple[list[float], float, dict[str, float], float, list[int]]:
         channels, stubs = await _stubs(addresses, agents, security)
@@ -282,11 +301,12 @@ def heartbeats(
 
         tasks = [asyncio.create_task(agent(i)) for i in range(agents)]
         await asyncio.sleep(interval * 1.5)  # every agent is in its rhythm
-        window = time.perf_counter()
+        window, cpu = time.perf_counter(), replica_cpu_s(pids)
         rev_before = store.client.status().raft_index
         server_before = _scrape(metrics)
         await asyncio.sleep(seconds)
         end = time.perf_counter()
+        cpu_us.append(1e6 * (replica_cpu_s(pids) - cpu))
         server = _delta(_scrape(metrics), server_before)
         writes = store.client.status().raft_index - rev_before
         stop.set()
@@ -307,6 +327,7 @@ def heartbeats(
         "writes": per,
         "join_s": join_seconds,
         "server_mean_ms": _mean(server, "Heartbeat"),
+        "cpu_us": cpu_us[0] / max(1, len(latencies)),
         "etcd_mean_ms": _mean(server, "heartbeat", "etcd"),
     }
 
@@ -327,6 +348,7 @@ def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tu
             addresses.append(address)
             metrics.append(url)
         store = EtcdStore([etcd.endpoint], prefix)
+        pids = [proc.pid for proc in procs.values()]
         try:
             with security.client(addresses, retry_for_s=30) as client:
                 took = lease_expiry(client, args.ttl)
@@ -334,13 +356,16 @@ def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tu
                 # Simulated agents spread over both replicas; the leader (A, elected first) also reconciles. Joins
                 # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
-                    took, published, timeline, connect = join_burst(addresses, store, n, metrics, security)
-                    rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published)"))
+                    took, published, timeline, connect, cpu_ms = join_burst(addresses, store, n, metrics, security,
+                                                                             pids)  # fmt: skip
+                    rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published, "
+                                 f"replicas' CPU {cpu_ms:.2f} ms per Join)"))  # fmt: skip
+                    figures[f"cpujoin{n}"] = cpu_ms
                     rows.append((f"{n} agents open their connections", f"{connect:.3f} s"))
                     timelines.append(f"[{mode}] {n} agents joining at once:\n" + "\n".join(timeline))
                     figures[f"join{n}"], figures[f"connect{n}"] = took, connect
                 for n in args.heartbeat_agents:
-                    hb = heartbeats(addresses, store, n, args.seconds, metrics, security)
+                    hb = heartbeats(addresses, store, n, args.seconds, metrics, security, pids)
                     rows.append(
                         (
                             f"heartbeat RPC, {n} agents ({hb['calls']:.0f} calls in {args.seconds:g}s)",
@@ -349,6 +374,8 @@ def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tu
                         )
                     )
                     rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{hb['writes']:.2f}"))
+                    rows.append((f"replicas' CPU per heartbeat, {n} agents", f"{hb['cpu_us']:.0f} us"))
+                    figures[f"cpuhb{n}"] = hb["cpu_us"] / 1e3
                     rows.append((f"{n} agents all joined (concurrent Joins)", f"{hb['join_s']:.2f} s"))
                     figures[f"p50_{n}"], figures[f"p99_{n}"] = hb["p50"], hb["p99"]
                 took, killed = leader_kill(client, store, procs)
@@ -404,8 +431,10 @@ def main() -> None:
               f"tables above are each mode's last suite):")
         for key in sorted(plain):
             if key in tls_on and plain[key] > 0:
-                print(f"  {key:<14} {plain[key] * (1e3 if key.startswith('p') else 1):9.3f} -> "
-                      f"{tls_on[key] * (1e3 if key.startswith('p') else 1):9.3f} {'ms' if key.startswith('p') else 's'}"
+                unit, scale = {"p": ("ms", 1e3), "c": ("ms", 1.0)}.get(key[0], ("s", 1.0))
+                if key.startswith("connect"):
+                    unit, scale = "s", 1.0
+                print(f"  {key:<14} {plain[key] * scale:9.3f} -> {tls_on[key] * scale:9.3f} {unit}"
                       f"   {tls_on[key] / plain[key]:.2f}x")  # fmt: skip
     print(f"(logs in {log_dir})")
 
