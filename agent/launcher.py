@@ -16,6 +16,7 @@ import shutil
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.coordinator.contract import JobSpec
@@ -23,6 +24,10 @@ from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
 from pliant.net import parse_host_port
 from pliant.tls import Role, TlsConfig, add_tls_flags, read_token_file, tls_from_flags
+
+if TYPE_CHECKING:
+    from pliant.agent.bootstrap import RunCerts
+    from pliant.agent.workers import Zygote
 
 __all__ = ["add_launch_flags", "agent_main", "config_from_args", "run_main"]
 
@@ -311,16 +316,10 @@ def run_main(args: argparse.Namespace) -> int:
             raise ConfigError("--standalone starts its own control plane; drop it to join --coordinator")
         return agent_main(args)
 
-    import dataclasses
     import secrets
 
-    from prometheus_client import CollectorRegistry
-
-    from pliant.agent.agent import Agent
     from pliant.agent.bootstrap import make_run_certs
     from pliant.agent.workers import Zygote, worker_base_env
-    from pliant.coordinator.etcd_server import EtcdServer
-    from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
 
     _ignored_notes(args)
     if args.tls_dir:
@@ -337,6 +336,23 @@ def run_main(args: argparse.Namespace) -> int:
     args.join_token, args.join_token_file = token, None
     # The worker zygote imports torch while etcd and the coordinator start; the agent owns and closes it.
     zygote = None if draft.no_python else Zygote(worker_base_env(draft.nproc_per_node))
+    try:
+        return _run_embedded(args, zygote, certs, token)
+    finally:
+        if certs and not args.certs_dir:  # a temporary directory: the CA died with the run
+            shutil.rmtree(certs.directory, ignore_errors=True)
+
+
+def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCerts | None, token: str) -> int:
+    """Start the embedded etcd and coordinator, print the join command, and run this node's agent until it ends."""
+    import dataclasses
+
+    from prometheus_client import CollectorRegistry
+
+    from pliant.agent.agent import Agent
+    from pliant.coordinator.etcd_server import EtcdServer
+    from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+
     log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
     if log_path:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -358,8 +374,4 @@ def run_main(args: argparse.Namespace) -> int:
                       f"the job{more}", flush=True)  # fmt: skip
             config = config_from_args(args, [address], embedded=True, tls=certs.agent if certs else None)
             config = dataclasses.replace(config, admin_tls=certs.admin if certs else None)
-            try:
-                return Agent(config, zygote=zygote, registry=registry).run()
-            finally:
-                if certs and not args.certs_dir:  # a temporary directory: the CA died with the run
-                    shutil.rmtree(certs.directory, ignore_errors=True)
+            return Agent(config, zygote=zygote, registry=registry).run()

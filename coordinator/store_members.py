@@ -136,7 +136,7 @@ class MemberStore(EtcdBase):
         return self._specs[job]
 
     @etcd_call
-    def check_member(self, job: str, node_id: str, lease_id: int) -> Member:
+    def check_member(self, job: str, node_id: str, lease_id: int) -> None:
         """Prove that ``lease_id`` is the lease ``node_id``'s member key in ``job`` is bound to.
 
         A lease once seen bound to a member key stays bound to it until it dies (Join grants a fresh lease every time),
@@ -147,13 +147,12 @@ class MemberStore(EtcdBase):
             PermissionDenied: the membership is bound to another lease; nothing is touched.
         """
         if self._bound.get(lease_id) == (job, node_id):
-            return Member(node_id, "", lease_id=lease_id)
+            return
         value, meta = self.client.get(self.job_key(job, "members", node_id))
         if value is None:
             raise NotFound(f"node {node_id!r} has no live membership in job {job!r} (its lease expired or was revoked: "
                            f"it went silent, left or was evicted); Join again")  # fmt: skip
-        member = Member.from_json(value, order=meta.create_revision, lease_id=meta.lease_id)
-        if member.lease_id != lease_id:
+        if meta.lease_id != lease_id:
             raise PermissionDenied(
                 f"the lease sent is not the one node {node_id!r}'s membership in job {job!r} holds; a node acts only "
                 f"with the lease_id its own Join returned"
@@ -161,7 +160,6 @@ class MemberStore(EtcdBase):
         if len(self._bound) > 100_000:  # leases come and go: forget them all now and then
             self._bound.clear()
         self._bound[lease_id] = (job, node_id)
-        return member
 
     @etcd_call
     def is_member(self, job: str, node_id: str) -> bool:
@@ -170,13 +168,12 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def heartbeat(self, job: str, node_id: str, lease_id: int) -> float:
-        """Refresh ``node_id``'s membership lease and return its TTL.
+        """Refresh ``node_id``'s membership lease and return its TTL. The caller proved the lease is the node's own
+        with :meth:`check_member` (the servicer's ``_authorize``); ``job`` and ``node_id`` name it in errors.
 
         Raises:
             NotFound: the lease expired or was revoked; the node must Join again.
-            PermissionDenied: ``lease_id`` is not the node's membership lease.
         """
-        self.check_member(job, node_id, lease_id)
         try:
             return self.refresh_lease(lease_id)
         except NotFound:

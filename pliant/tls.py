@@ -108,7 +108,7 @@ def _key_pem(key) -> bytes:
 def new_ca(common_name: str = "pliant CA", lifetime_days: float = 3650) -> IssuedCert:
     """Create a self-signed CA certificate and its key."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import NameOID
 
     key = _new_key()
@@ -133,8 +133,6 @@ def new_ca(common_name: str = "pliant CA", lifetime_days: float = 3650) -> Issue
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    from cryptography.hazmat.primitives import serialization
-
     return IssuedCert(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
@@ -314,6 +312,7 @@ class TlsConfig:
             ConfigError: naming the file and the fix.
         """
         from cryptography import x509
+        from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives import serialization
 
         fix = "create it with `pliant certs` (see docs/operations.md, Security)"
@@ -346,7 +345,7 @@ class TlsConfig:
             raise ConfigError(f"TLS private key {self.key} does not belong to certificate {self.cert}; {fix}")
         try:
             cert.verify_directly_issued_by(ca)
-        except (ValueError, TypeError, Exception) as exc:  # InvalidSignature has no common base
+        except (ValueError, TypeError, InvalidSignature) as exc:
             raise ConfigError(
                 f"TLS certificate {self.cert} was not issued by the CA in {self.ca}; use certificates from one CA"
             ) from exc

@@ -115,9 +115,7 @@ def _load_zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.M
         else:
             slot[key] = value
     for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
-        group.update(hyper)
-    for group, hyper in zip(optimizer.optim.param_groups, saved["groups"], strict=False):
-        group.update(hyper)
+        group.update(hyper)  # ZeRO copies these to its local optimizer at every step
 
 
 class _TrainState(Stateful):
