@@ -287,7 +287,8 @@ def config_from_args(
 def _join_command(args: argparse.Namespace, address: str, tls_dir: Path | None, token: str) -> str:
     parts = ["pliant", "run", "--coordinator", address]
     parts += ["--tls-dir", str(tls_dir)] if tls_dir else ["--insecure"]
-    parts += ["--join-token", token, "--job", args.job, "--nnodes", args.nnodes,
+    # --join-token=TOKEN, never two words: a URL-safe token may start with "-", which argparse would take for a flag.
+    parts += [f"--join-token={token}", "--job", args.job, "--nnodes", args.nnodes,
               "--nproc-per-node", str(args.nproc_per_node)]  # fmt: skip
     if args.checkpoint_dir:  # every node must save to and restore from the same directory
         parts += ["--checkpoint-dir", args.checkpoint_dir]

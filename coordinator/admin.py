@@ -88,7 +88,7 @@ def job_main(args: argparse.Namespace) -> int:
                 print(f"job {spec.job_id} already exists with this spec; its join token is unchanged", flush=True)
                 return 0
             _write_token(args.write_token, token)
-            print(f"job {spec.job_id} created; agents join with:\n  --join-token {token}", flush=True)
+            print(f"job {spec.job_id} created; agents join with:\n  --join-token={token}", flush=True)
         elif args.job_command == "finish":
             info = client.finish_job(args.job_id, not args.failed, args.reason)
             print(f"job {args.job_id} {info.status.state.value}", flush=True)
@@ -98,7 +98,7 @@ def job_main(args: argparse.Namespace) -> int:
         else:
             token = client.rotate_join_token(args.job_id, given)
             _write_token(args.write_token, token)
-            print(f"job {args.job_id}: new join token (the old one no longer joins):\n  --join-token {token}",
+            print(f"job {args.job_id}: new join token (the old one no longer joins):\n  --join-token={token}",
                   flush=True)  # fmt: skip
     except CoordinatorError as exc:
         print(f"pliant job {args.job_command}: error: {exc}", file=sys.stderr)

@@ -43,7 +43,7 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
     wait_for(lambda: any(s.world == 1 for s in read_steps(events)), 60, "the first node stepping")
 
     # A wrong token is refused at once, with where the right one comes from.
-    wrong = re.sub(r"--join-token \S+", "--join-token not-the-token-0123456789", join)
+    wrong = re.sub(r"--join-token=\S+", "--join-token=not-the-token-0123456789", join)
     bad = subprocess.run(_as_python(wrong), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "a wrong join token for job 'default'" in bad.stderr, bad.stderr[-2000:]
 
@@ -69,7 +69,7 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
                               "--tls-dir", admin, "--nnodes", "1:2", "--nproc-per-node", "1", "--heartbeat-ttl", "3",
                               "--join-token-file", str(_token_file(tmp_path))],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert created.returncode == 0 and f"--join-token {TEST_JOIN_TOKEN}" in created.stdout, created.stderr
+    assert created.returncode == 0 and f"--join-token={TEST_JOIN_TOKEN}" in created.stdout, created.stderr
     events = tmp_path / "events.jsonl"
     agent = spawn([sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "j1",
                    "--tls-dir", str(Path(agent_tls(pki, "n1").cert).parent), "--join-token-file",

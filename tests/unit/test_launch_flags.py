@@ -68,10 +68,14 @@ def test_the_printed_join_command_keeps_the_shared_checkpoint_dir() -> None:
     from pliant.agent.launcher import _join_command
 
     args = parse("run", "--checkpoint-dir", "/shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
-    command = _join_command(args, "10.0.0.1:29400", Path("/run/certs/join-1"), "TOKEN")
-    assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --tls-dir /run/certs/join-1 --join-token TOKEN "
+    command = _join_command(args, "10.0.0.1:29400", Path("/run/certs/join-1"), "-TOKEN")
+    assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --tls-dir /run/certs/join-1 --join-token=-TOKEN "
                               "--job default --nnodes 1:2")  # fmt: skip
     assert "--checkpoint-dir /shared/ckpt" in command and command.endswith("--steps 5")
+    # Pasted, it parses back to the same token, even one that starts with "-" (as a URL-safe token may).
+    import shlex
+
+    assert parse("run", *shlex.split(command)[2:]).join_token == "-TOKEN"
 
 
 def test_metrics_port_flag_and_env(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
