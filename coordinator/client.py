@@ -142,8 +142,12 @@ class CoordinatorClient:
         return job_info_from_pb(self._call("GetJob", pb.GetJobRequest(job_id=job_id, include_progress=progress)))
 
     def list_jobs(self, progress: bool = False) -> list[JobInfo]:
-        req = pb.ListJobsRequest(include_progress=progress)
-        return [job_info_from_pb(j) for j in self._call("ListJobs", req).jobs]
+        return self.list_jobs_and_errors(progress)[0]
+
+    def list_jobs_and_errors(self, progress: bool = False) -> tuple[list[JobInfo], dict[str, str]]:
+        """Every job, and the jobs whose records cannot be read (job id -> the error, naming the key and the fix)."""
+        resp = self._call("ListJobs", pb.ListJobsRequest(include_progress=progress))
+        return [job_info_from_pb(j) for j in resp.jobs], {u.job_id: u.error for u in resp.unreadable}
 
     def finish_job(self, job_id: str, succeeded: bool, reason: str = "") -> JobInfo:
         msg = self._call("FinishJob", pb.FinishJobRequest(job_id=job_id, succeeded=succeeded, reason=reason))

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -25,6 +25,7 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "AlreadyExists",
     "CoordinatorError",
+    "CorruptRecord",
     "Decision",
     "FailJob",
     "FailedPrecondition",
@@ -38,6 +39,7 @@ __all__ = [
     "JobSpec",
     "JobState",
     "JobStatus",
+    "JobStore",
     "Keep",
     "Member",
     "MemberProgress",
@@ -94,6 +96,11 @@ class Unavailable(CoordinatorError, ConnectionError):
     """etcd or the coordinator cannot be reached; nothing was written and the call is safe to retry (UNAVAILABLE)."""
 
 
+class CorruptRecord(CoordinatorError):
+    """A record in etcd cannot be decoded (not JSON, or a field missing or of the wrong type): the job it belongs to is
+    skipped until an operator fixes or deletes the record; the message names the key (gRPC DATA_LOSS)."""
+
+
 class FencingError(CoordinatorError):
     """A generation write was rejected because the writer is no longer leader or its view of the job is stale."""
 
@@ -122,6 +129,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[CoordinatorError], grpc.StatusCode], ...] = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (FencingError, grpc.StatusCode.ABORTED),
+    (CorruptRecord, grpc.StatusCode.DATA_LOSS),
 )
 
 
@@ -522,7 +530,8 @@ class NewGeneration:
 
 @dataclass(frozen=True)
 class WaitUntil:
-    """Re-plan at ``deadline`` (wall-clock seconds) unless something changes first; record ``state`` if it changed."""
+    """Re-plan at ``deadline`` (the planner's clock: the leader's) unless something changes first; record ``state``
+    if it changed."""
 
     deadline: float
     why: str
@@ -537,3 +546,27 @@ class FailJob:
 
 
 Decision = Keep | NewGeneration | WaitUntil | FailJob
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The store, as the reconciler sees it (etcd in coordinator/store.py; an in-memory fake in the unit tests)
+
+
+class JobStore(Protocol):
+    """What the reconciler reads and writes. Every write is fenced by leadership (``fence``, opaque here) and by the
+    mod revision of the record it replaces, read in ``snap``; a failed fence raises :class:`FencingError` and writes
+    nothing. Every call may raise :class:`Unavailable`; a read may raise :class:`CorruptRecord`."""
+
+    def list_job_ids(self) -> list[str]: ...
+
+    def read_job(self, job: str) -> JobSnapshot: ...
+
+    def lease_ages(self, job: str, members: tuple[Member, ...]) -> dict[str, float]: ...
+
+    def publish(self, snap: JobSnapshot, generation: Generation, status: JobStatus, fence: Any) -> None: ...
+
+    def set_status(self, snap: JobSnapshot, status: JobStatus, fence: Any) -> None: ...
+
+    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Any) -> None: ...
+
+    def delete_job(self, job: str) -> None: ...

@@ -4,7 +4,9 @@ The winner's fencing token is the create revision of the leader key (:class:`Fen
 it, so a replica that lost leadership (paused, partitioned, its lease expired) can never publish even if it still
 believes it leads. The campaign loop never dies silently: etcd errors are logged once per streak and retried with
 backoff; a leader whose keepalives fail for most of its TTL steps down, and another replica takes over when the lease
-expires.
+expires. Health is honest: the replica reports SERVING as soon as etcd answers (leader or not) and NOT_SERVING while
+it does not, or after a fault (an unexpected error in the reconciler or this loop), which makes it resign and pause
+for one TTL before it campaigns again.
 
 States (ElectionState): FOLLOWER -> LEADER (won the key) -> FOLLOWER (lost it, keepalive failed, or resigned);
 any -> STOPPED.
@@ -41,7 +43,7 @@ class LeaderElection:
         store: the etcd store.
         replica_id: this replica's name, written as the leader key's value.
         ttl_s: leader lease TTL; a dead leader is replaced within about this long.
-        on_etcd_health: called with False when etcd stops answering and True when it answers again.
+        on_etcd_health: called with False when etcd stops answering (or after a fault) and True when it answers again.
         clock: monotonic clock (injected for tests).
     """
 
@@ -61,6 +63,8 @@ class LeaderElection:
         self._state = ElectionState.FOLLOWER
         self._fence: Fence | None = None
         self._lease_id = 0
+        self._healthy: bool | None = None
+        self._fault = ""  # set by fault(): resign, pause, campaign again
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"election {replica_id}", daemon=True)
@@ -88,6 +92,21 @@ class LeaderElection:
         """Block until this replica is (or is not) the leader; False on timeout."""
         with self._changed:
             return self._changed.wait_for(lambda: self.is_leader == leader, timeout_s)
+
+    def fault(self, why: str) -> None:
+        """An unexpected error in this replica's leader work: step down (resign, so another replica takes over at
+        once), report NOT_SERVING, and campaign again after one TTL."""
+        logger.error("replica %s: fault (%s); resigning leadership", self.replica_id, why)
+        self._fault = why
+        fence, lease_id = self._fence, self._lease_id
+        self._set(ElectionState.FOLLOWER, None)
+        self._health(False)
+        if fence is not None:
+            try:
+                self._store.resign(fence, lease_id)
+            except Exception as exc:
+                logger.warning("replica %s could not resign (%s); its lease expires in %gs", self.replica_id, exc,
+                               self.ttl_s)  # fmt: skip
 
     def stop(self, resign: bool = True) -> None:
         """Stop campaigning; with ``resign`` delete the leader key (if still ours) so another replica takes over now."""
@@ -118,18 +137,28 @@ class LeaderElection:
             self._state, self._fence = state, fence
             self._changed.notify_all()
 
+    def _health(self, ok: bool) -> None:
+        if ok is not self._healthy:
+            self._healthy = ok
+            self._on_etcd_health(ok)
+
     def _run(self) -> None:
         delay, failing = 0.1, False
         while not self._stop.is_set():
+            if self._fault:
+                self._stop.wait(self.ttl_s)  # let another replica take over; then try again
+                logger.info("replica %s: campaigning again after its fault", self.replica_id)
+                self._fault = ""
             try:
-                if self._campaign():
+                won = self._campaign()
+                if failing:
+                    logger.info("replica %s reaches etcd again", self.replica_id)
+                failing, delay = False, 0.1
+                self._health(True)  # etcd answers: serving, whether or not this replica leads
+                if won:
                     self._lead()
                 else:
                     self._stop.wait(min(0.25, self.ttl_s / 8))
-                if failing:
-                    logger.info("replica %s reaches etcd again", self.replica_id)
-                    self._on_etcd_health(True)
-                failing, delay = False, 0.1
             except CoordinatorError as exc:
                 if self.is_leader:
                     self._set(ElectionState.FOLLOWER, None)
@@ -139,17 +168,17 @@ class LeaderElection:
                         self.replica_id,
                         exc,
                     )
-                    self._on_etcd_health(False)
+                self._health(False)
                 failing = True
                 self._stop.wait(delay)
                 delay = min(delay * 2, 2.0)
-            except Exception:
-                logger.exception("replica %s: unexpected error in the election loop; retrying", self.replica_id)
-                self._set(ElectionState.FOLLOWER, None)
-                self._stop.wait(1.0)
+            except Exception as exc:
+                self.fault(f"election: {type(exc).__name__}: {exc}")
 
     def _campaign(self) -> bool:
         """Try once to take the leader key. True if won."""
+        if self._stop.is_set():
+            return False
         won = self._store.campaign(self.replica_id, self.ttl_s)
         if won is None:
             return False
@@ -164,6 +193,8 @@ class LeaderElection:
         last_ok = self._clock()
         interval = self.ttl_s / 4
         while not self._stop.wait(interval):
+            if self._fault or self._fence is not fence:
+                return
             try:
                 self._store.refresh_lease(self._lease_id)
                 if self._store.leader()[1] != fence.revision:

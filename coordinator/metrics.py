@@ -125,6 +125,28 @@ class CoordinatorMetrics:
         self.leader = Gauge(
             "pliant_coordinator_leader", "1 while this replica is the elected leader.", registry=registry
         )
+        self.unreadable_jobs = Gauge(
+            "pliant_coordinator_unreadable_jobs",
+            "Jobs the leader skips because a record cannot be read or reconciling them failed (leader only).",
+            registry=registry,
+        )
+        self.job_errors = Counter(
+            "pliant_coordinator_job_errors",
+            "Reconciler passes over a job that failed: the job was skipped, others went on.",
+            ["job_id"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            "pliant_coordinator_evictions",
+            "Members the leader evicted for silence (no heartbeat for the heartbeat TTL while it could hear them).",
+            ["job_id"],
+            registry=registry,
+        )
+        self.faults = Counter(
+            "pliant_coordinator_faults",
+            "Unexpected errors in the reconciler or election that made this replica resign.",
+            registry=registry,
+        )
         self.leader.set_function(lambda: float(is_leader()))
         self._jobs = _JobCollector(is_leader)
         registry.register(self._jobs)

@@ -90,7 +90,9 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
 
     Args:
         snap: the job read from etcd at one revision.
-        now: wall-clock seconds (the same clock as ``Member.joined_at`` and ``JobStatus.since``).
+        now: the leader's clock, the same clock as ``Member.joined_at`` and ``JobStatus.since`` in ``snap`` (the
+            reconciler passes its :class:`pliant.coordinator.policy.LeaderClock` view, never times another replica
+            wrote).
 
     Returns:
         Keep, NewGeneration, WaitUntil or FailJob.

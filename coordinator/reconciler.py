@@ -1,12 +1,19 @@
-"""The reconciler: while this replica leads, read each job, ask the planner, and execute the decision, fenced.
+"""The reconciler: while this replica leads, read each job, ask the policies and the planner, and execute, fenced.
 
 It wakes on any change under the jobs prefix (a prefix watch that survives etcd restarts), at the earliest deadline a
-planner asked for, and every ``resync_s`` regardless. It is the only writer of generations and of job state
-transitions that are not API calls.
+planner or the liveness sweep asked for, and every ``resync_s`` regardless. It is the only writer of generations, of
+evictions, and of job state transitions that are not API calls.
+
+Each job is reconciled on its own: a job whose records cannot be read (or whose pass raises anything) is logged,
+counted (``pliant_coordinator_unreadable_jobs``) and skipped, and every other job goes on. etcd not answering ends the
+pass (it is retried with backoff); when etcd answers again, and whenever this replica becomes leader, members get a
+full heartbeat TTL before anyone is evicted (:mod:`pliant.coordinator.policy`). Any other error outside one job's pass
+is a fault: the replica resigns (another takes over) and reports NOT_SERVING until it campaigns again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,21 +21,25 @@ from collections.abc import Callable
 
 from pliant.coordinator.contract import (
     CoordinatorError,
+    CorruptRecord,
     FailJob,
     FencingError,
     JobSnapshot,
     JobState,
     JobStatus,
+    JobStore,
     Keep,
     NewGeneration,
     NotFound,
+    Unavailable,
     WaitUntil,
 )
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_watch import PrefixWatch
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.planner import plan
-from pliant.coordinator.store import EtcdStore, Fence
+from pliant.coordinator.policy import LeaderClock, overdue_members
+from pliant.coordinator.store_base import Fence
 
 __all__ = ["Reconciler"]
 
@@ -36,15 +47,18 @@ logger = logging.getLogger(__name__)
 
 PACING_FACTOR = 2.0  # after a pass that took t seconds, the next one starts no sooner than PACING_FACTOR * t later
 PACING_MAX_S = 0.25
+SWEEP_FRACTION = 0.25  # lease ages are read every heartbeat TTL * SWEEP_FRACTION per job
 
 
 class Reconciler:
     """Leader-only loop that turns planner decisions into etcd writes.
 
     Args:
-        store: the etcd store.
+        store: the store (etcd's, or a fake in unit tests).
         election: this replica's election; the loop idles unless it leads.
-        clock: wall clock (the planner's ``now``).
+        clock: the leader's monotonic clock: every deadline (the planner's ``now``, the sweep, the finished-job TTL).
+        wall: wall clock, only for the times written for people to read (a state's ``since``, a generation's
+            ``created_at``).
         resync_s: longest sleep between passes.
         metrics: the replica's metrics (plan latency, per-job gauges, generations by reason).
         finished_job_ttl_s: a finished job is deleted this long after it finished (0: never), as Kubernetes'
@@ -53,103 +67,203 @@ class Reconciler:
 
     def __init__(
         self,
-        store: EtcdStore,
-        election: LeaderElection,
-        clock: Callable[[], float] = time.time,
+        store: JobStore,
+        election: LeaderElection | None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         resync_s: float = 5.0,
         metrics: CoordinatorMetrics | None = None,
         finished_job_ttl_s: float = 0.0,
+        jobs_prefix: str = "",
     ) -> None:
         self._store = store
         self._election = election
         self._clock = clock
+        self._wall = wall
+        self._times = LeaderClock()
+        self._heard_since = clock()
+        self._next_sweep: dict[str, float] = {}
+        self.unreadable: dict[str, str] = {}  # job -> why it is skipped (leader only)
         self._resync_s = resync_s
         self._metrics = metrics
         self._finished_job_ttl_s = finished_job_ttl_s
         self._dirty = threading.Event()
         self._stop = threading.Event()
-        self._watch = PrefixWatch(store, store.jobs_prefix, self._dirty.set)
+        self._watch = PrefixWatch(store, jobs_prefix, self._dirty.set) if jobs_prefix else None
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
 
     def start(self) -> Reconciler:
-        self._watch.start()
+        if self._watch is not None:
+            self._watch.start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._dirty.set()
-        self._watch.stop()
-        self._thread.join(10)
+        if self._watch is not None:
+            self._watch.stop()
+        if self._thread.is_alive():
+            self._thread.join(10)
 
     def poke(self) -> None:
         """Ask for a pass now (e.g. after an API call changed a job)."""
         self._dirty.set()
 
+    def lead(self, fence: Fence) -> None:
+        """A new term: forget the last term's clocks, and give every member a full TTL before any eviction."""
+        self._times.reset()
+        self._next_sweep.clear()
+        self._heard_since = self._clock()
+
     def _run(self) -> None:
-        delay = 0.1
+        assert self._election is not None
+        delay, term, etcd_failing = 0.1, None, False
         while not self._stop.is_set():
             fence = self._election.fence
             if fence is None:
                 self._election.wait_for(True, 0.5)
                 self._dirty.set()  # a new leader re-reads everything
                 continue
+            if fence != term:
+                term = fence
+                self.lead(fence)
             self._dirty.clear()
-            wake = self._clock() + self._resync_s
             started = time.perf_counter()
             try:
-                for job in self._store.list_job_ids():
-                    deadline = self.reconcile(job, fence)
-                    if deadline is not None:
-                        wake = min(wake, deadline)
-                delay = 0.1
+                wake = self.pass_once(fence)
             except CoordinatorError as exc:
-                logger.warning("reconcile pass failed (%s); retrying in %.1fs", exc, delay)
+                if not etcd_failing:
+                    logger.warning("reconcile pass failed (%s); retrying with backoff", exc)
+                etcd_failing = True
                 self._stop.wait(delay)
                 delay = min(delay * 2, 2.0)
                 continue
+            except Exception as exc:
+                logger.exception("reconciler fault; this replica resigns")
+                if self._metrics:
+                    self._metrics.faults.inc()
+                self._election.fault(f"reconciler: {type(exc).__name__}: {exc}")
+                term = None
+                continue
+            if etcd_failing:  # etcd answers again: members get a full TTL to reach us before any eviction
+                logger.info("reconciler reaches etcd again; every member gets a full heartbeat TTL")
+                self._heard_since = self._clock()
+                etcd_failing = False
+            delay = 0.1
             # Pace passes by their own cost: a burst of changes (1000 joins) is read in a few big passes instead of
             # back-to-back ones that take the CPU the joins need. Small jobs' passes take milliseconds: no delay.
             self._stop.wait(min(PACING_MAX_S, PACING_FACTOR * (time.perf_counter() - started)))
             self._dirty.wait(max(0.0, wake - self._clock()))
 
-    def reconcile(self, job: str, fence: Fence) -> float | None:
-        """Plan and execute once for ``job``. Returns the wall-clock time to look again, if the planner asked for one.
+    def pass_once(self, fence: Fence) -> float:
+        """Reconcile every job once, each on its own. Returns the leader-clock time of the next pass.
 
         Raises:
-            Unavailable: etcd did not answer.
+            CoordinatorError: etcd did not answer (the pass is over; nothing half-done is left).
+        """
+        wake = self._clock() + self._resync_s
+        jobs = self._store.list_job_ids()
+        for job in jobs:
+            try:
+                deadline = self.reconcile(job, fence)
+            except Unavailable:
+                raise
+            except FencingError as exc:
+                logger.info("job %s: %s; re-reading", job, exc)
+                self._dirty.set()
+                continue
+            except Exception as exc:  # one job's bad record or bug never stops the others
+                self._skip(job, exc)
+                continue
+            if self.unreadable.pop(job, None) is not None:
+                logger.info("job %s is readable again", job)
+            if deadline is not None:
+                wake = min(wake, deadline)
+        for gone in set(self.unreadable) - set(jobs):
+            del self.unreadable[gone]
+        if self._metrics:
+            self._metrics.unreadable_jobs.set(len(self.unreadable))
+        return wake
+
+    def _skip(self, job: str, exc: Exception) -> None:
+        why = f"{type(exc).__name__}: {exc}"
+        if self.unreadable.get(job) != why:
+            if isinstance(exc, CorruptRecord):
+                logger.error("job %s skipped: %s", job, exc)
+            else:
+                logger.exception("job %s skipped: reconciling it failed", job)
+        self.unreadable[job] = why
+        if self._metrics:
+            self._metrics.job_errors.labels(job).inc()
+
+    def reconcile(self, job: str, fence: Fence) -> float | None:
+        """Sweep, plan and execute once for ``job``. Returns the leader-clock time to look again, if any.
+
+        Raises:
+            Unavailable: etcd did not answer. CorruptRecord: a record of the job cannot be read.
+            FencingError: leadership or the job changed under the write; nothing was written.
         """
         try:
             snap = self._store.read_job(job)
         except NotFound:
+            self._times.forget(job)
+            self._next_sweep.pop(job, None)
             return None
         now = self._clock()
-        if snap.status.state.terminal and self._finished_job_ttl_s:
-            expires = snap.status.since + self._finished_job_ttl_s
-            if now < expires:
-                return expires
-            self._store.delete_job(job)
-            logger.info("job %s deleted %.0fs after it %s (finished-job TTL)", job, now - snap.status.since,
-                        snap.status.state.value)  # fmt: skip
-            return None
+        view = self._times.view(snap, now)
+        if snap.status.state.terminal:
+            return self._expire(snap, view.status.since, now)
+        sweep = self._sweep(snap, fence, now)
+        if sweep is None:
+            return None  # evicted: the next pass plans with the new membership
         started = time.perf_counter()
-        decision = plan(snap, now)
+        decision = plan(view, now)
         if self._metrics:
             self._metrics.observe_plan(snap, time.perf_counter() - started)
-        try:
-            return self._execute(snap, decision, fence, now)
-        except FencingError as exc:
-            logger.info("job %s: %s; re-reading", job, exc)
-            self._dirty.set()
-            return None
+        deadline = self._execute(snap, decision, fence)
+        return sweep if deadline is None else min(deadline, sweep)
 
-    def _execute(self, snap: JobSnapshot, decision: object, fence: Fence, now: float) -> float | None:
+    def _expire(self, snap: JobSnapshot, finished_at: float, now: float) -> float | None:
+        """Delete a finished job once the finished-job TTL passed (counted from when this leader saw it finish)."""
+        if not self._finished_job_ttl_s:
+            return None
+        expires = finished_at + self._finished_job_ttl_s
+        if now < expires:
+            return expires
+        job = snap.spec.job_id
+        self._store.delete_job(job)
+        self._times.forget(job)
+        logger.info("job %s deleted %.0fs after it %s (finished-job TTL)", job, self._finished_job_ttl_s,
+                    snap.status.state.value)  # fmt: skip
+        return None
+
+    def _sweep(self, snap: JobSnapshot, fence: Fence, now: float) -> float | None:
+        """Evict members silent for the heartbeat TTL (see :func:`overdue_members`). Returns when to sweep next, or
+        None when it evicted someone."""
+        job, ttl = snap.spec.job_id, snap.spec.heartbeat_ttl_s
+        due = self._next_sweep.get(job, 0.0)
+        if now < due:
+            return due
+        self._next_sweep[job] = now + max(0.5, ttl * SWEEP_FRACTION)
+        if snap.members and now - self._heard_since >= ttl:
+            gone = overdue_members(self._store.lease_ages(job, snap.members), ttl, self._heard_since, now)
+            if gone:
+                self._store.evict(snap, gone, fence)
+                if self._metrics:
+                    self._metrics.evictions.labels(job).inc(len(gone))
+                logger.warning("job %s: evicted %s: no heartbeat for %gs", job, ", ".join(gone), ttl)
+                self._dirty.set()
+                return None
+        return max(self._next_sweep[job], self._heard_since + ttl)
+
+    def _execute(self, snap: JobSnapshot, decision: object, fence: Fence) -> float | None:
         job, status = snap.spec.job_id, snap.status
         if isinstance(decision, Keep):
             return None
         if isinstance(decision, NewGeneration):
-            gen = decision.generation
-            since = status.since if decision.state is status.state else now
+            gen = dataclasses.replace(decision.generation, created_at=self._wall())
+            since = status.since if decision.state is status.state else self._wall()
             self._store.publish(snap, gen, JobStatus(decision.state, since), fence)
             if self._metrics:
                 self._metrics.observe_published(decision)
@@ -160,11 +274,11 @@ class Reconciler:
             return None
         if isinstance(decision, WaitUntil):
             if decision.state is not status.state:
-                self._store.set_status(job, JobStatus(decision.state, now, decision.why), fence)
+                self._store.set_status(snap, JobStatus(decision.state, self._wall(), decision.why), fence)
                 logger.info("job %s: %s -> %s (%s)", job, status.state.value, decision.state.value, decision.why)
             return decision.deadline
         if isinstance(decision, FailJob):
-            self._store.set_status(job, JobStatus(JobState.FAILED, now, decision.reason), fence)
+            self._store.set_status(snap, JobStatus(JobState.FAILED, self._wall(), decision.reason), fence)
             logger.error("job %s failed: %s", job, decision.reason)
             return None
         raise TypeError(f"unknown planner decision {decision!r}")

@@ -2,8 +2,9 @@
 
 Every replica serves every API call and every watch; only the elected leader runs the reconciler. The API port is
 mutual TLS (``tls``) unless the replica runs with ``insecure=True``. The health service reports SERVING while the
-replica reaches etcd and NOT_SERVING while it does not, for Kubernetes probes; since a kubelet's gRPC probe presents no
-client certificate, it is also served, alone, on a plaintext ``health_listen`` port.
+replica reaches etcd (leader or not) and NOT_SERVING while it does not or after a fault, for Kubernetes probes; since
+a kubelet's gRPC probe presents no client certificate, it is also served, alone, on a plaintext ``health_listen``
+port.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class CoordinatorConfig:
             threads, kept for unary calls).
         max_concurrent_rpcs: calls in flight at once, streams included; past it a call is RESOURCE_EXHAUSTED (0: twice
             ``max_workers``).
+        outage_tolerance_s: the TTL of members' etcd leases: the longest whole control-plane outage (every replica,
+            or etcd) that evicts nobody. The leader evicts a silent member after the job's heartbeat TTL, counted only
+            while it could hear it (see :mod:`pliant.coordinator.policy`).
     """
 
     etcd_endpoints: tuple[str, ...]
@@ -85,6 +89,7 @@ class CoordinatorConfig:
     finished_job_ttl_s: float = 86400.0
     max_watch_streams: int = 0
     max_concurrent_rpcs: int = 0
+    outage_tolerance_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -106,6 +111,8 @@ class CoordinatorConfig:
                 "them with `pliant certs`) or an explicit --insecure" if self.tls is None else
                 "--tls-dir and --insecure contradict each other; drop one"
             )  # fmt: skip
+        if not 10 <= self.outage_tolerance_s <= 7 * 24 * 3600:
+            raise ConfigError(f"--outage-tolerance {self.outage_tolerance_s:g} must be between 10 seconds and a week")
         if self.health_listen:
             parse_host_port(self.health_listen, what="--health-port address", allow_zero=True)
         if self.max_jobs < 0 or self.finished_job_ttl_s < 0:
@@ -139,13 +146,15 @@ class CoordinatorServer:
         if config.etcd_tls is not None:
             etcd_files = config.etcd_tls.load(need_role=False)
             etcd_creds = grpc.ssl_channel_credentials(etcd_files.ca_pem, etcd_files.key_pem, etcd_files.cert_pem)
-        self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s, credentials=etcd_creds)
+        self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s, credentials=etcd_creds,
+                               membership_lease_s=config.outage_tolerance_s)  # fmt: skip
         self.health = health.HealthServicer()
         self.election = LeaderElection(self.store, config.replica_id, config.leader_ttl_s, self._set_health)
         self.metrics = CoordinatorMetrics(self.registry, lambda: self.election.is_leader)
         self.store.observer = self.metrics.observe_etcd
         self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s, metrics=self.metrics,
-                                     finished_job_ttl_s=config.finished_job_ttl_s)  # fmt: skip
+                                     finished_job_ttl_s=config.finished_job_ttl_s,
+                                     jobs_prefix=self.store.jobs_prefix)  # fmt: skip
         self.hub = WatchHub(self.store)
         self.servicer = CoordinatorServicer(self.store, self.hub, observe=self.metrics.observe_rpc,
                                             poke=self.reconciler.poke,

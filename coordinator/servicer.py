@@ -22,6 +22,7 @@ import grpc
 from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, require_node
 from pliant.coordinator.contract import (
     CoordinatorError,
+    CorruptRecord,
     FailureReport,
     InvalidArgument,
     JobInfo,
@@ -203,13 +204,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_rpc
     def ListJobs(self, request: pb.ListJobsRequest, caller: Caller) -> pb.ListJobsResponse:
         info = self._info_with_progress if request.include_progress else self._info
-        jobs = []
+        jobs, unreadable = [], []
         for job in self._store.list_job_ids():
             try:
                 jobs.append(job_info_to_pb(info(job)))
             except NotFound:  # deleted while listing
                 continue
-        return pb.ListJobsResponse(jobs=jobs)
+            except CorruptRecord as exc:  # one bad record never hides the other jobs
+                unreadable.append(pb.UnreadableJob(job_id=job, error=str(exc)))
+        return pb.ListJobsResponse(jobs=jobs, unreadable=unreadable)
 
     @_rpc
     def FinishJob(self, request: pb.FinishJobRequest, caller: Caller) -> pb.JobStatus:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pliant.coordinator.client import CoordinatorClient
@@ -56,8 +56,11 @@ def to_dict(info: JobInfo) -> dict[str, Any]:
     }
 
 
-def render_json(jobs: Sequence[JobInfo]) -> str:
-    return json.dumps({"jobs": [to_dict(j) for j in jobs]}, indent=2, sort_keys=True)
+def render_json(jobs: Sequence[JobInfo], unreadable: Mapping[str, str] | None = None) -> str:
+    out: dict[str, object] = {"jobs": [to_dict(j) for j in jobs]}
+    if unreadable:
+        out["unreadable"] = dict(unreadable)
+    return json.dumps(out, indent=2, sort_keys=True)
 
 
 def _ago(seconds: float | None) -> str:
@@ -75,11 +78,12 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def render_table(jobs: Sequence[JobInfo], now: float) -> str:
-    """A readable table per job: a header line, then one row per member."""
-    if not jobs:
+def render_table(jobs: Sequence[JobInfo], now: float, unreadable: Mapping[str, str] | None = None) -> str:
+    """A readable table per job: a header line, then one row per member; then the jobs that cannot be read."""
+    if not jobs and not unreadable:
         return "no jobs"
-    out: list[str] = []
+    out: list[str] = [f"job {job}: UNREADABLE, skipped by the coordinator: {why}" for job, why in
+                      sorted((unreadable or {}).items())]  # fmt: skip
     for info in jobs:
         d = to_dict(info)
         state = d["state"] + (f" ({d['reason']})" if d["reason"] else "")
@@ -105,12 +109,16 @@ def status_main(coordinator: str, job: str | None, as_json: bool, tls: TlsConfig
         ConfigError: the TLS files do not load.
     """
     client = CoordinatorClient(coordinator, tls.load() if tls else None, retry_for_s=3.0)
+    unreadable: dict[str, str] = {}
     try:
-        jobs = [client.get_job(job, progress=True)] if job else client.list_jobs(progress=True)
+        if job:
+            jobs = [client.get_job(job, progress=True)]
+        else:
+            jobs, unreadable = client.list_jobs_and_errors(progress=True)
     except CoordinatorError as exc:
         print(f"pliant status: error: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()
-    print(render_json(jobs) if as_json else render_table(jobs, time.time()))
+    print(render_json(jobs, unreadable) if as_json else render_table(jobs, time.time(), unreadable))
     return 0

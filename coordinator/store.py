@@ -43,12 +43,15 @@ from pliant.coordinator.contract import (
     ResourceExhausted,
     Unavailable,
 )
-from pliant.coordinator.store_base import HISTORY, EtcdObserver, Fence, etcd_call, range_end, token_digest
+from pliant.coordinator.policy import may_overwrite
+from pliant.coordinator.store_base import HISTORY, EtcdObserver, Fence, decode, etcd_call, range_end, token_digest
 from pliant.coordinator.store_members import MemberStore
 
 __all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
 
 logger = logging.getLogger(__name__)
+
+_NO_STATE = JobStatus(JobState.WAITING, 0.0)
 
 
 class EtcdStore(MemberStore):
@@ -119,7 +122,7 @@ class EtcdStore(MemberStore):
         if ok:
             logger.info("job %s created: %s", job, spec)
             return spec, True
-        existing = JobSpec.from_json(responses[0][0][0])
+        existing = decode(spec_key, JobSpec.from_json, responses[0][0][0])
         diff = existing.differences(spec)
         if diff:
             raise AlreadyExists(
@@ -205,18 +208,20 @@ class EtcdStore(MemberStore):
         )
         if not spec:
             raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
-        generation = Generation.from_json(current[0][0]) if current else None
+        generation = decode(key("generation"), Generation.from_json, current[0][0]) if current else None
         gen_prefix = key("failures", f"{generation.number:012d}") + "/" if generation else None
         return JobSnapshot(
-            spec=JobSpec.from_json(spec[0][0]),
-            status=JobStatus.from_json(state[0][0]) if state else JobStatus(JobState.WAITING, 0.0),
+            spec=decode(key("spec"), JobSpec.from_json, spec[0][0]),
+            status=decode(key("state"), JobStatus.from_json, state[0][0]) if state else _NO_STATE,
             members=tuple(
-                Member.from_json(v, order=m.create_revision, lease_id=m.lease_id)
+                decode(m.key, lambda v, m=m: Member.from_json(v, order=m.create_revision, lease_id=m.lease_id), v)
                 for v, m in sorted(members, key=lambda vm: vm[1].create_revision)
             ),
             generation=generation,
             failures=tuple(
-                FailureReport.from_json(v) for v, m in failures if gen_prefix and m.key.decode().startswith(gen_prefix)
+                decode(m.key, FailureReport.from_json, v)
+                for v, m in failures
+                if gen_prefix and m.key.decode().startswith(gen_prefix)
             ),
             departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in departed),
             generation_mod_revision=current[0][1].mod_revision if current else 0,
@@ -238,7 +243,7 @@ class EtcdStore(MemberStore):
             if value is None:
                 self.read_job(job)  # raises NotFound for an unknown job
                 raise NotFound(f"job {job!r} has no state record; it is being created or deleted, retry")
-            status = JobStatus.from_json(value)
+            status = decode(state_key, JobStatus.from_json, value)
             if status.state.terminal:
                 if status.state == wanted:
                     return status
@@ -262,8 +267,9 @@ class EtcdStore(MemberStore):
         """Write ``generation`` as the job's current one and record ``status``, fenced.
 
         The transaction checks that the leader key still has the fence's create revision (this replica still leads)
-        and that the current-generation key is unchanged since ``snap`` was read, so a deposed leader or a stale view
-        can never publish, and no generation number is ever written twice.
+        and that the current-generation and state keys are unchanged since ``snap`` was read, so a deposed leader or a
+        stale view can never publish, no generation number is ever written twice, and a job finished meanwhile
+        (FinishJob) stays finished.
 
         Raises:
             FencingError: either check failed; nothing was written.
@@ -280,12 +286,39 @@ class EtcdStore(MemberStore):
             ops.append(self.tx.delete(old, range_end(old)))
         if generation.number > HISTORY:
             ops.append(self.tx.delete(self.history_key(job, generation.number - HISTORY)))
-        self._fenced(fence, [self.tx.mod(self.job_key(job, "generation")) == snap.generation_mod_revision], ops)
+        self._guard(snap)
+        self._fenced(fence, [self.tx.mod(self.job_key(job, "generation")) == snap.generation_mod_revision,
+                             self.tx.mod(self.job_key(job, "state")) == snap.status_mod_revision], ops)  # fmt: skip
 
     @etcd_call
-    def set_status(self, job: str, status: JobStatus, fence: Fence) -> None:
-        """Record the job's state (leader only, fenced)."""
-        self._fenced(fence, [], [self.tx.put(self.job_key(job, "state"), status.to_json())])
+    def set_status(self, snap: JobSnapshot, status: JobStatus, fence: Fence) -> None:
+        """Record the job's state (leader only), fenced by leadership and by the state record read in ``snap``.
+
+        Raises:
+            FencingError: leadership or the state record changed since ``snap``; or the state read is terminal.
+        """
+        self._guard(snap)
+        key = self.job_key(snap.spec.job_id, "state")
+        self._fenced(fence, [self.tx.mod(key) == snap.status_mod_revision], [self.tx.put(key, status.to_json())])
+
+    @etcd_call
+    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Fence) -> None:
+        """Remove silent members (leader only, fenced): delete their member keys, if still the ones read in ``snap``,
+        then revoke their leases, so a node that was only cut off learns it at its next heartbeat and joins again."""
+        job = snap.spec.job_id
+        gone = [m for m in snap.members if m.node_id in nodes]
+        keys = [self.job_key(job, "members", m.node_id) for m in gone]
+        self._fenced(fence, [self.tx.create(k) == m.order for k, m in zip(keys, gone, strict=True)],
+                     [self.tx.delete(k) for k in keys])  # fmt: skip
+        for member in gone:
+            self._revoke_quietly(member.lease_id)
+            self._bound.pop(member.lease_id, None)
+
+    @staticmethod
+    def _guard(snap: JobSnapshot) -> None:
+        if not may_overwrite(snap.status):
+            raise FencingError(f"job {snap.spec.job_id!r} is {snap.status.state.value}; a finished job's state is "
+                               f"never overwritten")  # fmt: skip
 
     def _fenced(self, fence: Fence, compare: list[Any], ops: list[Any]) -> None:
         ok, _ = self._txn(compare=[self.tx.create(fence.key) == fence.revision, *compare], success=ops)
@@ -313,6 +346,8 @@ class EtcdStore(MemberStore):
         )
         if not spec:
             raise NotFound(f"job {job!r} does not exist; check the job id")
-        status = JobStatus.from_json(state[0][0]) if state else JobStatus(JobState.WAITING, 0.0)
-        return [Generation.from_json(v) for v, _m in history], status
+        status = JobStatus(JobState.WAITING, 0.0)
+        if state:
+            status = decode(self.job_key(job, "state"), JobStatus.from_json, state[0][0])
+        return [decode(m.key, Generation.from_json, v) for v, m in history], status
 

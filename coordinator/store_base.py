@@ -23,6 +23,7 @@ import grpc
 
 from pliant.coordinator.contract import (
     CoordinatorError,
+    CorruptRecord,
     Generation,
     InvalidArgument,
     JobSpec,
@@ -33,7 +34,7 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
 
-__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "etcd_call", "range_end", "token_digest"]
+__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "decode", "etcd_call", "range_end", "token_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,22 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
     return wrapper
 
 
+def decode(key: str | bytes, parse: Callable[[bytes], _T], raw: bytes) -> _T:
+    """Parse one etcd record with ``parse``.
+
+    Raises:
+        CorruptRecord: the record is not what pliant wrote (bad JSON, a field missing or of the wrong type).
+    """
+    try:
+        return parse(raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        name = key.decode() if isinstance(key, bytes) else key
+        raise CorruptRecord(
+            f"etcd record {name} cannot be read ({type(exc).__name__}: {str(exc)[:200]}; value {raw[:100]!r}); its job "
+            f"is skipped until the record is repaired (etcdctl put) or removed (etcdctl del {name})"
+        ) from None
+
+
 def range_end(prefix: str) -> bytes:
     return etcd3.utils.prefix_range_end(prefix.encode())
 
@@ -118,6 +135,9 @@ class EtcdBase:
         observer: called with (operation, seconds, failed) after each operation (metrics).
         credentials: gRPC channel credentials for etcd over TLS (a client certificate when etcd runs with
             ``--client-cert-auth``); None: plaintext.
+        membership_lease_s: TTL of a member's etcd lease: the longest control-plane outage its membership survives.
+            Liveness itself is judged by the leader from the lease's age against the job's heartbeat TTL (see
+            :mod:`pliant.coordinator.policy`).
     """
 
     def __init__(
@@ -127,8 +147,10 @@ class EtcdBase:
         timeout_s: float = 5.0,
         observer: EtcdObserver | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        membership_lease_s: float = 3600.0,
     ) -> None:
         self.observer = observer
+        self.membership_lease_s = membership_lease_s
         self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
         self._token_digests: dict[str, str] = {}  # job -> join token digest last read (Join's txn re-checks it)
@@ -201,9 +223,10 @@ class EtcdBase:
 
     def _current(self, job: str) -> tuple[Generation | None, int]:
         """The current generation and the mod revision of its key (NotFound for an unknown job)."""
-        value, meta = self.client.get(self.job_key(job, "generation"))
+        key = self.job_key(job, "generation")
+        value, meta = self.client.get(key)
         if value is None:
             self.read_job(job)  # NotFound for an unknown job
             return None, 0
-        return Generation.from_json(value), meta.mod_revision
+        return decode(key, Generation.from_json, value), meta.mod_revision
 

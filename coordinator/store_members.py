@@ -27,7 +27,7 @@ from pliant.coordinator.contract import (
     Unauthenticated,
     quote,
 )
-from pliant.coordinator.store_base import EtcdBase, etcd_call, token_digest
+from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, token_digest
 
 __all__ = ["MemberStore"]
 
@@ -69,7 +69,9 @@ class MemberStore(EtcdBase):
                 f"PLIANT_JOIN_TOKEN"
             )
         ttl_s = spec.heartbeat_ttl_s
-        lease = self.client.lease(max(2, round(ttl_s)))
+        # A long lease: the leader, not etcd, decides when a silent member goes (coordinator.policy), so a
+        # control-plane outage shorter than the lease evicts nobody.
+        lease = self.client.lease(max(2, round(max(ttl_s, self.membership_lease_s))))
         stored = Member(member.node_id, member.address, member.slots, member.joined_at, 0, lease.id)
         # One transaction: the member key must be free and the spec the one cached (a job deleted and re-created under
         # the same id has another create revision); it also reads the state and generation the answer needs.
@@ -90,7 +92,7 @@ class MemberStore(EtcdBase):
         if not ok:
             self._revoke_quietly(lease.id)
             if responses and responses[0]:
-                holder = Member.from_json(responses[0][0][0])
+                holder = decode(member_key, Member.from_json, responses[0][0][0])
                 raise AlreadyExists(
                     f"node id {member.node_id!r} already holds a live membership in job {job!r} (address "
                     f"{holder.address}); give each agent a unique --node-id, or wait {ttl_s:g}s for the old lease to "
@@ -105,7 +107,9 @@ class MemberStore(EtcdBase):
                 return self.join(job, member, token, _retry=False)
             raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
         state_kv, gen_kv = responses[2], responses[3]
-        status = JobStatus.from_json(state_kv[0][0]) if state_kv else JobStatus(JobState.WAITING, 0.0)
+        status = JobStatus(JobState.WAITING, 0.0)
+        if state_kv:
+            status = decode(self.job_key(job, "state"), JobStatus.from_json, state_kv[0][0])
         if status.state.terminal:  # rare: undo the membership (checked here to save a read on every join)
             written = responses[0].response_put.header.revision
             self._txn([self.tx.mod(member_key) == written], [self.tx.delete(member_key)])
@@ -113,7 +117,7 @@ class MemberStore(EtcdBase):
             raise FailedPrecondition(
                 f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
             )
-        generation = Generation.from_json(gen_kv[0][0]).number if gen_kv else 0
+        generation = decode(self.job_key(job, "generation"), Generation.from_json, gen_kv[0][0]).number if gen_kv else 0
         self._bound[lease.id] = (job, member.node_id)
         logger.info("node %s joined job %s (address %s)", member.node_id, job, member.address)
         return lease.id, generation, ttl_s
@@ -132,7 +136,7 @@ class MemberStore(EtcdBase):
             raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
         if len(self._specs) > 10_000:
             self._specs.clear()
-        self._specs[job] = JobSpec.from_json(value), meta.create_revision
+        self._specs[job] = decode(self.job_key(job, "spec"), JobSpec.from_json, value), meta.create_revision
         return self._specs[job]
 
     @etcd_call
@@ -168,14 +172,16 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def heartbeat(self, job: str, node_id: str, lease_id: int) -> float:
-        """Refresh ``node_id``'s membership lease and return its TTL. The caller proved the lease is the node's own
-        with :meth:`check_member` (the servicer's ``_authorize``); ``job`` and ``node_id`` name it in errors.
+        """Refresh ``node_id``'s membership lease and return the job's heartbeat TTL. The caller proved the lease is
+        the node's own with :meth:`check_member` (the servicer's ``_authorize``); ``job`` and ``node_id`` name it in
+        errors.
 
         Raises:
             NotFound: the lease expired or was revoked; the node must Join again.
         """
         try:
-            return self.refresh_lease(lease_id)
+            self.refresh_lease(lease_id)
+            return self._spec(job)[0].heartbeat_ttl_s
         except NotFound:
             self._bound.pop(lease_id, None)
             raise NotFound(
@@ -212,12 +218,9 @@ class MemberStore(EtcdBase):
         self.client.put(self.progress_key(job, node_id), progress.to_json(), lease=lease_id)
 
     @etcd_call
-    def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
-        """Each member's progress: the recorded step and the age of its last heartbeat (from its lease's TTL)."""
-        recorded = {
-            meta.key.decode().rsplit("/", 1)[1]: MemberProgress.from_json(value)
-            for value, meta in self.client.get_prefix(self.progress_key(job))
-        }
+    def lease_ages(self, job: str, members: Sequence[Member]) -> dict[str, float]:
+        """Seconds since each member's last heartbeat, on etcd's clock: its lease's granted TTL less the TTL left
+        (1 s granularity; -1 when the lease is gone or unknown). ``job`` is part of the store interface."""
         out = {}
         for member in members:
             age = -1.0
@@ -225,8 +228,21 @@ class MemberStore(EtcdBase):
                 info = self.client.get_lease_info(member.lease_id)
                 if info.TTL > 0:
                     age = float(max(0, info.grantedTTL - info.TTL))
+            out[member.node_id] = age
+        return out
+
+    @etcd_call
+    def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
+        """Each member's progress: the recorded step and the age of its last heartbeat (from its lease's TTL)."""
+        recorded = {
+            meta.key.decode().rsplit("/", 1)[1]: decode(meta.key, MemberProgress.from_json, value)
+            for value, meta in self.client.get_prefix(self.progress_key(job))
+        }
+        ages = self.lease_ages(job, members)
+        out = {}
+        for member in members:
             step = recorded.get(member.node_id, MemberProgress())
-            out[member.node_id] = MemberProgress(age, step.step, step.step_at)
+            out[member.node_id] = MemberProgress(ages[member.node_id], step.step, step.step_at)
         return out
 
     @etcd_call
@@ -254,9 +270,9 @@ class MemberStore(EtcdBase):
         suspects = [n for n in dict.fromkeys(unreachable) if n != report.node_id]
         leases = []
         for node in suspects:
-            value, _meta = self.client.get(self.job_key(job, "members", node))
+            value, meta = self.client.get(self.job_key(job, "members", node))
             if value is not None:
-                leases.append(Member.from_json(value).lease_id)
+                leases.append(meta.lease_id)
         key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
         ops = [self.tx.put(key, report.to_json())]
         ops += [self.tx.delete(self.job_key(job, "members", n)) for n in suspects]

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--finished-job-ttl", type=float, default=86400.0,
                        help="seconds after which a finished job is deleted (like ttlSecondsAfterFinished; 0 keeps "
                        "them; default 86400)")
+    coord.add_argument("--outage-tolerance", type=float, default=3600.0,
+                       help="seconds a whole control-plane outage may last before members' leases expire in etcd; "
+                       "shorter outages evict nobody who keeps trying (default 3600)")
     coord.add_argument("--max-watch-streams", type=int, default=0,
                        help="WatchGenerations streams one replica serves at once (default: max workers less 10%%)")
     coord.add_argument(
@@ -173,6 +176,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         max_jobs=args.max_jobs,
         finished_job_ttl_s=args.finished_job_ttl,
         max_watch_streams=args.max_watch_streams,
+        outage_tolerance_s=args.outage_tolerance,
     )
     server = CoordinatorServer(config).start()
     print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpliant/v1/coordinator.proto\x12\tpliant.v1\"\xcf\x01\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmin_nodes\x18\x02 \x01(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x16\n\x0enproc_per_node\x18\x04 \x01(\r\x12\x17\n\x0fheartbeat_ttl_s\x18\x05 \x01(\x01\x12\x19\n\x0cjoin_grace_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cmax_restarts\x18\x07 \x01(\r\x12\x1b\n\x13min_nodes_timeout_s\x18\x08 \x01(\x01\x42\x0f\n\r_join_grace_s\"\x84\x01\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tjoined_at\x18\x04 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0f\n\x07step_at\x18\x07 \x01(\x01\"k\n\x10GenerationMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\r\n\x05nproc\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"\xc0\x01\n\nGeneration\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12,\n\x07members\x18\x03 \x03(\x0b\x32\x1b.pliant.v1.GenerationMember\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x15\n\rrestarts_used\x18\x07 \x01(\r\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\"\xc5\x01\n\tJobStatus\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.pliant.v1.JobSpec\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.pliant.v1.JobState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0bstate_since\x18\x04 \x01(\x01\x12)\n\ngeneration\x18\x05 \x01(\x0b\x32\x15.pliant.v1.Generation\x12\"\n\x07members\x18\x06 \x03(\x0b\x32\x11.pliant.v1.Member\"H\n\x10\x43reateJobRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.pliant.v1.JobSpec\x12\x12\n\njoin_token\x18\x02 \x01(\t\"[\n\x11\x43reateJobResponse\x12!\n\x03job\x18\x01 \x01(\x0b\x32\x14.pliant.v1.JobStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x12\n\njoin_token\x18\x03 \x01(\t\"\"\n\x10\x44\x65leteJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x13\n\x11\x44\x65leteJobResponse\"<\n\x16RotateJoinTokenRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\"-\n\x17RotateJoinTokenResponse\x12\x12\n\njoin_token\x18\x01 \x01(\t\"9\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10include_progress\x18\x02 \x01(\x08\"+\n\x0fListJobsRequest\x12\x18\n\x10include_progress\x18\x01 \x01(\x08\"6\n\x10ListJobsResponse\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.pliant.v1.JobStatus\"E\n\x10\x46inishJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tsucceeded\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"b\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x12\n\njoin_token\x18\x05 \x01(\t\"k\n\x0cJoinResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x17\n\x0fheartbeat_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"S\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x04\"\"\n\x11HeartbeatResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"A\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"\x0f\n\rLeaveResponse\"\x9c\x01\n\x14ReportFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x19\n\x11unreachable_nodes\x18\x06 \x03(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\x03\"E\n\x15ReportFailureResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x1a\n\x12\x63urrent_generation\x18\x02 \x01(\x04\"]\n\x14ReportSuccessRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\x03\"E\n\x15ReportSuccessResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x1a\n\x12\x63urrent_generation\x18\x02 \x01(\x04\"B\n\x17WatchGenerationsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66rom_generation\x18\x02 \x01(\x04\"\x81\x01\n\x18WatchGenerationsResponse\x12)\n\ngeneration\x18\x01 \x01(\x0b\x32\x15.pliant.v1.Generation\x12&\n\tjob_state\x18\x02 \x01(\x0e\x32\x13.pliant.v1.JobState\x12\x12\n\njob_reason\x18\x03 \x01(\t*\x82\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_WAITING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x32\xfa\x06\n\x0b\x43oordinator\x12\x46\n\tCreateJob\x12\x1b.pliant.v1.CreateJobRequest\x1a\x1c.pliant.v1.CreateJobResponse\x12\x38\n\x06GetJob\x12\x18.pliant.v1.GetJobRequest\x1a\x14.pliant.v1.JobStatus\x12\x43\n\x08ListJobs\x12\x1a.pliant.v1.ListJobsRequest\x1a\x1b.pliant.v1.ListJobsResponse\x12>\n\tFinishJob\x12\x1b.pliant.v1.FinishJobRequest\x1a\x14.pliant.v1.JobStatus\x12\x46\n\tDeleteJob\x12\x1b.pliant.v1.DeleteJobRequest\x1a\x1c.pliant.v1.DeleteJobResponse\x12X\n\x0fRotateJoinToken\x12!.pliant.v1.RotateJoinTokenRequest\x1a\".pliant.v1.RotateJoinTokenResponse\x12\x37\n\x04Join\x12\x16.pliant.v1.JoinRequest\x1a\x17.pliant.v1.JoinResponse\x12\x46\n\tHeartbeat\x12\x1b.pliant.v1.HeartbeatRequest\x1a\x1c.pliant.v1.HeartbeatResponse\x12:\n\x05Leave\x12\x17.pliant.v1.LeaveRequest\x1a\x18.pliant.v1.LeaveResponse\x12R\n\rReportFailure\x12\x1f.pliant.v1.ReportFailureRequest\x1a .pliant.v1.ReportFailureResponse\x12R\n\rReportSuccess\x12\x1f.pliant.v1.ReportSuccessRequest\x1a .pliant.v1.ReportSuccessResponse\x12]\n\x10WatchGenerations\x12\".pliant.v1.WatchGenerationsRequest\x1a#.pliant.v1.WatchGenerationsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpliant/v1/coordinator.proto\x12\tpliant.v1\"\xcf\x01\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmin_nodes\x18\x02 \x01(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x16\n\x0enproc_per_node\x18\x04 \x01(\r\x12\x17\n\x0fheartbeat_ttl_s\x18\x05 \x01(\x01\x12\x19\n\x0cjoin_grace_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cmax_restarts\x18\x07 \x01(\r\x12\x1b\n\x13min_nodes_timeout_s\x18\x08 \x01(\x01\x42\x0f\n\r_join_grace_s\"\x84\x01\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tjoined_at\x18\x04 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0f\n\x07step_at\x18\x07 \x01(\x01\"k\n\x10GenerationMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\r\n\x05nproc\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"\xc0\x01\n\nGeneration\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12,\n\x07members\x18\x03 \x03(\x0b\x32\x1b.pliant.v1.GenerationMember\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x15\n\rrestarts_used\x18\x07 \x01(\r\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\"\xc5\x01\n\tJobStatus\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.pliant.v1.JobSpec\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.pliant.v1.JobState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0bstate_since\x18\x04 \x01(\x01\x12)\n\ngeneration\x18\x05 \x01(\x0b\x32\x15.pliant.v1.Generation\x12\"\n\x07members\x18\x06 \x03(\x0b\x32\x11.pliant.v1.Member\"H\n\x10\x43reateJobRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.pliant.v1.JobSpec\x12\x12\n\njoin_token\x18\x02 \x01(\t\"[\n\x11\x43reateJobResponse\x12!\n\x03job\x18\x01 \x01(\x0b\x32\x14.pliant.v1.JobStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x12\n\njoin_token\x18\x03 \x01(\t\"\"\n\x10\x44\x65leteJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x13\n\x11\x44\x65leteJobResponse\"<\n\x16RotateJoinTokenRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\"-\n\x17RotateJoinTokenResponse\x12\x12\n\njoin_token\x18\x01 \x01(\t\"9\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10include_progress\x18\x02 \x01(\x08\"+\n\x0fListJobsRequest\x12\x18\n\x10include_progress\x18\x01 \x01(\x08\"d\n\x10ListJobsResponse\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.pliant.v1.JobStatus\x12,\n\nunreadable\x18\x02 \x03(\x0b\x32\x18.pliant.v1.UnreadableJob\".\n\rUnreadableJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"E\n\x10\x46inishJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tsucceeded\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"b\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x12\n\njoin_token\x18\x05 \x01(\t\"k\n\x0cJoinResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x17\n\x0fheartbeat_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"S\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x04\"\"\n\x11HeartbeatResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"A\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"\x0f\n\rLeaveResponse\"\x9c\x01\n\x14ReportFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x19\n\x11unreachable_nodes\x18\x06 \x03(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\x03\"E\n\x15ReportFailureResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x1a\n\x12\x63urrent_generation\x18\x02 \x01(\x04\"]\n\x14ReportSuccessRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\x03\"E\n\x15ReportSuccessResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x1a\n\x12\x63urrent_generation\x18\x02 \x01(\x04\"B\n\x17WatchGenerationsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66rom_generation\x18\x02 \x01(\x04\"\x81\x01\n\x18WatchGenerationsResponse\x12)\n\ngeneration\x18\x01 \x01(\x0b\x32\x15.pliant.v1.Generation\x12&\n\tjob_state\x18\x02 \x01(\x0e\x32\x13.pliant.v1.JobState\x12\x12\n\njob_reason\x18\x03 \x01(\t*\x82\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_WAITING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x32\xfa\x06\n\x0b\x43oordinator\x12\x46\n\tCreateJob\x12\x1b.pliant.v1.CreateJobRequest\x1a\x1c.pliant.v1.CreateJobResponse\x12\x38\n\x06GetJob\x12\x18.pliant.v1.GetJobRequest\x1a\x14.pliant.v1.JobStatus\x12\x43\n\x08ListJobs\x12\x1a.pliant.v1.ListJobsRequest\x1a\x1b.pliant.v1.ListJobsResponse\x12>\n\tFinishJob\x12\x1b.pliant.v1.FinishJobRequest\x1a\x14.pliant.v1.JobStatus\x12\x46\n\tDeleteJob\x12\x1b.pliant.v1.DeleteJobRequest\x1a\x1c.pliant.v1.DeleteJobResponse\x12X\n\x0fRotateJoinToken\x12!.pliant.v1.RotateJoinTokenRequest\x1a\".pliant.v1.RotateJoinTokenResponse\x12\x37\n\x04Join\x12\x16.pliant.v1.JoinRequest\x1a\x17.pliant.v1.JoinResponse\x12\x46\n\tHeartbeat\x12\x1b.pliant.v1.HeartbeatRequest\x1a\x1c.pliant.v1.HeartbeatResponse\x12:\n\x05Leave\x12\x17.pliant.v1.LeaveRequest\x1a\x18.pliant.v1.LeaveResponse\x12R\n\rReportFailure\x12\x1f.pliant.v1.ReportFailureRequest\x1a .pliant.v1.ReportFailureResponse\x12R\n\rReportSuccess\x12\x1f.pliant.v1.ReportSuccessRequest\x1a .pliant.v1.ReportSuccessResponse\x12]\n\x10WatchGenerations\x12\".pliant.v1.WatchGenerationsRequest\x1a#.pliant.v1.WatchGenerationsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pliant.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=2466
-  _globals['_JOBSTATE']._serialized_end=2596
+  _globals['_JOBSTATE']._serialized_start=2560
+  _globals['_JOBSTATE']._serialized_end=2690
   _globals['_JOBSPEC']._serialized_start=43
   _globals['_JOBSPEC']._serialized_end=250
   _globals['_MEMBER']._serialized_start=253
@@ -60,33 +60,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSREQUEST']._serialized_start=1283
   _globals['_LISTJOBSREQUEST']._serialized_end=1326
   _globals['_LISTJOBSRESPONSE']._serialized_start=1328
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1382
-  _globals['_FINISHJOBREQUEST']._serialized_start=1384
-  _globals['_FINISHJOBREQUEST']._serialized_end=1453
-  _globals['_JOINREQUEST']._serialized_start=1455
-  _globals['_JOINREQUEST']._serialized_end=1553
-  _globals['_JOINRESPONSE']._serialized_start=1555
-  _globals['_JOINRESPONSE']._serialized_end=1662
-  _globals['_HEARTBEATREQUEST']._serialized_start=1664
-  _globals['_HEARTBEATREQUEST']._serialized_end=1747
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1749
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1783
-  _globals['_LEAVEREQUEST']._serialized_start=1785
-  _globals['_LEAVEREQUEST']._serialized_end=1850
-  _globals['_LEAVERESPONSE']._serialized_start=1852
-  _globals['_LEAVERESPONSE']._serialized_end=1867
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1870
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=2026
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=2028
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=2097
-  _globals['_REPORTSUCCESSREQUEST']._serialized_start=2099
-  _globals['_REPORTSUCCESSREQUEST']._serialized_end=2192
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=2194
-  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=2263
-  _globals['_WATCHGENERATIONSREQUEST']._serialized_start=2265
-  _globals['_WATCHGENERATIONSREQUEST']._serialized_end=2331
-  _globals['_WATCHGENERATIONSRESPONSE']._serialized_start=2334
-  _globals['_WATCHGENERATIONSRESPONSE']._serialized_end=2463
-  _globals['_COORDINATOR']._serialized_start=2599
-  _globals['_COORDINATOR']._serialized_end=3489
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1428
+  _globals['_UNREADABLEJOB']._serialized_start=1430
+  _globals['_UNREADABLEJOB']._serialized_end=1476
+  _globals['_FINISHJOBREQUEST']._serialized_start=1478
+  _globals['_FINISHJOBREQUEST']._serialized_end=1547
+  _globals['_JOINREQUEST']._serialized_start=1549
+  _globals['_JOINREQUEST']._serialized_end=1647
+  _globals['_JOINRESPONSE']._serialized_start=1649
+  _globals['_JOINRESPONSE']._serialized_end=1756
+  _globals['_HEARTBEATREQUEST']._serialized_start=1758
+  _globals['_HEARTBEATREQUEST']._serialized_end=1841
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1843
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1877
+  _globals['_LEAVEREQUEST']._serialized_start=1879
+  _globals['_LEAVEREQUEST']._serialized_end=1944
+  _globals['_LEAVERESPONSE']._serialized_start=1946
+  _globals['_LEAVERESPONSE']._serialized_end=1961
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1964
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=2120
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=2122
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=2191
+  _globals['_REPORTSUCCESSREQUEST']._serialized_start=2193
+  _globals['_REPORTSUCCESSREQUEST']._serialized_end=2286
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_start=2288
+  _globals['_REPORTSUCCESSRESPONSE']._serialized_end=2357
+  _globals['_WATCHGENERATIONSREQUEST']._serialized_start=2359
+  _globals['_WATCHGENERATIONSREQUEST']._serialized_end=2425
+  _globals['_WATCHGENERATIONSRESPONSE']._serialized_start=2428
+  _globals['_WATCHGENERATIONSRESPONSE']._serialized_end=2557
+  _globals['_COORDINATOR']._serialized_start=2693
+  _globals['_COORDINATOR']._serialized_end=3583
 # @@protoc_insertion_point(module_scope)

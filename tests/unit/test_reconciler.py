@@ -1,0 +1,171 @@
+"""The reconciler's decisions with an in-memory store and a fake clock: liveness, fencing, isolation, one clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from pliant.coordinator.contract import FencingError, JobSpec, JobState, JobStatus, NewGeneration
+from pliant.coordinator.planner import plan
+from pliant.coordinator.policy import LeaderClock, overdue_members
+from pliant.coordinator.reconciler import Reconciler
+from tests.unit.fake_store import FakeStore
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _setup(*jobs: JobSpec) -> tuple[FakeStore, Clock, Reconciler]:
+    store, clock = FakeStore(), Clock()
+    for spec in jobs:
+        store.add_job(spec)
+    rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9)
+    rec.lead(store.fence)
+    return store, clock, rec
+
+
+def _spec(job: str = "job", **kw: object) -> JobSpec:
+    kw.setdefault("join_grace_s", 0.0)
+    kw.setdefault("heartbeat_ttl_s", 10.0)
+    return JobSpec(job, 1, 4, **kw)  # type: ignore[arg-type]
+
+
+def test_overdue_members_waits_one_ttl_after_the_leader_could_hear() -> None:
+    ages = {"a": 50.0, "b": 2.0, "c": -1.0}
+    assert overdue_members(ages, 10, heard_since=100, now=105) == ()
+    assert overdue_members(ages, 10, heard_since=100, now=110) == ("a",)
+
+
+def test_a_whole_control_plane_outage_evicts_nobody_who_heartbeats_again() -> None:
+    store, clock, rec = _setup(_spec())
+    store.join("job", "a")
+    store.join("job", "b")
+    rec.pass_once(store.fence)
+    assert [g.node_ids for g in store.published] == [("a", "b")]
+    # Every replica was down for 60 s: both leases are 60 s old when a new leader takes over.
+    clock.now += 60
+    store.ages = {("job", "a"): 60.0, ("job", "b"): 60.0}
+    rec.lead(store.fence)
+    for _ in range(8):  # the first TTL: sweeps evict nobody; "a" heartbeats again, "b" (dead) does not
+        clock.now += 1
+        store.ages[("job", "a")] = 0.0
+        store.ages[("job", "b")] += 1
+        rec.pass_once(store.fence)
+    assert store.evicted == [] and len(store.published) == 1
+    clock.now += 3
+    store.ages[("job", "b")] += 3
+    rec.pass_once(store.fence)
+    assert store.evicted == [("job", ("b",))]
+    rec.pass_once(store.fence)
+    assert store.published[-1].node_ids == ("a",) and store.published[-1].reason == "failure"
+
+
+def test_etcd_coming_back_restarts_the_grace() -> None:
+    store, clock, rec = _setup(_spec())
+    store.join("job", "a")
+    rec.pass_once(store.fence)
+    clock.now += 30
+    store.ages[("job", "a")] = 30.0
+    rec._heard_since = clock.now  # what _run does when a pass succeeds after etcd errors
+    rec.pass_once(store.fence)
+    assert store.evicted == []
+
+
+def test_one_unreadable_job_never_stops_the_others() -> None:
+    store, _clock, rec = _setup(_spec("a-bad"), _spec("b-good"))
+    store.jobs["a-bad"].corrupt = "etcd record /x/jobs/a-bad/state cannot be read (KeyError: 'state')"
+    store.join("b-good", "n1")
+    rec.pass_once(store.fence)
+    assert [g.job_id for g in store.published] == ["b-good"]
+    assert "KeyError" in rec.unreadable["a-bad"]
+    store.jobs["a-bad"].corrupt = ""
+    store.join("a-bad", "n2")
+    rec.pass_once(store.fence)
+    assert rec.unreadable == {} and [g.job_id for g in store.published] == ["b-good", "a-bad"]
+
+
+def test_a_bug_in_one_job_is_isolated_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    store, _clock, rec = _setup(_spec("a"), _spec("b"))
+    store.join("a", "n1")
+    store.join("b", "n2")
+    original = rec._execute
+
+    def broken(snap, decision, fence):  # type: ignore[no-untyped-def]
+        if snap.spec.job_id == "a":
+            raise KeyError("boom")
+        return original(snap, decision, fence)
+
+    monkeypatch.setattr(rec, "_execute", broken)
+    rec.pass_once(store.fence)
+    assert [g.job_id for g in store.published] == ["b"] and "boom" in rec.unreadable["a"]
+
+
+def test_a_finished_job_is_never_overwritten() -> None:
+    store, clock, rec = _setup(_spec())
+    store.join("job", "a")
+    snap = store.read_job("job")
+    decision = plan(rec._times.view(snap, clock.now), clock.now)
+    assert isinstance(decision, NewGeneration)
+    store.finish("job", JobState.SUCCEEDED)  # FinishJob lands between the leader's read and its write
+    with pytest.raises(FencingError):
+        rec._execute(snap, decision, store.fence)
+    rec.pass_once(store.fence)
+    assert store.jobs["job"].status.state is JobState.SUCCEEDED and store.published == []
+    with pytest.raises(FencingError):  # and a snapshot that already shows it finished is never written over
+        store.set_status(store.read_job("job"), JobStatus(JobState.FAILED, 0.0), store.fence)
+
+
+def test_skewed_replica_clocks_change_no_deadline() -> None:
+    """Times other replicas wrote (joined_at, since) are ignored: a join stamped 700 s in the past or 120 s in the
+    future is batched for join_grace_s on the leader's clock; min_nodes_timeout_s counts from when the leader saw the
+    job waiting."""
+    store, clock, rec = _setup(JobSpec("job", 2, 4, join_grace_s=5.0, min_nodes_timeout_s=30.0))
+    store.jobs["job"].status = store.jobs["job"].status.__class__(JobState.WAITING, clock.now - 700)
+    store.join("job", "a", joined_at=1.7e9 - 700)
+    store.join("job", "b", joined_at=1.7e9 + 120)
+    rec.pass_once(store.fence)
+    assert store.published == [] and store.jobs["job"].status.state is JobState.WAITING
+    clock.now += 5
+    rec.pass_once(store.fence)
+    assert [g.node_ids for g in store.published] == [("a", "b")]
+
+
+def test_min_nodes_timeout_counts_on_the_leader_clock() -> None:
+    store, clock, rec = _setup(JobSpec("job", 2, 4, min_nodes_timeout_s=30.0))
+    store.join("job", "a", joined_at=0.0)
+    rec.pass_once(store.fence)
+    assert store.jobs["job"].status.state is JobState.WAITING
+    clock.now += 29
+    rec.pass_once(store.fence)
+    assert store.jobs["job"].status.state is JobState.WAITING
+    clock.now += 2
+    rec.pass_once(store.fence)
+    assert store.jobs["job"].status.state is JobState.FAILED
+
+
+def test_leader_clock_forgets_records_that_are_gone() -> None:
+    store, _clock, _rec = _setup(_spec())
+    store.join("job", "a")
+    times = LeaderClock()
+    first = times.view(store.read_job("job"), 5.0)
+    assert first.members[0].joined_at == 5.0 and first.status.since == 5.0
+    again = times.view(store.read_job("job"), 9.0)
+    assert again.members[0].joined_at == 5.0
+    store.members_of("job").clear()
+    store.join("job", "a")  # re-joined: a new record
+    assert times.view(store.read_job("job"), 12.0).members[0].joined_at == 12.0
+
+
+def test_etcd_down_ends_the_pass_without_writing() -> None:
+    store, _clock, rec = _setup(_spec())
+    store.join("job", "a")
+    store.down = True
+    with pytest.raises(Exception, match="down"):
+        rec.pass_once(store.fence)
+    assert store.published == []
