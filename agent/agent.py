@@ -1,60 +1,64 @@
-"""The node agent: joins the job, heartbeats, follows generations, and runs this node's workers for each of them.
+"""The node agent's executor: it joins the job, turns what happens into events for :func:`pliant.agent.core.decide`,
+and performs the actions it returns (start and stop workers, send reports, dump stacks, leave, exit).
 
-Threads feed one event queue (generations from the watch, a lost lease from the heartbeat, signals); the main thread
-owns every process decision, so workers are always spawned from the thread that outlives them. On a worker failure
-the agent stops its other workers, probes the other nodes' agents, and reports the failure with the unreachable ones
-(the coordinator evicts those at once: a killed node is noticed without waiting for its lease to expire).
+Threads feed one event queue: the generation watch, the heartbeat (which also re-joins after an eviction), and
+signals; the main thread reads the workers' exits and progress files on each tick and owns every process, so workers
+are always spawned from the thread that outlives them. Reports go through a background reporter that retries while
+the coordinator is away, so nothing the main loop does ever waits on the control plane.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from pliant.agent.contract import AgentConfig, AgentError, AgentState, GroupResult
+from pliant.agent import core
+from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.stores import NodeStore, reachable
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import (
     CoordinatorError,
+    FailedPrecondition,
     Generation,
-    JobState,
     NotFound,
     PermissionDenied,
+    Unauthenticated,
     WatchEvent,
 )
-from pliant.env import WorkerEnv
+from pliant.env import STACKS_SIGNAL, WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import free_port
+from pliant.progress import read_progress
 from pliant.tls import Role
 
 __all__ = ["Agent"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class _LeaseLost:
-    error: Exception
+TICK_S = 0.25
+_GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordinator will never take: drop it
 
 
-@dataclass(frozen=True)
-class _Signal:
-    signum: int
+class _JoinRefused(Exception):
+    pass
 
 
 class Agent:
     """One node's supervisor. ``run()`` returns the process exit code: 0 when the job succeeded or this node left
-    gracefully, 1 when the job failed.
+    gracefully, 1 when the job failed (never because the coordinator was away).
 
     Args:
         config: the agent's configuration.
@@ -73,18 +77,20 @@ class Agent:
         self.tls = config.tls.load(expect=Role.AGENT) if config.tls else None
         self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
         self.join_token = config.join_token
-        self.state = AgentState.JOINING
-        self.generation: Generation | None = None
+        self.state = core.CoreState(config.node_id, config=core.CoreConfig(config.hang_timeout_s,
+                                                                          config.start_timeout_s))  # fmt: skip
         self.group: WorkerGroup | None = None
         self.grant: JoinGrant | None = None
-        self.job_reason = ""
         self.store: NodeStore | None = None
+        self._generations: dict[int, Generation] = {}
         self._events: queue.Queue[object] = queue.Queue()
+        self._reports: queue.Queue[core.Report] = queue.Queue()
         self._stop = threading.Event()
         registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.metrics = AgentMetrics(registry, config.spec.job_id, config.node_id)
-        self.metrics.set_state(self.state)
+        self.metrics.set_state(self.state.phase)
         self.metrics_server: MetricsServer | None = None
+        self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
@@ -93,7 +99,7 @@ class Agent:
         """Join, supervise until the job ends or SIGTERM, clean up, and return the exit code."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, _frame: self._events.put(_Signal(signum)))
+                signal.signal(sig, lambda signum, _frame: self._events.put(core.SignalReceived(signum)))
         try:
             if self.zygote is None and not self.config.no_python:
                 self.zygote = Zygote(self.base_env)  # imports torch while the agent joins
@@ -103,8 +109,9 @@ class Agent:
                 self.metrics_server = serve_metrics(self.metrics.registry,
                                                     f"{self.config.host}:{self.config.metrics_port}")  # fmt: skip
             self._join()
-            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-            threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
+            for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
+                                 (self._report_loop, "reporter")):  # fmt: skip
+                threading.Thread(target=target, name=name, daemon=True).start()
             # The join grace runs while the store starts (the agent's torch import); heartbeats are already going.
             self.store = NodeStore(self.config.host, port)
             return self._loop()
@@ -124,13 +131,7 @@ class Agent:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.metrics.close()
-
-    def _set_state(self, state: AgentState, why: str = "") -> None:
-        if state is not self.state:
-            logger.info("agent %s: %s -> %s%s", self.config.node_id, self.state.value, state.value,
-                        f" ({why})" if why else "")  # fmt: skip
-            self.state = state
-            self.metrics.set_state(state)
+            shutil.rmtree(self.progress_dir, ignore_errors=True)
 
     def _create_job(self) -> None:
         """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.
@@ -164,15 +165,22 @@ class Agent:
         if not self.join_token:
             self._create_job()
         try:
-            self.grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
-                                          self.join_token)  # fmt: skip
+            grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
+                                     self.join_token)  # fmt: skip
         except NotFound:
             self._create_job()
-            self.grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
-                                          self.join_token)  # fmt: skip
-        self._set_state(AgentState.WAITING, f"joined job {job}")
+            grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
+                                     self.join_token)  # fmt: skip
+        self.grant = grant
+        self._events.put(core.Joined(grant.heartbeat_ttl_s))
+        logger.info("agent %s: joined job %s", self.config.node_id, job)
 
     # -- background threads --------------------------------------------------------------------------------------------
+
+    def _set_renewing(self, renewing: bool) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set_renewing(renewing)
 
     def _heartbeat_loop(self) -> None:
         failing = False
@@ -184,19 +192,42 @@ class Agent:
             try:
                 step = self.metrics.latest_step()
                 self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step)
+                self._events.put(core.HeartbeatOk())
+                self._set_renewing(True)
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
                 failing = False
-            except (NotFound, PermissionDenied) as exc:  # the membership is gone (or another's): join again
-                if grant is self.grant:  # not already re-joined
-                    self._events.put(_LeaseLost(exc))
-                    while self.grant is grant and not self._stop.wait(0.05):
-                        pass
+            except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
+                self._set_renewing(False)
+                self._events.put(core.LeaseLost(str(exc)))
+                self._rejoin()
             except CoordinatorError as exc:
+                self._set_renewing(False)
                 self.metrics.heartbeat_failures.inc()
+                self._events.put(core.HeartbeatFailed())
                 if not failing:
-                    logger.warning("agent %s: heartbeat failed (%s); retrying", self.config.node_id, exc)
+                    logger.warning("agent %s: heartbeat failed (%s); retrying, workers keep training",
+                                   self.config.node_id, exc)  # fmt: skip
                 failing = True
+
+    def _rejoin(self) -> None:
+        """Join again until it works, however long the coordinator is away; a refusal that will not change (the job
+        was deleted, the token rotated) ends the agent."""
+        delay = 0.2
+        while not self._stop.is_set():
+            try:
+                self._join()
+                return
+            except FailedPrecondition as exc:  # the job finished: the watch tells the main loop
+                logger.info("agent %s: not joining again: %s", self.config.node_id, exc)
+                return
+            except (NotFound, Unauthenticated, PermissionDenied, AgentError) as exc:
+                self._events.put(_JoinRefused(str(exc)))
+                return
+            except CoordinatorError as exc:
+                logger.warning("agent %s: join failed (%s); retrying", self.config.node_id, exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
 
     def _watch_loop(self) -> None:
         next_number = 0
@@ -214,62 +245,130 @@ class Agent:
                 logger.warning("agent %s: generation watch failed (%s); resuming", self.config.node_id, exc)
                 self._stop.wait(1.0)
 
+    def _report_loop(self) -> None:
+        """Send queued reports in order, retrying while the coordinator is away."""
+        while not self._stop.is_set():
+            try:
+                report = self._reports.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            delay = 0.5
+            while not self._stop.is_set():
+                try:
+                    self._send(report)
+                    break
+                except _GONE as exc:
+                    logger.warning("agent %s: %s of generation %d not reported: %s", self.config.node_id, report.kind,
+                                   report.generation, exc)  # fmt: skip
+                    break
+                except CoordinatorError as exc:
+                    logger.warning("agent %s: %s of generation %d queued, the coordinator did not take it (%s); "
+                                   "retrying", self.config.node_id, report.kind, report.generation, exc)  # fmt: skip
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, 5.0)
+
+    def _send(self, report: core.Report) -> None:
+        job, node, lease = self.config.spec.job_id, self.config.node_id, self.grant.lease_id if self.grant else 0
+        if report.kind == "success":
+            accepted, current = self.client.report_success(job, node, report.generation, lease)
+        else:
+            gen = self._generations.get(report.generation)
+            others = [m for m in gen.members if m.node_id != node] if gen else []
+            unreachable = [m.node_id for m in others if not reachable(m.address)]
+            if unreachable:
+                logger.warning("agent %s: agents of %s are unreachable", node, ",".join(unreachable))
+            accepted, current = self.client.report_failure(job, node, report.generation, report.exit_code,
+                                                           report.message, unreachable, lease)  # fmt: skip
+        logger.info("agent %s: %s of generation %d reported (%s; current generation %d)", node, report.kind,
+                    report.generation, "accepted" if accepted else "stale", current)  # fmt: skip
+
     # -- the main loop -------------------------------------------------------------------------------------------------
 
+    def _next_event(self, deadline: float) -> object:
+        try:
+            return self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            pass
+        if self.group is not None:
+            result = self.group.poll()
+            if result is not None and not result.stopped:
+                return core.GroupExited(result, self._describe(result))
+        return core.Tick(self._progress())
+
     def _loop(self) -> int:
+        next_tick = time.monotonic()
         while True:
-            try:
-                event = self._events.get(timeout=0.1)
-            except queue.Empty:
-                event = None
-            if isinstance(event, WatchEvent):
-                code = self._on_watch_event(event)
-                if code is not None:
-                    return code
-            elif isinstance(event, _LeaseLost):
-                self._on_lease_lost(event.error)
-            elif isinstance(event, _Signal):
-                return self._leave(event.signum)
-            if self.group is not None:
-                result = self.group.poll()
-                if result is not None:
-                    self._on_group_done(result)
+            event = self._next_event(next_tick)
+            if isinstance(event, core.Tick):
+                next_tick = time.monotonic() + TICK_S
+            elif isinstance(event, WatchEvent):
+                if event.generation is not None:
+                    self._generations[event.generation.number] = event.generation
+                    for old in sorted(self._generations)[:-8]:
+                        del self._generations[old]
+                    code = self._dispatch(core.GenerationSeen(event.generation))
+                    if code is not None:
+                        return code
+                event = core.JobFinished(event.status.state, event.status.reason)
+            elif isinstance(event, _JoinRefused):
+                print(f"pliant agent: error: cannot join again: {event}", file=sys.stderr, flush=True)
+                return 1
+            code = self._dispatch(event)  # type: ignore[arg-type]
+            if code is not None:
+                return code
             self._track_workers()
 
-    def _track_workers(self) -> None:
-        """Feed the worker gauges and exit counters; forget groups whose every exit was counted."""
-        for group in self._tracked:
-            if group is not self.group:
-                group.poll()  # a stopped group was reaped; this only refreshes cached exit codes
-        exits = [e for g in self._tracked for e in g.exits()]
-        self.metrics.track(exits, self.group.exits() if self.group else [])
-        self._tracked = [g for g in self._tracked if g is self.group or any(c is None for _p, c in g.exits())]
-
-    def _on_watch_event(self, event: WatchEvent) -> int | None:
-        gen = event.generation
-        if gen is not None and (self.generation is None or gen.number > self.generation.number):
-            self._on_generation(gen)
-        if event.status.state.terminal:
-            return self._on_job_finished(event.status.state, event.status.reason)
+    def _dispatch(self, event: core.Event) -> int | None:
+        before = self.state
+        self.state, actions = core.decide(self.state, event, time.monotonic())
+        if self.state.phase is not before.phase or self.state.reason != before.reason:
+            logger.info("agent %s: %s -> %s (%s)", self.config.node_id, before.phase.value, self.state.phase.value,
+                        self.state.reason)  # fmt: skip
+            self.metrics.set_state(self.state.phase)
+        for action in actions:
+            code = self._perform(action)
+            if code is not None:
+                return code
         return None
 
-    def _on_generation(self, gen: Generation) -> None:
-        self.generation = gen
-        logger.info("agent %s: generation %d (%s): world size %d on %s", self.config.node_id, gen.number, gen.reason,
-                    gen.world_size, ",".join(gen.node_ids) or "no nodes")  # fmt: skip
-        if self.group is not None:
-            self.group.stop(self.config.stop_grace_s, self.config.rescale_grace_s)
-            self.group = None
-        if self.config.node_id not in gen.node_ids:
-            why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"
-            self._set_state(AgentState.WAITING, why)
+    def _perform(self, action: core.Action) -> int | None:
+        if isinstance(action, core.Prepare):
+            assert self.store is not None
+            self.store.open_generation(action.generation.number)
+        elif isinstance(action, core.Stop):
+            self._stop_group(action)
+        elif isinstance(action, core.Start):
+            try:
+                self._start_workers(action.generation)
+            except AgentError as exc:
+                logger.warning("agent %s: cannot start generation %d: %s", self.config.node_id,
+                               action.generation.number, exc)  # fmt: skip
+                self._events.put(core.StartFailed(action.generation.number, str(exc)))
+        elif isinstance(action, core.Send):
+            self._reports.put(action.report)
+        elif isinstance(action, core.Dump):
+            self._dump_stacks(action.why)
+        elif isinstance(action, core.ProbePeers):
+            self._events.put(core.PeersProbed(self._peers_renewing()))
+        elif isinstance(action, core.Leave):
+            self._leave()
+        elif isinstance(action, core.Exit):
+            if action.code:
+                print(f"pliant: job {self.config.spec.job_id} failed: {action.message}", file=sys.stderr, flush=True)
+            return action.code
+        return None
+
+    # -- actions -------------------------------------------------------------------------------------------------------
+
+    def _stop_group(self, action: core.Stop) -> None:
+        group, self.group = self.group, None
+        if group is None:
             return
-        try:
-            self._start_workers(gen)
-        except AgentError as exc:
-            # Node rank 0's agent is gone: report it, so the coordinator evicts it now rather than at lease expiry.
-            logger.warning("agent %s: cannot start generation %d: %s", self.config.node_id, gen.number, exc)
-            self._report_failure(gen, -1, str(exc))
+        if action.finish:
+            deadline = time.monotonic() + self.config.finish_grace_s
+            while group.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        group.stop(self.config.stop_grace_s, self.config.rescale_grace_s if action.rescale else 0.0)
 
     def _start_workers(self, gen: Generation) -> None:
         assert self.store is not None
@@ -277,7 +376,10 @@ class Agent:
         if me.node_rank == 0:
             master_port = self.store.open_generation(gen.number)
         else:
-            master_port = NodeStore.generation_port(gen.store_address, gen.number, timeout_s=10)
+            # Node rank 0 opens the store before it stops its old group, so this is normally at once; the bound is
+            # the longest node rank 0 may take to stop that group, so a slow checkpoint never fails a join.
+            wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
+            master_port = NodeStore.generation_port(gen.store_address, gen.number, timeout_s=wait_s)
         master_addr = gen.store_address.rsplit(":", 1)[0]
         envs = [
             WorkerEnv(
@@ -296,6 +398,7 @@ class Agent:
                 agent_store=self.store.address,
                 checkpoint_dir=self.config.checkpoint_dir,
                 metrics_dir=self.metrics.worker_dir,
+                progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
             )
             for local_rank in range(me.nproc)
         ]
@@ -306,92 +409,61 @@ class Agent:
         self.group.start()
         self._tracked.append(self.group)
         self.metrics.group_started(gen.number)
-        self._set_state(AgentState.RUNNING, f"generation {gen.number}, ranks {envs[0].rank}..{envs[-1].rank}")
 
-    def _on_group_done(self, result: GroupResult) -> None:
-        assert self.group is not None and self.generation is not None
-        gen = self.generation
-        if result.succeeded:
-            logger.info("agent %s: all workers of generation %d exited 0", self.config.node_id, gen.number)
-            self.group = None
-            self._set_state(AgentState.WAITING, "workers done; waiting for the job to finish")
-            try:
-                self.client.report_success(self.config.spec.job_id, self.config.node_id, gen.number, self._lease())
-            except (NotFound, PermissionDenied) as exc:  # the membership is gone: the heartbeat re-joins
-                logger.warning("agent %s: success of generation %d not reported: %s", self.config.node_id,
-                               gen.number, exc)  # fmt: skip
-            return
-        if result.saved_for_rescale:
-            # Workers checkpointed and exited for a rescale another node asked for; the new generation follows.
-            self.group = None
-            self._set_state(AgentState.WAITING, f"workers of generation {gen.number} saved for a rescale")
-            return
-        failure = result.first_failure
-        assert failure is not None
+    def _progress(self) -> dict[int, tuple[int, str]]:
+        """Each live worker's (step, phase) from its progress file (workers that write none are left out)."""
+        out: dict[int, tuple[int, str]] = {}
+        if self.group is None:
+            return out
+        for worker in self.group.workers:
+            if worker.proc.returncode is None and worker.env.progress_file:
+                record = read_progress(worker.env.progress_file)
+                if record is not None and record[1] != "done":
+                    out[worker.env.local_rank] = record
+        return out
+
+    def _describe(self, result: object) -> str:
+        failure = getattr(result, "first_failure", None)
+        if failure is None:
+            return ""
         local_rank, code = failure
-        self.group.stop(self.config.stop_grace_s)
-        self.group = None
-        message = f"local rank {local_rank} (rank {self._rank_of(local_rank)}) exited with code {code}"
-        logger.warning("agent %s: generation %d: %s", self.config.node_id, gen.number, message)
-        self._set_state(AgentState.WAITING, "worker failure reported")
-        self._report_failure(gen, code, message)
-
-    def _lease(self) -> int:
-        return self.grant.lease_id if self.grant else 0
-
-    def _rank_of(self, local_rank: int) -> int:
-        gen = self.generation
+        gen = self._generations.get(getattr(result, "generation", 0))
         me = next((m for m in gen.members if m.node_id == self.config.node_id), None) if gen else None
-        return me.rank_offset + local_rank if me else local_rank
+        rank = me.rank_offset + local_rank if me else local_rank
+        return f"local rank {local_rank} (rank {rank}) exited with code {code}"
 
-    def _report_failure(self, gen: Generation, code: int, message: str) -> None:
-        others = [m for m in gen.members if m.node_id != self.config.node_id]
-        unreachable = [m.node_id for m in others if not reachable(m.address)]
-        if unreachable:
-            logger.warning("agent %s: agents of %s are unreachable", self.config.node_id, ",".join(unreachable))
-        try:
-            accepted, current = self.client.report_failure(
-                self.config.spec.job_id, self.config.node_id, gen.number, code, message, unreachable, self._lease()
-            )
-        except (NotFound, PermissionDenied) as exc:  # evicted meanwhile; the heartbeat re-joins
-            logger.warning("agent %s: failure of generation %d not reported: %s", self.config.node_id, gen.number, exc)
+    def _dump_stacks(self, why: str) -> None:
+        """Ask every worker for its Python stacks (faulthandler), waking stopped ones first, and count the hang."""
+        logger.error("agent %s: hang detected (%s); dumping every worker's stacks", self.config.node_id, why)
+        self.metrics.hangs.inc()
+        if self.group is None:
             return
-        logger.info("agent %s: failure of generation %d reported (%s; current generation %d)", self.config.node_id,
-                    gen.number, "accepted" if accepted else "stale", current)  # fmt: skip
+        for worker in self.group.workers:
+            if worker.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.proc.pid, signal.SIGCONT)
+                    os.kill(worker.proc.pid, STACKS_SIGNAL)
+        time.sleep(1.0)  # the dumps go through the output pumps into the log
 
-    def _on_lease_lost(self, error: Exception) -> None:
-        logger.warning("agent %s: membership lost (%s); stopping workers and joining again", self.config.node_id, error)
-        if self.group is not None:
-            self.group.stop(self.config.stop_grace_s)
-            self.group = None
-        self._set_state(AgentState.JOINING, "lease lost")
-        self._join()
+    def _peers_renewing(self) -> bool:
+        gen = self.state.generation
+        peers = [m for m in gen.members if m.node_id != self.config.node_id] if gen else []
+        return any(NodeStore.peer_renewing(m.address) for m in peers[:8])
 
-    def _on_job_finished(self, state: JobState, reason: str) -> int:
-        self.job_reason = reason
-        if state is JobState.SUCCEEDED and self.group is not None:
-            deadline = time.monotonic() + self.config.finish_grace_s
-            while self.group.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        if self.group is not None:
-            self.group.stop(self.config.stop_grace_s)
-            self.group = None
-        if state is JobState.SUCCEEDED:
-            self._set_state(AgentState.SUCCEEDED, reason)
-            return 0
-        self._set_state(AgentState.FAILED, reason)
-        print(f"pliant: job {self.config.spec.job_id} failed: {reason}", file=sys.stderr, flush=True)
-        return 1
+    def _leave(self) -> None:
+        if self.grant is None:
+            return
+        try:
+            self.client.leave(self.config.spec.job_id, self.config.node_id, self.grant.lease_id)
+        except CoordinatorError as exc:
+            logger.warning("agent %s: leave failed (%s); the membership expires by itself", self.config.node_id, exc)
 
-    def _leave(self, signum: int) -> int:
-        logger.info("agent %s: %s received; leaving the job", self.config.node_id, signal.Signals(signum).name)
-        if self.group is not None:
-            self.group.stop(self.config.stop_grace_s, self.config.rescale_grace_s)
-            self.group = None
-        if self.grant is not None:
-            try:
-                self.client.leave(self.config.spec.job_id, self.config.node_id, self.grant.lease_id)
-            except CoordinatorError as exc:
-                logger.warning("agent %s: leave failed (%s); the lease expires by itself", self.config.node_id, exc)
-        self._set_state(AgentState.LEFT, "graceful leave")
-        return 0
+    def _track_workers(self) -> None:
+        """Feed the worker gauges and exit counters; forget groups whose every exit was counted."""
+        for group in self._tracked:
+            if group is not self.group:
+                group.poll()  # a stopped group was reaped; this only refreshes cached exit codes
+        exits = [e for g in self._tracked for e in g.exits()]
+        self.metrics.track(exits, self.group.exits() if self.group else [])
+        self._tracked = [g for g in self._tracked if g is self.group or any(c is None for _p, c in g.exits())]
+

@@ -61,6 +61,10 @@ class AgentConfig:
         rescale_grace_s: how long workers may take to checkpoint and exit when a new generation comes (or the agent
             leaves) before they are stopped; 0 stops them at once.
         finish_grace_s: how long workers may take to exit after the job succeeded elsewhere.
+        hang_timeout_s: a worker that completes no step for this long is hung (None: automatic, see
+            :func:`pliant.agent.core.hang_timeout`).
+        start_timeout_s: a worker that reaches no first step, or spends longer in one checkpoint save, is hung
+            (0: never).
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
@@ -84,6 +88,8 @@ class AgentConfig:
     stop_grace_s: float = 5.0
     rescale_grace_s: float = 30.0
     finish_grace_s: float = 10.0
+    hang_timeout_s: float | None = None
+    start_timeout_s: float = 600.0
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None
@@ -106,6 +112,11 @@ class AgentConfig:
             raise ConfigError(f"--metrics-port {self.metrics_port} must be in 0..65535 (0: a free port)")
         if self.stop_grace_s < 0 or self.finish_grace_s < 0:
             raise ConfigError("grace periods must be >= 0 seconds")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ConfigError(f"--hang-timeout {self.hang_timeout_s:g} must be > 0 seconds (omit it for the automatic "
+                              f"timeout)")  # fmt: skip
+        if self.start_timeout_s < 0:
+            raise ConfigError(f"--start-timeout {self.start_timeout_s:g} must be >= 0 seconds (0: never)")
 
 
 @dataclass(frozen=True)

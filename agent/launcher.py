@@ -140,6 +140,20 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         help="how long workers may take to checkpoint and exit on a rescale, s (default 30)",
     )
     parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="a worker that completes no step for this long is hung: its stacks are dumped and the group restarted, "
+        "s (default: 10 x the median step time, at least 60)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="a worker that reaches no first step (imports, compile, restore), or spends longer in one checkpoint "
+        "save, is hung, s (default 600; 0: never)",
+    )
+    parser.add_argument(
         "--finish-grace",
         type=float,
         default=10.0,
@@ -276,6 +290,8 @@ def config_from_args(
         stop_grace_s=args.stop_grace,
         rescale_grace_s=args.rescale_grace,
         finish_grace_s=args.finish_grace,
+        hang_timeout_s=args.hang_timeout,
+        start_timeout_s=args.start_timeout,
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,

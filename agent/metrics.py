@@ -68,6 +68,11 @@ class AgentMetrics:
         self.heartbeat_failures = Counter(
             "pliant_agent_heartbeat_failures", "Heartbeats that did not reach a coordinator.", registry=registry
         )
+        self.hangs = Counter(
+            "pliant_worker_hangs",
+            "Worker groups this agent stopped because a worker made no progress for the hang (or start) timeout.",
+            registry=registry,
+        )
         self._groups_started = 0
         self._counted: set[int] = set()
 

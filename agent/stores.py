@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 _KEEP = 2  # generation stores kept alive (the current and the previous one)
 
 
+_RENEWING_KEY = "/pliant/agent/renewing"  # "1" while this agent's heartbeats reach the coordinator, else "0"
+
+
 def _port_key(generation: int) -> str:
     return f"/pliant/gen/{generation}/master_port"
 
@@ -90,8 +93,33 @@ class NodeStore:
         self.address = f"{host}:{self.server.port}"  # type: ignore[attr-defined]
         self._generation_stores: dict[int, object] = {}
 
+    def set_renewing(self, renewing: bool) -> None:
+        """Tell peers whether this agent's heartbeats reach the coordinator (see :meth:`peer_renewing`)."""
+        self.server.set(_RENEWING_KEY, "1" if renewing else "0")  # type: ignore[attr-defined]
+
+    @staticmethod
+    def peer_renewing(address: str, timeout_s: float = 1.0) -> bool:
+        """Whether the agent whose store is at ``address`` says its heartbeats reach the coordinator now (False when
+        it does not answer)."""
+        from torch.distributed import TCPStore
+
+        host, port = parse_host_port(address)
+        try:
+            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            return bool(client.check([_RENEWING_KEY])) and client.get(_RENEWING_KEY) == b"1"
+        except Exception:  # unreachable, or not an agent store
+            return False
+
+    def generation_opened(self, generation: int) -> int | None:
+        """The port of generation ``generation``'s store if this node opened it."""
+        store = self._generation_stores.get(generation)
+        return int(store.port) if store is not None else None  # type: ignore[attr-defined]
+
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
+        opened = self.generation_opened(generation)
+        if opened is not None:
+            return opened
         store = _store_server(self.host, 0)
         self._generation_stores[generation] = store
         for old in sorted(self._generation_stores)[:-_KEEP]:

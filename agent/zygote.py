@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import importlib
 import json
 import os
@@ -29,6 +30,8 @@ import signal
 import socket
 import sys
 from typing import Any
+
+from pliant.env import STACKS_SIGNAL
 
 # torch._dynamo is what DDP's constructor imports lazily (1.4 s on this machine): paid once here, not per worker.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
@@ -61,6 +64,9 @@ def _become_worker(sock: socket.socket, out_fd: int, job: dict[str, Any]) -> Non
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
+    # The agent's "dump your stacks" before it stops a hung worker (pliant.env.STACKS_SIGNAL); C-level, so it works
+    # while the interpreter is stuck inside a collective or holding the GIL.
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -14,13 +14,16 @@ from dataclasses import dataclass, fields
 
 from pliant.errors import ConfigError
 
-__all__ = ["RESCALE_EXIT_CODE", "RESCALE_SIGNAL", "WorkerEnv"]
+__all__ = ["RESCALE_EXIT_CODE", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv"]
 
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
 # coming; pliant.worker agrees on a stop step across ranks, checkpoints, and exits with RESCALE_EXIT_CODE, which the
 # agent does not count as a failure. Scripts that do not use pliant.worker die on the signal, as if stopped.
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
+# The agent sends STACKS_SIGNAL to a hung worker before it stops it: the worker's faulthandler (registered by the zygote
+# and by pliant.worker) writes every thread's Python stack to its output, which the agent logs.
+STACKS_SIGNAL = signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class WorkerEnv:
         agent_store: host:port of this node's agent store (used by the worker library's rescale protocol).
         checkpoint_dir: where the job's checkpoints live ("" when not configured).
         metrics_dir: prometheus_client multiprocess directory ("" when not configured).
+        progress_file: where the worker writes its step and phase for the agent's hang detection
+            (:mod:`pliant.progress`; "" when no agent watches).
     """
 
     rank: int = 0
@@ -59,6 +64,7 @@ class WorkerEnv:
     agent_store: str = ""
     checkpoint_dir: str = ""
     metrics_dir: str = ""
+    progress_file: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -95,6 +101,7 @@ class WorkerEnv:
             "PLIANT_AGENT_STORE": self.agent_store,
             "PLIANT_CHECKPOINT_DIR": self.checkpoint_dir,
             "PLIANT_METRICS_DIR": self.metrics_dir,
+            "PLIANT_PROGRESS_FILE": self.progress_file,
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -141,4 +148,5 @@ class WorkerEnv:
             agent_store=env.get("PLIANT_AGENT_STORE", ""),
             checkpoint_dir=env.get("PLIANT_CHECKPOINT_DIR", ""),
             metrics_dir=env.get("PLIANT_METRICS_DIR", ""),
+            progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
         )

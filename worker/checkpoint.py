@@ -7,14 +7,26 @@ without the marker is partial: never loaded, and removed once a newer checkpoint
 committed checkpoints are kept; nothing is deleted that a committed checkpoint has not superseded.
 
 A checkpoint holds the model and optimizer (DCP's state-dict helpers: DDP and FSDP2 shard or replicate as they train;
-a ZeroRedundancyOptimizer is consolidated first), the loader's cursor, the step, and user extras. Loading reshards to
-the current world size. A checkpoint that fails to load (a truncated shard, a missing ``.metadata``) is skipped with a
-warning naming it, on every rank together, and the previous one is used; one from another job or another model is a
-:class:`CheckpointError`.
+ZeRO by parameter name), the loader's cursor, the step, and user extras. Loading reshards to the current world size.
+
+Fencing and edges:
+
+- Rank 0 of each generation records it in ``pliant-fence.json`` when its manager opens; a commit from an older
+  generation (a zombie world that was evicted and kept running) is refused, so two worlds never both commit into one
+  directory.
+- Rank 0 alone picks the checkpoints to try (newest first) and sends the list to every rank, so ranks with different
+  views of a shared filesystem still load the same step together. A checkpoint that fails to load on any rank is
+  skipped on every rank and, once an older one loaded, renamed aside to ``corrupt-step-<step>-<time>`` (kept for
+  inspection, never pruned in place of fresh ones).
+- If checkpoints exist but none loads, :meth:`CheckpointManager.restore` raises :class:`CheckpointError` naming them
+  and nothing is renamed or deleted; ``allow_fresh_start=True`` starts from step 0 instead.
+- An async save that failed fails the step that reaps it (its path and errno in the error); the marker and the
+  checkpoint's directory entry are fsynced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,7 +55,10 @@ __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 COMMIT = "pliant-commit.json"
+FENCE = "pliant-fence.json"
 _PREFIX = "step-"
+_ASIDE = "corrupt-step-"
+_MAX_CANDIDATES = 64
 
 
 class CheckpointError(WorkerError):
@@ -161,6 +176,7 @@ class CheckpointManager:
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
         rescale: a collective returning True once the agent asked for a rescale (the session's); None: never.
         metrics: where save/load times and bytes are reported (the session's), or None.
+        allow_fresh_start: when checkpoints exist but none loads, start from step 0 instead of raising.
     """
 
     def __init__(
@@ -175,6 +191,7 @@ class CheckpointManager:
         every_steps: int = 0,
         rescale: Callable[[], bool] | None = None,
         metrics: WorkerMetrics | None = None,
+        allow_fresh_start: bool = False,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
@@ -187,9 +204,26 @@ class CheckpointManager:
         # interleave with the training loop's collectives differently on each rank and hang.
         self.group = dist.new_group(backend="gloo")
         self.extras: dict[str, Any] = {}
+        self.allow_fresh_start = allow_fresh_start
         self._in_flight: Future[Any] | None = None
+        self._in_flight_path: Path | None = None
+        self._commit_error: Exception | None = None
         if dist.get_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._raise_fence()
+
+    # -- the generation fence ------------------------------------------------------------------------------------------
+
+    def fenced_generation(self) -> int:
+        """The newest generation that opened (or committed into) this directory."""
+        try:
+            return int(json.loads((self.directory / FENCE).read_text())["generation"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    def _raise_fence(self) -> None:
+        if self.fenced_generation() < self.generation:
+            _write_durably(self.directory / FENCE, json.dumps({"generation": self.generation}))
 
     def after_step(self, steps_done: int) -> None:
         """Call after every optimizer step with the number of steps done.
@@ -198,6 +232,7 @@ class CheckpointManager:
         with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent expects; otherwise it saves every
         ``every_steps`` steps.
         """
+        self._reap()
         if self._rescale is not None and self._rescale():
             stall = self.save(steps_done, sync=True)
             logger.info("rescale: step %d checkpointed in %.2fs; exiting for the next generation", steps_done, stall)
@@ -224,17 +259,27 @@ class CheckpointManager:
             return time.perf_counter() - started
         state = self._state(step)
         train = state["train"]
-        if self.async_save and not sync:
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
-            future.add_done_callback(lambda f: None if f.exception() else self._saved(path, step, started, train))
-            self._in_flight = future
-        else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
-            self._saved(path, step, started, train)
+        saving = self.metrics.progress.saving() if self.metrics is not None else contextlib.nullcontext()
+        with saving:  # the agent's hang detection gives a save the start timeout, not the step one
+            if self.async_save and not sync:
+                future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
+                future.add_done_callback(lambda f: self._async_done(f, path, step, started, train))
+                self._in_flight, self._in_flight_path = future, path
+            else:
+                dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+                self._saved(path, step, started, train)
         stall = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.observe_save(stall)
         return stall
+
+    def _async_done(self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState) -> None:
+        """An async save finished (DCP's thread): commit it; a refusal is raised by the step that reaps it."""
+        if future.exception() is None:
+            try:
+                self._saved(path, step, started, train)
+            except Exception as exc:
+                self._commit_error = exc
 
     def _saved(self, path: Path, step: int, started: float, train: _TrainState) -> None:
         """A save completed on this rank: commit it (rank 0, as soon as complete) and report it."""
@@ -243,29 +288,47 @@ class CheckpointManager:
             self.metrics.observe_saved(time.perf_counter() - started, train.nbytes)
 
     def wait(self) -> None:
-        """Finish the save in flight, if any (rank 0 commits it when it completes)."""
+        """Finish the save in flight, if any (rank 0 commits it when it completes).
+
+        Raises:
+            CheckpointError: the save failed (its path and the OS error).
+        """
         if self._in_flight is None:
             return
-        future, self._in_flight = self._in_flight, None
-        future.result()
+        future, path = self._in_flight, self._in_flight_path
+        self._in_flight = self._in_flight_path = None
+        try:
+            future.result()
+        except Exception as exc:
+            raise _save_error(path, exc) from exc
+        error, self._commit_error = self._commit_error, None
+        if error is not None:
+            raise error
+
+    def _reap(self) -> None:
+        """Surface a finished async save's error at the step that sees it (never only at the next save)."""
+        if self._in_flight is not None and self._in_flight.done():
+            self.wait()
 
     def _commit(self, path: Path, step: int) -> None:
-        """Rank 0 writes the marker. DCP's save returns (its future resolves) on rank 0 only after it gathered every
-        rank's write results and wrote ``.metadata``: all shards are on disk, so no barrier is needed."""
+        """Rank 0 writes the marker, unless a newer generation opened the directory (then this world is a zombie).
+        DCP's save returns (its future resolves) on rank 0 only after it gathered every rank's write results and
+        wrote ``.metadata``: all shards are on disk, so no barrier is needed.
+
+        Raises:
+            CheckpointError: a newer generation owns the directory; nothing was committed.
+        """
         if dist.get_rank() == 0:
+            newer = self.fenced_generation()
+            if newer > self.generation:
+                raise CheckpointError(
+                    f"commit of {path} refused: generation {newer} already owns {self.directory} and this worker runs "
+                    f"generation {self.generation} (its node was evicted and its world superseded); stop this worker"
+                )
             info = CheckpointInfo(str(path), step, self.generation, dist.get_world_size(), self.job_id,
                                   self.fingerprint, time.time())  # fmt: skip
-            tmp = path / f".{COMMIT}.tmp"
-            with open(tmp, "w") as out:
-                json.dump(asdict(info), out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path / COMMIT)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_durably(path / COMMIT, json.dumps(asdict(info)))
+            _fsync_dir(self.directory)  # the step directory's own entry
             logger.info("checkpoint of step %d committed at %s", step, path)
             self._prune()
 
@@ -291,45 +354,132 @@ class CheckpointManager:
                 continue
         return sorted(out, key=lambda i: i.step, reverse=True)
 
+    def _candidates(self) -> list[int]:
+        """The steps every rank tries, newest first: rank 0's view, broadcast (collective)."""
+        steps = [info.step for info in self.committed()][:_MAX_CANDIDATES] if dist.get_rank() == 0 else []
+        buf = torch.full((_MAX_CANDIDATES + 1,), -1, dtype=torch.int64)
+        buf[0] = len(steps)
+        buf[1 : len(steps) + 1] = torch.tensor(steps, dtype=torch.int64)
+        dist.broadcast(buf, src=0, group=self.group)
+        return buf[1 : int(buf[0]) + 1].tolist()
+
+    def _info(self, step: int) -> CheckpointInfo | None:
+        path = self.directory / f"{_PREFIX}{step:012d}"
+        try:
+            return CheckpointInfo(**json.loads((path / COMMIT).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
     def restore(self) -> int | None:
-        """Load the newest usable checkpoint (collective). Returns its step, or None when there is none.
+        """Load the newest usable checkpoint that rank 0 sees (collective). Returns its step, or None when there is
+        none.
 
         Raises:
-            CheckpointError: the newest checkpoint belongs to another job or another model.
+            CheckpointError: the newest checkpoint belongs to another job or another model; or checkpoints exist but
+                none loads (unless ``allow_fresh_start``).
         """
-        for info in self.committed():
-            if info.job_id != self.job_id:
+        unusable: list[tuple[Path, str]] = []
+        for step in self._candidates():
+            path = self.directory / f"{_PREFIX}{step:012d}"
+            info = self._info(step)
+            if info is not None and info.job_id != self.job_id:
                 raise CheckpointError(
                     f"checkpoint {info.path} belongs to job {info.job_id!r}, not {self.job_id!r}; point "
                     f"--checkpoint-dir at this job's directory"
                 )
-            if info.fingerprint != self.fingerprint:
+            if info is not None and info.fingerprint != self.fingerprint:
                 raise CheckpointError(
                     f"checkpoint {info.path} was saved from another model (fingerprint {info.fingerprint}, this "
                     f"model {self.fingerprint}); use the same model definition or another --checkpoint-dir"
                 )
-            state = self._state(info.step)
-            error = ""
+            state = self._state(step)
+            error = "" if info is not None else f"its marker {path / COMMIT} is unreadable on this rank"
             started = time.perf_counter()
-            try:
-                dcp.load(state, checkpoint_id=info.path, process_group=self.group)
-            except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
-                error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if not error:
+                try:
+                    dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+                except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+                    error = f"{type(exc).__name__}: {str(exc)[:300]}"
             flag = torch.tensor([1 if error else 0], dtype=torch.int64)
             dist.all_reduce(flag, group=self.group)  # every rank moves on together
             if flag.item():
-                logger.warning("checkpoint %s is unusable on %d rank(s) (%s); trying the previous one", info.path,
+                logger.warning("checkpoint %s is unusable on %d rank(s) (%s); trying the previous one", path,
                                flag.item(), error or "another rank failed")  # fmt: skip
+                unusable.append((path, error or "unusable on another rank"))
                 continue
             if self.loader is not None and "data" in state:
                 self.loader.load_state_dict(state["data"])
             self.extras = dict(state.get("extras", {}))
             if self.metrics is not None:
                 self.metrics.observe_load(time.perf_counter() - started, state["train"].nbytes)
-            logger.info("restored step %d from %s (saved at world size %d, now %d)", info.step, info.path,
-                        info.world_size, dist.get_world_size())  # fmt: skip
-            return info.step
-        return None
+            assert info is not None
+            logger.info("restored step %d from %s (saved at world size %d, now %d)", step, path, info.world_size,
+                        dist.get_world_size())  # fmt: skip
+            self._set_aside(unusable)
+            return step
+        return self._nothing_loaded(unusable)
+
+    def _set_aside(self, unusable: list[tuple[Path, str]]) -> None:
+        """Rank 0 renames checkpoints that failed to load (newer than the one that did) out of the ``step-*``
+        namespace, so they are never tried or pruned in place of fresh ones."""
+        if dist.get_rank() != 0:
+            return
+        for path, why in unusable:
+            aside = self.directory / f"{_ASIDE}{_step_of(path)}-{int(time.time())}"
+            try:
+                os.replace(path, aside)
+            except OSError as exc:
+                logger.warning("could not move unusable checkpoint %s aside: %s", path, exc)
+                continue
+            logger.warning("unusable checkpoint %s moved aside to %s (%s)", path, aside, why)
+        if unusable:
+            _fsync_dir(self.directory)
+
+    def _nothing_loaded(self, unusable: list[tuple[Path, str]]) -> int | None:
+        aside = sorted(p.name for p in self.directory.glob(f"{_ASIDE}*")) if self.directory.is_dir() else []
+        if not unusable and not aside:
+            return None
+        found = [str(p) for p, _ in unusable] + [str(self.directory / a) for a in aside]
+        if self.allow_fresh_start:
+            logger.warning("no checkpoint in %s loads (%s); starting from step 0 (allow_fresh_start)",
+                           self.directory, ", ".join(found))  # fmt: skip
+            return None
+        details = "; ".join(f"{p}: {why}" for p, why in unusable) or "only checkpoints moved aside earlier remain"
+        raise CheckpointError(
+            f"checkpoints exist in {self.directory} but none can be loaded ({details}); nothing was deleted. Repair or "
+            f"restore them, point --checkpoint-dir elsewhere, or pass allow_fresh_start=True (session.checkpoints) to "
+            f"train from step 0"
+        )
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync and rename, then fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_error(path: Path | None, exc: BaseException) -> CheckpointError:
+    errno = getattr(exc, "errno", None)
+    cause = exc.__cause__ or exc.__context__
+    errno = errno if errno is not None else getattr(cause, "errno", None)
+    code = f" [errno {errno}: {os.strerror(errno)}]" if errno else ""
+    return CheckpointError(
+        f"checkpoint save to {path} failed{code}: {type(exc).__name__}: {str(exc)[:300]}; check the disk (space, "
+        f"permissions, mount) behind --checkpoint-dir"
+    )
 
 
 def _step_of(path: Path) -> int:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 
 from pliant.env import WorkerEnv
 from pliant.metrics import SLOW_BUCKETS_S
+from pliant.progress import ProgressFile
 from pliant.worker.contract import WorkerError
 
 __all__ = ["WorkerMetrics", "tensor_bytes"]
@@ -137,6 +138,9 @@ class WorkerMetrics:
         self.generation.set(env.generation)
         self._user: dict[str, Gauge] = {}
         self._last_step_end = 0.0
+        # What the agent's hang detection reads (pliant.progress); a no-op outside an agent.
+        self.progress = ProgressFile(env.progress_file)
+        self.progress.write(0, "start")
 
     # -- the engines and the checkpoint manager report here --------------------------------------------------------
 
@@ -150,6 +154,7 @@ class WorkerMetrics:
         self.samples.inc(samples)
         self.samples_per_second.set(samples / interval if interval > 0 else 0.0)
         self.step.set(step + 1)
+        self.progress.write(step + 1, "step")
         if shadow:
             self.shadow_steps.inc()
 

@@ -10,6 +10,7 @@ and elastic loaders. Works under the pliant agent, under torchrun, and as a sing
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import signal
 import threading
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch.utils.data import Dataset
 
-from pliant.env import RESCALE_SIGNAL, WorkerEnv
+from pliant.env import RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
@@ -99,6 +100,7 @@ class Session:
         self._rescale_asked = False
         if self.env.agent_store and threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)  # the agent's "checkpoint and exit"
+            faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
                     self.backend, self.device)  # fmt: skip
 
@@ -176,6 +178,7 @@ class Session:
         every_steps: int = 0,
         keep: int = 3,
         async_save: bool = True,
+        allow_fresh_start: bool = False,
     ) -> CheckpointManager:
         """A checkpoint manager for this job (see :mod:`pliant.worker.checkpoint`).
 
@@ -183,7 +186,7 @@ class Session:
             engine, loader: what to save.
             directory: default: the agent's ``--checkpoint-dir`` (PLIANT_CHECKPOINT_DIR).
             every_steps: periodic saves (0: only on rescale).
-            keep, async_save: see :class:`CheckpointManager`.
+            keep, async_save, allow_fresh_start: see :class:`CheckpointManager`.
 
         Raises:
             CheckpointError: no directory.
@@ -195,7 +198,7 @@ class Session:
         env = self.env
         return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,
                                  async_save=async_save, every_steps=every_steps, rescale=rescale,
-                                 metrics=self.metrics)  # fmt: skip
+                                 metrics=self.metrics, allow_fresh_start=allow_fresh_start)  # fmt: skip
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""
@@ -216,6 +219,7 @@ class Session:
         under torchrun on a loaded machine). One reference per group is leaked on purpose, so the destructor never
         runs; the threads stay parked until the process exits.
         """
+        self.metrics.progress.write(self.metrics.progress.step, "done")
         if self._owns_group and dist.is_initialized():
             for group in dist.distributed_c10d._world.pg_map:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

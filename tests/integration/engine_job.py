@@ -59,26 +59,52 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     loader = session.loader(Regression(args.samples), args.global_batch, args.micro_batch, seed=1,
                             max_steps=args.steps)  # fmt: skip
     ckpt = None
-    if args.ckpt:
-        from pliant.worker.checkpoint import CheckpointManager
+    try:
+        if args.ckpt:
+            from pliant.worker.checkpoint import CheckpointManager
 
-        ckpt = CheckpointManager(args.ckpt, engine, loader, job_id="equivalence", async_save=args.async_save)
-        if args.resume:
-            assert ckpt.restore() == args.resume, "resumed from the expected step"
-    seen: list[int] = []
-    for batch in loader:
-        engine.step(batch, loss_fn)
-        seen += [int(i) for micro in batch.micro_batches for i in micro[2]]
-        if ckpt is not None and args.stop_after and batch.step + 1 == args.stop_after:
-            ckpt.save(batch.step + 1)
-            ckpt.wait()
-            break
-    params = full_params(engine)
-    everyone: list[list[int]] = [[] for _ in range(world)]
-    dist.all_gather_object(everyone, seen)
+            if args.fail_async_save:
+                _fail_async_saves()
+            ckpt = CheckpointManager(args.ckpt, engine, loader, job_id="equivalence", async_save=args.async_save,
+                                     generation=args.generation, every_steps=args.every)  # fmt: skip
+            if args.resume:
+                assert ckpt.restore() == args.resume, "resumed from the expected step"
+        seen: list[int] = []
+        for batch in loader:
+            engine.step(batch, loss_fn)
+            seen += [int(i) for micro in batch.micro_batches for i in micro[2]]
+            if ckpt is not None:
+                ckpt.after_step(batch.step + 1)
+            if ckpt is not None and args.stop_after and batch.step + 1 == args.stop_after:
+                ckpt.save(batch.step + 1)
+                ckpt.wait()
+                break
+        params = full_params(engine)
+        everyone: list[list[int]] = [[] for _ in range(world)]
+        dist.all_gather_object(everyone, seen)
+    except Exception as exc:  # with --expect-error: a WorkerError, or on other ranks the peer's exit it causes
+        if not args.expect_error:
+            raise
+        print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        session.close()
+        return
     if rank == 0:
         torch.save({"params": params, "seen": everyone}, os.path.join(args.out, f"world{world}.pt"))
     session.close()
+
+
+def _fail_async_saves() -> None:
+    """Every async save fails as a full disk would (the test of how the error surfaces)."""
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+
+    def async_save(*args: object, **kwargs: object) -> Future[None]:
+        future: Future[None] = Future()
+        future.set_exception(OSError(28, "No space left on device"))
+        return future
+
+    dcp.async_save = async_save
 
 
 def free_port() -> int:
@@ -100,6 +126,10 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=0, help="checkpoint after this many steps and stop")
     parser.add_argument("--resume", type=int, default=0, help="restore (expecting this step) before training")
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--every", type=int, default=0, help="periodic saves every this many steps")
+    parser.add_argument("--generation", type=int, default=1, help="the generation the checkpoint manager runs")
+    parser.add_argument("--expect-error", action="store_true", help="print a WorkerError and exit 0")
+    parser.add_argument("--fail-async-save", action="store_true", help="async saves fail with ENOSPC")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for world in args.worlds:

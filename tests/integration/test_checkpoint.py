@@ -35,7 +35,7 @@ def test_saved_at_world_2_resumed_at_world_3_matches_a_static_run(engine: str, t
     _job("--engine", engine, "--worlds", "1", "--out", str(static))
     _job("--engine", engine, "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--async-save",
          "--out", str(tmp_path))  # fmt: skip
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000000003"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["pliant-fence.json", "step-000000000003"]
     files = {p.name for p in (ckpt / "step-000000000003").iterdir()}
     assert {".metadata", "pliant-commit.json"} <= files, files
     _job("--engine", engine, "--worlds", "3", "--ckpt", str(ckpt), "--resume", "3", "--out", str(resumed))
@@ -63,6 +63,40 @@ def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path: Path) -> None:
     result = _job("--engine", "ddp", "--worlds", "3", "--ckpt", str(ckpt), "--resume", "3", "--out", str(tmp_path))
     assert f"checkpoint {corrupt} is unusable" in result.stderr
     assert (ckpt / "step-000000000005").exists(), "nothing is deleted before a newer checkpoint supersedes it"
+    # The corrupt one is moved aside (kept for inspection; never tried or pruned again).
+    assert not corrupt.exists() and len(list(ckpt.glob("corrupt-step-4-*"))) == 1
+
+
+def test_all_checkpoints_corrupt_is_a_clear_failure_and_nothing_is_deleted(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--out", str(tmp_path))
+    shard = next((ckpt / "step-000000000003").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    result = _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--resume", "3", "--expect-error",
+                  "--out", str(tmp_path))  # fmt: skip
+    assert f"checkpoints exist in {ckpt} but none can be loaded" in result.stderr, result.stderr[-3000:]
+    assert "allow_fresh_start=True" in result.stderr
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+
+
+def test_a_superseded_generation_cannot_commit(tmp_path: Path) -> None:
+    """A zombie world (generation 1, evicted) saving after generation 2 opened the directory is refused."""
+    ckpt = tmp_path / "ckpt"
+    _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--generation", "2",
+         "--out", str(tmp_path))  # fmt: skip
+    result = _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "5", "--generation", "1",
+                  "--expect-error", "--out", str(tmp_path))  # fmt: skip
+    assert "commit of" in result.stderr and "refused: generation 2 already owns" in result.stderr
+    assert sorted(p.name for p in ckpt.glob("step-*/pliant-commit.json")) == ["pliant-commit.json"]
+    assert not (ckpt / "step-000000000005" / "pliant-commit.json").exists()
+
+
+def test_a_failed_async_save_fails_the_step_that_reaps_it(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    result = _job("--engine", "ddp", "--worlds", "1", "--ckpt", str(ckpt), "--every", "2", "--async-save",
+                  "--fail-async-save", "--expect-error", "--out", str(tmp_path))  # fmt: skip
+    assert f"checkpoint save to {ckpt / 'step-000000000002'} failed [errno 28" in result.stderr, result.stderr[-3000:]
 
 
 def test_partial_checkpoints_are_removed_once_superseded(tmp_path: Path) -> None:
@@ -70,4 +104,4 @@ def test_partial_checkpoints_are_removed_once_superseded(tmp_path: Path) -> None
     ckpt.mkdir()
     (ckpt / "step-000000000001").mkdir()  # a save killed long ago
     _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--out", str(tmp_path))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000000003"]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000000000003"]

@@ -1,0 +1,394 @@
+"""The agent's decisions as one pure function: ``decide(state, event, now) -> (state, actions)``.
+
+No I/O and no clock: :mod:`pliant.agent.agent` (the executor) turns what happens (a generation from the watch, a
+worker exit, a heartbeat's outcome, a signal, the workers' progress on each tick) into events, calls :func:`decide`,
+and performs the actions it returns, in order. Everything here is unit-tested with a fake clock and no processes.
+
+The rules:
+
+- **Generations**: a newer generation stops the running group (asking workers to checkpoint first) and starts this
+  node's workers if it is a member. As node rank 0 it opens the generation's store before stopping its old group, so
+  joining nodes never wait for its checkpoint to learn the port.
+- **Static stability**: the coordinator being away changes nothing by itself. Workers keep training; reports are
+  queued and sent when it answers again (the executor retries them in the background); the agent never exits because
+  of it.
+- **Self-fencing**: when this agent cannot renew its membership for the heartbeat TTL, it asks its peers' agents
+  whether they can; if one can, the control plane answers others and this node has been (or is about to be) evicted:
+  it stops its workers, so no zombie world trains on. If none can, the control plane is down for everyone and the
+  workers keep going.
+- **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
+  phase that makes no progress for the hang timeout (by default ``HANG_MULTIPLE`` x the median step time, at least
+  ``HANG_FLOOR_S``), or that stays in the start or save phase for the start timeout, is hung: the agent dumps every
+  worker's stacks, stops the group and reports a failure, so the job recovers as from any failure. Workers that never
+  write progress (scripts without pliant.worker) are not watched.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from pliant.agent.contract import AgentState, GroupResult
+from pliant.coordinator.contract import Generation, JobState
+
+__all__ = [
+    "HANG_EXIT_CODE",
+    "HANG_FLOOR_S",
+    "HANG_MULTIPLE",
+    "Action",
+    "CoreConfig",
+    "CoreState",
+    "Dump",
+    "Event",
+    "Exit",
+    "GenerationSeen",
+    "GroupExited",
+    "HeartbeatFailed",
+    "HeartbeatOk",
+    "JobFinished",
+    "Joined",
+    "LeaseLost",
+    "Leave",
+    "PeersProbed",
+    "Prepare",
+    "ProbePeers",
+    "Report",
+    "Send",
+    "SignalReceived",
+    "Start",
+    "StartFailed",
+    "Stop",
+    "Tick",
+    "decide",
+    "hang_timeout",
+]
+
+HANG_FLOOR_S = 60.0
+HANG_MULTIPLE = 10.0
+HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were killed by the agent)
+_STEP_SAMPLES = 64  # recent step intervals the median is taken over
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """The timings the decisions use (from :class:`pliant.agent.contract.AgentConfig`).
+
+    Attributes:
+        hang_timeout_s: no step progress for this long is a hang (None: automatic, see :func:`hang_timeout`).
+        start_timeout_s: no first step (or a checkpoint save) for this long is a hang; 0 disables it.
+    """
+
+    hang_timeout_s: float | None = None
+    start_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Report:
+    """A report the coordinator must receive: a worker failure or the group's success, for ``generation``."""
+
+    kind: str  # "failure" | "success"
+    generation: int
+    exit_code: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    step: int
+    phase: str
+    since: float  # when this (step, phase) was first seen
+
+
+@dataclass(frozen=True)
+class CoreState:
+    """What the agent knows. ``group`` is the generation number of the running worker group (None: none)."""
+
+    node_id: str
+    phase: AgentState = AgentState.JOINING
+    generation: Generation | None = None
+    group: int | None = None
+    started_at: float = 0.0
+    progress: tuple[tuple[int, RankProgress], ...] = ()
+    step_intervals: tuple[float, ...] = ()
+    ttl_s: float = 10.0
+    renewed_at: float = 0.0
+    probed_at: float = -1e18
+    reason: str = ""
+    config: CoreConfig = field(default_factory=CoreConfig)
+
+    @property
+    def members_me(self) -> bool:
+        gen = self.generation
+        return gen is not None and self.node_id in gen.node_ids
+
+
+# -- events ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Joined:
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class GenerationSeen:
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    state: JobState
+    reason: str
+
+
+@dataclass(frozen=True)
+class GroupExited:
+    result: GroupResult
+    message: str = ""  # the executor's description of the first failure (rank, code)
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    generation: int
+    message: str
+
+
+@dataclass(frozen=True)
+class HeartbeatOk:
+    pass
+
+
+@dataclass(frozen=True)
+class HeartbeatFailed:
+    pass
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    why: str
+
+
+@dataclass(frozen=True)
+class PeersProbed:
+    renewing: bool  # at least one peer's agent renews its membership right now
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    signum: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Periodic, with the workers' progress as read now: local rank -> (step, phase), for ranks that write one."""
+
+    progress: Mapping[int, tuple[int, str]] = field(default_factory=dict)
+
+
+Event = (Joined | GenerationSeen | JobFinished | GroupExited | StartFailed | HeartbeatOk | HeartbeatFailed | LeaseLost
+         | PeersProbed | SignalReceived | Tick)  # fmt: skip
+
+
+# -- actions -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Open ``generation``'s store (this node is its rank 0) so joiners can meet there while the old group saves."""
+
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the running group: ``rescale`` asks the workers to checkpoint and exit first; ``finish`` lets them end
+    by themselves within the finish grace."""
+
+    rescale: bool = False
+    finish: bool = False
+
+
+@dataclass(frozen=True)
+class Start:
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class Send:
+    report: Report
+
+
+@dataclass(frozen=True)
+class Dump:
+    """Dump every worker's Python stacks to its log."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class ProbePeers:
+    pass
+
+
+@dataclass(frozen=True)
+class Leave:
+    pass
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    message: str = ""
+
+
+Action = Prepare | Stop | Start | Send | Dump | ProbePeers | Leave | Exit
+
+
+# -- decisions ---------------------------------------------------------------------------------------------------------
+
+
+def hang_timeout(state: CoreState) -> float:
+    """The step-phase hang timeout: the configured one, else ``HANG_MULTIPLE`` x the median step interval seen,
+    at least ``HANG_FLOOR_S``."""
+    if state.config.hang_timeout_s is not None:
+        return state.config.hang_timeout_s
+    median = statistics.median(state.step_intervals) if state.step_intervals else 0.0
+    return max(HANG_FLOOR_S, HANG_MULTIPLE * median)
+
+
+def _set(state: CoreState, phase: AgentState, reason: str = "", **changes: object) -> CoreState:
+    return replace(state, phase=phase, reason=reason or state.reason, **changes)  # type: ignore[arg-type]
+
+
+def _no_group(state: CoreState) -> CoreState:
+    return replace(state, group=None, progress=(), started_at=0.0)
+
+
+def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreState, list[Action]]:
+    if state.generation is not None and gen.number <= state.generation.number:
+        return state, []
+    state = replace(state, generation=gen)
+    actions: list[Action] = []
+    mine = next((m for m in gen.members if m.node_id == state.node_id), None)
+    if mine is not None and mine.node_rank == 0:
+        actions.append(Prepare(gen))
+    if state.group is not None:
+        actions.append(Stop(rescale=True))
+        state = _no_group(state)
+    if mine is None:
+        why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"
+        return _set(state, AgentState.WAITING, why), actions
+    actions.append(Start(gen))
+    ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
+    state = replace(state, group=gen.number, started_at=now, progress=())
+    return _set(state, AgentState.RUNNING, f"generation {gen.number}, {ranks}"), actions
+
+
+def _on_exit(state: CoreState, event: GroupExited) -> tuple[CoreState, list[Action]]:
+    result = event.result
+    if state.group is None or result.generation != state.group or result.stopped:
+        return state, [Stop()]  # not the group this state runs: just reap it
+    state = _no_group(state)
+    if result.succeeded:
+        report = Report("success", result.generation)
+        return _set(state, AgentState.WAITING, "workers done; waiting for the job to finish"), [Stop(), Send(report)]
+    if result.saved_for_rescale:
+        return _set(state, AgentState.WAITING, f"workers of generation {result.generation} saved for a rescale"), [
+            Stop()
+        ]
+    failure = result.first_failure
+    code = failure[1] if failure else 1
+    report = Report("failure", result.generation, code, event.message or f"a worker exited with code {code}")
+    return _set(state, AgentState.WAITING, "worker failure reported"), [Stop(), Send(report)]
+
+
+def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState, list[Action]]:
+    """Track each rank's progress; a hung rank fails the group."""
+    if state.group is None:
+        return state, []
+    before = dict(state.progress)
+    progress: dict[int, RankProgress] = {}
+    intervals = list(state.step_intervals)
+    for rank, (step, phase) in tick.progress.items():
+        old = before.get(rank)
+        if old is not None and (old.step, old.phase) == (step, phase):
+            progress[rank] = old
+            continue
+        if old is not None and old.phase == "step" and phase == "step" and step > old.step:
+            intervals.append((now - old.since) / (step - old.step))
+        progress[rank] = RankProgress(step, phase, now)
+    state = replace(state, progress=tuple(sorted(progress.items())), step_intervals=tuple(intervals[-_STEP_SAMPLES:]))
+    limit = hang_timeout(state)
+    start_limit = state.config.start_timeout_s
+    for rank, p in sorted(progress.items()):
+        idle = now - p.since
+        if p.phase == "step" and idle > limit:
+            why = f"local rank {rank} made no progress for {idle:.0f}s after step {p.step} (hang timeout {limit:g}s)"
+        elif p.phase in ("start", "save") and start_limit and idle > start_limit:
+            what = "its first step" if p.phase == "start" else f"the checkpoint save after step {p.step}"
+            why = f"local rank {rank} spent {idle:.0f}s on {what} (start timeout {start_limit:g}s)"
+        else:
+            continue
+        generation = state.group
+        assert generation is not None
+        report = Report("failure", generation, HANG_EXIT_CODE, f"hang: {why}")
+        state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
+        return state, [Dump(why), Stop(), Send(report)]
+    return state, []
+
+
+def _watch_membership(state: CoreState, now: float) -> tuple[CoreState, list[Action]]:
+    """Ask the peers once per half TTL while this agent cannot renew and its workers run."""
+    if state.group is None or now - state.renewed_at <= state.ttl_s or now - state.probed_at < state.ttl_s / 2:
+        return state, []
+    if state.generation is None or len(state.generation.members) < 2:
+        return state, []  # no peer to ask: assume the control plane is down for everyone
+    return replace(state, probed_at=now), [ProbePeers()]
+
+
+def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
+    """The agent's next state and the actions to perform, in order, for ``event`` at agent-clock time ``now``."""
+    if state.phase in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.LEFT):
+        return state, []
+    if isinstance(event, Joined):
+        return _set(replace(state, ttl_s=event.ttl_s, renewed_at=now), AgentState.WAITING
+                    if state.group is None else state.phase, "joined"), []  # fmt: skip
+    if isinstance(event, GenerationSeen):
+        return _on_generation(state, event.generation, now)
+    if isinstance(event, JobFinished):
+        if not event.state.terminal:
+            return state, []
+        finish = event.state is JobState.SUCCEEDED
+        stop: list[Action] = [Stop(finish=finish)] if state.group is not None else []
+        if finish:
+            return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [*stop, Exit(0)]
+        return _set(_no_group(state), AgentState.FAILED, event.reason), [*stop, Exit(1, event.reason)]
+    if isinstance(event, GroupExited):
+        return _on_exit(state, event)
+    if isinstance(event, StartFailed):
+        if state.group != event.generation:
+            return state, []
+        report = Report("failure", event.generation, -1, event.message)
+        return _set(_no_group(state), AgentState.WAITING, f"cannot start: {event.message}"), [Stop(), Send(report)]
+    if isinstance(event, HeartbeatOk):
+        return replace(state, renewed_at=now), []
+    if isinstance(event, HeartbeatFailed):
+        return _watch_membership(state, now)
+    if isinstance(event, LeaseLost):
+        actions: list[Action] = [Stop()] if state.group is not None else []
+        return _set(_no_group(state), AgentState.JOINING, f"membership lost: {event.why}"), actions
+    if isinstance(event, PeersProbed):
+        if not event.renewing or state.group is None or now - state.renewed_at <= state.ttl_s:
+            return state, []
+        why = f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while peers renew theirs"
+        return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
+    if isinstance(event, SignalReceived):
+        actions = [Stop(rescale=True)] if state.group is not None else []
+        return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
+    if isinstance(event, Tick):
+        state, actions = _watch_progress(state, event, now)
+        if actions:
+            return state, actions
+        return _watch_membership(state, now)
+    raise TypeError(f"unknown agent event {event!r}")

@@ -1,0 +1,167 @@
+"""The agent's decisions (pliant.agent.core) with a fake clock and fake workers: no processes, no network."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from pliant.agent import core
+from pliant.agent.contract import AgentState, GroupResult
+from pliant.coordinator.contract import Generation, GenerationMember, JobState
+from pliant.env import RESCALE_EXIT_CODE
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def _gen(number: int, *nodes: str, reason: str = "join") -> Generation:
+    members = tuple(GenerationMember(n, i, i * 2, 2, f"{n}:1") for i, n in enumerate(nodes))
+    return Generation("job", number, members, reason)
+
+
+class Agent:
+    """Drives decide() like the executor does, recording the actions."""
+
+    def __init__(self, node: str = "a", **config: object) -> None:
+        self.state = core.CoreState(node, config=core.CoreConfig(**config))  # type: ignore[arg-type]
+        self.now = 100.0
+        self.actions: list[core.Action] = []
+
+    def on(self, event: core.Event, after: float = 0.0) -> list[core.Action]:
+        self.now += after
+        self.state, actions = core.decide(self.state, event, self.now)
+        self.actions += actions
+        return actions
+
+    def kinds(self, actions: list[core.Action]) -> list[str]:
+        return [type(a).__name__ for a in actions]
+
+
+def test_a_generation_starts_the_group_and_a_newer_one_rescales_it() -> None:
+    agent = Agent()
+    agent.on(core.Joined(10.0))
+    assert agent.state.phase is AgentState.WAITING
+    first = agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert agent.kinds(first) == ["Prepare", "Start"] and agent.state.phase is AgentState.RUNNING
+    assert agent.on(core.GenerationSeen(_gen(1, "a"))) == []  # a repeat changes nothing
+    second = agent.on(core.GenerationSeen(_gen(2, "b", "a")))  # now node rank 1: no store to open
+    assert second == [core.Stop(rescale=True), core.Start(_gen(2, "b", "a"))]
+    assert agent.on(core.GenerationSeen(_gen(3, "b"))) == [core.Stop(rescale=True)]
+    assert agent.state.phase is AgentState.WAITING and agent.state.group is None
+
+
+def test_node_rank_0_opens_the_store_before_it_stops_its_old_group() -> None:
+    agent = Agent()
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    actions = agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert agent.kinds(actions) == ["Prepare", "Stop", "Start"]
+
+
+def test_outcomes_of_a_group() -> None:
+    agent = Agent()
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    done = agent.on(core.GroupExited(GroupResult(1, {0: 0, 1: 0})))
+    assert done == [core.Stop(), core.Send(core.Report("success", 1))]
+    agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert agent.on(core.GroupExited(GroupResult(2, {0: RESCALE_EXIT_CODE, 1: 0}))) == [core.Stop()]
+    agent.on(core.GenerationSeen(_gen(3, "a", "b")))
+    why = "local rank 1 (rank 1) exited with code -9"
+    failed = agent.on(core.GroupExited(GroupResult(3, {0: 0, 1: -9}), why))
+    assert failed == [core.Stop(), core.Send(core.Report("failure", 3, -9, why))]
+    assert agent.on(core.GroupExited(GroupResult(3, {0: 1}))) == [core.Stop()]  # not the running group: reap only
+
+
+def test_the_coordinator_away_changes_nothing() -> None:
+    agent = Agent()
+    agent.on(core.Joined(10.0))
+    agent.on(core.GenerationSeen(_gen(1, "a")))  # a single-node world: no peer to ask
+    for _ in range(100):
+        assert agent.on(core.HeartbeatFailed(), after=1.0) == []
+        assert agent.on(core.Tick({0: (1, "start"), 1: (1, "start")}), after=0.0) == []
+    assert agent.state.phase is AgentState.RUNNING
+    # Workers finish during the outage: the success is sent (the executor retries it until the coordinator answers).
+    done = agent.on(core.GroupExited(GroupResult(1, {0: 0, 1: 0})))
+    assert done == [core.Stop(), core.Send(core.Report("success", 1))]
+    assert agent.state.phase is AgentState.WAITING
+
+
+def test_an_agent_cut_off_while_its_peers_renew_fences_itself() -> None:
+    agent = Agent()
+    agent.on(core.Joined(10.0))
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    assert agent.on(core.HeartbeatFailed(), after=5.0) == []  # within the TTL: nothing to ask yet
+    assert agent.on(core.HeartbeatFailed(), after=6.0) == [core.ProbePeers()]
+    assert agent.on(core.HeartbeatFailed(), after=1.0) == []  # asked at most once per half TTL
+    # Peers cannot renew either: the control plane is down for everyone; keep training.
+    assert agent.on(core.PeersProbed(renewing=False)) == []
+    assert agent.state.phase is AgentState.RUNNING
+    assert agent.on(core.Tick(), after=5.0) == [core.ProbePeers()]
+    assert agent.on(core.PeersProbed(renewing=True)) == [core.Stop()]
+    assert agent.state.phase is AgentState.WAITING and "fenced" in agent.state.reason
+    agent.on(core.LeaseLost("evicted"))
+    assert agent.state.phase is AgentState.JOINING
+    agent.on(core.Joined(10.0))
+    assert agent.kinds(agent.on(core.GenerationSeen(_gen(2, "b", "a")))) == ["Start"]
+
+
+def test_a_rank_without_progress_is_hung() -> None:
+    agent = Agent(hang_timeout_s=5.0, start_timeout_s=30.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    agent.on(core.Tick({0: (0, "start"), 1: (0, "start")}))
+    for step in range(1, 6):
+        assert agent.on(core.Tick({0: (step, "step"), 1: (step, "step")}), after=0.5) == []
+    assert agent.on(core.Tick({0: (6, "step"), 1: (5, "step")}), after=4.0) == []
+    actions = agent.on(core.Tick({0: (7, "step"), 1: (5, "step")}), after=1.5)  # rank 1: 5.5 s since step 5
+    assert agent.kinds(actions) == ["Dump", "Stop", "Send"]
+    report = actions[-1].report  # type: ignore[union-attr]
+    assert report.kind == "failure" and report.exit_code == core.HANG_EXIT_CODE
+    assert "local rank 1 made no progress for 6s after step 5" in report.message
+    assert agent.state.group is None
+
+
+def test_a_slow_start_or_save_is_not_a_hang_before_the_start_timeout() -> None:
+    agent = Agent(hang_timeout_s=5.0, start_timeout_s=30.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert agent.on(core.Tick({0: (0, "start")}), after=0.0) == []
+    assert agent.on(core.Tick({0: (0, "start")}), after=29.0) == []  # imports, compile, restore
+    assert agent.on(core.Tick({0: (1, "step")}), after=0.5) == []
+    assert agent.on(core.Tick({0: (1, "save")}), after=0.5) == []
+    assert agent.on(core.Tick({0: (1, "save")}), after=25.0) == []  # a long checkpoint save
+    assert agent.on(core.Tick({0: (2, "step")}), after=1.0) == []
+    actions = agent.on(core.Tick({0: (2, "save")}), after=0.1) + agent.on(core.Tick({0: (2, "save")}), after=31.0)
+    assert agent.kinds(actions) == ["Dump", "Stop", "Send"]
+    assert "checkpoint save after step 2" in actions[-1].report.message  # type: ignore[union-attr]
+
+
+def test_workers_that_write_no_progress_are_not_watched() -> None:
+    agent = Agent(hang_timeout_s=1.0, start_timeout_s=2.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert agent.on(core.Tick({}), after=1000.0) == []
+
+
+def test_the_automatic_hang_timeout_follows_the_step_time() -> None:
+    agent = Agent()
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert core.hang_timeout(agent.state) == core.HANG_FLOOR_S
+    for step in range(1, 20):
+        agent.on(core.Tick({0: (step, "step")}), after=30.0)  # 30 s steps
+    assert core.hang_timeout(agent.state) == pytest.approx(core.HANG_MULTIPLE * 30.0)
+
+
+def test_job_end_signal_and_start_failure() -> None:
+    agent = Agent()
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    assert agent.on(core.StartFailed(1, "store port")) == [core.Stop(), core.Send(core.Report("failure", 1, -1,
+                                                                                             "store port"))]
+    agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert agent.on(core.JobFinished(JobState.RUNNING, "")) == []
+    assert agent.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True), core.Exit(0)]
+    assert agent.on(core.GenerationSeen(_gen(3, "a"))) == []  # terminal: nothing more
+
+    failed = Agent()
+    assert failed.on(core.JobFinished(JobState.FAILED, "budget spent")) == [core.Exit(1, "budget spent")]
+
+    leaving = Agent()
+    leaving.on(core.GenerationSeen(_gen(1, "a")))
+    assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Stop(rescale=True), core.Leave(), core.Exit(0)]
+    assert leaving.state.phase is AgentState.LEFT
