@@ -41,7 +41,7 @@ from pliant.coordinator.contract import (
 from pliant.env import STACKS_SIGNAL, WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import free_port
-from pliant.progress import read_progress
+from pliant.progress import read_fence, read_progress
 from pliant.tls import Role
 
 __all__ = ["Agent"]
@@ -92,6 +92,7 @@ class Agent:
         self.metrics_server: MetricsServer | None = None
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
+        self._renewing: bool | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -177,10 +178,13 @@ class Agent:
 
     # -- background threads --------------------------------------------------------------------------------------------
 
-    def _set_renewing(self, renewing: bool) -> None:
-        if self.store is not None:
+    def _publish_renewing(self) -> None:
+        """Tell peers (through the agent store) whether this agent renewed its membership within the last TTL."""
+        renewing = time.monotonic() - self.state.renewed_at <= self.state.ttl_s
+        if renewing is not self._renewing and self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.set_renewing(renewing)
+                self._renewing = renewing
 
     def _heartbeat_loop(self) -> None:
         failing = False
@@ -193,16 +197,13 @@ class Agent:
                 step = self.metrics.latest_step()
                 self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step)
                 self._events.put(core.HeartbeatOk())
-                self._set_renewing(True)
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
                 failing = False
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
-                self._set_renewing(False)
                 self._events.put(core.LeaseLost(str(exc)))
                 self._rejoin()
             except CoordinatorError as exc:
-                self._set_renewing(False)
                 self.metrics.heartbeat_failures.inc()
                 self._events.put(core.HeartbeatFailed())
                 if not failing:
@@ -293,7 +294,8 @@ class Agent:
             result = self.group.poll()
             if result is not None and not result.stopped:
                 return core.GroupExited(result, self._describe(result))
-        return core.Tick(self._progress())
+        fence = read_fence(self.config.checkpoint_dir) if self.config.checkpoint_dir else (0, 0)
+        return core.Tick(self._progress(), fence)
 
     def _loop(self) -> int:
         next_tick = time.monotonic()
@@ -301,6 +303,7 @@ class Agent:
             event = self._next_event(next_tick)
             if isinstance(event, core.Tick):
                 next_tick = time.monotonic() + TICK_S
+                self._publish_renewing()
             elif isinstance(event, WatchEvent):
                 if event.generation is not None:
                     self._generations[event.generation.number] = event.generation
@@ -398,6 +401,7 @@ class Agent:
                 agent_store=self.store.address,
                 checkpoint_dir=self.config.checkpoint_dir,
                 metrics_dir=self.metrics.worker_dir,
+                job_epoch=gen.epoch,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
             )
             for local_rank in range(me.nproc)

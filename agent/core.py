@@ -12,10 +12,12 @@ The rules:
 - **Static stability**: the coordinator being away changes nothing by itself. Workers keep training; reports are
   queued and sent when it answers again (the executor retries them in the background); the agent never exits because
   of it.
-- **Self-fencing**: when this agent cannot renew its membership for the heartbeat TTL, it asks its peers' agents
-  whether they can; if one can, the control plane answers others and this node has been (or is about to be) evicted:
-  it stops its workers, so no zombie world trains on. If none can, the control plane is down for everyone and the
-  workers keep going.
+- **Self-fencing**: when this agent cannot renew its membership for ``FENCE_AFTER`` heartbeat TTLs, it asks its
+  peers' agents whether they renewed theirs within the last TTL; if one did, the control plane answers others and
+  this node has been (or is about to be) evicted: it stops its workers, so no zombie world trains on. If none did,
+  the control plane is down for everyone and the workers keep going. A world with no peer to ask (one node) is
+  fenced by the checkpoint directory instead: once a newer generation opened it (its fence file), the old group is
+  stopped, and its commits are refused anyway.
 - **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
   phase that makes no progress for the hang timeout (by default ``HANG_MULTIPLE`` x the median step time, at least
   ``HANG_FLOOR_S``), or that stays in the start or save phase for the start timeout, is hung: the agent dumps every
@@ -33,6 +35,7 @@ from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import Generation, JobState
 
 __all__ = [
+    "FENCE_AFTER",
     "HANG_EXIT_CODE",
     "HANG_FLOOR_S",
     "HANG_MULTIPLE",
@@ -67,6 +70,10 @@ __all__ = [
 HANG_FLOOR_S = 60.0
 HANG_MULTIPLE = 10.0
 HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were killed by the agent)
+# Peers are asked after this many TTLs without a renewal: a peer's last renewal before a control-plane outage can be
+# up to one heartbeat interval (TTL/4) later than ours, and it says "renewing" until one TTL after it; the margin keeps
+# an outage for everyone from looking like an eviction of this node alone.
+FENCE_AFTER = 1.5
 _STEP_SAMPLES = 64  # recent step intervals the median is taken over
 
 
@@ -181,9 +188,11 @@ class SignalReceived:
 
 @dataclass(frozen=True)
 class Tick:
-    """Periodic, with the workers' progress as read now: local rank -> (step, phase), for ranks that write one."""
+    """Periodic, with the workers' progress as read now (local rank -> (step, phase), for ranks that write one) and
+    the checkpoint directory's fence ((job epoch, generation) of the newest world that opened it; (0, 0): none)."""
 
     progress: Mapping[int, tuple[int, str]] = field(default_factory=dict)
+    fence: tuple[int, int] = (0, 0)
 
 
 Event = (Joined | GenerationSeen | JobFinished | GroupExited | StartFailed | HeartbeatOk | HeartbeatFailed | LeaseLost
@@ -340,7 +349,8 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
 
 def _watch_membership(state: CoreState, now: float) -> tuple[CoreState, list[Action]]:
     """Ask the peers once per half TTL while this agent cannot renew and its workers run."""
-    if state.group is None or now - state.renewed_at <= state.ttl_s or now - state.probed_at < state.ttl_s / 2:
+    silent = now - state.renewed_at > FENCE_AFTER * state.ttl_s
+    if state.group is None or not silent or now - state.probed_at < state.ttl_s / 2:
         return state, []
     if state.generation is None or len(state.generation.members) < 2:
         return state, []  # no peer to ask: assume the control plane is down for everyone
@@ -379,7 +389,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         actions: list[Action] = [Stop()] if state.group is not None else []
         return _set(_no_group(state), AgentState.JOINING, f"membership lost: {event.why}"), actions
     if isinstance(event, PeersProbed):
-        if not event.renewing or state.group is None or now - state.renewed_at <= state.ttl_s:
+        if not event.renewing or state.group is None or now - state.renewed_at <= FENCE_AFTER * state.ttl_s:
             return state, []
         why = f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while peers renew theirs"
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
@@ -387,6 +397,11 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         actions = [Stop(rescale=True)] if state.group is not None else []
         return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
     if isinstance(event, Tick):
+        if state.group is not None and state.generation is not None:
+            mine = (state.generation.epoch, state.group)
+            if state.generation.epoch and event.fence > mine:
+                why = f"fenced: generation {event.fence[1]} owns the checkpoint directory, this group runs {mine[1]}"
+                return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
         state, actions = _watch_progress(state, event, now)
         if actions:
             return state, actions

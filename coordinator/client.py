@@ -72,11 +72,16 @@ class CoordinatorClient:
             raise ValueError("no coordinator address given; pass --coordinator HOST:PORT")
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
+        # gRPC's reconnect backoff grows to 2 minutes by default: after a long control-plane outage a node would reach
+        # the returning coordinator too late for the grace it gets (one heartbeat TTL). Retry the connection every
+        # second at most.
+        options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
         if tls is None:
-            self._channels = [grpc.insecure_channel(t) for t in self.targets]
+            self._channels = [grpc.insecure_channel(t, options) for t in self.targets]
         else:
             creds = channel_credentials(tls)
-            self._channels = [grpc.secure_channel(t, creds) for t in self.targets]  # type: ignore[arg-type]
+            self._channels = [grpc.secure_channel(t, creds, options) for t in self.targets]  # type: ignore[arg-type]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._current = 0
 

@@ -424,6 +424,7 @@ class Generation:
     reason: str
     restarts_used: int = 0
     created_at: float = 0.0
+    epoch: int = 0  # the job's incarnation: its spec key's etcd create revision
 
     @property
     def world_size(self) -> int:
@@ -480,6 +481,7 @@ class JobSnapshot:
         departed: node ids that left gracefully (Leave) recently.
         generation_mod_revision: mod revision of the current-generation key (0 if absent): the fence of the next write.
         status_mod_revision: mod revision of the state key (0 if absent).
+        epoch: create revision of the spec key: the job's incarnation (a job re-created under its id has a higher one).
     """
 
     spec: JobSpec
@@ -490,6 +492,7 @@ class JobSnapshot:
     departed: frozenset[str] = field(default_factory=frozenset)
     generation_mod_revision: int = 0
     status_mod_revision: int = 0
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def _admit(spec: JobSpec, survivors: Sequence[Member], newcomers: Sequence[Membe
 def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float) -> NewGeneration:
     number = (snap.generation.number if snap.generation else 0) + 1
     members = assign_ranks(snap.spec, nodes)
-    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now)
+    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.epoch)
     return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
 
 

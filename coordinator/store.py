@@ -226,6 +226,7 @@ class EtcdStore(MemberStore):
             departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in departed),
             generation_mod_revision=current[0][1].mod_revision if current else 0,
             status_mod_revision=state[0][1].mod_revision if state else 0,
+            epoch=spec[0][1].create_revision,
         )
 
     @etcd_call

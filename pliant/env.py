@@ -45,6 +45,8 @@ class WorkerEnv:
         agent_store: host:port of this node's agent store (used by the worker library's rescale protocol).
         checkpoint_dir: where the job's checkpoints live ("" when not configured).
         metrics_dir: prometheus_client multiprocess directory ("" when not configured).
+        job_epoch: the job's incarnation (0 outside a pliant agent); with ``generation`` it orders worlds for
+            checkpoint fencing.
         progress_file: where the worker writes its step and phase for the agent's hang detection
             (:mod:`pliant.progress`; "" when no agent watches).
     """
@@ -64,6 +66,7 @@ class WorkerEnv:
     agent_store: str = ""
     checkpoint_dir: str = ""
     metrics_dir: str = ""
+    job_epoch: int = 0
     progress_file: str = ""
 
     def __post_init__(self) -> None:
@@ -102,6 +105,7 @@ class WorkerEnv:
             "PLIANT_CHECKPOINT_DIR": self.checkpoint_dir,
             "PLIANT_METRICS_DIR": self.metrics_dir,
             "PLIANT_PROGRESS_FILE": self.progress_file,
+            "PLIANT_JOB_EPOCH": str(self.job_epoch),
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -149,4 +153,5 @@ class WorkerEnv:
             checkpoint_dir=env.get("PLIANT_CHECKPOINT_DIR", ""),
             metrics_dir=env.get("PLIANT_METRICS_DIR", ""),
             progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
+            job_epoch=integer("PLIANT_JOB_EPOCH", 0),
         )

@@ -177,7 +177,7 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
 
     created: set[tuple[str, str]] = set()
 
-    def start(server: object, argv: list[str], name: str = "agent") -> Spawned:
+    def start(server: object, argv: list[str], name: str = "agent", env: dict[str, str] | None = None) -> Spawned:
         at = argv.index("agent") + 1
         parser = argparse.ArgumentParser()
         add_launch_flags(parser, "agent")
@@ -187,7 +187,8 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
             fleet(server).create_job(config.spec, TEST_JOIN_TOKEN)  # type: ignore[attr-defined]
             created.add(key)
         tls_dir = str(Path(agent_tls(pki, config.node_id).cert).parent)  # type: ignore[arg-type]
-        return spawn([*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]], name=name)
+        return spawn([*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]], name=name,
+                     env=None if env is None else {**os.environ, **env})  # fmt: skip
 
     return start
 
@@ -203,8 +204,9 @@ def spawn_coordinator(
 
     tls_dir = str(Path(coordinator_tls(pki).cert).parent)  # type: ignore[arg-type]
 
-    def start(replica_id: str, leader_ttl_s: float = 2.0, etcd_url: str | None = None) -> tuple[Spawned, str]:
-        address = f"127.0.0.1:{free_port()}"
+    def start(replica_id: str, leader_ttl_s: float = 2.0, etcd_url: str | None = None,
+              address: str = "") -> tuple[Spawned, str]:  # fmt: skip
+        address = address or f"127.0.0.1:{free_port()}"
         args = [
             sys.executable, "-m", "pliant", "coordinator",
             "--etcd", etcd_url or etcd.endpoint,  # type: ignore[attr-defined]

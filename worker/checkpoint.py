@@ -11,9 +11,10 @@ ZeRO by parameter name), the loader's cursor, the step, and user extras. Loading
 
 Fencing and edges:
 
-- Rank 0 of each generation records it in ``pliant-fence.json`` when its manager opens; a commit from an older
-  generation (a zombie world that was evicted and kept running) is refused, so two worlds never both commit into one
-  directory.
+- Under a pliant agent (a job epoch, see :class:`pliant.env.WorkerEnv`), rank 0 of each generation records
+  (epoch, generation) in ``pliant-fence.json`` when its manager opens; a commit from an older world (a zombie that was
+  evicted and kept running) is refused, so two worlds never both commit into one directory, and the agent stops a
+  group whose world the fence shows superseded. A job created again under its id has a higher epoch.
 - Rank 0 alone picks the checkpoints to try (newest first) and sends the list to every rank, so ranks with different
   views of a shared filesystem still load the same step together. A checkpoint that fails to load on any rank is
   skipped on every rank and, once an older one loaded, renamed aside to ``corrupt-step-<step>-<time>`` (kept for
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pliant.env import RESCALE_EXIT_CODE
+from pliant.progress import FENCE, read_fence
 from pliant.worker.contract import Engine, WorkerError
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 
@@ -55,7 +57,6 @@ __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 COMMIT = "pliant-commit.json"
-FENCE = "pliant-fence.json"
 _PREFIX = "step-"
 _ASIDE = "corrupt-step-"
 _MAX_CANDIDATES = 64
@@ -171,6 +172,7 @@ class CheckpointManager:
         engine: the engine whose model and optimizer are saved.
         loader: an object with ``state_dict``/``load_state_dict`` (the elastic loader), or None.
         job_id, generation: recorded in the marker; a checkpoint of another job is refused.
+        epoch: the job's incarnation (``PLIANT_JOB_EPOCH``); 0 (outside an agent) disables generation fencing.
         keep: committed checkpoints to keep.
         async_save: write in the background (one save in flight at most; the next save waits for it).
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
@@ -192,6 +194,7 @@ class CheckpointManager:
         rescale: Callable[[], bool] | None = None,
         metrics: WorkerMetrics | None = None,
         allow_fresh_start: bool = False,
+        epoch: int = 0,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
@@ -205,6 +208,7 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo")
         self.extras: dict[str, Any] = {}
         self.allow_fresh_start = allow_fresh_start
+        self.epoch = epoch
         self._in_flight: Future[Any] | None = None
         self._in_flight_path: Path | None = None
         self._commit_error: Exception | None = None
@@ -214,16 +218,13 @@ class CheckpointManager:
 
     # -- the generation fence ------------------------------------------------------------------------------------------
 
-    def fenced_generation(self) -> int:
-        """The newest generation that opened (or committed into) this directory."""
-        try:
-            return int(json.loads((self.directory / FENCE).read_text())["generation"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
+    def fence(self) -> tuple[int, int]:
+        """(epoch, generation) of the newest world that opened this directory ((0, 0): none)."""
+        return read_fence(self.directory)
 
     def _raise_fence(self) -> None:
-        if self.fenced_generation() < self.generation:
-            _write_durably(self.directory / FENCE, json.dumps({"generation": self.generation}))
+        if self.epoch and self.fence() < (self.epoch, self.generation):
+            _write_durably(self.directory / FENCE, json.dumps({"epoch": self.epoch, "generation": self.generation}))
 
     def after_step(self, steps_done: int) -> None:
         """Call after every optimizer step with the number of steps done.
@@ -319,8 +320,8 @@ class CheckpointManager:
             CheckpointError: a newer generation owns the directory; nothing was committed.
         """
         if dist.get_rank() == 0:
-            newer = self.fenced_generation()
-            if newer > self.generation:
+            epoch, newer = self.fence()
+            if self.epoch and (epoch, newer) > (self.epoch, self.generation):
                 raise CheckpointError(
                     f"commit of {path} refused: generation {newer} already owns {self.directory} and this worker runs "
                     f"generation {self.generation} (its node was evicted and its world superseded); stop this worker"

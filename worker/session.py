@@ -198,7 +198,8 @@ class Session:
         env = self.env
         return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,
                                  async_save=async_save, every_steps=every_steps, rescale=rescale,
-                                 metrics=self.metrics, allow_fresh_start=allow_fresh_start)  # fmt: skip
+                                 metrics=self.metrics, allow_fresh_start=allow_fresh_start,
+                                 epoch=env.job_epoch)  # fmt: skip
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""

@@ -89,8 +89,8 @@ def test_an_agent_cut_off_while_its_peers_renew_fences_itself() -> None:
     agent = Agent()
     agent.on(core.Joined(10.0))
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
-    assert agent.on(core.HeartbeatFailed(), after=5.0) == []  # within the TTL: nothing to ask yet
-    assert agent.on(core.HeartbeatFailed(), after=6.0) == [core.ProbePeers()]
+    assert agent.on(core.HeartbeatFailed(), after=14.0) == []  # within 1.5 TTL: nothing to ask yet
+    assert agent.on(core.HeartbeatFailed(), after=1.5) == [core.ProbePeers()]
     assert agent.on(core.HeartbeatFailed(), after=1.0) == []  # asked at most once per half TTL
     # Peers cannot renew either: the control plane is down for everyone; keep training.
     assert agent.on(core.PeersProbed(renewing=False)) == []
@@ -165,3 +165,13 @@ def test_job_end_signal_and_start_failure() -> None:
     leaving.on(core.GenerationSeen(_gen(1, "a")))
     assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Stop(rescale=True), core.Leave(), core.Exit(0)]
     assert leaving.state.phase is AgentState.LEFT
+
+
+def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node() -> None:
+    agent = Agent()
+    gen = Generation("job", 4, (GenerationMember("a", 0, 0, 2, "a:1"),), "join", epoch=7)
+    agent.on(core.GenerationSeen(gen))
+    assert agent.on(core.Tick({}, fence=(7, 4))) == []  # its own world's fence
+    assert agent.on(core.Tick({}, fence=(3, 9))) == []  # an older incarnation of the job
+    assert agent.on(core.Tick({}, fence=(7, 5))) == [core.Stop()]
+    assert "fenced: generation 5 owns the checkpoint directory" in agent.state.reason

@@ -1,0 +1,231 @@
+"""Keep training through anything, with real etcd, real coordinator replicas, real agents and gloo workers:
+control-plane outages, a malformed record, a hung worker, a join during a slow checkpoint, an evicted node."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from pliant.coordinator.contract import JobState
+from pliant.coordinator.etcd_server import EtcdServer
+from tests.conftest import health_serving, wait_for
+from tests.integration.harness import assert_all_gone, descendants, read_jsonl
+from tests.integration.proxy import Proxy
+
+pytestmark = [pytest.mark.slow]
+
+HOOKS = Path(__file__).with_name("train_hooks.py")
+OUTAGE_S = 60.0
+
+
+def _args(coordinator: str, node: str, workdir: Path, steps: int, nnodes: str = "1:2", step_time: float = 0.1,
+          extra: tuple[str, ...] = (), script: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+    return [
+        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
+        "--nnodes", nnodes, "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.5",
+        "--stop-grace", "2", "--finish-grace", "10", "--log-dir", str(workdir / "logs"),
+        "--checkpoint-dir", str(workdir / "ckpt"), *extra,
+        str(HOOKS), "--steps", str(steps), "--step-time", str(step_time), "--save-every", "20",
+        "--events", str(workdir / "events.jsonl"), *script,
+    ]  # fmt: skip
+
+
+def _events(workdir: Path) -> list[dict]:
+    return read_jsonl(workdir / "events.jsonl")
+
+
+def _stepping(workdir: Path, generation: int, world: int, after: float = 0.0) -> bool:
+    ranks = {e["rank"] for e in _events(workdir) if e["generation"] == generation and e["world"] == world
+             and e["time"] > after}  # fmt: skip
+    return ranks == set(range(world))
+
+
+def _workers(*agents: object) -> set[int]:
+    """Worker pids under the agents: the processes their zygotes forked."""
+    import psutil
+
+    out: set[int] = set()
+    for agent in agents:
+        for pid in descendants(agent.pid):  # type: ignore[attr-defined]
+            try:
+                parent = psutil.Process(pid).parent()
+                if parent is not None and parent.pid != agent.pid and "pliant.agent.zygote" in parent.cmdline():
+                    out.add(pid)
+            except psutil.NoSuchProcess:
+                continue
+    return out
+
+
+def _finished(agents: list, timeout_s: float = 60) -> None:
+    wait_for(lambda: all(a.proc.poll() is not None for a in agents), timeout_s, "the agents to exit")
+    for agent in agents:
+        assert agent.proc.returncode == 0, agent.output()[-4000:]
+
+
+def _assert_steps_through(workdir: Path, start: float, end: float) -> None:
+    """Rank 0 kept stepping from ``start`` to ``end`` (no gap longer than 5 s) in generation 1 alone."""
+    events = _events(workdir)
+    assert {e["generation"] for e in events} == {1}, "no new generation, no restart"
+    times = sorted(e["time"] for e in events if e["rank"] == 0 and start <= e["time"] <= end)
+    assert times and times[0] - start < 5 and end - times[-1] < 5, (start, end, times[:3], times[-3:])
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) < 5, f"training paused {max(gaps):.1f}s during the outage"
+    print(f"{len(times)} steps of rank 0 during the {end - start:.0f}s outage; longest pause {max(gaps):.2f}s")
+
+
+@pytest.mark.timeout(300)
+def test_a_60s_outage_of_every_coordinator_replica_changes_nothing(spawn_coordinator, spawn_agent, fleet,
+                                                                   tmp_path) -> None:  # fmt: skip
+    (r1, a1), (r2, a2) = spawn_coordinator("r1"), spawn_coordinator("r2")
+    both = types.SimpleNamespace(address=f"{a1},{a2}")
+    a = spawn_agent(both, _args(both.address, "a", tmp_path, steps=700, nnodes="2:2"), name="agent-a")
+    b = spawn_agent(both, _args(both.address, "b", tmp_path, steps=700, nnodes="2:2"), name="agent-b")
+    wait_for(lambda: _stepping(tmp_path, 1, 4), 90, "the world of 4 stepping")
+    workers = _workers(a, b)
+    started = time.time()
+    r1.kill()
+    r2.kill()
+    time.sleep(OUTAGE_S)
+    ended = time.time()
+    spawn_coordinator("r1", address=a1)
+    spawn_coordinator("r2", address=a2)
+    _assert_steps_through(tmp_path, started, ended)
+    assert all(os.path.exists(f"/proc/{p}") for p in workers), "no worker was restarted"
+    _finished([a, b], 120)
+    with fleet(both) as client:
+        info = client.get_job("job")
+        assert info.status.state is JobState.SUCCEEDED, info.status
+        assert info.generation.number == 1 and info.generation.restarts_used == 0
+    assert max(e["step"] for e in _events(tmp_path)) == 699
+    assert "exited with code" not in a.output() + b.output()
+
+
+@pytest.mark.timeout(300)
+def test_a_60s_etcd_outage_changes_nothing(make_coordinator, spawn_agent, fleet, tmp_path) -> None:
+    etcd = EtcdServer(data_dir=str(tmp_path / "etcd")).start()
+    try:
+        server = make_coordinator("solo", endpoints=(etcd.endpoint,))
+        a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=700, nnodes="2:2"), name="agent-a")
+        b = spawn_agent(server, _args(server.address, "b", tmp_path, steps=700, nnodes="2:2"), name="agent-b")
+        wait_for(lambda: _stepping(tmp_path, 1, 4), 90, "the world of 4 stepping")
+        workers = _workers(a, b)
+        started = time.time()
+        etcd.kill()
+        time.sleep(OUTAGE_S)
+        ended = time.time()
+        etcd.start()
+        _assert_steps_through(tmp_path, started, ended)
+        assert all(os.path.exists(f"/proc/{p}") for p in workers), "no worker was restarted"
+        _finished([a, b], 120)
+        with fleet(server) as client:
+            info = client.get_job("job")
+            assert info.status.state is JobState.SUCCEEDED, info.status
+            assert info.generation.number == 1 and info.generation.restarts_used == 0
+    finally:
+        etcd.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_malformed_record_of_one_job_leaves_the_others_training(make_coordinator, spawn_agent, fleet,
+                                                                  tmp_path) -> None:  # fmt: skip
+    from pliant.coordinator.contract import JobSpec
+
+    server = make_coordinator(health_listen="127.0.0.1:0")
+    store = server.store
+    with fleet(server) as client:
+        client.create_job(JobSpec("bad", 1, 1))
+        store.client.put(store.job_key("bad", "state"), '{"since": 1.0}')  # valid JSON, no "state"
+        a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=40, nnodes="1:1", step_time=0.02),
+                        name="agent-a")  # fmt: skip
+        _finished([a], 120)
+        assert client.get_job("job").status.state is JobState.SUCCEEDED
+        assert "KeyError" in server.reconciler.unreadable["bad"]
+        _jobs, unreadable = client.admin.list_jobs_and_errors()
+        assert "jobs/bad/state" in unreadable["bad"]
+        assert server.election.is_leader and health_serving(f"127.0.0.1:{server.health_port}")
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_worker_is_a_hang_the_job_recovers_from(make_coordinator, spawn_agent, fleet, tmp_path) -> None:
+    server = make_coordinator()
+    a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=150, nnodes="1:1", step_time=0.05,
+                                  extra=("--hang-timeout", "3")), name="agent-a")  # fmt: skip
+    wait_for(lambda: _stepping(tmp_path, 1, 2) and max(e["step"] for e in _events(tmp_path)) > 30, 90,
+             "steps past 30")  # fmt: skip
+    victim = next(iter(sorted(_workers(a))))
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(lambda: "hang detected" in a.output(), 30, "the hang to be detected")
+    latency = time.monotonic() - stopped
+    print(f"hang detected {latency:.1f}s after SIGSTOP (hang timeout 3s)")
+    assert latency < 3 + 3, f"detected after {latency:.1f}s"
+    wait_for(lambda: "Most recent call first" in a.output() or "most recent call first" in a.output(), 10,
+             "the stack dump")  # fmt: skip
+    _finished([a], 120)
+    with fleet(server) as client:
+        info = client.get_job("job")
+        assert info.status.state is JobState.SUCCEEDED
+        assert (info.generation.number, info.generation.reason, info.generation.restarts_used) == (2, "restart", 1)
+
+
+@pytest.mark.timeout(240)
+def test_a_join_during_a_slow_checkpoint_spends_no_restart(make_coordinator, spawn_agent, fleet, tmp_path) -> None:
+    server = make_coordinator()
+    env = {"TEST_SLOW_SAVE_S": "12"}
+    a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=100000, extra=("--max-restarts", "0")),
+                    name="agent-a", env=env)  # fmt: skip
+    wait_for(lambda: _stepping(tmp_path, 1, 2), 90, "node a stepping")
+    joined = time.time()
+    b = spawn_agent(server, _args(server.address, "b", tmp_path, steps=100000, extra=("--max-restarts", "0")),
+                    name="agent-b", env=env)  # fmt: skip
+    wait_for(lambda: _stepping(tmp_path, 2, 4), 120, "the world of 4 stepping")
+    pause = min(e["time"] for e in _events(tmp_path) if e["generation"] == 2) - joined
+    print(f"join -> world of 4 stepping: {pause:.1f}s, with a 12s rescale checkpoint on node a")
+    with fleet(server) as client:
+        info = client.get_job("job")
+        assert info.status.state is JobState.RUNNING
+        assert (info.generation.number, info.generation.reason, info.generation.restarts_used) == (2, "join", 0)
+        client.finish_job("job", True, "test done")
+    _finished([a, b], 60)
+    assert "cannot start" not in b.output() and "failure of generation" not in a.output() + b.output()
+
+
+@pytest.mark.timeout(240)
+def test_an_evicted_node_stops_its_workers_and_commits_nothing_after(make_coordinator, spawn_agent, fleet,
+                                                                     tmp_path) -> None:  # fmt: skip
+    server = make_coordinator()
+    proxy = Proxy(server.address)
+    try:
+        a = spawn_agent(server, _args(proxy.address, "a", tmp_path, steps=100000, nnodes="1:1"), name="agent-a")
+        wait_for(lambda: _stepping(tmp_path, 1, 2), 90, "node a stepping")
+        b = spawn_agent(server, _args(server.address, "b", tmp_path, steps=100000, nnodes="1:1"), name="agent-b")
+        with fleet(server) as client:
+            wait_for(lambda: len(client.get_job("job").members) == 2, 30, "node b waiting as a spare")
+            a_workers = _workers(a)
+            proxy.cut()  # node a can reach nothing of the control plane; it trains on alone
+            gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == 2 and g, 30, "gen 2")
+            assert gen.node_ids == ("b",) and gen.reason == "failure"
+            wait_for(lambda: _stepping(tmp_path, 2, 2), 90, "node b's world stepping")
+            fence_at = (tmp_path / "ckpt" / "pliant-fence.json").stat().st_mtime
+            wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in a_workers), 15,
+                     "node a's workers to be stopped")  # fmt: skip
+            assert a.proc.poll() is None, "the agent itself keeps trying to reach the coordinator"
+            assert "fenced" in a.output()
+            for marker in (tmp_path / "ckpt").glob("step-*/pliant-commit.json"):
+                info = json.loads(marker.read_text())
+                assert info["generation"] >= 2 or info["saved_at"] < fence_at, info
+            proxy.heal()
+            wait_for(lambda: "joined job job" in a.output().split("fenced", 1)[-1], 30, "node a joining again")
+            client.finish_job("job", True, "test done")
+        _finished([a, b], 60)
+        assert_all_gone(list(a_workers))
+    finally:
+        proxy.close()
