@@ -140,3 +140,24 @@ def test_state_writes_are_fenced_by_the_record_read(make_coordinator, fleet) -> 
         with pytest.raises(FencingError):
             store.set_status(store.read_job("job"), JobStatus(JobState.FAILED, 0.0, "over a terminal state"), fence)
         assert client.get_job("job").status.state is JobState.SUCCEEDED
+
+
+def test_a_reconciler_fault_resigns_and_reports_not_serving_until_it_recovers(make_coordinator, monkeypatch) -> None:
+    server = make_coordinator("faulty", health_listen="127.0.0.1:0")
+    health = f"127.0.0.1:{server.health_port}"
+    wait_for(lambda: server.election.is_leader, 10, "leadership")
+    original, calls = server.store.list_job_ids, []
+
+    def broken() -> list[str]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug outside any one job")
+        return original()
+
+    monkeypatch.setattr(server.store, "list_job_ids", broken)
+    server.reconciler.poke()
+    wait_for(lambda: not health_serving(health), 10, "NOT_SERVING after the fault")
+    assert not server.election.is_leader and server.store.leader()[0] != "faulty"
+    assert server.metrics.faults._value.get() == 1
+    # After one leader TTL it campaigns again; etcd answers, so it serves (and leads: it is the only replica).
+    wait_for(lambda: health_serving(health) and server.election.is_leader, 15, "recovery")
