@@ -92,7 +92,7 @@ class Agent:
         self.metrics_server: MetricsServer | None = None
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
-        self._renewing: bool | None = None
+        self._renewing: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -179,12 +179,12 @@ class Agent:
     # -- background threads --------------------------------------------------------------------------------------------
 
     def _publish_renewing(self) -> None:
-        """Tell peers (through the agent store) whether this agent renewed its membership within the last TTL."""
-        renewing = time.monotonic() - self.state.renewed_at <= self.state.ttl_s
-        if renewing is not self._renewing and self.store is not None:
+        """Tell peers (through the agent store) for how long this agent has renewed its membership without a break."""
+        streak = int(core.renewal_streak(self.state, time.monotonic()))
+        if streak != self._renewing and self.store is not None:
             with contextlib.suppress(Exception):
-                self.store.set_renewing(renewing)
-                self._renewing = renewing
+                self.store.set_renewing(streak)
+                self._renewing = streak
 
     def _heartbeat_loop(self) -> None:
         failing = False
@@ -449,10 +449,11 @@ class Agent:
                     os.kill(worker.proc.pid, STACKS_SIGNAL)
         time.sleep(1.0)  # the dumps go through the output pumps into the log
 
-    def _peers_renewing(self) -> bool:
+    def _peers_renewing(self) -> float:
+        """The longest unbroken renewal streak among (up to 8 of) the generation's other agents; -1 if none."""
         gen = self.state.generation
         peers = [m for m in gen.members if m.node_id != self.config.node_id] if gen else []
-        return any(NodeStore.peer_renewing(m.address) for m in peers[:8])
+        return max([-1.0, *(NodeStore.peer_renewing(m.address) for m in peers[:8])])
 
     def _leave(self) -> None:
         if self.grant is None:

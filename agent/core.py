@@ -13,9 +13,10 @@ The rules:
   queued and sent when it answers again (the executor retries them in the background); the agent never exits because
   of it.
 - **Self-fencing**: when this agent cannot renew its membership for ``FENCE_AFTER`` heartbeat TTLs, it asks its
-  peers' agents whether they renewed theirs within the last TTL; if one did, the control plane answers others and
-  this node has been (or is about to be) evicted: it stops its workers, so no zombie world trains on. If none did,
-  the control plane is down for everyone and the workers keep going. A world with no peer to ask (one node) is
+  peers' agents how long they have been renewing theirs without a break; if one has for ``FENCE_AFTER`` TTLs, the
+  control plane has answered others for longer than the grace it gives everyone after an outage, so this node has
+  been (or is about to be) evicted: it stops its workers, so no zombie world trains on. Otherwise the control plane
+  is down (or just back) for everyone, and the workers keep going. A world with no peer to ask (one node) is
   fenced by the checkpoint directory instead: once a newer generation opened it (its fence file), the old group is
   stopped, and its commits are refused anyway.
 - **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
@@ -65,14 +66,15 @@ __all__ = [
     "Tick",
     "decide",
     "hang_timeout",
+    "renewal_streak",
 ]
 
 HANG_FLOOR_S = 60.0
 HANG_MULTIPLE = 10.0
 HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were killed by the agent)
-# Peers are asked after this many TTLs without a renewal: a peer's last renewal before a control-plane outage can be
-# up to one heartbeat interval (TTL/4) later than ours, and it says "renewing" until one TTL after it; the margin keeps
-# an outage for everyone from looking like an eviction of this node alone.
+# Peers are asked after this many TTLs without a renewal, and a peer's unbroken renewals must have lasted as long: a
+# returning coordinator gives every member one TTL before it evicts anyone, and nodes reconnect at different moments,
+# so a shorter streak does not yet show that this node alone is cut off.
 FENCE_AFTER = 1.5
 _STEP_SAMPLES = 64  # recent step intervals the median is taken over
 
@@ -120,6 +122,7 @@ class CoreState:
     step_intervals: tuple[float, ...] = ()
     ttl_s: float = 10.0
     renewed_at: float = 0.0
+    renewing_since: float | None = None  # start of the current unbroken run of renewals (None: failing)
     probed_at: float = -1e18
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
@@ -178,7 +181,7 @@ class LeaseLost:
 
 @dataclass(frozen=True)
 class PeersProbed:
-    renewing: bool  # at least one peer's agent renews its membership right now
+    streak_s: float  # the longest unbroken run of membership renewals among the peers' agents (-1: none answered)
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,18 @@ def hang_timeout(state: CoreState) -> float:
         return state.config.hang_timeout_s
     median = statistics.median(state.step_intervals) if state.step_intervals else 0.0
     return max(HANG_FLOOR_S, HANG_MULTIPLE * median)
+
+
+def renewal_streak(state: CoreState, now: float) -> float:
+    """How long this agent has renewed its membership without a break (-1: it is not renewing now). Peers read it."""
+    if state.renewing_since is None or now - state.renewed_at > state.ttl_s:
+        return -1.0
+    return now - state.renewing_since
+
+
+def _renewed(state: CoreState, now: float) -> CoreState:
+    unbroken = state.renewing_since is not None and now - state.renewed_at <= state.ttl_s
+    return replace(state, renewed_at=now, renewing_since=state.renewing_since if unbroken else now)
 
 
 def _set(state: CoreState, phase: AgentState, reason: str = "", **changes: object) -> CoreState:
@@ -362,8 +377,8 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
     if state.phase in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.LEFT):
         return state, []
     if isinstance(event, Joined):
-        return _set(replace(state, ttl_s=event.ttl_s, renewed_at=now), AgentState.WAITING
-                    if state.group is None else state.phase, "joined"), []  # fmt: skip
+        state = replace(state, ttl_s=event.ttl_s, renewing_since=None)
+        return _set(_renewed(state, now), AgentState.WAITING if state.group is None else state.phase, "joined"), []
     if isinstance(event, GenerationSeen):
         return _on_generation(state, event.generation, now)
     if isinstance(event, JobFinished):
@@ -382,16 +397,19 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         report = Report("failure", event.generation, -1, event.message)
         return _set(_no_group(state), AgentState.WAITING, f"cannot start: {event.message}"), [Stop(), Send(report)]
     if isinstance(event, HeartbeatOk):
-        return replace(state, renewed_at=now), []
+        return _renewed(state, now), []
     if isinstance(event, HeartbeatFailed):
-        return _watch_membership(state, now)
+        return _watch_membership(replace(state, renewing_since=None), now)
     if isinstance(event, LeaseLost):
         actions: list[Action] = [Stop()] if state.group is not None else []
+        state = replace(state, renewing_since=None)
         return _set(_no_group(state), AgentState.JOINING, f"membership lost: {event.why}"), actions
     if isinstance(event, PeersProbed):
-        if not event.renewing or state.group is None or now - state.renewed_at <= FENCE_AFTER * state.ttl_s:
+        limit = FENCE_AFTER * state.ttl_s
+        if event.streak_s < limit or state.group is None or now - state.renewed_at <= limit:
             return state, []
-        why = f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while peers renew theirs"
+        why = (f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
+               f"{event.streak_s:.0f}s")  # fmt: skip
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
     if isinstance(event, SignalReceived):
         actions = [Stop(rescale=True)] if state.group is not None else []

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _KEEP = 2  # generation stores kept alive (the current and the previous one)
 
 
-_RENEWING_KEY = "/pliant/agent/renewing"  # "1" while this agent's heartbeats reach the coordinator, else "0"
+_RENEWING_KEY = "/pliant/agent/renewing"  # seconds of unbroken membership renewals ("-1": not renewing)
 
 
 def _port_key(generation: int) -> str:
@@ -93,22 +93,25 @@ class NodeStore:
         self.address = f"{host}:{self.server.port}"  # type: ignore[attr-defined]
         self._generation_stores: dict[int, object] = {}
 
-    def set_renewing(self, renewing: bool) -> None:
-        """Tell peers whether this agent's heartbeats reach the coordinator (see :meth:`peer_renewing`)."""
-        self.server.set(_RENEWING_KEY, "1" if renewing else "0")  # type: ignore[attr-defined]
+    def set_renewing(self, streak_s: int) -> None:
+        """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing);
+        see :meth:`peer_renewing`. A duration on this agent's own clock: no clocks are compared across nodes."""
+        self.server.set(_RENEWING_KEY, str(streak_s))  # type: ignore[attr-defined]
 
     @staticmethod
-    def peer_renewing(address: str, timeout_s: float = 1.0) -> bool:
-        """Whether the agent whose store is at ``address`` says its heartbeats reach the coordinator now (False when
-        it does not answer)."""
+    def peer_renewing(address: str, timeout_s: float = 1.0) -> float:
+        """For how long the agent whose store is at ``address`` has renewed its membership without a break (-1 when it
+        is not renewing or does not answer)."""
         from torch.distributed import TCPStore
 
         host, port = parse_host_port(address)
         try:
             client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            return bool(client.check([_RENEWING_KEY])) and client.get(_RENEWING_KEY) == b"1"
+            if not client.check([_RENEWING_KEY]):
+                return -1.0
+            return float(client.get(_RENEWING_KEY))
         except Exception:  # unreachable, or not an agent store
-            return False
+            return -1.0
 
     def generation_opened(self, generation: int) -> int | None:
         """The port of generation ``generation``'s store if this node opened it."""

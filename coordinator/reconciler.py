@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 PACING_FACTOR = 2.0  # after a pass that took t seconds, the next one starts no sooner than PACING_FACTOR * t later
 PACING_MAX_S = 0.25
-SWEEP_FRACTION = 0.25  # lease ages are read every heartbeat TTL * SWEEP_FRACTION per job
+SWEEP_MIN_S = 0.5  # lease ages of one job are read at most this often
+AGE_GRANULARITY_S = 1.0  # etcd reports a lease's remaining TTL in whole seconds
 
 
 class Reconciler:
@@ -240,22 +241,31 @@ class Reconciler:
 
     def _sweep(self, snap: JobSnapshot, fence: Fence, now: float) -> float | None:
         """Evict members silent for the heartbeat TTL (see :func:`overdue_members`). Returns when to sweep next, or
-        None when it evicted someone."""
+        None when it evicted someone.
+
+        Lease ages are read only when someone could be overdue: after a sweep, no member can pass the TTL before the
+        oldest one does (ages grow at one second per second at most), so the next sweep is due then.
+        """
         job, ttl = snap.spec.job_id, snap.spec.heartbeat_ttl_s
         due = self._next_sweep.get(job, 0.0)
         if now < due:
             return due
-        self._next_sweep[job] = now + max(0.5, ttl * SWEEP_FRACTION)
-        if snap.members and now - self._heard_since >= ttl:
-            gone = overdue_members(self._store.lease_ages(job, snap.members), ttl, self._heard_since, now)
-            if gone:
-                self._store.evict(snap, gone, fence)
-                if self._metrics:
-                    self._metrics.evictions.labels(job).inc(len(gone))
-                logger.warning("job %s: evicted %s: no heartbeat for %gs", job, ", ".join(gone), ttl)
-                self._dirty.set()
-                return None
-        return max(self._next_sweep[job], self._heard_since + ttl)
+        if now - self._heard_since < ttl:
+            self._next_sweep[job] = self._heard_since + ttl
+            return self._next_sweep[job]
+        ages = self._store.lease_ages(job, snap.members) if snap.members else {}
+        gone = overdue_members(ages, ttl, self._heard_since, now)
+        if gone:
+            self._store.evict(snap, gone, fence)
+            if self._metrics:
+                self._metrics.evictions.labels(job).inc(len(gone))
+            logger.warning("job %s: evicted %s: no heartbeat for %gs", job, ", ".join(gone), ttl)
+            self._dirty.set()
+            self._next_sweep.pop(job, None)
+            return None
+        oldest = max((age for age in ages.values() if age >= 0), default=0.0)
+        self._next_sweep[job] = now + max(SWEEP_MIN_S, ttl - oldest + AGE_GRANULARITY_S)
+        return self._next_sweep[job]
 
     def _execute(self, snap: JobSnapshot, decision: object, fence: Fence) -> float | None:
         job, status = snap.spec.job_id, snap.status

@@ -93,10 +93,13 @@ def test_an_agent_cut_off_while_its_peers_renew_fences_itself() -> None:
     assert agent.on(core.HeartbeatFailed(), after=1.5) == [core.ProbePeers()]
     assert agent.on(core.HeartbeatFailed(), after=1.0) == []  # asked at most once per half TTL
     # Peers cannot renew either: the control plane is down for everyone; keep training.
-    assert agent.on(core.PeersProbed(renewing=False)) == []
+    assert agent.on(core.PeersProbed(streak_s=-1.0)) == []
+    # A peer renews again, but only since the control plane came back: it has not yet given everyone its grace.
+    assert agent.on(core.Tick(), after=5.0) == [core.ProbePeers()]
+    assert agent.on(core.PeersProbed(streak_s=12.0)) == []
     assert agent.state.phase is AgentState.RUNNING
     assert agent.on(core.Tick(), after=5.0) == [core.ProbePeers()]
-    assert agent.on(core.PeersProbed(renewing=True)) == [core.Stop()]
+    assert agent.on(core.PeersProbed(streak_s=16.0)) == [core.Stop()]
     assert agent.state.phase is AgentState.WAITING and "fenced" in agent.state.reason
     agent.on(core.LeaseLost("evicted"))
     assert agent.state.phase is AgentState.JOINING
@@ -175,3 +178,17 @@ def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node() -> None:
     assert agent.on(core.Tick({}, fence=(3, 9))) == []  # an older incarnation of the job
     assert agent.on(core.Tick({}, fence=(7, 5))) == [core.Stop()]
     assert "fenced: generation 5 owns the checkpoint directory" in agent.state.reason
+
+
+def test_the_renewal_streak_peers_read() -> None:
+    agent = Agent()
+    agent.on(core.Joined(10.0))
+    assert core.renewal_streak(agent.state, agent.now) == 0.0
+    for _ in range(8):
+        agent.on(core.HeartbeatOk(), after=2.5)
+    assert core.renewal_streak(agent.state, agent.now) == 20.0
+    assert core.renewal_streak(agent.state, agent.now + 11) == -1.0  # silent for more than the TTL
+    agent.on(core.HeartbeatOk(), after=30.0)  # back after an outage: a new streak
+    assert core.renewal_streak(agent.state, agent.now) == 0.0
+    agent.on(core.HeartbeatFailed(), after=1.0)
+    assert core.renewal_streak(agent.state, agent.now) == -1.0

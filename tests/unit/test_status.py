@@ -62,3 +62,13 @@ def test_progress_survives_the_protobuf_round_trip() -> None:
 def test_no_jobs() -> None:
     assert render_table([], NOW) == "no jobs"
     assert json.loads(render_json([])) == {"jobs": []}
+
+
+def test_unreadable_jobs_are_listed_with_the_fix() -> None:
+    why = "etcd record /pliant/v1/jobs/bad/state cannot be read (KeyError: 'state'); ... (etcdctl del ...)"
+    text = render_table([_job()], NOW, {"bad": why})
+    assert text.splitlines()[0] == f"job bad: UNREADABLE, skipped by the coordinator: {why}"
+    assert "job train: running" in text
+    assert render_table([], NOW, {"bad": why}).startswith("job bad: UNREADABLE")
+    assert json.loads(render_json([_job()], {"bad": why}))["unreadable"] == {"bad": why}
+    assert "unreadable" not in json.loads(render_json([_job()]))
