@@ -402,6 +402,7 @@ class Agent:
                 checkpoint_dir=self.config.checkpoint_dir,
                 metrics_dir=self.metrics.worker_dir,
                 job_epoch=gen.epoch,
+                allow_fresh_start=self.config.allow_fresh_start,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
             )
             for local_rank in range(me.nproc)

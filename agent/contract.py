@@ -65,6 +65,8 @@ class AgentConfig:
             :func:`pliant.agent.core.hang_timeout`).
         start_timeout_s: a worker that reaches no first step, or spends longer in one checkpoint save, is hung
             (0: never).
+        allow_fresh_start: exported to workers: when checkpoints exist but none loads, train from step 0 instead of
+            failing.
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
@@ -90,6 +92,7 @@ class AgentConfig:
     finish_grace_s: float = 10.0
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
+    allow_fresh_start: bool = False
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None

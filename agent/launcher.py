@@ -154,6 +154,12 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         "save, is hung, s (default 600; 0: never)",
     )
     parser.add_argument(
+        "--allow-fresh-start",
+        action="store_true",
+        help="when checkpoints exist in --checkpoint-dir but none can be loaded, train from step 0 instead of failing "
+        "(pliant.worker scripts)",
+    )
+    parser.add_argument(
         "--finish-grace",
         type=float,
         default=10.0,
@@ -292,6 +298,7 @@ def config_from_args(
         finish_grace_s=args.finish_grace,
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,
+        allow_fresh_start=args.allow_fresh_start,
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,

@@ -45,6 +45,8 @@ class WorkerEnv:
         agent_store: host:port of this node's agent store (used by the worker library's rescale protocol).
         checkpoint_dir: where the job's checkpoints live ("" when not configured).
         metrics_dir: prometheus_client multiprocess directory ("" when not configured).
+        allow_fresh_start: when checkpoints exist but none loads, train from step 0 instead of failing
+            (``--allow-fresh-start``).
         job_epoch: the job's incarnation (0 outside a pliant agent); with ``generation`` it orders worlds for
             checkpoint fencing.
         progress_file: where the worker writes its step and phase for the agent's hang detection
@@ -68,6 +70,7 @@ class WorkerEnv:
     metrics_dir: str = ""
     job_epoch: int = 0
     progress_file: str = ""
+    allow_fresh_start: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -106,6 +109,7 @@ class WorkerEnv:
             "PLIANT_METRICS_DIR": self.metrics_dir,
             "PLIANT_PROGRESS_FILE": self.progress_file,
             "PLIANT_JOB_EPOCH": str(self.job_epoch),
+            "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -154,4 +158,5 @@ class WorkerEnv:
             metrics_dir=env.get("PLIANT_METRICS_DIR", ""),
             progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
             job_epoch=integer("PLIANT_JOB_EPOCH", 0),
+            allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
         )

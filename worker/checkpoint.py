@@ -448,8 +448,8 @@ class CheckpointManager:
         details = "; ".join(f"{p}: {why}" for p, why in unusable) or "only checkpoints moved aside earlier remain"
         raise CheckpointError(
             f"checkpoints exist in {self.directory} but none can be loaded ({details}); nothing was deleted. Repair or "
-            f"restore them, point --checkpoint-dir elsewhere, or pass allow_fresh_start=True (session.checkpoints) to "
-            f"train from step 0"
+            f"restore them, point --checkpoint-dir elsewhere, or train from step 0 with --allow-fresh-start (pliant "
+            f"run / agent) or allow_fresh_start=True (session.checkpoints)"
         )
 
 

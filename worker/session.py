@@ -178,7 +178,7 @@ class Session:
         every_steps: int = 0,
         keep: int = 3,
         async_save: bool = True,
-        allow_fresh_start: bool = False,
+        allow_fresh_start: bool | None = None,
     ) -> CheckpointManager:
         """A checkpoint manager for this job (see :mod:`pliant.worker.checkpoint`).
 
@@ -186,7 +186,8 @@ class Session:
             engine, loader: what to save.
             directory: default: the agent's ``--checkpoint-dir`` (PLIANT_CHECKPOINT_DIR).
             every_steps: periodic saves (0: only on rescale).
-            keep, async_save, allow_fresh_start: see :class:`CheckpointManager`.
+            keep, async_save, allow_fresh_start: see :class:`CheckpointManager` (``allow_fresh_start`` default: the
+                agent's ``--allow-fresh-start``).
 
         Raises:
             CheckpointError: no directory.
@@ -196,9 +197,11 @@ class Session:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
         rescale = self.rescale_requested if self.env.agent_store else None
         env = self.env
+        fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
         return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,
                                  async_save=async_save, every_steps=every_steps, rescale=rescale,
-                                 metrics=self.metrics, allow_fresh_start=allow_fresh_start,
+                                 metrics=self.metrics,
+                                 allow_fresh_start=fresh,
                                  epoch=env.job_epoch)  # fmt: skip
 
     def all_reduce_sum(self, value: float) -> float:

@@ -11,7 +11,8 @@ from pliant.errors import ConfigError
 def test_round_trip() -> None:
     env = WorkerEnv(rank=5, local_rank=1, world_size=6, local_world_size=2, node_rank=2, num_nodes=3,
                     master_addr="10.0.0.1", master_port=29500, job_id="job", generation=4, max_restarts=3,
-                    node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt")  # fmt: skip
+                    node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt", job_epoch=77,
+                    progress_file="/tmp/p", allow_fresh_start=True)  # fmt: skip
     variables = env.to_env()
     assert variables["RANK"] == "5" and variables["GROUP_RANK"] == "2" and variables["GROUP_WORLD_SIZE"] == "3"
     assert variables["TORCHELASTIC_RESTART_COUNT"] == "3", "restart count is generation - 1"
@@ -46,3 +47,25 @@ def test_a_single_process_needs_no_variables() -> None:
 def test_bad_values_are_named(variables: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         WorkerEnv.from_env(variables)
+
+
+def test_progress_and_fence_files(tmp_path) -> None:
+    from pliant.progress import ProgressFile, read_fence, read_progress
+
+    path = str(tmp_path / "rank-0")
+    assert read_progress(path) is None
+    progress = ProgressFile(path)
+    progress.write(0, "start")
+    assert read_progress(path) == (0, "start")
+    progress.write(12345, "step")
+    assert read_progress(path) == (12345, "step")
+    with progress.saving():
+        assert read_progress(path) == (12345, "save")
+    assert read_progress(path) == (12345, "step")
+    progress.close()
+    ProgressFile("").write(1, "step")  # no agent watches: a no-op
+    assert read_fence(tmp_path) == (0, 0)
+    (tmp_path / "pliant-fence.json").write_text('{"epoch": 3, "generation": 9}')
+    assert read_fence(tmp_path) == (3, 9)
+    (tmp_path / "pliant-fence.json").write_text("{")
+    assert read_fence(tmp_path) == (0, 0)
