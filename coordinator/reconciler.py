@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 PACING_FACTOR = 2.0  # after a pass that took t seconds, the next one starts no sooner than PACING_FACTOR * t later
 PACING_MAX_S = 0.25
 SWEEP_MIN_S = 0.5  # lease ages of one job are read at most this often
-AGE_GRANULARITY_S = 1.0  # etcd reports a lease's remaining TTL in whole seconds
 
 
 class Reconciler:
@@ -264,7 +263,9 @@ class Reconciler:
             self._next_sweep.pop(job, None)
             return None
         oldest = max((age for age in ages.values() if age >= 0), default=0.0)
-        self._next_sweep[job] = now + max(SWEEP_MIN_S, ttl - oldest + AGE_GRANULARITY_S)
+        # An age is reported rounded up (etcd gives whole seconds left), so no member can pass the TTL before
+        # ``ttl - oldest`` from now; it may take up to a second more, and the next sweep then comes SWEEP_MIN_S later.
+        self._next_sweep[job] = now + max(SWEEP_MIN_S, ttl - oldest)
         return self._next_sweep[job]
 
     def _execute(self, snap: JobSnapshot, decision: object, fence: Fence) -> float | None:
