@@ -127,11 +127,6 @@ class CoreState:
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
 
-    @property
-    def members_me(self) -> bool:
-        gen = self.generation
-        return gen is not None and self.node_id in gen.node_ids
-
 
 # -- events ------------------------------------------------------------------------------------------------------------
 

@@ -71,8 +71,9 @@ def _finished(agents: list, timeout_s: float = 60) -> None:
         assert agent.proc.returncode == 0, agent.output()[-4000:]
 
 
-def _assert_steps_through(workdir: Path, start: float, end: float) -> None:
-    """Rank 0 kept stepping from ``start`` to ``end`` (no gap longer than 5 s) in generation 1 alone."""
+def _assert_steps_through(workdir: Path, start: float, end: float) -> int:
+    """Rank 0 kept stepping from ``start`` to ``end`` (no gap longer than 5 s) in generation 1 alone. Returns its
+    steps in that window."""
     events = _events(workdir)
     assert {e["generation"] for e in events} == {1}, "no new generation, no restart"
     times = sorted(e["time"] for e in events if e["rank"] == 0 and start <= e["time"] <= end)
@@ -80,6 +81,7 @@ def _assert_steps_through(workdir: Path, start: float, end: float) -> None:
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) < 5, f"training paused {max(gaps):.1f}s during the outage"
     print(f"{len(times)} steps of rank 0 during the {end - start:.0f}s outage; longest pause {max(gaps):.2f}s")
+    return len(times)
 
 
 def _train_through_an_outage(target: object, spawn_agent, fleet, workdir: Path, down, up) -> None:
@@ -95,7 +97,7 @@ def _train_through_an_outage(target: object, spawn_agent, fleet, workdir: Path, 
     time.sleep(OUTAGE_S)
     ended = time.time()
     up()
-    _assert_steps_through(workdir, started, ended)
+    steps = _assert_steps_through(workdir, started, ended)
     assert all(os.path.exists(f"/proc/{p}") for p in workers), "no worker was restarted"
     _finished([a, b], 120)
     with fleet(target) as client:
@@ -104,6 +106,7 @@ def _train_through_an_outage(target: object, spawn_agent, fleet, workdir: Path, 
         assert info.generation.number == 1 and info.generation.restarts_used == 0
     assert max(e["step"] for e in _events(workdir)) == STEPS - 1
     assert "exited with code" not in a.output() + b.output()
+    return steps
 
 
 @pytest.mark.timeout(OUTAGE_S + 240)
@@ -111,8 +114,10 @@ def test_a_60s_outage_of_every_coordinator_replica_changes_nothing(spawn_coordin
                                                                    tmp_path) -> None:  # fmt: skip
     (r1, a1), (r2, a2) = spawn_coordinator("r1"), spawn_coordinator("r2")
     both = types.SimpleNamespace(address=f"{a1},{a2}")
-    _train_through_an_outage(both, spawn_agent, fleet, tmp_path, down=lambda: (r1.kill(), r2.kill()),
-                             up=lambda: (spawn_coordinator("r1", address=a1), spawn_coordinator("r2", address=a2)))
+    steps = _train_through_an_outage(both, spawn_agent, fleet, tmp_path, down=lambda: (r1.kill(), r2.kill()),
+                                     up=lambda: (spawn_coordinator("r1", address=a1),
+                                                 spawn_coordinator("r2", address=a2)))  # fmt: skip
+    assert steps > OUTAGE_S * 5, "0.1 s steps: about ten a second while every replica is down"
 
 
 @pytest.mark.timeout(OUTAGE_S + 240)
@@ -120,7 +125,8 @@ def test_a_60s_etcd_outage_changes_nothing(make_coordinator, spawn_agent, fleet,
     etcd = EtcdServer(data_dir=str(tmp_path / "etcd")).start()
     try:
         server = make_coordinator("solo", endpoints=(etcd.endpoint,))
-        _train_through_an_outage(server, spawn_agent, fleet, tmp_path, down=etcd.kill, up=etcd.start)
+        steps = _train_through_an_outage(server, spawn_agent, fleet, tmp_path, down=etcd.kill, up=etcd.start)
+        assert steps > OUTAGE_S * 5, "0.1 s steps: about ten a second while etcd is down"
     finally:
         etcd.stop()
 
