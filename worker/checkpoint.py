@@ -43,9 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pliant.env import RESCALE_EXIT_CODE
 from pliant.progress import FENCE, read_fence
@@ -81,87 +79,25 @@ class CheckpointInfo:
 
 def _fingerprint(engine: Engine) -> str:
     """A hash of the model's parameter names and global shapes: equal for the same model at any world size."""
-    model = getattr(engine.model, "module", engine.model)
-    items = sorted((name, tuple(value.shape)) for name, value in model.state_dict().items())
+    items = sorted((name, tuple(value.shape)) for name, value in engine.module.state_dict().items())
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
-def _materialize_zero_state(optimizer: ZeroRedundancyOptimizer) -> None:
-    """Create a fresh ZeRO optimizer's state tensors (momentum, moments) with a zero-learning-rate step, so DCP has a
-    template to load into (DCP's own state-dict helpers do the same for plain optimizers). Collective."""
-    if any(optimizer.optim.state.values()):
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module) -> dict[str, Any]:
-    """This rank's ZeRO optimizer shard keyed by parameter name (``<fqn>.<state key>``), plus the hyperparameters.
-
-    Each rank saves only the parameters it owns and loads only those it owns in the new world, so a checkpoint
-    reshards to any world size through DCP itself: no rank ever ships its state to another as a pickle.
-    """
-    names = {id(p): name for name, p in model.named_parameters()}
-    state: dict[str, Any] = {}
-    for group in optimizer.optim.param_groups:
-        for param in group["params"]:
-            for key, value in optimizer.optim.state.get(param, {}).items():
-                state[f"{names[id(param)]}.{key}"] = value
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return {"state": state, "groups": groups}
-
-
-def _load_zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module, saved: dict[str, Any]) -> None:
-    params = dict(model.named_parameters())
-    for flat, value in saved["state"].items():
-        name, key = flat.rsplit(".", 1)
-        slot = optimizer.optim.state[params[name]]
-        if isinstance(value, torch.Tensor) and isinstance(slot.get(key), torch.Tensor):
-            if slot[key] is not value:
-                slot[key].copy_(value)
-        else:
-            slot[key] = value
-    for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
-        group.update(hyper)  # ZeRO copies these to its local optimizer at every step
-
-
 class _TrainState(Stateful):
-    """Model and optimizer, through DCP's state-dict helpers (FSDP2 DTensors stay sharded; ZeRO shards by name)."""
+    """The engine's model and optimizer as DCP sees them (:meth:`pliant.worker.contract.Engine.state_dict`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.nbytes = 0  # tensor bytes of the last state handed to or received from DCP (this rank's shards)
 
     def state_dict(self) -> dict[str, Any]:
-        optimizer = self.engine.optimizer
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            model = getattr(self.engine.model, "module", self.engine.model)
-            _materialize_zero_state(optimizer)
-            state = {"model": model.state_dict(), "zero_shard": _zero_local_state(optimizer, model)}
-        else:
-            model_sd, optim_sd = get_state_dict(self.engine.model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+        state = self.engine.state_dict()
         self.nbytes = tensor_bytes(state)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.nbytes = tensor_bytes(state)
-        optimizer = self.engine.optimizer
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            model = getattr(self.engine.model, "module", self.engine.model)
-            model.load_state_dict(state["model"])
-            _load_zero_local_state(optimizer, model, state["zero_shard"])
-            return
-        set_state_dict(self.engine.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.engine.load_state_dict(state)
 
 
 class CheckpointManager:

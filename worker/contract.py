@@ -86,6 +86,26 @@ class Engine(abc.ABC):
     metrics: WorkerMetrics | None = None
     """Set by the session: where step times, samples and shadow steps are reported."""
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The user's model, without the parallel wrapper (DDP's ``.module``; FSDP2 shards the model in place)."""
+        return getattr(self.model, "module", self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model and optimizer state for ``torch.distributed.checkpoint``, which reshards it to any world
+        size: replicated tensors (DDP) or this rank's shards (FSDP2's DTensors; ZeRO's optimizer by parameter name).
+        May run collectives (every rank calls it together)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (as DCP filled it in, at this world size)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
     def _observe(self, batch: GlobalBatch, started: float, shadow: bool) -> None:
         """Report one step that began at ``started`` (perf_counter) to the metrics, if any."""
         if self.metrics is not None:

@@ -153,7 +153,71 @@ class DDPEngine(Engine):
 
 
 class ZeroEngine(DDPEngine):
-    """DDP with a ZeroRedundancyOptimizer: each rank keeps the optimizer state of its shard of the parameters."""
+    """DDP with a ZeroRedundancyOptimizer: each rank keeps the optimizer state of its shard of the parameters.
+
+    Its state for DCP is the model (replicated) and this rank's optimizer shard keyed by parameter name: each rank saves
+    only the parameters it owns and loads only those it owns in the new world, so a checkpoint reshards to any world
+    size through DCP itself, and no rank ever ships its state to another as a pickle.
+    """
+
+    optimizer: ZeroRedundancyOptimizer
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=cls, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        _materialize_zero_state(self.optimizer)
+        return {"model": self.module.state_dict(), "zero_shard": _zero_local_state(self.optimizer, self.module)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        _load_zero_local_state(self.optimizer, self.module, state["zero_shard"])
+
+
+def _materialize_zero_state(optimizer: ZeroRedundancyOptimizer) -> None:
+    """Create a fresh ZeRO optimizer's state tensors (momentum, moments) with a zero-learning-rate step, so DCP has a
+    template to load into (DCP's own state-dict helpers do the same for plain optimizers). Collective."""
+    if any(optimizer.optim.state.values()):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module) -> dict[str, Any]:
+    """This rank's ZeRO optimizer shard keyed by parameter name (``<fqn>.<state key>``), plus the hyperparameters.
+
+    Each rank saves only the parameters it owns and loads only those it owns in the new world, so a checkpoint
+    reshards to any world size through DCP itself: no rank ever ships its state to another as a pickle.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    state: dict[str, Any] = {}
+    for group in optimizer.optim.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.optim.state.get(param, {}).items():
+                state[f"{names[id(param)]}.{key}"] = value
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def _load_zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    params = dict(model.named_parameters())
+    for flat, value in saved["state"].items():
+        name, key = flat.rsplit(".", 1)
+        slot = optimizer.optim.state[params[name]]
+        if isinstance(value, torch.Tensor) and isinstance(slot.get(key), torch.Tensor):
+            if slot[key] is not value:
+                slot[key].copy_(value)
+        else:
+            slot[key] = value
+    for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
+        group.update(hyper)  # ZeRO copies these to its local optimizer at every step
+

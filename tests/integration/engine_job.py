@@ -40,9 +40,8 @@ def loss_fn(model: torch.nn.Module, micro: tuple[torch.Tensor, torch.Tensor, tor
 
 
 def full_params(engine: pw.Engine) -> dict[str, torch.Tensor]:
-    model = getattr(engine.model, "module", engine.model)
     out = {}
-    for name, value in model.state_dict().items():
+    for name, value in engine.module.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         out[name] = full.detach().cpu().clone()
     return out
