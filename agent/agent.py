@@ -49,6 +49,7 @@ __all__ = ["Agent"]
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
+FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
 _GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordinator will never take: drop it
 
 
@@ -93,6 +94,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
+        self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -294,8 +296,10 @@ class Agent:
             result = self.group.poll()
             if result is not None and not result.stopped:
                 return core.GroupExited(result, self._describe(result))
-        fence = read_fence(self.config.checkpoint_dir) if self.config.checkpoint_dir else (0, 0)
-        return core.Tick(self._progress(), fence)
+        now = time.monotonic()
+        if self.config.checkpoint_dir and now - self._fence_read_at >= FENCE_READ_S:
+            self._fence, self._fence_read_at = read_fence(self.config.checkpoint_dir), now
+        return core.Tick(self._progress(), self._fence)
 
     def _loop(self) -> int:
         next_tick = time.monotonic()
