@@ -111,6 +111,10 @@ class Agent:
             if self.config.metrics_port is not None:
                 self.metrics_server = serve_metrics(self.metrics.registry,
                                                     f"{self.config.host}:{self.config.metrics_port}")  # fmt: skip
+            if not self.config.checkpoint_dir:
+                logger.warning("agent %s: no --checkpoint-dir: unless the script saves its own checkpoints, every "
+                               "rescale or worker failure restarts training from step 0; pass --checkpoint-dir DIR "
+                               "(shared by the nodes) to keep progress", self.config.node_id)  # fmt: skip
             self._join()
             for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
                                  (self._report_loop, "reporter")):  # fmt: skip

@@ -18,7 +18,8 @@ __all__ = ["RESCALE_EXIT_CODE", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv"]
 
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
 # coming; pliant.worker agrees on a stop step across ranks, checkpoints, and exits with RESCALE_EXIT_CODE, which the
-# agent does not count as a failure. Scripts that do not use pliant.worker die on the signal, as if stopped.
+# agent does not count as a failure. Scripts that do not use pliant.worker, or use it without a checkpoint manager,
+# die on the signal, as if stopped.
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
 # The agent sends STACKS_SIGNAL to a hung worker before it stops it: the worker's faulthandler (registered by the zygote

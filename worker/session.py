@@ -99,7 +99,6 @@ class Session:
                 dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         self._rescale_asked = False
         if self.env.agent_store and threading.current_thread() is threading.main_thread():
-            signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)  # the agent's "checkpoint and exit"
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
                     self.backend, self.device)  # fmt: skip
@@ -196,6 +195,10 @@ class Session:
         if not directory:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
         rescale = self.rescale_requested if self.env.agent_store else None
+        if rescale is not None and threading.current_thread() is threading.main_thread():
+            # The agent's "checkpoint and exit". Only a loop with a checkpoint manager can answer it; without one the
+            # signal keeps its default action, so the worker stops at once and a rescale never waits out the grace.
+            signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)
         env = self.env
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
         return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,

@@ -28,14 +28,14 @@ STEPS = int(OUTAGE_S * 10 + 200)  # 0.1 s steps: training outlasts the outage
 
 
 def _args(coordinator: str, node: str, workdir: Path, steps: int, nnodes: str = "1:2", step_time: float = 0.1,
-          extra: tuple[str, ...] = (), script: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+          extra: tuple[str, ...] = (), checkpoints: bool = True) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
         "--nnodes", nnodes, "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.5",
         "--stop-grace", "2", "--finish-grace", "10", "--log-dir", str(workdir / "logs"),
-        "--checkpoint-dir", str(workdir / "ckpt"), *extra,
+        *(("--checkpoint-dir", str(workdir / "ckpt")) if checkpoints else ()), *extra,
         str(HOOKS), "--steps", str(steps), "--step-time", str(step_time), "--save-every", "20",
-        "--events", str(workdir / "events.jsonl"), *script,
+        "--events", str(workdir / "events.jsonl"),
     ]  # fmt: skip
 
 
@@ -213,6 +213,29 @@ def test_a_join_during_a_slow_checkpoint_spends_no_restart(make_coordinator, spa
         client.finish_job("job", True, "test done")
     _finished([a, b], 60)
     assert "cannot start" not in b.output() and "failure of generation" not in a.output() + b.output()
+
+
+@pytest.mark.timeout(180)
+def test_a_loop_without_checkpoints_never_waits_out_the_rescale_grace(make_coordinator, spawn_agent, fleet,
+                                                                     tmp_path) -> None:  # fmt: skip
+    """The README's first loop (pliant.worker, no --checkpoint-dir): a join used to wait the whole 30 s rescale grace
+    (the signal was swallowed) and spend a restart; now the old workers stop at once, with a warning at start."""
+    server = make_coordinator()
+    args = {"steps": 100000, "checkpoints": False, "extra": ("--max-restarts", "0")}
+    a = spawn_agent(server, _args(server.address, "a", tmp_path, **args), name="agent-a")  # type: ignore[arg-type]
+    wait_for(lambda: _stepping(tmp_path, 1, 2), 90, "node a stepping")
+    assert "no --checkpoint-dir" in a.output() and "restarts training from step 0" in a.output()
+    joined = time.time()
+    b = spawn_agent(server, _args(server.address, "b", tmp_path, **args), name="agent-b")  # type: ignore[arg-type]
+    wait_for(lambda: _stepping(tmp_path, 2, 4), 60, "the world of 4 stepping")
+    pause = min(e["time"] for e in _events(tmp_path) if e["generation"] == 2) - joined
+    print(f"join -> world of 4 stepping without checkpoints: {pause:.1f}s (rescale grace 30s)")
+    assert pause < 15, pause
+    with fleet(server) as client:
+        gen = client.get_job("job").generation
+        assert (gen.number, gen.reason, gen.restarts_used) == (2, "join", 0)
+        client.finish_job("job", True, "test done")
+    _finished([a, b], 60)
 
 
 @pytest.mark.timeout(240)
