@@ -32,7 +32,9 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
     out = result.stdout + result.stderr
     assert "other nodes join with:" in out and "pliant run --coordinator 127.0.0.1:" in out
     assert "mutual TLS, certificates in" in out and "--tls-dir" in out and "--join-token" in out
-    assert "--checkpoint-dir" not in out, "only when one is given"
+    join = next(line for line in out.splitlines() if "pliant run --coordinator 127.0.0.1:" in line)
+    assert "--checkpoint-dir" not in join, "only when one is given"
+    assert "no --checkpoint-dir: unless the script saves its own checkpoints" in out, "the warning at start"
     assert "[0]:step 5 world 2" in out, "rank-prefixed console output"
     steps = read_steps(events)
     assert {(s.rank, s.world, s.restart) for s in steps} == {(0, 2, 0), (1, 2, 0)}
