@@ -113,16 +113,10 @@ class NodeStore:
         except Exception:  # unreachable, or not an agent store
             return -1.0
 
-    def generation_opened(self, generation: int) -> int | None:
-        """The port of generation ``generation``'s store if this node opened it."""
-        store = self._generation_stores.get(generation)
-        return int(store.port) if store is not None else None  # type: ignore[attr-defined]
-
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
-        opened = self.generation_opened(generation)
-        if opened is not None:
-            return opened
+        if generation in self._generation_stores:  # opened already (before the old group stopped)
+            return int(self._generation_stores[generation].port)  # type: ignore[attr-defined]
         store = _store_server(self.host, 0)
         self._generation_stores[generation] = store
         for old in sorted(self._generation_stores)[:-_KEEP]:

@@ -110,7 +110,7 @@ class Reconciler:
         """Ask for a pass now (e.g. after an API call changed a job)."""
         self._dirty.set()
 
-    def lead(self, fence: Fence) -> None:
+    def lead(self) -> None:
         """A new term: forget the last term's clocks, and give every member a full TTL before any eviction."""
         self._times.reset()
         self._next_sweep.clear()
@@ -127,7 +127,7 @@ class Reconciler:
                 continue
             if fence != term:
                 term = fence
-                self.lead(fence)
+                self.lead()
             self._dirty.clear()
             started = time.perf_counter()
             try:

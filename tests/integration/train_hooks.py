@@ -7,6 +7,7 @@ agent's):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import time
@@ -22,19 +23,11 @@ if _slow:
 
     def _slow_save(self: CheckpointManager, step: int, sync: bool | None = None) -> float:
         if sync:
-            with self.metrics.progress.saving() if self.metrics else _nothing():
+            with self.metrics.progress.saving() if self.metrics else contextlib.nullcontext():
                 time.sleep(_slow)
         return _save(self, step, sync)
 
     CheckpointManager.save = _slow_save  # type: ignore[method-assign]
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 runpy.run_path(str(EXAMPLE), run_name="__main__")

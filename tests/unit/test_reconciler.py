@@ -26,7 +26,7 @@ def _setup(*jobs: JobSpec) -> tuple[FakeStore, Clock, Reconciler]:
     for spec in jobs:
         store.add_job(spec)
     rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9)
-    rec.lead(store.fence)
+    rec.lead()
     return store, clock, rec
 
 
@@ -51,7 +51,7 @@ def test_a_whole_control_plane_outage_evicts_nobody_who_heartbeats_again() -> No
     # Every replica was down for 60 s: both leases are 60 s old when a new leader takes over.
     clock.now += 60
     store.ages = {("job", "a"): 60.0, ("job", "b"): 60.0}
-    rec.lead(store.fence)
+    rec.lead()
     for _ in range(8):  # the first TTL: sweeps evict nobody; "a" heartbeats again, "b" (dead) does not
         clock.now += 1
         store.ages[("job", "a")] = 0.0
