@@ -79,7 +79,8 @@ class Agent:
         self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
         self.join_token = config.join_token
         self.state = core.CoreState(config.node_id, config=core.CoreConfig(config.hang_timeout_s,
-                                                                          config.start_timeout_s))  # fmt: skip
+                                                                          config.start_timeout_s,
+                                                                          config.rescale == "in-place"))  # fmt: skip
         self.group: WorkerGroup | None = None
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
@@ -299,11 +300,12 @@ class Agent:
         if self.group is not None:
             result = self.group.poll()
             if result is not None and not result.stopped:
-                return core.GroupExited(result, self._describe(result))
+                return core.GroupExited(result, self._describe(result), self.group.alive)
         now = time.monotonic()
         if self.config.checkpoint_dir and now - self._fence_read_at >= FENCE_READ_S:
             self._fence, self._fence_read_at = read_fence(self.config.checkpoint_dir), now
-        return core.Tick(self._progress(), self._fence)
+        ready = self.group is not None and self.group.ready()
+        return core.Tick(self._progress(), self._fence, ready)
 
     def _loop(self) -> int:
         next_tick = time.monotonic()
@@ -330,6 +332,8 @@ class Agent:
             self._track_workers()
 
     def _dispatch(self, event: core.Event) -> int | None:
+        if isinstance(event, (core.GenerationSeen, core.SignalReceived)) and self.group is not None:
+            self._dispatch(core.Tick(self._progress(), self._fence, self.group.ready()))  # decide on fresh readiness
         before = self.state
         self.state, actions = core.decide(self.state, event, time.monotonic())
         if self.state.phase is not before.phase or self.state.reason != before.reason:
@@ -340,6 +344,8 @@ class Agent:
             code = self._perform(action)
             if code is not None:
                 return code
+        if isinstance(event, core.GroupExited) and self.group is not None:
+            self.group.forget_dead()  # the others stay in place; the next generation replaces the dead
         return None
 
     def _perform(self, action: core.Action) -> int | None:
@@ -348,6 +354,8 @@ class Agent:
             self.store.open_generation(action.generation.number)
         elif isinstance(action, core.Stop):
             self._stop_group(action)
+        elif isinstance(action, core.Reconfigure):
+            self._reconfigure(action.generation)
         elif isinstance(action, core.Start):
             try:
                 self._start_workers(action.generation)
@@ -379,9 +387,49 @@ class Agent:
             deadline = time.monotonic() + self.config.finish_grace_s
             while group.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        group.stop(self.config.stop_grace_s, self.config.rescale_grace_s if action.rescale else 0.0)
+        if action.rescale:
+            self.metrics.rescales.labels("restart").inc()
+            why = "leaving; the others re-form in place" if action.leave else self._why_restart()
+            logger.info("agent %s: generation %d ends by the restart path (%s)", self.config.node_id,
+                        group.generation, why)  # fmt: skip
+        group.stop(self.config.stop_grace_s, self.config.rescale_grace_s if action.rescale else 0.0, action.leave)
+
+    def _why_restart(self) -> str:
+        if self.config.rescale != "in-place":
+            return "--rescale restart"
+        return "not every worker announced in-place support (a script without pliant.worker, an engine that cannot "\
+               "move in place, or a worker still starting)"
+
+    def _reconfigure(self, gen: Generation) -> None:
+        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`)."""
+        assert self.group is not None
+        try:
+            envs = self._envs(gen)
+        except AgentError as exc:
+            logger.warning("agent %s: cannot reconfigure for generation %d: %s", self.config.node_id, gen.number, exc)
+            self._events.put(core.StartFailed(gen.number, str(exc)))
+            return
+        kept, started = self.group.reconfigure(gen.number, envs)
+        self.metrics.rescales.labels("in-place").inc()
+        self.metrics.generation.set(gen.number)
+        logger.info("agent %s: generation %d in place (%s): %d workers keep their processes, %d started",
+                    self.config.node_id, gen.number, gen.reason, kept, started)  # fmt: skip
 
     def _start_workers(self, gen: Generation) -> None:
+        log_dir = None
+        if self.config.log_dir:
+            log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
+        self.group = WorkerGroup(gen.number, self._envs(gen), self.command, log_dir, self.base_env, self.zygote)
+        self.group.start()
+        self._tracked.append(self.group)
+        self.metrics.group_started(gen.number)
+
+    def _envs(self, gen: Generation) -> list[WorkerEnv]:
+        """This node's workers' env contracts in ``gen``.
+
+        Raises:
+            AgentError: the generation's store did not open in time.
+        """
         assert self.store is not None
         me = next(m for m in gen.members if m.node_id == self.config.node_id)
         if me.node_rank == 0:
@@ -412,16 +460,11 @@ class Agent:
                 job_epoch=gen.epoch,
                 allow_fresh_start=self.config.allow_fresh_start,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
+                rescale=self.config.rescale,
             )
             for local_rank in range(me.nproc)
         ]
-        log_dir = None
-        if self.config.log_dir:
-            log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
-        self.group = WorkerGroup(gen.number, envs, self.command, log_dir, self.base_env, self.zygote)
-        self.group.start()
-        self._tracked.append(self.group)
-        self.metrics.group_started(gen.number)
+        return envs
 
     def _progress(self) -> dict[int, tuple[int, str]]:
         """Each live worker's (step, phase) from its progress file (workers that write none are left out)."""

@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from pliant.coordinator.contract import JobSpec
-from pliant.env import RESCALE_EXIT_CODE
+from pliant.env import RESCALE_EXIT_CODE, RESCALE_MODES
 from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
 from pliant.tls import TlsConfig
@@ -67,6 +67,8 @@ class AgentConfig:
             (0: never).
         allow_fresh_start: exported to workers: when checkpoints exist but none loads, train from step 0 instead of
             failing.
+        rescale: ``in-place`` (groups that can re-form keep their processes and state across generations) or
+            ``restart`` (every new generation stops the group after a checkpoint).
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
@@ -93,6 +95,7 @@ class AgentConfig:
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
     allow_fresh_start: bool = False
+    rescale: str = "in-place"
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None
@@ -118,6 +121,8 @@ class AgentConfig:
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
             raise ConfigError(f"--hang-timeout {self.hang_timeout_s:g} must be > 0 seconds (omit it for the automatic "
                               f"timeout)")  # fmt: skip
+        if self.rescale not in RESCALE_MODES:
+            raise ConfigError(f"--rescale {self.rescale!r} must be one of: {', '.join(RESCALE_MODES)}")
         if self.start_timeout_s < 0:
             raise ConfigError(f"--start-timeout {self.start_timeout_s:g} must be >= 0 seconds (0: never)")
 

@@ -6,9 +6,17 @@ and performs the actions it returns, in order. Everything here is unit-tested wi
 
 The rules:
 
-- **Generations**: a newer generation stops the running group (asking workers to checkpoint first) and starts this
-  node's workers if it is a member. As node rank 0 it opens the generation's store before stopping its old group, so
-  joining nodes never wait for its checkpoint to learn the port.
+- **Generations**: with ``--rescale in-place`` and a group whose workers all announced that they re-form in place
+  (pliant.worker; see :mod:`pliant.worker.rescale`), a newer generation that keeps this node *reconfigures* the
+  running group: each live worker gets its new env as a directive, and a local rank whose worker died gets a fresh
+  worker, which takes its state from the survivors. Otherwise the newer generation stops the running group (asking
+  workers to checkpoint first: the restart path) and starts this node's workers if it is a member. As node rank 0 it
+  opens the generation's store before stopping or reconfiguring its old group, so joining nodes never wait for it to
+  learn the port.
+- **Failures in place**: when a worker of such a group dies, the failure is reported and the other local workers
+  keep their processes (they wait for the next generation). A worker that writes the ``wait`` phase saw a peer fail
+  mid-step: its agent reports a failure for that generation at once, naming peers whose agents do not answer, so the
+  coordinator evicts a dead node without waiting for its lease.
 - **Static stability**: the coordinator being away changes nothing by itself. Workers keep training; reports are
   queued and sent when it answers again (the executor retries them in the background); the agent never exits because
   of it.
@@ -57,6 +65,7 @@ __all__ = [
     "PeersProbed",
     "Prepare",
     "ProbePeers",
+    "Reconfigure",
     "Report",
     "Send",
     "SignalReceived",
@@ -85,11 +94,14 @@ class CoreConfig:
 
     Attributes:
         hang_timeout_s: no step progress for this long is a hang (None: automatic, see :func:`hang_timeout`).
-        start_timeout_s: no first step (or a checkpoint save) for this long is a hang; 0 disables it.
+        start_timeout_s: no first step (or a checkpoint save, or a wait for the next generation) for this long is a
+            hang; 0 disables it.
+        in_place: ``--rescale in-place``: reconfigure groups that can (False: always the restart path).
     """
 
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
+    in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,9 @@ class CoreState:
     renewed_at: float = 0.0
     renewing_since: float | None = None  # start of the current unbroken run of renewals (None: failing)
     probed_at: float = -1e18
+    ready: bool = False  # every live worker of the group announced that it re-forms in place
+    wait_reported: int | None = None  # the generation a peer failure ("wait" phase) was reported for
+    handed: int | None = None  # the generation last handed to the running group in place
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
 
@@ -151,6 +166,7 @@ class JobFinished:
 class GroupExited:
     result: GroupResult
     message: str = ""  # the executor's description of the first failure (rank, code)
+    alive: int = 0  # workers of the group still running
 
 
 @dataclass(frozen=True)
@@ -191,6 +207,7 @@ class Tick:
 
     progress: Mapping[int, tuple[int, str]] = field(default_factory=dict)
     fence: tuple[int, int] = (0, 0)
+    ready: bool = False  # every live worker announced that it re-forms in place
 
 
 Event = (Joined | GenerationSeen | JobFinished | GroupExited | StartFailed | HeartbeatOk | HeartbeatFailed | LeaseLost
@@ -209,11 +226,20 @@ class Prepare:
 
 @dataclass(frozen=True)
 class Stop:
-    """Stop the running group: ``rescale`` asks the workers to checkpoint and exit first; ``finish`` lets them end
-    by themselves within the finish grace."""
+    """Stop the running group: ``rescale`` asks the workers to checkpoint and exit first (``leave``: to hand over and
+    exit, the others re-forming in place); ``finish`` lets them end by themselves within the finish grace."""
 
     rescale: bool = False
     finish: bool = False
+    leave: bool = False
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    """Hand the running group ``generation`` in place: live workers get their new env, dead local ranks fresh
+    workers."""
+
+    generation: Generation
 
 
 @dataclass(frozen=True)
@@ -249,7 +275,7 @@ class Exit:
     message: str = ""
 
 
-Action = Prepare | Stop | Start | Send | Dump | ProbePeers | Leave | Exit
+Action = Prepare | Stop | Reconfigure | Start | Send | Dump | ProbePeers | Leave | Exit
 
 
 # -- decisions ---------------------------------------------------------------------------------------------------------
@@ -281,7 +307,11 @@ def _set(state: CoreState, phase: AgentState, reason: str = "", **changes: objec
 
 
 def _no_group(state: CoreState) -> CoreState:
-    return replace(state, group=None, progress=(), started_at=0.0)
+    return replace(state, group=None, progress=(), started_at=0.0, ready=False)
+
+
+def _in_place(state: CoreState) -> bool:
+    return state.config.in_place and state.ready and state.group is not None
 
 
 def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreState, list[Action]]:
@@ -292,6 +322,11 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
     mine = next((m for m in gen.members if m.node_id == state.node_id), None)
     if mine is not None and mine.node_rank == 0:
         actions.append(Prepare(gen))
+    if mine is not None and _in_place(state):
+        ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
+        state = replace(state, group=gen.number, started_at=now, progress=(), wait_reported=None, handed=gen.number)
+        why = f"generation {gen.number} in place, {ranks}"
+        return _set(state, AgentState.RUNNING, why), [*actions, Reconfigure(gen)]
     if state.group is not None:
         actions.append(Stop(rescale=True))
         state = _no_group(state)
@@ -304,15 +339,30 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
     return _set(state, AgentState.RUNNING, f"generation {gen.number}, {ranks}"), actions
 
 
-def _on_exit(state: CoreState, event: GroupExited) -> tuple[CoreState, list[Action]]:
+def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreState, list[Action]]:
     result = event.result
     if state.group is None or result.generation != state.group or result.stopped:
         return state, [Stop()]  # not the group this state runs: just reap it
+    failure = result.first_failure
+    if failure is not None and event.alive and _in_place(state):
+        # The other local workers keep their processes and state; the next generation replaces the dead one.
+        report = Report("failure", result.generation, failure[1], event.message or f"exit code {failure[1]}")
+        return _set(state, AgentState.RUNNING, f"worker failure reported; {event.alive} workers wait in place"), [
+            Send(report)
+        ]
     state = _no_group(state)
     if result.succeeded:
         report = Report("success", result.generation)
         return _set(state, AgentState.WAITING, "workers done; waiting for the job to finish"), [Stop(), Send(report)]
     if result.saved_for_rescale:
+        gen = state.generation
+        if gen is not None and state.handed == result.generation == gen.number:
+            # Handed this generation in place, the world took the restart path instead (an engine that cannot move
+            # in place, or another node's group could not): fresh workers restore from the checkpoint.
+            state = replace(state, group=gen.number, started_at=now)
+            return _set(state, AgentState.RUNNING, f"generation {gen.number} restarted from the checkpoint"), [
+                Stop(), Start(gen)
+            ]
         return _set(state, AgentState.WAITING, f"workers of generation {result.generation} saved for a rescale"), [
             Stop()
         ]
@@ -337,15 +387,17 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         if old is not None and old.phase == "step" and phase == "step" and step > old.step:
             intervals.append((now - old.since) / (step - old.step))
         progress[rank] = RankProgress(step, phase, now)
-    state = replace(state, progress=tuple(sorted(progress.items())), step_intervals=tuple(intervals[-_STEP_SAMPLES:]))
+    state = replace(state, progress=tuple(sorted(progress.items())), step_intervals=tuple(intervals[-_STEP_SAMPLES:]),
+                    ready=tick.ready)  # fmt: skip
     limit = hang_timeout(state)
     start_limit = state.config.start_timeout_s
     for rank, p in sorted(progress.items()):
         idle = now - p.since
         if p.phase == "step" and idle > limit:
             why = f"local rank {rank} made no progress for {idle:.0f}s after step {p.step} (hang timeout {limit:g}s)"
-        elif p.phase in ("start", "save") and start_limit and idle > start_limit:
-            what = "its first step" if p.phase == "start" else f"the checkpoint save after step {p.step}"
+        elif p.phase in ("start", "save", "wait") and start_limit and idle > start_limit:
+            what = {"start": "its first step", "save": f"the checkpoint save after step {p.step}",
+                    "wait": f"waiting for the next generation after step {p.step}"}[p.phase]  # fmt: skip
             why = f"local rank {rank} spent {idle:.0f}s on {what} (start timeout {start_limit:g}s)"
         else:
             continue
@@ -354,6 +406,11 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         report = Report("failure", generation, HANG_EXIT_CODE, f"hang: {why}")
         state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
         return state, [Dump(why), Stop(), Send(report)]
+    waiting = sorted(rank for rank, p in progress.items() if p.phase == "wait")
+    if waiting and state.wait_reported != state.group:
+        message = f"local rank {waiting[0]} saw a peer fail mid-step and waits in place for the next generation"
+        state = _set(replace(state, wait_reported=state.group), state.phase, "a peer failed; waiting in place")
+        return state, [Send(Report("failure", state.group, HANG_EXIT_CODE, message))]
     return state, []
 
 
@@ -385,7 +442,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
             return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [*stop, Exit(0)]
         return _set(_no_group(state), AgentState.FAILED, event.reason), [*stop, Exit(1, event.reason)]
     if isinstance(event, GroupExited):
-        return _on_exit(state, event)
+        return _on_exit(state, event, now)
     if isinstance(event, StartFailed):
         if state.group != event.generation:
             return state, []
@@ -407,7 +464,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
                f"{event.streak_s:.0f}s")  # fmt: skip
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
     if isinstance(event, SignalReceived):
-        actions = [Stop(rescale=True)] if state.group is not None else []
+        actions = [Stop(rescale=True, leave=_in_place(state))] if state.group is not None else []
         return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
     if isinstance(event, Tick):
         if state.group is not None and state.generation is not None:

@@ -140,6 +140,13 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         help="how long workers may take to checkpoint and exit on a rescale, s (default 30)",
     )
     parser.add_argument(
+        "--rescale",
+        default="in-place",
+        help="how a running group takes a new generation: in-place (pliant.worker scripts keep their processes and "
+        "state; newcomers get the state from peers, no disk) or restart (checkpoint, exit, start again; always the "
+        "path of scripts without pliant.worker). Default in-place",
+    )
+    parser.add_argument(
         "--hang-timeout",
         type=float,
         default=None,
@@ -299,6 +306,7 @@ def config_from_args(
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,
         allow_fresh_start=args.allow_fresh_start,
+        rescale=args.rescale,
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,

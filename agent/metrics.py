@@ -73,6 +73,13 @@ class AgentMetrics:
             "Worker groups this agent stopped because a worker made no progress for the hang (or start) timeout.",
             registry=registry,
         )
+        self.rescales = Counter(
+            "pliant_agent_rescales",
+            "New generations this agent's running group went through, by path: in-place (the workers re-formed "
+            "with their processes and state) or restart (stopped, checkpointed, new processes).",
+            ["path"],
+            registry=registry,
+        )
         self._groups_started = 0
         self._counted: set[int] = set()
 

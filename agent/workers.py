@@ -22,12 +22,13 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
 from pliant.agent.contract import AgentError, GroupResult
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
+from pliant.progress import Directive, in_place_ready, write_directive
 from pliant.spawn import die_with_parent
 
 __all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_env"]
@@ -255,6 +256,7 @@ class WorkerGroup:
         self.base_env = dict(base_env) if base_env is not None else worker_base_env(len(self.envs))
         self.zygote = zygote
         self.workers: list[_Worker] = []
+        self.gone: list[_Worker] = []  # workers that died while the others stayed (an in-place group)
         self.started_at = 0.0
         self._stopped = False
 
@@ -264,7 +266,52 @@ class WorkerGroup:
 
     def exits(self) -> list[tuple[int, int | None]]:
         """(pid, exit code) of each worker as last polled (None: still running)."""
-        return [(w.proc.pid, w.proc.returncode) for w in self.workers]
+        return [(w.proc.pid, w.proc.returncode) for w in [*self.gone, *self.workers]]
+
+    @property
+    def alive(self) -> int:
+        return sum(w.proc.poll() is None for w in self.workers)
+
+    def ready(self) -> bool:
+        """Every live worker announced that it re-forms in place (pliant.worker under ``--rescale in-place``)."""
+        live = [w for w in self.workers if w.proc.returncode is None]
+        return bool(live) and all(in_place_ready(w.env.progress_file) for w in live)
+
+    def forget_dead(self) -> None:
+        """Stop watching workers that exited (the others stay, in place); :meth:`reconfigure` replaces them."""
+        self.gone += [w for w in self.workers if w.proc.poll() is not None]
+        self.workers = [w for w in self.workers if w.proc.returncode is None]
+
+    def direct(self, mode: str, generation: int, envs: Mapping[int, WorkerEnv] | None = None) -> None:
+        """Write each live worker's directive (its env in ``envs`` by local rank, for ``in-place``), then send it
+        the rescale signal."""
+        for worker in self.workers:
+            if worker.proc.poll() is not None:
+                continue
+            env = envs.get(worker.env.local_rank) if envs is not None else None
+            with contextlib.suppress(OSError):
+                write_directive(worker.env.progress_file, Directive(generation, mode, env.to_env() if env else {}))
+            if env is not None:
+                worker.env = env
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.proc.pid, RESCALE_SIGNAL)
+
+    def reconfigure(self, generation: int, envs: Sequence[WorkerEnv]) -> tuple[int, int]:
+        """Hand the group ``generation`` in place: live workers get directives with their new env (keeping their
+        progress files), local ranks without a live worker get a fresh one. Returns (kept, started)."""
+        self.forget_dead()
+        live = {w.env.local_rank: w for w in self.workers}
+        kept = {e.local_rank: replace(e, progress_file=live[e.local_rank].env.progress_file)
+                for e in envs if e.local_rank in live}  # fmt: skip
+        self.direct("in-place", generation, kept)
+        self.generation = generation
+        fresh = [e for e in envs if e.local_rank not in live]
+        for env in fresh:
+            self._add(env)
+        self.workers.sort(key=lambda w: w.env.local_rank)
+        logger.info("generation %d in place: %d workers kept (pids %s), %d started", generation, len(kept),
+                    [live[r].proc.pid for r in sorted(kept)], len(fresh))  # fmt: skip
+        return len(kept), len(fresh)
 
     def _launch(self, env: WorkerEnv) -> tuple[Proc, bool]:
         child_env = {**self.base_env, **env.to_env()}
@@ -279,18 +326,20 @@ class WorkerGroup:
     def start(self) -> None:
         """Start every worker. Call from a thread that outlives the workers (see :mod:`pliant.spawn`)."""
         self.started_at = time.monotonic()
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        forked = 0
-        for env in self.envs:
-            proc, was_forked = self._launch(env)
-            forked += was_forked
-            log = open(self.log_dir / f"rank-{env.rank}.log", "ab") if self.log_dir else None  # noqa: SIM115
-            self.workers.append(_Worker(env, proc, log))
+        forked = sum(self._add(env) for env in self.envs)
         logger.info(
             "generation %d: started %d workers (%d forked by the zygote; ranks %s, pids %s)",
             self.generation, len(self.workers), forked, [w.env.rank for w in self.workers], self.pids,
         )  # fmt: skip
+
+    def _add(self, env: WorkerEnv) -> bool:
+        """Start one worker; True if the zygote forked it."""
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        proc, was_forked = self._launch(env)
+        log = open(self.log_dir / f"rank-{env.rank}.log", "ab") if self.log_dir else None  # noqa: SIM115
+        self.workers.append(_Worker(env, proc, log))
+        return was_forked
 
     def poll(self) -> GroupResult | None:
         """The group's result once it is over: a worker failed, or all exited (with 0, or the rescale code). None
@@ -303,17 +352,16 @@ class WorkerGroup:
             return GroupResult(self.generation, exited, stopped=self._stopped)
         return None
 
-    def stop(self, grace_s: float, rescale_grace_s: float = 0.0) -> GroupResult:
+    def stop(self, grace_s: float, rescale_grace_s: float = 0.0, leave: bool = False) -> GroupResult:
         """Stop the workers and reap them all.
 
-        With ``rescale_grace_s``: first ask them to checkpoint and exit (the rescale signal) and wait that long. Then
-        SIGTERM every worker's process group, and SIGKILL what is left after ``grace_s``.
+        With ``rescale_grace_s``: first ask them to checkpoint and exit (a ``restart`` directive and the rescale
+        signal; ``leave``: a ``leave`` directive, to hand over and exit while the others re-form in place) and wait
+        that long. Then SIGTERM every worker's process group, and SIGKILL what is left after ``grace_s``.
         """
         self._stopped = True
         if rescale_grace_s > 0 and any(w.proc.poll() is None for w in self.workers):
-            for worker in self.workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.proc.pid, RESCALE_SIGNAL)
+            self.direct("leave" if leave else "restart", self.generation + 1)
             deadline = time.monotonic() + rescale_grace_s
             while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
                 time.sleep(0.02)

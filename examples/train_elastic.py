@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -63,7 +64,7 @@ def main() -> None:
             seen = [int(i) for micro in batch.micro_batches for i in micro[2]]
             events.write(json.dumps({"generation": session.env.generation, "step": batch.step, "rank": session.rank,
                                      "world": session.world_size, "epoch": batch.plan.epoch, "samples": seen,
-                                     "time": time.time()}) + "\n")  # fmt: skip
+                                     "pid": os.getpid(), "time": time.time()}) + "\n")  # fmt: skip
             events.flush()
         if session.rank == 0 and batch.step % 10 == 0:
             print(f"step {batch.step} world {session.world_size} loss {loss:.4f}", flush=True)

@@ -14,14 +14,16 @@ from dataclasses import dataclass, fields
 
 from pliant.errors import ConfigError
 
-__all__ = ["RESCALE_EXIT_CODE", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv"]
+__all__ = ["RESCALE_EXIT_CODE", "RESCALE_MODES", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv"]
 
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
-# coming; pliant.worker agrees on a stop step across ranks, checkpoints, and exits with RESCALE_EXIT_CODE, which the
-# agent does not count as a failure. Scripts that do not use pliant.worker, or use it without a checkpoint manager,
-# die on the signal, as if stopped.
+# coming, after writing each worker's directive (pliant.progress). pliant.worker agrees on a step boundary across
+# ranks and either re-forms in place or, on the restart path, checkpoints and exits with RESCALE_EXIT_CODE, which the
+# agent does not count as a failure (see pliant.worker.rescale). Scripts that do not use pliant.worker die on the
+# signal, as if stopped.
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
+RESCALE_MODES = ("in-place", "restart")
 # The agent sends STACKS_SIGNAL to a hung worker before it stops it: the worker's faulthandler (registered by the zygote
 # and by pliant.worker) writes every thread's Python stack to its output, which the agent logs.
 STACKS_SIGNAL = signal.SIGUSR2
@@ -52,6 +54,8 @@ class WorkerEnv:
             checkpoint fencing.
         progress_file: where the worker writes its step and phase for the agent's hang detection
             (:mod:`pliant.progress`; "" when no agent watches).
+        rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
+            checkpoint and exit on a rescale); the agent's ``--rescale``.
     """
 
     rank: int = 0
@@ -72,8 +76,11 @@ class WorkerEnv:
     job_epoch: int = 0
     progress_file: str = ""
     allow_fresh_start: bool = False
+    rescale: str = "restart"
 
     def __post_init__(self) -> None:
+        if self.rescale not in RESCALE_MODES:
+            raise ConfigError(f"PLIANT_RESCALE={self.rescale!r} must be one of {', '.join(RESCALE_MODES)}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
@@ -111,6 +118,7 @@ class WorkerEnv:
             "PLIANT_PROGRESS_FILE": self.progress_file,
             "PLIANT_JOB_EPOCH": str(self.job_epoch),
             "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
+            "PLIANT_RESCALE": self.rescale,
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -160,4 +168,5 @@ class WorkerEnv:
             progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
             job_epoch=integer("PLIANT_JOB_EPOCH", 0),
             allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
+            rescale=env.get("PLIANT_RESCALE") or defaults["rescale"],
         )

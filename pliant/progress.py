@@ -6,7 +6,15 @@ One small file per worker, rewritten in place (one ``pwrite`` of a fixed-width r
 and after every step; the agent reads it on its own clock and never needs an RPC. The record is
 ``"<step> <phase>\\n"`` padded to :data:`RECORD_BYTES`. Phases: ``start`` (the session opened; imports, the first
 step's compilation and a checkpoint restore follow), ``step`` (a step completed), ``save`` (a checkpoint save is
-blocking the loop), ``done`` (the session closed).
+blocking the loop), ``wait`` (a collective failed: a peer died; the worker waits for its agent's next directive),
+``done`` (the session closed).
+
+**The directive file** ``<progress file>.next`` is how an agent hands a running worker its next generation (the
+in-place rescale, :mod:`pliant.worker.rescale`): a JSON object ``{"generation": N, "mode": M, "env": {...}}`` written
+through a temporary file and a rename, then the rescale signal. Modes: ``in-place`` (re-form in generation N with
+``env``, the worker's new :class:`pliant.env.WorkerEnv` variables), ``leave`` (hand over and exit: this node is not in
+generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it can take directives
+by creating ``<progress file>.inplace``.
 
 **The fence file** ``pliant-fence.json`` in the checkpoint directory holds the (job epoch, generation) of the newest
 world that opened it (written by :mod:`pliant.worker.checkpoint`); an agent whose running world is older stops it.
@@ -17,14 +25,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["FENCE", "PHASES", "RECORD_BYTES", "ProgressFile", "read_fence", "read_progress"]
+__all__ = [
+    "DIRECTIVE_MODES",
+    "FENCE",
+    "PHASES",
+    "RECORD_BYTES",
+    "Directive",
+    "ProgressFile",
+    "announce_in_place",
+    "in_place_ready",
+    "read_directive",
+    "read_fence",
+    "read_progress",
+    "write_directive",
+]
 
 FENCE = "pliant-fence.json"
 RECORD_BYTES = 32
-PHASES = ("start", "step", "save", "done")
+PHASES = ("start", "step", "save", "wait", "done")
+DIRECTIVE_MODES = ("in-place", "leave", "restart")
 
 
 class ProgressFile:
@@ -78,3 +101,43 @@ def read_fence(directory: str | os.PathLike[str]) -> tuple[int, int]:
         return int(data["epoch"]), int(data["generation"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0, 0
+
+
+@dataclass(frozen=True)
+class Directive:
+    """An agent's instruction to one running worker (see the module docstring)."""
+
+    generation: int
+    mode: str
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def write_directive(progress_file: str, directive: Directive) -> None:
+    """The agent's side: publish ``directive`` next to ``progress_file`` (atomically: temporary file, rename)."""
+    path = Path(progress_file + ".next")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"generation": directive.generation, "mode": directive.mode, "env": dict(directive.env)}))
+    os.replace(tmp, path)
+
+
+def read_directive(progress_file: str) -> Directive | None:
+    """The worker's side: the directive last written for it, or None (none yet, or unreadable)."""
+    try:
+        data = json.loads(Path(progress_file + ".next").read_text())
+        env = {str(k): str(v) for k, v in data["env"].items()}
+        directive = Directive(int(data["generation"]), str(data["mode"]), env)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return directive if directive.mode in DIRECTIVE_MODES else None
+
+
+def announce_in_place(progress_file: str) -> None:
+    """The worker's side: say that it takes directives (its session re-forms in place)."""
+    if progress_file:
+        with contextlib.suppress(OSError):
+            Path(progress_file + ".inplace").touch()
+
+
+def in_place_ready(progress_file: str) -> bool:
+    """The agent's side: True once the worker announced that it takes directives."""
+    return bool(progress_file) and os.path.exists(progress_file + ".inplace")

@@ -45,7 +45,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pliant.env import RESCALE_EXIT_CODE
 from pliant.progress import FENCE, read_fence
 from pliant.worker.contract import Engine, WorkerError
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
@@ -112,7 +111,6 @@ class CheckpointManager:
         keep: committed checkpoints to keep.
         async_save: write in the background (one save in flight at most; the next save waits for it).
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
-        rescale: a collective returning True once the agent asked for a rescale (the session's); None: never.
         metrics: where save/load times and bytes are reported (the session's), or None.
         allow_fresh_start: when checkpoints exist but none loads, start from step 0 instead of raising.
     """
@@ -127,7 +125,6 @@ class CheckpointManager:
         keep: int = 3,
         async_save: bool = True,
         every_steps: int = 0,
-        rescale: Callable[[], bool] | None = None,
         metrics: WorkerMetrics | None = None,
         allow_fresh_start: bool = False,
         epoch: int = 0,
@@ -137,7 +134,7 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.engine, self.loader = engine, loader
         self.job_id, self.generation, self.keep, self.async_save = job_id, generation, keep, async_save
-        self.every_steps, self._rescale, self.metrics = every_steps, rescale, metrics
+        self.every_steps, self.metrics = every_steps, metrics
         self.fingerprint = _fingerprint(engine)
         # Async saves finish with collectives on a background thread: they need a group of their own, or they
         # interleave with the training loop's collectives differently on each rank and hang.
@@ -145,12 +142,30 @@ class CheckpointManager:
         self.extras: dict[str, Any] = {}
         self.allow_fresh_start = allow_fresh_start
         self.epoch = epoch
+        self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
         self._in_flight: Future[Any] | None = None
         self._in_flight_path: Path | None = None
         self._commit_error: Exception | None = None
         if dist.get_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._raise_fence()
+
+    def reopen(self, generation: int) -> None:
+        """The world was re-formed in place (generation ``generation``): open this manager's group in it (collective,
+        in the order the script made its managers) and raise the fence."""
+        self.group = dist.new_group(backend="gloo")
+        self.generation = generation
+        if dist.get_rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._raise_fence()
+
+    def abandon(self) -> None:
+        """Forget the save in flight (a peer died: it cannot complete); it is never committed."""
+        if self._in_flight is not None:
+            logger.warning("checkpoint save to %s abandoned: a peer failed while it was in flight",
+                           self._in_flight_path)  # fmt: skip
+        self._in_flight = self._in_flight_path = None
+        self._commit_error = None
 
     # -- the generation fence ------------------------------------------------------------------------------------------
 
@@ -163,17 +178,10 @@ class CheckpointManager:
             _write_durably(self.directory / FENCE, json.dumps({"epoch": self.epoch, "generation": self.generation}))
 
     def after_step(self, steps_done: int) -> None:
-        """Call after every optimizer step with the number of steps done.
-
-        On a rescale request (every rank agrees on this same step), it saves synchronously and exits the process
-        with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent expects; otherwise it saves every
-        ``every_steps`` steps.
-        """
+        """Call after every optimizer step with the number of steps done: saves every ``every_steps`` steps, and
+        raises the error of an async save that failed. (Rescales happen in ``engine.step``:
+        :mod:`pliant.worker.rescale`.)"""
         self._reap()
-        if self._rescale is not None and self._rescale():
-            stall = self.save(steps_done, sync=True)
-            logger.info("rescale: step %d checkpointed in %.2fs; exiting for the next generation", steps_done, stall)
-            raise SystemExit(RESCALE_EXIT_CODE)
         if self.every_steps and steps_done % self.every_steps == 0:
             self.save(steps_done)
 
@@ -309,12 +317,17 @@ class CheckpointManager:
 
     def restore(self) -> int | None:
         """Load the newest usable checkpoint that rank 0 sees (collective). Returns its step, or None when there is
-        none.
+        none. A worker that joins a running world in place takes the survivors' state instead (no disk read) and
+        returns its step.
 
         Raises:
             CheckpointError: the newest checkpoint belongs to another job or another model; or checkpoints exist but
                 none loads (unless ``allow_fresh_start``).
         """
+        if self.from_peers is not None:
+            resumed = self.from_peers()
+            if resumed is not None:
+                return resumed  # a newcomer to a running world: its state came from the survivors, not from disk
         unusable: list[tuple[Path, str]] = []
         for step in self._candidates():
             path = self.directory / f"{_PREFIX}{step:012d}"

@@ -54,6 +54,7 @@ class GlobalBatch:
         micro_batches: this rank's collated micro-batches (maybe none).
         micro_sizes: their sizes in samples.
         shadow: returns a valid micro-batch for shadow passes (its loss is weighted by zero).
+        source: the loader that made it (re-cuts it for a new world after an in-place rescale), if any.
     """
 
     plan: StepPlan
@@ -61,6 +62,7 @@ class GlobalBatch:
     micro_batches: list[Any]
     micro_sizes: list[int]
     shadow: Callable[[], Any] = field(repr=False, default=lambda: None)
+    source: Any = field(repr=False, default=None)
 
     @property
     def num_samples(self) -> int:
@@ -85,6 +87,13 @@ class Engine(abc.ABC):
     optimizer: torch.optim.Optimizer
     metrics: WorkerMetrics | None = None
     """Set by the session: where step times, samples and shadow steps are reported."""
+    protocol: Any = None
+    """Set by the session under a pliant agent: the rescale protocol (:class:`pliant.worker.rescale.Protocol`) that
+    runs each step with its commit vote, re-forms the engine in place and recovers from a peer's failure."""
+    in_place: bool = False
+    """True when :meth:`rewrap` and :meth:`sync_state` can move this engine to a new world without a restart."""
+    shadowed: bool = False
+    """Set by :meth:`forward_backward`: this rank only shadowed the others' collectives in the last step."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -106,16 +115,59 @@ class Engine(abc.ABC):
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    def _observe(self, batch: GlobalBatch, started: float, shadow: bool) -> None:
+    def observe(self, batch: GlobalBatch, started: float) -> None:
         """Report one step that began at ``started`` (perf_counter) to the metrics, if any."""
         if self.metrics is not None:
-            self.metrics.observe_step(batch.step, sum(batch.micro_sizes), time.perf_counter() - started, shadow)
+            self.metrics.observe_step(batch.step, sum(batch.micro_sizes), time.perf_counter() - started,
+                                      self.shadowed)  # fmt: skip
 
-    @abc.abstractmethod
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         """Run forward/backward on this rank's micro-batches (shadowing for missing ones), then the optimizer step.
+
+        Under a pliant agent the step goes through the rescale protocol: a commit vote before the optimizer step,
+        re-forming in place at a step boundary when the agent hands over a new generation, and redoing the step in
+        the new world when a peer dies mid-step. A rank that leaves the job there raises
+        :class:`pliant.worker.rescale.RescaleExit` (a ``SystemExit``): let it end the script.
 
         Returns:
             This rank's sum of ``loss * samples`` over its micro-batches (divide by ``batch.num_samples`` after a sum
             across ranks for the global mean).
         """
+        if self.protocol is not None:
+            return self.protocol.step(self, batch, loss_fn)  # type: ignore[no-any-return]
+        started = time.perf_counter()
+        loss = self.forward_backward(batch, loss_fn)
+        self.apply_update()
+        self.observe(batch, started)
+        return loss
+
+    @abc.abstractmethod
+    def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
+        """Forward and backward of this rank's micro-batches, with every gradient collective, but no optimizer step.
+        Sets :attr:`shadowed`. Returns what :meth:`step` returns."""
+
+    def apply_update(self) -> None:
+        """The optimizer step of the gradients :meth:`forward_backward` left, then clear them."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_update(self) -> None:
+        """Drop the gradients of a step that will not be committed."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def rewrap(self) -> None:
+        """Wrap :attr:`module` again for the process group now initialised (a new world). Collective.
+
+        Raises:
+            EngineError: this engine cannot move in place (:attr:`in_place` is False).
+        """
+        raise EngineError(f"the {type(self).__name__} cannot re-form in place; the restart path applies")
+
+    def sync_state(self, src: int) -> int:
+        """Make every rank's model and optimizer state equal to rank ``src``'s, over the new world (collective).
+        Returns the tensor bytes this rank sent or received.
+
+        Raises:
+            EngineError: this engine cannot move in place.
+        """
+        raise EngineError(f"the {type(self).__name__} cannot re-form in place; the restart path applies")

@@ -128,6 +128,8 @@ class ElasticLoader:
         self.max_steps = max_steps
         self._loader_args = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory}
         self._shadow: Any = None
+        self._version = 0  # bumped when the world or the cursor changes under a running iteration
+        self.on_start: Callable[[], None] | None = None  # the rescale protocol's "get the state from peers first"
 
     def state_dict(self) -> dict[str, int | bool]:
         return self.sampler.state_dict()
@@ -141,6 +143,52 @@ class ElasticLoader:
             collate = self._loader_args["collate_fn"] or torch.utils.data.default_collate
             self._shadow = collate([self.dataset[0]])
         return self._shadow
+
+    def moved(self, rank: int, world_size: int) -> None:
+        """The world changed in place: cut the rest of the epoch for ``rank`` of ``world_size``."""
+        self.rank, self.world_size = rank, world_size
+        self._version += 1
+
+    def position(self) -> tuple[int, int, int]:
+        """(epoch, cursor, step) of the next step."""
+        s = self.sampler
+        return s.epoch, s.cursor, s.step
+
+    def rewind(self, batch: GlobalBatch) -> None:
+        """Put the cursor back to where ``batch`` (already yielded, never committed) starts."""
+        s = self.sampler
+        s.epoch, s.cursor, s.step = batch.plan.epoch, batch.plan.start, batch.step
+        self._version += 1
+
+    def load_position(self, epoch: int, cursor: int, step: int) -> None:
+        """Set the cursor (from a peer); the running iteration continues from it."""
+        s = self.sampler
+        s.epoch, s.cursor, s.step = epoch, cursor, step
+        self._version += 1
+
+    def _next_plan(self) -> StepPlan:
+        s = self.sampler
+        while True:
+            plan = plan_step(s.epoch, s.cursor, s.num_samples, s.global_batch, s.micro_batch, self.world_size,
+                             s.drop_last)  # fmt: skip
+            if plan is not None:
+                return plan
+            if s.cursor == 0:
+                raise DataError(f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} "
+                                f"samples) with drop_last; lower global_batch or set drop_last=False")  # fmt: skip
+            s.epoch, s.cursor = s.epoch + 1, 0
+
+    def refetch(self, batch: GlobalBatch) -> None:
+        """Re-cut ``batch`` in place as the step at the cursor for the current world (after :meth:`rewind` and an
+        in-place rescale): its plan, this rank's micro-batches and sizes; the cursor moves past it."""
+        s = self.sampler
+        plan = self._next_plan()
+        collate = self._loader_args["collate_fn"] or torch.utils.data.default_collate
+        sizes = [size for _pos, size in plan.rank_slices(self.rank)]
+        batch.plan, batch.step, batch.micro_sizes = plan, s.step, sizes
+        batch.micro_batches = [collate([self.dataset[i] for i in idx]) for idx in s.rank_indices(plan, self.rank)]
+        s.advance(plan)
+        self._version += 1
 
     def _epoch_plans(self) -> list[StepPlan]:
         """Plans from the cursor to the end of the cursor's epoch (the sampler is not advanced)."""
@@ -156,7 +204,10 @@ class ElasticLoader:
 
     def __iter__(self) -> Iterator[GlobalBatch]:
         s = self.sampler
+        if self.on_start is not None:
+            self.on_start()
         while self.max_steps is None or s.step < self.max_steps:
+            version = self._version
             plans = self._epoch_plans()
             if not plans:  # the cursor's epoch is done
                 if s.cursor == 0:
@@ -171,6 +222,8 @@ class ElasticLoader:
                     return
                 sizes = [size for _pos, size in plan.rank_slices(self.rank)]
                 micro = [next(fetched) for _ in sizes]
-                batch = GlobalBatch(plan, s.step, micro, sizes, self.shadow_batch)
+                batch = GlobalBatch(plan, s.step, micro, sizes, self.shadow_batch, self)
                 s.advance(plan)
                 yield batch
+                if self._version != version:  # re-formed in place (or rewound): plan again from the cursor
+                    break

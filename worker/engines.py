@@ -24,9 +24,17 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from pliant.worker.contract import Engine, GlobalBatch, LossFn
+from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
 
-__all__ = ["DDPEngine", "ZeroEngine", "loss_sum", "to_device", "weighted_backward"]
+__all__ = [
+    "DDPEngine",
+    "ZeroEngine",
+    "broadcast_module",
+    "broadcast_optimizer",
+    "loss_sum",
+    "to_device",
+    "weighted_backward",
+]
 
 _DDP_SAMPLE_RATE = 10
 
@@ -85,20 +93,27 @@ class DDPEngine(Engine):
     ) -> None:
         self.device = device
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        device_ids = [device.index] if device.type == "cuda" else None
-        self.model = DistributedDataParallel(model.to(device), device_ids=device_ids, process_group=group, **ddp_kwargs)
+        self._ddp_kwargs = ddp_kwargs
+        self._wrap(model.to(device))
+        self.optimizer = self._optimizer(optimizer_class, optimizer_kwargs)
+
+    def _wrap(self, module: torch.nn.Module) -> None:
+        """Wrap ``module`` in DDP over the current world (collective: DDP broadcasts rank 0's parameters)."""
+        self.world_size = dist.get_world_size(self.group)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=device_ids, process_group=self.group,
+                                             **self._ddp_kwargs)  # fmt: skip
         # torch's DDP times the all-reduce of every SAMPLE_RATE-th iteration; the metrics extrapolate from those.
         self.model._set_ddp_runtime_logging_sample_rate(_DDP_SAMPLE_RATE)
         self._last_comm_start = 0
         self._synced_since_sample = 0
-        self.optimizer = self._optimizer(optimizer_class, optimizer_kwargs)
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
         return cls(self.model.parameters(), **kwargs)
 
-    def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
-        started = time.perf_counter()
+    in_place = True
+
+    def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
         total, scale = batch.num_samples, float(self.world_size)
         losses = []  # stay on the device: one sync per step, in loss_sum() below
@@ -113,11 +128,18 @@ class DDPEngine(Engine):
             self._share_gradients(batch)
         if micros or idle_somewhere:
             self._observe_allreduce()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum(losses)
-        self._observe(batch, started, shadow=idle_somewhere and not micros)
-        return loss
+        self.shadowed = idle_somewhere and not micros
+        return loss_sum(losses)
+
+    def rewrap(self) -> None:
+        if self.group is not None:
+            raise EngineError("a DDP engine on a custom process group cannot re-form in place; the restart path "
+                              "applies")  # fmt: skip
+        self._wrap(self.module)
+
+    def sync_state(self, src: int) -> int:
+        nbytes = broadcast_module(self.module, src) if src != 0 else 0  # DDP's constructor sent rank 0's
+        return nbytes + broadcast_optimizer(self.optimizer, src)
 
     def _share_gradients(self, batch: GlobalBatch) -> None:
         """Broadcast the reduced gradients from the first rank that had inputs to the ranks that had none."""
@@ -161,6 +183,7 @@ class ZeroEngine(DDPEngine):
     """
 
     optimizer: ZeroRedundancyOptimizer
+    in_place = False  # its optimizer shards would need resharding in memory: the restart path applies
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=cls, **kwargs)
@@ -177,19 +200,8 @@ class ZeroEngine(DDPEngine):
 def _materialize_zero_state(optimizer: ZeroRedundancyOptimizer) -> None:
     """Create a fresh ZeRO optimizer's state tensors (momentum, moments) with a zero-learning-rate step, so DCP has a
     template to load into (DCP's own state-dict helpers do the same for plain optimizers). Collective."""
-    if any(optimizer.optim.state.values()):
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    if not any(optimizer.optim.state.values()):
+        _materialize(optimizer)
 
 
 def _zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.Module) -> dict[str, Any]:
@@ -221,3 +233,68 @@ def _load_zero_local_state(optimizer: ZeroRedundancyOptimizer, model: torch.nn.M
     for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
         group.update(hyper)  # ZeRO copies these to its local optimizer at every step
 
+
+# -- state for newcomers, over the process group (tensors only: nothing crosses ranks as pickle) -----------------------
+
+
+def broadcast_module(module: torch.nn.Module, src: int) -> int:
+    """Send rank ``src``'s parameters and buffers to every rank, in place. Returns the tensor bytes moved."""
+    nbytes = 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src)
+            nbytes += tensor.numel() * tensor.element_size()
+    return nbytes
+
+
+def _numeric(value: object) -> bool:
+    return isinstance(value, (int, float))  # bool included
+
+
+def broadcast_optimizer(optimizer: torch.optim.Optimizer, src: int) -> int:
+    """Make every rank's optimizer state and numeric hyperparameters (a scheduler's learning rate) equal to rank
+    ``src``'s. A rank with no state yet (a newcomer) first creates it with a zero-learning-rate step, as DCP's
+    state-dict helpers do, so every rank holds the same tensors to receive into. Returns the tensor bytes moved."""
+    flag = torch.tensor([int(any(optimizer.state.values()))], dtype=torch.int64)
+    dist.broadcast(flag, src)
+    groups = optimizer.param_groups
+    keys = [sorted(k for k, v in g.items() if k != "params" and _numeric(v)) for g in groups]
+    hyper = torch.tensor([float(g[k]) for g, ks in zip(groups, keys, strict=True) for k in ks], dtype=torch.float64)
+    dist.broadcast(hyper, src)
+    values = iter(hyper.tolist())
+    for group, ks in zip(groups, keys, strict=True):
+        for key in ks:
+            value = next(values)
+            group[key] = type(group[key])(value) if not isinstance(group[key], bool) else bool(value)
+    if not flag.item():
+        return 0
+    if not any(optimizer.state.values()):
+        _materialize(optimizer)
+    nbytes = 0
+    for group in groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    dist.broadcast(value, src)
+                    nbytes += value.numel() * value.element_size()
+                elif _numeric(value):
+                    box = torch.tensor([float(value)], dtype=torch.float64)
+                    dist.broadcast(box, src)
+                    state[key] = type(value)(box.item())
+    return nbytes
+
+
+def _materialize(optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state tensors with a zero-learning-rate step on zero gradients (local)."""
+    saved = [(group, group["lr"]) for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in saved:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,6 @@ shadow sample in training mode; a loss that is NaN/inf on the shadow sample pois
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -121,8 +120,7 @@ class FSDPEngine(Engine):
         assert isinstance(self.model, FSDPModule)
         return self.model
 
-    def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
-        started = time.perf_counter()
+    def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         micros = list(zip(batch.micro_batches, batch.micro_sizes, strict=True))
         total = batch.num_samples
         losses = []  # stay on the device: one sync per step, in loss_sum() below
@@ -137,8 +135,5 @@ class FSDPEngine(Engine):
                 losses.append(weighted_backward(self.model, loss_fn, micro, n, total, self.world_size))
                 joinable.iteration += 1
         self.fsdp.set_requires_gradient_sync(True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum(losses)
-        self._observe(batch, started, shadow=len(micros) < joinable.iterations)
-        return loss
+        self.shadowed = len(micros) < joinable.iterations
+        return loss_sum(losses)

