@@ -137,7 +137,6 @@ class CoreState:
     renewing_since: float | None = None  # start of the current unbroken run of renewals (None: failing)
     probed_at: float = -1e18
     ready: bool = False  # every live worker of the group announced that it re-forms in place
-    wait_reported: int | None = None  # the generation a peer failure ("wait" phase) was reported for
     handed: int | None = None  # the generation last handed to the running group in place
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
@@ -324,7 +323,8 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
         actions.append(Prepare(gen))
     if mine is not None and _in_place(state):
         ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
-        state = replace(state, group=gen.number, started_at=now, progress=(), wait_reported=None, handed=gen.number)
+        # The same processes: their progress carries on (a rank still in "wait" waits for this very generation).
+        state = replace(state, group=gen.number, started_at=now, handed=gen.number)
         why = f"generation {gen.number} in place, {ranks}"
         return _set(state, AgentState.RUNNING, why), [*actions, Reconfigure(gen)]
     if state.group is not None:
@@ -379,11 +379,14 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
     before = dict(state.progress)
     progress: dict[int, RankProgress] = {}
     intervals = list(state.step_intervals)
+    waiting: list[int] = []  # ranks that entered the "wait" phase since the last tick
     for rank, (step, phase) in tick.progress.items():
         old = before.get(rank)
         if old is not None and (old.step, old.phase) == (step, phase):
             progress[rank] = old
             continue
+        if phase == "wait":
+            waiting.append(rank)
         if old is not None and old.phase == "step" and phase == "step" and step > old.step:
             intervals.append((now - old.since) / (step - old.step))
         progress[rank] = RankProgress(step, phase, now)
@@ -406,10 +409,9 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         report = Report("failure", generation, HANG_EXIT_CODE, f"hang: {why}")
         state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
         return state, [Dump(why), Stop(), Send(report)]
-    waiting = sorted(rank for rank, p in progress.items() if p.phase == "wait")
-    if waiting and state.wait_reported != state.group:
-        message = f"local rank {waiting[0]} saw a peer fail mid-step and waits in place for the next generation"
-        state = _set(replace(state, wait_reported=state.group), state.phase, "a peer failed; waiting in place")
+    if waiting:
+        message = f"local rank {min(waiting)} saw a peer fail mid-step and waits in place for the next generation"
+        state = _set(state, state.phase, "a peer failed; waiting in place")
         return state, [Send(Report("failure", state.group, HANG_EXIT_CODE, message))]
     return state, []
 

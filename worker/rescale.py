@@ -42,10 +42,12 @@ generation starts fresh workers that restore from disk. That is the way back.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -62,7 +64,16 @@ if TYPE_CHECKING:
     from pliant.worker.data import ElasticLoader
     from pliant.worker.session import Session
 
-__all__ = ["DIRECTIVE_WAIT_S", "Protocol", "RescaleError", "RescaleExit", "is_peer_failure", "retire_groups"]
+__all__ = [
+    "DIRECTIVE_WAIT_S",
+    "Protocol",
+    "RescaleError",
+    "RescaleExit",
+    "is_peer_failure",
+    "retire_groups",
+    "sever",
+    "socket_fds",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +104,32 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(
         mark in text for mark in ("gloo", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
     )
+
+
+def socket_fds() -> set[int]:
+    """This process's open socket file descriptors (Linux /proc; empty elsewhere)."""
+    out = set()
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    out.add(int(name))
+    except OSError:
+        pass
+    return out
+
+
+def sever(fds: set[int]) -> None:
+    """Shut down (without closing) the sockets the old process group opened, so every peer still blocked in a
+    collective with this rank sees the connection close and fails at once: gloo reports a failure only on a
+    connection that closed, its abort closes none, and the group itself is never destroyed (:func:`retire_groups`)."""
+    for fd in fds:
+        with contextlib.suppress(OSError, ValueError):
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer; gloo aborts the process on a local SHUT_RD
+            finally:
+                sock.detach()
 
 
 def retire_groups() -> None:
@@ -179,18 +216,20 @@ class Protocol:
             self._boundary(batch)
         while True:
             started = time.perf_counter()
-            voting = False
+            failure = ""
             try:
                 loss = engine.forward_backward(batch, loss_fn)
-                voting = True
+                failure = "the vote"
                 asked = self._vote()
+                failure = ""
             except RuntimeError as exc:
                 if not (self.in_place and engine.in_place and is_peer_failure(exc)):
                     raise
+                failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
+            if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
                 engine.discard_update()
-                logger.warning("rank %d: a peer failed during step %d (%s: %s); waiting for the next generation",
-                               self.session.env.rank, batch.step, "the vote" if voting else "the step",
-                               str(exc).splitlines()[0][:200])  # fmt: skip
+                logger.warning("rank %d: a peer failed during step %d (%s); waiting for the next generation",
+                               self.session.env.rank, batch.step, failure)  # fmt: skip
                 if not self._recover(batch):
                     return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
                 continue
@@ -252,6 +291,7 @@ class Protocol:
         self.session.metrics.progress.write(batch.step, "wait")
         for manager in self.managers:
             manager.abandon()
+        sever(self.session.group_fds)  # wakes the peers still blocked in a collective with this rank
         directive = self._await_directive()
         if directive.mode != "in-place":
             raise RescaleExit(directive.mode)

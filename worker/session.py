@@ -29,14 +29,14 @@ from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
 from pliant.worker.metrics import WorkerMetrics
-from pliant.worker.rescale import Protocol, retire_groups
+from pliant.worker.rescale import Protocol, retire_groups, socket_fds
 
 __all__ = ["Session", "init"]
 
 logger = logging.getLogger(__name__)
 
 
-def _settle_gloo_threads(timeout_s: float = 2.0) -> None:
+def settle_gloo_threads(timeout_s: float = 2.0) -> None:
     """Give gloo's worker threads (``pt_gloo_runloop``) the GIL to finish a collective's clean-up before the script
     may end: such a thread drops the last reference to a collective's tensors after the caller's wait returned, which
     needs the GIL, and a thread that asks for the GIL while the interpreter finalizes is ended in a ``noexcept`` frame
@@ -90,6 +90,7 @@ class Session:
         else:
             self.device = torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)
+        self.group_fds: set[int] = set()
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             self.init_group()
@@ -104,7 +105,13 @@ class Session:
                     self.backend, self.device)  # fmt: skip
 
     def init_group(self) -> None:
-        """Initialise the default process group for :attr:`env`'s world (env:// under an agent or torchrun)."""
+        """Initialise the default process group for :attr:`env`'s world (env:// under an agent or torchrun), noting
+        the sockets it opened (:attr:`group_fds`, for :func:`pliant.worker.rescale.sever`)."""
+        before = socket_fds()
+        self._init_group()
+        self.group_fds = socket_fds() - before
+
+    def _init_group(self) -> None:
         if self.env.master_port:
             dist.init_process_group(self.backend, rank=self.env.rank, world_size=self.env.world_size,
                                     timeout=self.timeout)  # fmt: skip
@@ -228,7 +235,7 @@ class Session:
         self.metrics.progress.write(self.metrics.progress.step, "done")
         if self._owns_group and dist.is_initialized():
             retire_groups()
-            _settle_gloo_threads()
+            settle_gloo_threads()
 
     def __enter__(self) -> Session:
         return self

@@ -73,16 +73,12 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn
     wait_for(lambda: _stepping(tmp_path, 4, generation=2) and len(_pids(_events(tmp_path), 4)) == 4, 30,
              "every rank of world 4 stepping")  # fmt: skip
     b.kill(signal.SIGTERM)  # a graceful leave: b's ranks leave at a step boundary, a's re-form without them
-    import atexit
-    atexit.register(lambda: (tmp_path / "a.out").write_text(a.output()))
-    atexit.register(lambda: (tmp_path / "b.out").write_text(b.output()))
     wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
     assert b.proc.returncode == 0, b.output()[-3000:]
     wait_for(lambda: _stepping(tmp_path, 2, generation=3), 60, "world 2 stepping again")
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-3000:]
 
-    print("\n".join(line for line in a.output().splitlines() if "generation" in line and "agent" in line))
     events = _events(tmp_path)
     before, during = _pids([e for e in events if e["generation"] == 1], 2), _pids(events, 4)
     after = _pids([e for e in events if e["generation"] == 3], 2)
@@ -94,3 +90,50 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn
           f"join {pause:.2f}s; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert diff <= 1e-5
     assert "rescale in place (boundary)" in a.output()
+
+
+def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
+    """(the last step committed before ``failed_at``, the first step run after it) by rank 0's events."""
+    before = max(e["step"] for e in events if e["rank"] == 0 and e["time"] < failed_at)
+    resumed = min(e["step"] for e in events if e["rank"] == 0 and e["time"] >= failed_at)
+    return before, resumed
+
+
+@pytest.mark.parametrize("engine", ["ddp"])
+@pytest.mark.parametrize("victim", ["worker", "node"])
+def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agent, tmp_path: Path, engine: str,
+                                                    victim: str) -> None:  # fmt: skip
+    steps = 100
+    server = make_coordinator()
+    args = dict(checkpoints=False, script=("--engine", engine), extra=("--max-restarts", "3"))
+    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args), name="agent-a")
+    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args), name="agent-b")
+    wait_for(lambda: _stepping(tmp_path, 4, 10), 90, "world 4 past step 10")
+    world4 = _pids(_events(tmp_path), 4)
+    killed_at = time.time()
+    if victim == "worker":
+        os.kill(world4[3], signal.SIGKILL)  # node b's second worker; its agent and its first worker live on
+        survivors = {r: world4[r] for r in (0, 1, 2)}
+        wait_for(lambda: _stepping(tmp_path, 4, generation=2), 60, "world 4 stepping again")
+    else:
+        b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
+        survivors = {r: world4[r] for r in (0, 1)}
+        wait_for(lambda: _stepping(tmp_path, 2, generation=2), 60, "the survivors stepping")
+    events = _events(tmp_path)
+    stepping_at = min(e["time"] for e in events if e["generation"] == 2)
+    wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
+    assert a.proc.returncode == 0, a.output()[-3000:]
+    if victim == "worker":
+        wait_for(lambda: b.proc.poll() is not None, 60, "agent b to finish")
+        assert b.proc.returncode == 0, b.output()[-3000:]
+
+    events = _events(tmp_path)
+    after = {e["rank"]: e["pid"] for e in events if e["generation"] == 2}
+    assert {r: after[r] for r in survivors} == survivors, "the survivors kept their processes"
+    before, resumed = _redone(events, killed_at)
+    diff = _check_exact(tmp_path, steps, engine)
+    print(f"{engine} kill -9 {victim} in place: step {before} was the last committed, the survivors resumed at "
+          f"{resumed} ({before + 1 - resumed} committed steps redone), stepping {stepping_at - killed_at:.2f}s after "
+          f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
+    assert diff <= 1e-5
