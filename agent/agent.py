@@ -88,6 +88,7 @@ class Agent:
         self._events: queue.Queue[object] = queue.Queue()
         self._reports: queue.Queue[core.Report] = queue.Queue()
         self._stop = threading.Event()
+        self._left = threading.Event()
         registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.metrics = AgentMetrics(registry, config.spec.job_id, config.node_id)
         self.metrics.set_state(self.state.phase)
@@ -95,6 +96,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
+        self._handover: tuple[Generation, list[WorkerEnv], int, float, object] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class Agent:
         while not self._stop.is_set():
             grant = self.grant
             assert grant is not None
-            if self._stop.wait(grant.heartbeat_interval_s):
+            if self._stop.wait(grant.heartbeat_interval_s) or self._left.is_set():
                 return
             try:
                 step = self.metrics.latest_step()
@@ -208,6 +210,8 @@ class Agent:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
                 failing = False
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
+                if self._left.is_set():
+                    return
                 self._events.put(core.LeaseLost(str(exc)))
                 self._rejoin()
             except CoordinatorError as exc:
@@ -222,7 +226,7 @@ class Agent:
         """Join again until it works, however long the coordinator is away; a refusal that will not change (the job
         was deleted, the token rotated) ends the agent."""
         delay = 0.2
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._left.is_set():
             try:
                 self._join()
                 return
@@ -312,8 +316,9 @@ class Agent:
         while True:
             event = self._next_event(next_tick)
             if isinstance(event, core.Tick):
-                next_tick = time.monotonic() + TICK_S
+                next_tick = time.monotonic() + (TICK_S if self._handover is None else 0.02)
                 self._publish_renewing()
+                self._hand_over()
             elif isinstance(event, WatchEvent):
                 if event.generation is not None:
                     self._generations[event.generation.number] = event.generation
@@ -401,7 +406,9 @@ class Agent:
                "move in place, or a worker still starting)"
 
     def _reconfigure(self, gen: Generation) -> None:
-        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`)."""
+        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`). When new nodes join, the
+        hand-over waits (at most the rescale grace) until their workers counted themselves in the generation's store:
+        the survivors train on while the newcomers start."""
         assert self.group is not None
         try:
             envs = self._envs(gen)
@@ -409,6 +416,31 @@ class Agent:
             logger.warning("agent %s: cannot reconfigure for generation %d: %s", self.config.node_id, gen.number, exc)
             self._events.put(core.StartFailed(gen.number, str(exc)))
             return
+        old = self._generations.get(self.group.generation)
+        known = {m.node_id for m in old.members} if old else {m.node_id for m in gen.members}
+        needed = sum(m.nproc for m in gen.members if m.node_id not in known)
+        self._handover = (gen, envs, needed, time.monotonic() + self.config.rescale_grace_s, None)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Finish a pending in-place hand-over once the newcomers arrived (or the rescale grace ran out)."""
+        if self._handover is None:
+            return
+        gen, envs, needed, deadline, client = self._handover
+        if self.group is None or self.state.group != gen.number:
+            self._handover = None  # superseded
+            return
+        arrived = 0
+        if needed:
+            try:
+                client = client or NodeStore.client(envs[0].master_addr, envs[0].master_port)
+                arrived = NodeStore.arrivals(client)
+            except Exception as exc:  # the store is not reachable yet: next tick
+                logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
+            self._handover = (gen, envs, needed, deadline, client)
+            if arrived < needed and time.monotonic() < deadline:
+                return
+        self._handover = None
         kept, started = self.group.reconfigure(gen.number, envs)
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
@@ -508,6 +540,7 @@ class Agent:
         return max([-1.0, *(NodeStore.peer_renewing(m.address) for m in peers[:8])])
 
     def _leave(self) -> None:
+        self._left.set()  # no heartbeat, and no re-join, from here on
         if self.grant is None:
             return
         try:

@@ -466,7 +466,13 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
                f"{event.streak_s:.0f}s")  # fmt: skip
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
     if isinstance(event, SignalReceived):
-        actions = [Stop(rescale=True, leave=_in_place(state))] if state.group is not None else []
+        if _in_place(state):
+            # Leave first: the others' next generation (without this node) is on its way while this node's ranks
+            # reach the step boundary, so they find their directives there and re-form without waiting.
+            return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [
+                Leave(), Stop(rescale=True, leave=True), Exit(0)
+            ]
+        actions = [Stop(rescale=True)] if state.group is not None else []
         return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
     if isinstance(event, Tick):
         if state.group is not None and state.generation is not None:

@@ -20,7 +20,7 @@ from datetime import timedelta
 from pliant.agent.contract import AgentError
 from pliant.net import parse_host_port
 
-__all__ = ["NodeStore", "reachable"]
+__all__ = ["ARRIVED_KEY", "NodeStore", "reachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ _KEEP = 2  # generation stores kept alive (the current and the previous one)
 
 
 _RENEWING_KEY = "/pliant/agent/renewing"  # seconds of unbroken membership renewals ("-1": not renewing)
+ARRIVED_KEY = "/pliant/arrived"  # a generation store's count of fresh workers about to join it
 
 
 def _port_key(generation: int) -> str:
@@ -144,6 +145,19 @@ class NodeStore:
                 f"the agent store of node rank 0 at {store_address} did not give generation {generation}'s store "
                 f"port within {timeout_s:g}s ({type(exc).__name__})"
             ) from exc
+
+    @staticmethod
+    def arrivals(client: object) -> int:
+        """How many fresh workers announced that they are about to join the generation whose store ``client``
+        (a TCPStore client) reaches; see :func:`pliant.worker.rescale.announce_arrival`."""
+        return int(client.add(ARRIVED_KEY, 0))  # type: ignore[attr-defined]
+
+    @staticmethod
+    def client(host: str, port: int, timeout_s: float = 5.0) -> object:
+        """A TCPStore client of a generation's store."""
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
     def close(self) -> None:
         self._generation_stores.clear()

@@ -50,6 +50,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "Protocol",
     "RescaleError",
     "RescaleExit",
+    "announce_arrival",
     "is_peer_failure",
     "retire_groups",
     "sever",
@@ -104,6 +106,16 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(
         mark in text for mark in ("gloo", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
     )
+
+
+ARRIVED_KEY = "/pliant/arrived"  # pliant.agent.stores.ARRIVED_KEY: fresh workers count themselves in
+
+
+def announce_arrival(env: WorkerEnv, timeout_s: float = 30.0) -> None:
+    """A fresh worker counts itself in the generation's store before it joins the world, so the survivors' agents
+    hand the generation over only once the newcomers are about to meet them: the survivors train on meanwhile."""
+    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store.add(ARRIVED_KEY, 1)
 
 
 def socket_fds() -> set[int]:

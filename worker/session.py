@@ -29,7 +29,7 @@ from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
 from pliant.worker.metrics import WorkerMetrics
-from pliant.worker.rescale import Protocol, retire_groups, socket_fds
+from pliant.worker.rescale import Protocol, announce_arrival, retire_groups, socket_fds
 
 __all__ = ["Session", "init"]
 
@@ -93,6 +93,8 @@ class Session:
         self.group_fds: set[int] = set()
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
+            if self.env.agent_store and self.env.rescale == "in-place" and self.env.master_port:
+                announce_arrival(self.env)
             self.init_group()
         # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
         self.protocol: Protocol | None = None
