@@ -1,11 +1,13 @@
-"""Helpers shared by the benchmarks (each runs as ``python bench/NAME.py``, so this imports as ``common``)."""
+"""Helpers shared by the benchmarks and the tests (each benchmark runs as ``python bench/NAME.py``, so this imports as
+``common``; the tests import it as ``bench.common``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
-__all__ = ["read_jsonl"]
+__all__ = ["longest_pause", "read_jsonl"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -19,3 +21,10 @@ def read_jsonl(path: Path) -> list[dict]:
         except ValueError:
             continue
     return out
+
+
+def longest_pause(events: list[dict], since: float) -> float:
+    """The longest gap between two consecutive steps of rank 0 after ``since`` (wall time) in a training script's
+    step events (``rank``, ``time``)."""
+    times = sorted(e["time"] for e in events if e["rank"] == 0 and e["time"] >= since)
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)

@@ -1,15 +1,20 @@
-"""Elasticity benchmark: the same plain DDP script (examples/train_ddp.py) under pliant and under torchrun, two nodes x
-2 workers on this machine, in one run. Prints one table with both columns and the ratios.
+"""Elasticity benchmark: the same script (examples/train_elastic.py, DDP on pliant.worker) under pliant's in-place
+rescale, pliant's restart path and torchrun, two nodes x 2 workers on this machine, in one run. Prints one table with
+every column and the ratios to torchrun.
 
 Scenarios, in order, per launcher: start (node a, --nnodes 1:2) -> first step of every rank; node b joins -> all 4
-ranks stepping; kill -9 of one worker -> all ranks stepping again; kill -9 of node b (launcher and workers) -> the
-survivors stepping; work lost per failure (steps redone); steady-state throughput at world 4.
+ranks stepping, and the survivors' longest pause between two steps around it; kill -9 of one worker -> all ranks
+stepping again; kill -9 of node b (launcher and workers) -> the survivors stepping; committed steps redone per failure;
+steady-state throughput at world 4.
 
-A new world is recognised by new worker processes covering every rank (torchrun keeps its restart count on a scale-up).
-torchrun runs with the c10d rendezvous, once with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (needed for its scale-up to
-work) and once in its default configuration, where a scale-up that never completes is reported as a deadlock.
+Columns: ``in-place`` (``pliant run --rescale in-place``, no checkpoint directory: the survivors keep their processes
+and state), ``restart`` (``--rescale restart`` with checkpoints every 5 steps: every change checkpoints and starts new
+processes), ``torchrun`` (c10d rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, needed for its scale-up to work;
+the script saves every 5 steps into PLIANT_CHECKPOINT_DIR) and ``torchrun-default`` (its default configuration, where a
+scale-up that never completes is reported as a deadlock). A new world is recognised by every rank stepping as a new
+(process, generation) pair: in place the processes stay and the generation moves; torchrun starts new processes.
 
-Usage: ``.venv/bin/python bench/elastic.py [--launchers pliant torchrun torchrun-default] [--timeout 120]``
+Usage: ``.venv/bin/python bench/elastic.py [--launchers in-place restart torchrun torchrun-default] [--timeout 120]``
 """
 
 from __future__ import annotations
@@ -26,19 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from common import read_jsonl
+from common import longest_pause, read_jsonl
 
 from pliant.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "train_ddp.py"
+SCRIPT = ROOT / "examples" / "train_elastic.py"
 STEP_TIME = 0.05
+SAVE_EVERY = 5  # the restart and torchrun columns checkpoint this often
 
 
 @dataclass
 class Result:
     start: float | None = None
     join: float | None = None
+    join_pause: float | None = None
     worker_kill: float | None = None
     node_kill: float | None = None
     lost_worker_kill: int | None = None
@@ -51,11 +58,15 @@ class Timeout(Exception):
     pass
 
 
-def wait_new_world(events: Path, world: int, old_pids: set[int], timeout_s: float) -> tuple[float, list[dict]]:
-    """Wait until every rank of a world of ``world`` stepped from a process not in ``old_pids``."""
+def _key(step: dict) -> tuple[int, int]:
+    return step["pid"], step["generation"]
+
+
+def wait_new_world(events: Path, world: int, old: set[tuple[int, int]], timeout_s: float) -> tuple[float, list[dict]]:
+    """Wait until every rank of a world of ``world`` stepped as a (process, generation) not in ``old``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        fresh = [s for s in read_jsonl(events) if s["world"] == world and s["pid"] not in old_pids]
+        fresh = [s for s in read_jsonl(events) if s["world"] == world and _key(s) not in old]
         if {s["rank"] for s in fresh} == set(range(world)):
             return time.monotonic(), fresh
         time.sleep(0.02)
@@ -83,12 +94,16 @@ class Launcher:
         self.events = workdir / "events.jsonl"
 
     def command(self, node: str) -> tuple[list[str], dict[str, str]]:
-        script = [str(SCRIPT), "--steps", "1000000", "--step-time", str(STEP_TIME), "--ckpt",
-                  str(self.workdir / "ckpt.pt"), "--events", str(self.events), "--log-every", "1000"]  # fmt: skip
+        script = [str(SCRIPT), "--steps", "1000000", "--step-time", str(STEP_TIME), "--events", str(self.events)]
+        ckpt = str(self.workdir / "ckpt")
         env = dict(os.environ)
-        if self.name == "pliant":
+        if self.name in ("in-place", "restart"):
             common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--node-id", f"node-{node}",
-                      "--heartbeat-ttl", "3", "--join-grace", "1"]  # fmt: skip
+                      "--heartbeat-ttl", "3", "--join-grace", "1", "--max-restarts", "3",
+                      "--rescale", self.name]  # fmt: skip
+            if self.name == "restart":
+                common += ["--checkpoint-dir", ckpt]
+                script += ["--save-every", str(SAVE_EVERY)]
             if node == "a":
                 return [sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{self.port}", *common,
                         *script], env  # fmt: skip
@@ -96,6 +111,8 @@ class Launcher:
                     *script], env  # fmt: skip
         if self.name == "torchrun":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env["PLIANT_CHECKPOINT_DIR"] = ckpt  # the script checkpoints and resumes under torchrun too
+        script += ["--save-every", str(SAVE_EVERY)]
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench",
                 "--max-restarts", "3", *script], env  # fmt: skip
@@ -125,8 +142,8 @@ def measure(name: str, timeout_s: float) -> Result:
         t, _ = wait_new_world(launcher.events, 2, set(), timeout_s)
         result.start = t - t0
 
-        pids = {s["pid"] for s in read_jsonl(launcher.events)}
-        t0 = time.monotonic()
+        pids = {_key(s) for s in read_jsonl(launcher.events)}
+        t0, wall0 = time.monotonic(), time.time()
         node_b = launcher.start("b")
         procs.append(node_b)
         try:
@@ -135,6 +152,8 @@ def measure(name: str, timeout_s: float) -> Result:
             result.notes.append(f"scale-up deadlocked: {exc}")
             return result
         result.join = t - t0
+        time.sleep(1.0)
+        result.join_pause = longest_pause(read_jsonl(launcher.events), wall0)
 
         time.sleep(3)  # steady state at world 4
         window = 5.0
@@ -144,7 +163,7 @@ def measure(name: str, timeout_s: float) -> Result:
         result.throughput = len(steps) / window
 
         before = read_jsonl(launcher.events)
-        pids = {s["pid"] for s in before}
+        pids = {_key(s) for s in before}
         victim = max((s for s in before if s["world"] == 4), key=lambda s: (s["time"], s["rank"]))
         t0 = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
@@ -154,7 +173,7 @@ def measure(name: str, timeout_s: float) -> Result:
 
         time.sleep(2)
         before = read_jsonl(launcher.events)
-        pids = {s["pid"] for s in before}
+        pids = {_key(s) for s in before}
         t0 = time.monotonic()
         kill_tree(node_b)
         t, fresh = wait_new_world(launcher.events, 2, pids, timeout_s)
@@ -177,7 +196,7 @@ def _fmt(value: float | int | None, unit: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launchers", nargs="+", default=["pliant", "torchrun", "torchrun-default"])
+    parser.add_argument("--launchers", nargs="+", default=["in-place", "restart", "torchrun", "torchrun-default"])
     parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for one scenario, s")
     args = parser.parse_args()
     results = {}
@@ -187,6 +206,7 @@ def main() -> None:
     rows = [
         ("start -> first step", "start", "s"),
         ("node joins -> all ranks stepping", "join", "s"),
+        ("survivors' longest pause (join)", "join_pause", "s"),
         ("kill -9 worker -> resumed", "worker_kill", "s"),
         ("kill -9 node -> survivors stepping", "node_kill", "s"),
         ("steps redone after worker kill", "lost_worker_kill", "steps"),
@@ -194,17 +214,15 @@ def main() -> None:
         ("throughput at world 4", "throughput", "steps/s"),
     ]
     names = list(results)
-    header = f"{'scenario':<36}" + "".join(f"{n:>18}" for n in names)
-    if "pliant" in results and "torchrun" in results:
-        header += f"{'pliant/torchrun':>17}"
+    ours = [n for n in ("in-place", "restart") if n in results and "torchrun" in results]
+    header = f"{'scenario':<36}" + "".join(f"{n:>18}" for n in names) + "".join(f"{n + '/torchrun':>20}" for n in ours)
     print("\n" + header)
     for label, attr, unit in rows:
         line = f"{label:<36}" + "".join(f"{_fmt(getattr(results[n], attr), unit):>18}" for n in names)
-        if "pliant" in results and "torchrun" in results:
-            p, t = getattr(results["pliant"], attr), getattr(results["torchrun"], attr)
-            line += (
-                f"{(p / t if p is not None and t else float('nan')):>16.2f}x" if p is not None and t else f"{'-':>17}"
-            )
+        t = getattr(results["torchrun"], attr) if ours else None
+        for name in ours:
+            p = getattr(results[name], attr)
+            line += f"{p / t:>19.2f}x" if p is not None and t else f"{'-':>20}"
         print(line)
     for name in names:
         for note in results[name].notes:

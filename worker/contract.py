@@ -92,6 +92,9 @@ class Engine(abc.ABC):
     runs each step with its commit vote, re-forms the engine in place and recovers from a peer's failure."""
     in_place: bool = False
     """True when :meth:`rewrap` and :meth:`sync_state` can move this engine to a new world without a restart."""
+    survives_peer_loss: bool = False
+    """True when the survivors alone hold all of the state (replicas), so a peer that dies mid-step costs only that
+    step; False: a peer's death takes the restart path (its shards are only on disk)."""
     shadowed: bool = False
     """Set by :meth:`forward_backward`: this rank only shadowed the others' collectives in the last step."""
 
@@ -154,6 +157,14 @@ class Engine(abc.ABC):
     def discard_update(self) -> None:
         """Drop the gradients of a step that will not be committed."""
         self.optimizer.zero_grad(set_to_none=True)
+
+    def can_move(self) -> bool:
+        """Whether moving in place fits now (e.g. the memory a gathered state needs); False takes the restart path."""
+        return self.in_place
+
+    def before_move(self) -> None:  # noqa: B027 - replicated engines hold nothing only they have
+        """At a step boundary, on the old world still whole (collective, leaving ranks included): gather what only
+        some ranks hold, so the survivors can rebuild it in the next world."""
 
     def rewrap(self) -> None:
         """Wrap :attr:`module` again for the process group now initialised (a new world). Collective.

@@ -95,6 +95,7 @@ class DDPEngine(Engine):
         self.group = group
         self._ddp_kwargs = ddp_kwargs
         self._wrap(model.to(device))
+        self._optimizer_args = (optimizer_class, optimizer_kwargs)
         self.optimizer = self._optimizer(optimizer_class, optimizer_kwargs)
 
     def _wrap(self, module: torch.nn.Module) -> None:
@@ -112,6 +113,7 @@ class DDPEngine(Engine):
         return cls(self.model.parameters(), **kwargs)
 
     in_place = True
+    survives_peer_loss = True
 
     def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
@@ -183,10 +185,69 @@ class ZeroEngine(DDPEngine):
     """
 
     optimizer: ZeroRedundancyOptimizer
-    in_place = False  # its optimizer shards would need resharding in memory: the restart path applies
+    in_place = True  # at a step boundary: the shards are gathered, then cut again for the new world
+    survives_peer_loss = False  # a dead rank's shard exists only on disk: the restart path
+    MEMORY_SHARE = 0.8  # moving in place needs the whole optimizer state on every rank; at most this much free RAM
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+        self._full: torch.optim.Optimizer | None = None
         return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=cls, **kwargs)
+
+    def _template(self) -> torch.optim.Optimizer:
+        """A plain optimizer of the same class over every parameter, with its state tensors created (zero rate)."""
+        cls, kwargs = self._optimizer_args
+        full = cls(self.module.parameters(), **kwargs)
+        for group, zero_group in zip(full.param_groups, self.optimizer.param_groups, strict=True):
+            group.update({k: v for k, v in zero_group.items() if k != "params"})
+        _materialize(full)
+        return full
+
+    def can_move(self) -> bool:
+        """The gathered state (every parameter's optimizer state, as DDP holds it) must fit in free host memory."""
+        import psutil
+
+        local = [v for state in self.optimizer.optim.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor)]  # fmt: skip
+        per_param = len(local) / max(1, len(self.optimizer.optim.state))
+        need = per_param * sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return need <= self.MEMORY_SHARE * psutil.virtual_memory().available
+
+    def before_move(self) -> None:
+        """Every rank gathers the whole optimizer state from the shards' owners (one broadcast per state tensor)."""
+        _materialize_zero_state(self.optimizer)
+        full = self._template()
+        owner = self.optimizer._param_to_rank
+        me = dist.get_rank()
+        for group in full.param_groups:
+            for param in group["params"]:
+                state = full.state[param]
+                for key in sorted(state):
+                    value = state[key]
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    if owner[param] == me:
+                        value.copy_(self.optimizer.optim.state[param][key])
+                    dist.broadcast(value, owner[param])
+        self._full = full
+
+    def rewrap(self) -> None:
+        super().rewrap()
+        cls, kwargs = self._optimizer_args
+        full, self.optimizer = self._full, self._optimizer(cls, kwargs)
+        self._full = full
+
+    def sync_state(self, src: int) -> int:
+        """The gathered state from ``src`` to the newcomers, then each rank keeps its new shard of it."""
+        nbytes = broadcast_module(self.module, src) if src != 0 else 0
+        full, self._full = self._full or self._template(), None
+        nbytes += broadcast_optimizer(full, src)
+        for group, hyper in zip(self.optimizer.param_groups, full.param_groups, strict=True):
+            group.update({k: v for k, v in hyper.items() if k != "params"})
+        for group in self.optimizer.optim.param_groups:
+            for param in group["params"]:
+                self.optimizer.optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                     for k, v in full.state[param].items()}  # fmt: skip
+        return nbytes
 
     def state_dict(self) -> dict[str, Any]:
         _materialize_zero_state(self.optimizer)

@@ -235,7 +235,7 @@ class Protocol:
                 asked = self._vote()
                 failure = ""
             except RuntimeError as exc:
-                if not (self.in_place and engine.in_place and is_peer_failure(exc)):
+                if not (self.in_place and engine.survives_peer_loss and is_peer_failure(exc)):
                     raise
                 failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
@@ -273,7 +273,7 @@ class Protocol:
         directive = read_directive(env.progress_file) if env.progress_file else None
         if directive is not None and directive.generation <= env.generation:
             directive = None  # an old one; this rank's agent has not written its next yet
-        movable = self.in_place and all(e.in_place for e in self.engines)
+        movable = self.in_place and all(e.can_move() for e in self.engines)
         restart = (directive is not None and directive.mode == "restart") or not movable
         flag = torch.tensor([int(restart)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the old world, still whole: a restart anywhere is for everyone
@@ -286,6 +286,8 @@ class Protocol:
             raise RescaleExit("restart")
         for manager in self.managers:
             manager.wait()  # its group is about to be retired
+        for engine in self.engines:
+            engine.before_move()  # what only some ranks hold (ZeRO's shards), gathered while every rank is here
         if directive is None:
             directive = self._await_directive()
         if directive.mode != "in-place":

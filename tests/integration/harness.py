@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -10,6 +9,29 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from bench.common import longest_pause, read_jsonl
+
+__all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
+    "ELASTIC",
+    "GLOBAL_BATCH",
+    "ROOT",
+    "SAMPLES",
+    "SCRIPT",
+    "Step",
+    "agent_args",
+    "assert_all_gone",
+    "counted_samples",
+    "descendants",
+    "elastic_agent",
+    "longest_pause",
+    "max_param_diff",
+    "read_jsonl",
+    "read_steps",
+    "scrape",
+    "static_params",
+    "wait_world",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -23,19 +45,6 @@ class Step:
     restart: int
     time: float
     pid: int
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (none if it does not exist), skipping a line still being written."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def read_steps(path: Path) -> list[Step]:
@@ -143,3 +152,15 @@ def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
 
 def max_param_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """name{labels} -> value of every sample of a Prometheus endpoint (empty when it does not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}

@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from pliant.net import free_port
 from tests.conftest import wait_for
 from tests.integration.harness import (
     SAMPLES,
     counted_samples,
     elastic_agent,
+    longest_pause,
     max_param_diff,
     read_jsonl,
+    scrape,
     static_params,
 )
 
@@ -40,12 +43,6 @@ def _pids(events: list[dict], world: int) -> dict[int, int]:
     return {e["rank"]: e["pid"] for e in events if e["world"] == world}
 
 
-def _longest_pause(events: list[dict], after: float) -> float:
-    """The longest gap between two consecutive steps of rank 0 after ``after`` (wall time)."""
-    times = sorted(e["time"] for e in events if e["rank"] == 0 and e["time"] >= after)
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
-
-
 def _check_exact(tmp: Path, steps: int, engine: str = "ddp") -> float:
     """Assert every step ran and every sample of each complete epoch counted once; returns the max parameter
     difference against a static run."""
@@ -58,7 +55,7 @@ def _check_exact(tmp: Path, steps: int, engine: str = "ddp") -> float:
     return max_param_diff(torch.load(tmp / "final.pt"), static_params(tmp, steps, engine))
 
 
-@pytest.mark.parametrize("engine", ["ddp"])
+@pytest.mark.parametrize("engine", ["ddp", "zero"])
 def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn_agent, tmp_path: Path,
                                                          engine: str) -> None:  # fmt: skip
     steps = 120
@@ -84,7 +81,7 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn
     after = _pids([e for e in events if e["generation"] == 3], 2)
     assert before == after == {0: during[0], 1: during[1]}, "node a's workers kept their processes throughout"
     assert {e["generation"] for e in events} == {1, 2, 3}
-    pause = _longest_pause(events, joined_at)
+    pause = longest_pause(events, joined_at)
     diff = _check_exact(tmp_path, steps, engine)
     print(f"{engine} in place: join -> 4 ranks stepping {four - joined_at:.2f}s, longest rank-0 pause after the "
           f"join {pause:.2f}s; max |param diff| vs static {diff:.2e}")  # fmt: skip
@@ -105,22 +102,32 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
                                                     victim: str) -> None:  # fmt: skip
     steps = 100
     server = make_coordinator()
-    args = dict(checkpoints=False, script=("--engine", engine), extra=("--max-restarts", "3"))
-    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args), name="agent-a")
-    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args), name="agent-b")
+    args = dict(checkpoints=False, script=("--engine", engine))
+    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, extra=("--max-restarts", "3"),
+                                          **args), name="agent-a")  # fmt: skip
+    wait_for(lambda: _stepping(tmp_path, 2), 90, "node a stepping")  # node a holds ranks 0 and 1
+    port = free_port()
+    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args,
+                                          extra=("--max-restarts", "3", "--metrics-port", str(port))),
+                    name="agent-b")  # fmt: skip
     wait_for(lambda: _stepping(tmp_path, 4, 10), 90, "world 4 past step 10")
     world4 = _pids(_events(tmp_path), 4)
     killed_at = time.time()
     if victim == "worker":
         os.kill(world4[3], signal.SIGKILL)  # node b's second worker; its agent and its first worker live on
         survivors = {r: world4[r] for r in (0, 1, 2)}
-        wait_for(lambda: _stepping(tmp_path, 4, generation=2), 60, "world 4 stepping again")
+        wait_for(lambda: _stepping(tmp_path, 4, generation=3), 60, "world 4 stepping again")
+        metrics = scrape(f"http://127.0.0.1:{port}/metrics")  # node b's: the agent's and its workers' series
+        assert metrics['pliant_agent_rescales_total{path="in-place"}'] == 1
+        assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] == 1  # its surviving worker
+        assert metrics["pliant_worker_state_sync_bytes_total"] > 0  # ... and the new one's state from peers
+        assert metrics['pliant_agent_worker_exits_total{code="-9"}'] == 1
     else:
         b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
         survivors = {r: world4[r] for r in (0, 1)}
-        wait_for(lambda: _stepping(tmp_path, 2, generation=2), 60, "the survivors stepping")
+        wait_for(lambda: _stepping(tmp_path, 2, generation=3), 60, "the survivors stepping")
     events = _events(tmp_path)
-    stepping_at = min(e["time"] for e in events if e["generation"] == 2)
+    stepping_at = min(e["time"] for e in events if e["generation"] == 3)
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-3000:]
     if victim == "worker":
@@ -128,7 +135,7 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
         assert b.proc.returncode == 0, b.output()[-3000:]
 
     events = _events(tmp_path)
-    after = {e["rank"]: e["pid"] for e in events if e["generation"] == 2}
+    after = {e["rank"]: e["pid"] for e in events if e["generation"] == 3}
     assert {r: after[r] for r in survivors} == survivors, "the survivors kept their processes"
     before, resumed = _redone(events, killed_at)
     diff = _check_exact(tmp_path, steps, engine)
@@ -136,4 +143,26 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
           f"{resumed} ({before + 1 - resumed} committed steps redone), stepping {stepping_at - killed_at:.2f}s after "
           f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
+    assert diff <= 1e-5
+
+
+def test_an_engine_that_cannot_move_in_place_takes_the_restart_path(make_coordinator, spawn_agent,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """FSDP2's shards do not move in place yet: under the default --rescale in-place its workers take the restart
+    path at the boundary (checkpoint, exit, fresh workers restore at the new world size), still exact."""
+    steps = 60
+    server = make_coordinator()
+    args = dict(script=("--engine", "fsdp"))
+    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args), name="agent-a")
+    wait_for(lambda: _stepping(tmp_path, 2, 5), 90, "world 2 stepping")
+    b = spawn_agent(server, elastic_agent(server.address, "node-b", 1, tmp_path, steps, **args), name="agent-b")
+    wait_for(lambda: _stepping(tmp_path, 3), 90, "world 3 stepping")
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to finish")
+    assert (a.proc.returncode, b.proc.returncode) == (0, 0), a.output()[-3000:] + b.output()[-3000:]
+    events = _events(tmp_path)
+    two, three = _pids(events, 2), _pids(events, 3)
+    assert not set(two.values()) & set(three.values()), "new processes: the restart path"
+    assert "restarted from the checkpoint" in a.output()
+    diff = _check_exact(tmp_path, steps, "fsdp")
+    print(f"fsdp, --rescale in-place, 2 -> 3 ranks by the restart path: max |param diff| vs static {diff:.2e}")
     assert diff <= 1e-5

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -16,20 +15,11 @@ import pytest
 
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
+from tests.integration.harness import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SCRIPT = ROOT / "examples" / "train_elastic.py"
-
-
-def _scrape(url: str) -> dict[str, float]:
-    """name{labels} -> value of every sample (empty when the endpoint does not answer)."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
 def _workers(agent_pid: int) -> list[psutil.Process]:
@@ -48,10 +38,11 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordi
         sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "job", "--node-id", "a",
         "--host", "127.0.0.1", "--nnodes", "1", "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.2",
         "--stop-grace", "2", "--metrics-port", str(port), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--rescale", "restart",  # the restart path's series; test_in_place checks the in-place ones
         str(SCRIPT), "--steps", "100000", "--step-time", "0.03", "--save-every", "20",
     ], name="agent")  # fmt: skip
-    wait_for(lambda: _scrape(url).get("pliant_worker_step", 0) >= 45, 90, "two periodic checkpoints")
-    first = _scrape(url)
+    wait_for(lambda: scrape(url).get("pliant_worker_step", 0) >= 45, 90, "two periodic checkpoints")
+    first = scrape(url)
     assert first["pliant_worker_world_size"] == 2 and first["pliant_worker_generation"] == 1
     assert first["pliant_worker_checkpoint_saved_bytes_total"] > 0
     assert first["pliant_worker_checkpoint_save_duration_seconds_count"] >= 2
@@ -62,9 +53,9 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordi
     assert first['pliant_worker_collective_seconds_total{op="grad_allreduce"}'] > 0
 
     os.kill(_workers(agent.pid)[0].pid, signal.SIGKILL)
-    wait_for(lambda: _scrape(url).get("pliant_worker_generation") == 2 and _scrape(url).get("pliant_worker_step", 0)
+    wait_for(lambda: scrape(url).get("pliant_worker_generation") == 2 and scrape(url).get("pliant_worker_step", 0)
              > 45, 60, "the restarted generation stepping past the old step")  # fmt: skip
-    after = _scrape(url)
+    after = scrape(url)
     assert after['pliant_agent_worker_exits_total{code="-9"}'] == 1
     assert after["pliant_agent_worker_restarts_total"] == 1 and after["pliant_agent_generation"] == 2
     assert after["pliant_worker_checkpoint_loaded_bytes_total"] > 0  # the new generation restored

@@ -192,3 +192,94 @@ def test_the_renewal_streak_peers_read() -> None:
     assert core.renewal_streak(agent.state, agent.now) == 0.0
     agent.on(core.HeartbeatFailed(), after=1.0)
     assert core.renewal_streak(agent.state, agent.now) == -1.0
+
+
+# -- in-place rescale --------------------------------------------------------------------------------------------------
+
+
+def _ready(agent: Agent, ready: bool = True) -> None:
+    """The workers announced (or not) that they re-form in place; the executor reads it on a tick."""
+    agent.on(core.Tick({0: (3, "step"), 1: (3, "step")}, ready=ready), after=0.1)
+
+
+def test_a_ready_group_is_handed_the_next_generation_in_place() -> None:
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(agent)
+    actions = agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert actions == [core.Prepare(_gen(2, "a", "b")), core.Reconfigure(_gen(2, "a", "b"))]  # no Stop, no Start
+    assert agent.state.group == 2 and agent.state.phase is AgentState.RUNNING
+    assert "in place" in agent.state.reason
+    # As node rank 1 of the next world, there is no store to open.
+    assert agent.on(core.GenerationSeen(_gen(3, "b", "a"))) == [core.Reconfigure(_gen(3, "b", "a"))]
+
+
+def test_without_readiness_or_with_rescale_restart_the_restart_path_applies() -> None:
+    not_ready = Agent(in_place=True)
+    not_ready.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(not_ready, False)  # a worker still starting, or a script without pliant.worker
+    assert not_ready.kinds(not_ready.on(core.GenerationSeen(_gen(2, "a", "b")))) == ["Prepare", "Stop", "Start"]
+    restart = Agent(in_place=False)
+    restart.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(restart)
+    assert restart.kinds(restart.on(core.GenerationSeen(_gen(2, "a", "b")))) == ["Prepare", "Stop", "Start"]
+    # A generation without this node stops the group even in place: its ranks checkpoint and exit.
+    evicted = Agent(in_place=True)
+    evicted.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(evicted)
+    assert evicted.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True)]
+
+
+def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(agent)
+    why = "local rank 1 (rank 1) exited with code -9"
+    actions = agent.on(core.GroupExited(GroupResult(1, {1: -9}), why, alive=1))
+    assert actions == [core.Send(core.Report("failure", 1, -9, why))]  # no Stop: local rank 0 keeps its process
+    assert agent.state.group == 1 and agent.state.phase is AgentState.RUNNING
+    assert agent.on(core.GenerationSeen(_gen(2, "a", "b")), after=0.5) == [core.Prepare(_gen(2, "a", "b")),
+                                                                          core.Reconfigure(_gen(2, "a", "b"))]
+    # Every worker dead: the restart path.
+    lost = Agent(in_place=True)
+    lost.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(lost)
+    assert lost.kinds(lost.on(core.GroupExited(GroupResult(1, {0: -9, 1: -9}), "", alive=0))) == ["Stop", "Send"]
+
+
+def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(agent)
+    actions = agent.on(core.Tick({0: (4, "wait"), 1: (4, "step")}, ready=True), after=0.2)
+    assert agent.kinds(actions) == ["Send"]
+    report = actions[0].report  # type: ignore[union-attr]
+    assert (report.kind, report.generation, report.exit_code) == ("failure", 1, core.HANG_EXIT_CODE)
+    assert "saw a peer fail mid-step" in report.message
+    assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == [
+        core.Send(core.Report("failure", 1, core.HANG_EXIT_CODE, report.message.replace("rank 0", "rank 1")))
+    ]  # local rank 1 entered "wait" now
+    assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # still waiting
+    agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # the same wait
+    # Waiting longer than the start timeout is a hang like a slow start.
+    hung = agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=700.0)
+    assert agent.kinds(hung) == ["Dump", "Stop", "Send"]
+
+
+def test_an_in_place_leave_tells_the_coordinator_first() -> None:
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(agent)
+    assert agent.on(core.SignalReceived(signal.SIGTERM)) == [core.Leave(), core.Stop(rescale=True, leave=True),
+                                                              core.Exit(0)]  # fmt: skip
+
+
+def test_a_world_that_took_the_restart_path_after_a_hand_over_starts_fresh_workers() -> None:
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(agent)
+    agent.on(core.GenerationSeen(_gen(2, "a", "b")))  # handed in place...
+    saved = GroupResult(2, {0: RESCALE_EXIT_CODE, 1: RESCALE_EXIT_CODE})  # ...but the world checkpointed and exited
+    assert agent.on(core.GroupExited(saved)) == [core.Stop(), core.Start(_gen(2, "a", "b"))]
+    assert agent.state.group == 2 and agent.state.phase is AgentState.RUNNING
