@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import time
 from pathlib import Path
 
-__all__ = ["longest_pause", "read_jsonl"]
+__all__ = ["join_flags", "longest_pause", "read_jsonl"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -28,3 +30,16 @@ def longest_pause(events: list[dict], since: float) -> float:
     step events (``rank``, ``time``)."""
     times = sorted(e["time"] for e in events if e["rank"] == 0 and e["time"] >= since)
     return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def join_flags(log: Path, timeout_s: float = 60.0) -> list[str]:
+    """``--tls-dir DIR --join-token=TOKEN`` from the join command a ``pliant run`` with the embedded control plane
+    printed to ``log`` (another node joins with them; its node id is the one in that certificate)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = re.search(r"pliant run --coordinator \S+ --tls-dir (\S+) (--join-token=\S+)", text)
+        if found:
+            return ["--tls-dir", found[1], found[2]]
+        time.sleep(0.1)
+    raise TimeoutError(f"no join command in {log} within {timeout_s:g}s")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from common import longest_pause, read_jsonl
+from common import join_flags, longest_pause, read_jsonl
 
 from pliant.net import free_port
 
@@ -98,17 +98,16 @@ class Launcher:
         ckpt = str(self.workdir / "ckpt")
         env = dict(os.environ)
         if self.name in ("in-place", "restart"):
-            common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--node-id", f"node-{node}",
-                      "--heartbeat-ttl", "3", "--join-grace", "1", "--max-restarts", "3",
-                      "--rescale", self.name]  # fmt: skip
+            common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--heartbeat-ttl", "3",
+                      "--join-grace", "1", "--max-restarts", "3", "--rescale", self.name]  # fmt: skip
             if self.name == "restart":
                 common += ["--checkpoint-dir", ckpt]
                 script += ["--save-every", str(SAVE_EVERY)]
             if node == "a":
                 return [sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{self.port}", *common,
                         *script], env  # fmt: skip
-            return [sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{self.port}", *common,
-                    *script], env  # fmt: skip
+            return [sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{self.port}",
+                    *join_flags(self.workdir / "a.log"), *common, *script], env  # fmt: skip
         if self.name == "torchrun":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env["PLIANT_CHECKPOINT_DIR"] = ckpt  # the script checkpoints and resumes under torchrun too

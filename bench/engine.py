@@ -2,7 +2,8 @@
 data, and the cost of a shadow step (a rank with no micro-batch) relative to a real step, for DDP and FSDP2.
 
 - throughput: global batch 2 x 64, one micro-batch of 64 per rank per step; plain DDP uses the same DataLoader batches
-  and a mean loss. Reported as steps/s and the ratio pliant / plain (goal >= 0.99).
+  and a mean loss. Reported as steps/s and the ratio pliant / plain (goal >= 0.99), without and with the rescale
+  protocol's commit vote (one int32 all-reduce per step, as every step under ``pliant run`` runs).
 - shadow: global batch 64 (one micro-batch: rank 1 is idle every step, so it shadows) against global batch 128 (both
   ranks real). Reported as the idle rank's step time / a real step time.
 
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pliant.worker as pw
 from pliant.env import WorkerEnv
+from pliant.worker.rescale import Protocol
 
 MICRO = 64
 
@@ -78,11 +80,15 @@ def plain_ddp_step(rank: int, world: int):  # type: ignore[no-untyped-def]
     return step
 
 
-def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int):  # type: ignore[no-untyped-def]
-    """One step of the pliant engine (a function of the step index)."""
+def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int, vote: bool = False):  # type: ignore[no-untyped-def]
+    """One step of the pliant engine (a function of the step index); ``vote``: under the rescale protocol, as under an
+    agent (the commit vote before every optimizer step)."""
     session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                                        master_port=int(os.environ["MASTER_PORT"])))  # fmt: skip
     engine = session.engine(make_model(), kind, torch.optim.SGD, lr=0.01)
+    if vote:
+        engine.protocol = Protocol(session, in_place=True)
+        engine.protocol.parts.append(engine)
     batches = iter(session.loader(dataset(), global_batch, MICRO))
     return lambda _i: engine.step(next(batches), loss_fn)
 
@@ -106,6 +112,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue) -> 
     runs = {
         "plain ddp": plain_ddp_step(rank, world),
         "pliant ddp": pliant_engine_step(rank, world, "ddp", MICRO * world),
+        "pliant ddp, commit vote": pliant_engine_step(rank, world, "ddp", MICRO * world, vote=True),
         "pliant ddp, one micro-batch": pliant_engine_step(rank, world, "ddp", MICRO),
         "pliant fsdp": pliant_engine_step(rank, world, "fsdp", MICRO * world),
         "pliant fsdp, one micro-batch": pliant_engine_step(rank, world, "fsdp", MICRO),
@@ -130,7 +137,10 @@ def main() -> None:
     plain, ours = results[0]["plain ddp"], results[0]["pliant ddp"]
     print(f"\nmedian step time, 2 ranks, {args.steps} steps each, interleaved in chunks of 25 (rank 0)")
     print(f"  plain torch DDP            {plain * 1e3:8.2f} ms")
+    voted = results[0]["pliant ddp, commit vote"]
     print(f"  pliant DDP engine          {ours * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / ours:.3f}")
+    print(f"  ... with the commit vote   {voted * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / voted:.3f} "
+          f"(as under pliant run)")  # fmt: skip
     for kind in ("ddp", "fsdp"):
         real = results[1][f"pliant {kind}"]
         shadow = results[1][f"pliant {kind}, one micro-batch"]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from common import longest_pause, read_jsonl
+from common import join_flags, longest_pause, read_jsonl
 
 from pliant.net import free_port
 
@@ -65,13 +65,14 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
     try:
         with open(work / "a.log", "wb") as log_a:
             procs.append(subprocess.Popen([sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}",
-                                           "--node-id", "a", *common, *script], stdout=log_a,
+                                           *common, *script], stdout=log_a,
                                           stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
         _wait(lambda: len([e for e in read_jsonl(events) if e["world"] == 1]) >= 5, timeout_s, "5 steps at world 1")
         joined = time.time()
         with open(work / "b.log", "wb") as log_b:
             procs.append(subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator",
-                                           f"127.0.0.1:{port}", "--node-id", "b", *common, *script], stdout=log_b,
+                                           f"127.0.0.1:{port}", *join_flags(work / "a.log"), *common, *script],
+                                          stdout=log_b,
                                           stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
         _wait(lambda: len([e for e in read_jsonl(events) if e["world"] == 2 and e["rank"] == 0]) >= 4, timeout_s,
               "4 steps at world 2")  # fmt: skip

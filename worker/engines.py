@@ -1,26 +1,25 @@
-"""DDP and ZeRO engines: a fixed global batch whatever the world size, with Join for ranks that run out of inputs.
+"""DDP and ZeRO engines: a fixed global batch whatever the world size, with shadow passes for ranks without inputs.
 
 Each micro-batch's mean loss is weighted by ``samples / global samples`` and scaled by the world size, and DDP's own
 (C++) all-reduce averages over the world, so the gradients are the *sum* of the weighted ones: the update equals the
 mean gradient over the global batch on any world size, with no Python comm hook on the hot path. A rank accumulates
 its micro-batches under ``no_sync`` and syncs on its last one, so every rank with inputs runs exactly one all-reduce per
-step. When some rank has no micro-batch this step (the plan tells every rank), the step's synced iteration runs inside
-torch's ``Join`` context: the idle rank's DDP join hook shadows the all-reduce (dividing by the initial world size, as
-the others do) and discards the result, so afterwards one rank that had inputs broadcasts the reduced gradients to
-every rank (this costs one more collective, on such steps only), and every rank steps its optimizer identically.
-ZeroRedundancyOptimizer then needs no shadowing: every rank calls ``step()``.
+step. A rank with no micro-batch this step (the epoch's tail, a small global batch) runs one *shadow* pass instead: a
+forward and backward of a valid sample with its loss multiplied by zero, which joins the same all-reduce with zero
+gradients. Every rank thus syncs once per step and steps its optimizer identically, with no Join and no extra
+collective (the shadow pass costs one one-sample forward and backward on the idle rank). ZeroRedundancyOptimizer
+needs no shadowing: every rank calls ``step()``. Limits of the shadow pass (as FSDP2's): a loss that is NaN or inf on
+the shadow sample poisons the step (0 * inf = NaN), and modules with running statistics (BatchNorm) see it in
+training mode.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -117,20 +116,22 @@ class DDPEngine(Engine):
 
     def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         micros = [(to_device(m, self.device), n) for m, n in zip(batch.micro_batches, batch.micro_sizes, strict=True)]
+        self.shadowed = not micros
+        if not micros:
+            # Idle this step: a zero-weighted shadow pass on a valid sample joins the step's one gradient all-reduce
+            # with zero gradients, so the others' sum is unchanged and no rank waits for a Join or a broadcast.
+            loss = loss_fn(self.model, to_device(batch.shadow(), self.device))
+            (loss * 0.0).backward()
+            self._observe_allreduce()
+            return 0.0
         total, scale = batch.num_samples, float(self.world_size)
         losses = []  # stay on the device: one sync per step, in loss_sum() below
-        with self.model.no_sync():
-            for micro, n in micros[:-1]:
-                losses.append(weighted_backward(self.model, loss_fn, micro, n, total, scale))
-        idle_somewhere = batch.plan.some_rank_idle
-        with Join([self.model]) if idle_somewhere else nullcontext():
-            if micros:
-                losses.append(weighted_backward(self.model, loss_fn, *micros[-1], total, scale))
-        if idle_somewhere:
-            self._share_gradients(batch)
-        if micros or idle_somewhere:
-            self._observe_allreduce()
-        self.shadowed = idle_somewhere and not micros
+        if len(micros) > 1:
+            with self.model.no_sync():
+                for micro, n in micros[:-1]:
+                    losses.append(weighted_backward(self.model, loss_fn, micro, n, total, scale))
+        losses.append(weighted_backward(self.model, loss_fn, *micros[-1], total, scale))
+        self._observe_allreduce()
         return loss_sum(losses)
 
     def rewrap(self) -> None:
@@ -142,24 +143,6 @@ class DDPEngine(Engine):
     def sync_state(self, src: int) -> int:
         nbytes = broadcast_module(self.module, src) if src != 0 else 0  # DDP's constructor sent rank 0's
         return nbytes + broadcast_optimizer(self.optimizer, src)
-
-    def _share_gradients(self, batch: GlobalBatch) -> None:
-        """Broadcast the reduced gradients from the first rank that had inputs to the ranks that had none."""
-        started = time.perf_counter()
-        src = next(r for r, count in enumerate(batch.plan.counts()) if count)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if dist.get_rank(self.group) == src:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
-        dist.broadcast(flat, dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
-        if not batch.micro_batches:
-            offset = 0
-            for param in params:
-                param.grad = flat[offset : offset + param.numel()].view_as(param).clone()
-                offset += param.numel()
-        if self.metrics is not None:
-            self.metrics.observe_collective("grad_broadcast", time.perf_counter() - started)
 
     def _observe_allreduce(self) -> None:
         """Report gradient all-reduce time: each iteration torch's DDP sampled counts for the iterations since the

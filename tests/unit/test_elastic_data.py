@@ -77,3 +77,36 @@ def test_state_of_another_dataset_is_refused() -> None:
 def test_bad_sizes() -> None:
     with pytest.raises(DataError, match="micro_batch=5 is larger than global_batch=4"):
         ElasticSampler(20, 4, 5)
+
+
+def test_an_in_place_rescale_recuts_the_step_in_flight_and_the_rest_of_the_epoch() -> None:
+    """Ranks 0 and 1 of a world of 2 yield step 3, then the world re-forms in place as 3 ranks before running it:
+    the step is rewound and cut again for the new world (the same samples), and the running iterations continue from
+    the cursor for the new world. Every sample of the epoch is used once by the steps that ran."""
+    n = 53
+    used: list[int] = []
+    loaders = [ElasticLoader(Indices(n), ElasticSampler(n, 12, 5, seed=3), rank, 2, max_steps=5) for rank in range(2)]
+    iters = [iter(loader) for loader in loaders]
+    for _ in range(3):
+        for it in iters:
+            used += [int(i) for micro in next(it).micro_batches for i in micro]
+    in_flight = [next(it) for it in iters]  # step 3, planned for 2 ranks, never run
+    assert {b.step for b in in_flight} == {3} and in_flight[0].plan.world_size == 2
+    planned = sorted(int(i) for b in in_flight for micro in b.micro_batches for i in micro)
+    newcomer = ElasticLoader(Indices(n), ElasticSampler(n, 12, 5, seed=3), 2, 3, max_steps=5)
+    for rank, (loader, batch) in enumerate(zip(loaders, in_flight, strict=True)):
+        loader.rewind(batch)
+        loader.moved(rank, 3)
+        loader.refetch(batch)  # the step in flight, re-cut for 3 ranks, in place
+    newcomer.load_position(in_flight[0].plan.epoch, in_flight[0].plan.start, 3)  # what the survivors send
+    newcomer_it = iter(newcomer)
+    again = in_flight + [next(newcomer_it)]
+    assert [b.plan.world_size for b in again] == [3, 3, 3] and {b.step for b in again} == {3}
+    recut = sorted(int(i) for b in again for micro in b.micro_batches for i in micro)
+    assert recut == planned, "the same global batch, dealt to the new world"
+    used += recut
+    for it in [*iters, newcomer_it]:
+        batch = next(it)  # step 4: the survivors' iterations re-planned from the cursor
+        assert (batch.step, batch.plan.world_size) == (4, 3)
+        used += [int(i) for micro in batch.micro_batches for i in micro]
+    assert sorted(used) == list(range(n)), "every sample of the epoch once (5 steps of 12, the last of 5)"
