@@ -92,15 +92,21 @@ class Session:
         self.timeout = timedelta(seconds=timeout_s)
         self.group_fds: set[int] = set()
         self._owns_group = not dist.is_initialized()
-        if self._owns_group:
-            if self.env.agent_store and self.env.rescale == "in-place" and self.env.master_port:
+        in_place = bool(self.env.agent_store) and self.env.rescale == "in-place" and bool(self.env.master_port)
+        # A fresh worker of a later generation may be joining a running world, whose survivors wait for it from the
+        # moment it counts itself in: it meets them only when the script first needs the group (``engine()``,
+        # ``loader()``, ``checkpoints()``, a collective), so building the model does not lengthen their pause.
+        self._group_pending = self._owns_group and in_place and self.env.generation > 1
+        if self._owns_group and not self._group_pending:
+            if in_place:
                 announce_arrival(self.env)
             self.init_group()
         # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
         self.protocol: Protocol | None = None
         if self.env.agent_store and self._owns_group:
             self.protocol = Protocol(self, in_place=self.env.rescale == "in-place")
-            self.protocol.joined()
+            if not self._group_pending:
+                self.protocol.joined()
         if self.env.agent_store and threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
@@ -120,13 +126,22 @@ class Session:
         else:  # a plain single process: no store to meet at
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
 
+    def _meet(self) -> None:
+        """Join the world now, if that was left for the first moment the script needs it (see ``__init__``)."""
+        if self._group_pending:
+            self._group_pending = False
+            announce_arrival(self.env)
+            self.init_group()
+            assert self.protocol is not None
+            self.protocol.joined()
+
     @property
     def rank(self) -> int:
-        return dist.get_rank()
+        return self.env.rank if self._group_pending else dist.get_rank()
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size()
+        return self.env.world_size if self._group_pending else dist.get_world_size()
 
     def engine(
         self,
@@ -140,6 +155,7 @@ class Session:
         Raises:
             EngineError: an unknown kind.
         """
+        self._meet()
         try:
             kind = EngineKind(kind)
         except ValueError:
@@ -173,6 +189,7 @@ class Session:
         num_workers: int = 0,
     ) -> ElasticLoader:
         """An exactly-once elastic loader over ``dataset`` for this rank (see :mod:`pliant.worker.data`)."""
+        self._meet()
         sampler = ElasticSampler(len(dataset), global_batch, micro_batch, seed, shuffle, drop_last)  # type: ignore[arg-type]
         loader = ElasticLoader(dataset, sampler, self.rank, self.world_size, max_steps, collate_fn, num_workers,
                                pin_memory=self.device.type == "cuda")  # fmt: skip
@@ -203,6 +220,7 @@ class Session:
         Raises:
             CheckpointError: no directory.
         """
+        self._meet()
         directory = directory or self.env.checkpoint_dir
         if not directory:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
@@ -218,6 +236,7 @@ class Session:
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""
+        self._meet()
         started = time.perf_counter()
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
@@ -235,6 +254,8 @@ class Session:
         called without an active exception", seen under torchrun on a loaded machine).
         """
         self.metrics.progress.write(self.metrics.progress.step, "done")
+        if self._group_pending:  # never needed the world: it is not waited for either (a script that did nothing)
+            return
         if self._owns_group and dist.is_initialized():
             retire_groups()
             settle_gloo_threads()

@@ -100,7 +100,7 @@ def test_an_in_place_rescale_recuts_the_step_in_flight_and_the_rest_of_the_epoch
         loader.refetch(batch)  # the step in flight, re-cut for 3 ranks, in place
     newcomer.load_position(in_flight[0].plan.epoch, in_flight[0].plan.start, 3)  # what the survivors send
     newcomer_it = iter(newcomer)
-    again = in_flight + [next(newcomer_it)]
+    again = [*in_flight, next(newcomer_it)]
     assert [b.plan.world_size for b in again] == [3, 3, 3] and {b.step for b in again} == {3}
     recut = sorted(int(i) for b in again for micro in b.micro_batches for i in micro)
     assert recut == planned, "the same global batch, dealt to the new world"
