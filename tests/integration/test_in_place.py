@@ -110,7 +110,8 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
     b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args,
                                           extra=("--max-restarts", "3", "--metrics-port", str(port))),
                     name="agent-b")  # fmt: skip
-    wait_for(lambda: _stepping(tmp_path, 4, 10), 90, "world 4 past step 10")
+    wait_for(lambda: _stepping(tmp_path, 4, 10) and len(_pids(_events(tmp_path), 4)) == 4, 90,
+             "every rank of world 4 stepping, past step 10")  # fmt: skip
     world4 = _pids(_events(tmp_path), 4)
     killed_at = time.time()
     if victim == "worker":
