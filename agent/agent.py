@@ -392,11 +392,14 @@ class Agent:
             deadline = time.monotonic() + self.config.finish_grace_s
             while group.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        if action.rescale:
+        if action.leave:
+            self.metrics.rescales.labels("in-place").inc()
+            logger.info("agent %s: generation %d: this node's workers leave at the next step boundary; the others "
+                        "re-form in place", self.config.node_id, group.generation)  # fmt: skip
+        elif action.rescale:
             self.metrics.rescales.labels("restart").inc()
-            why = "leaving; the others re-form in place" if action.leave else self._why_restart()
             logger.info("agent %s: generation %d ends by the restart path (%s)", self.config.node_id,
-                        group.generation, why)  # fmt: skip
+                        group.generation, self._why_restart())  # fmt: skip
         group.stop(self.config.stop_grace_s, self.config.rescale_grace_s if action.rescale else 0.0, action.leave)
 
     def _why_restart(self) -> str:
