@@ -214,9 +214,9 @@ class _Worker:
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
-        prefix = f"[{self.env.rank}]:".encode()
         out = sys.stdout.buffer
         for line in iter(self.proc.stdout.readline, b""):
+            prefix = f"[{self.env.rank}]:".encode()  # the rank may change in place
             if self.log is not None:
                 self.log.write(line)
                 self.log.flush()

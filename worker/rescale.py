@@ -180,6 +180,7 @@ class Protocol:
         self.steps_done = 0
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
+        self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
         if threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_signal)
         if in_place:  # the agent may now hand this worker its next generation (an engine that cannot move in place
@@ -197,6 +198,20 @@ class Protocol:
         return [p for p in self.parts if not isinstance(p, Engine)]
 
     # -- joining a world -----------------------------------------------------------------------------------------------
+
+    def add_loader(self, loader: ElasticLoader) -> None:
+        """Register a loader the session made: it is re-cut on every re-formation (and, made by a newcomer after its
+        state came from peers, starts at the position they sent)."""
+        self.loaders.append(loader)
+        loader.on_start = self.sync_pending
+        if self._positions is not None:
+            self._place(loader)
+
+    def _place(self, loader: ElasticLoader) -> None:
+        index = self.loaders.index(loader)
+        loader.moved(dist.get_rank(), dist.get_world_size())
+        if self._positions is not None and index < len(self._positions):
+            loader.load_position(*self._positions[index])
 
     def exchange(self, holds_state: bool) -> bool:
         """Every rank of the new world says whether it holds training state (collective). True if any does."""
@@ -411,9 +426,9 @@ class Protocol:
         dist.broadcast(rng, src)
         if not holds_state:  # survivors keep their own streams; a newcomer continues the source's
             torch.set_rng_state(rng)
-        for loader, (epoch, cursor, step) in zip(self.loaders, position.tolist(), strict=False):
-            loader.moved(dist.get_rank(), world)
-            loader.load_position(epoch, cursor, step)
+        self._positions = position.tolist()
+        for loader in self.loaders:
+            self._place(loader)
         behind = holds_state and mine < newest
         self.steps_done = newest
         return nbytes, behind, holds_state and oldest < newest and not behind

@@ -194,8 +194,7 @@ class Session:
         loader = ElasticLoader(dataset, sampler, self.rank, self.world_size, max_steps, collate_fn, num_workers,
                                pin_memory=self.device.type == "cuda")  # fmt: skip
         if self.protocol is not None:
-            self.protocol.loaders.append(loader)
-            loader.on_start = self.protocol.sync_pending
+            self.protocol.add_loader(loader)
         return loader
 
     def checkpoints(

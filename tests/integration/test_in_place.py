@@ -119,8 +119,10 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
         survivors = {r: world4[r] for r in (0, 1, 2)}
         wait_for(lambda: _stepping(tmp_path, 4, generation=3), 60, "world 4 stepping again")
         metrics = scrape(f"http://127.0.0.1:{port}/metrics")  # node b's: the agent's and its workers' series
-        assert metrics['pliant_agent_rescales_total{path="in-place"}'] == 1
-        assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] == 1  # its surviving worker
+        rescales = {k: v for k, v in metrics.items() if "rescales_total" in k or "reconfigurations_total" in k}
+        assert metrics['pliant_agent_rescales_total{path="in-place"}'] >= 1, rescales
+        assert 'pliant_agent_rescales_total{path="restart"}' not in metrics, rescales
+        assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] >= 1, rescales  # its surviving worker
         assert metrics["pliant_worker_state_sync_bytes_total"] > 0  # ... and the new one's state from peers
         assert metrics['pliant_agent_worker_exits_total{code="-9"}'] == 1
     else:
