@@ -234,6 +234,7 @@ class Protocol:
         self.pending_sync = False
         started = time.perf_counter()
         nbytes, _behind, _ahead = self._sync(holds_state=False)
+        self.session.metrics.state_sync_bytes.inc(nbytes)
         logger.info("rank %d: state of step %d received from peers in %.2fs (%d bytes)", dist.get_rank(),
                     self.steps_done, time.perf_counter() - started, nbytes)  # fmt: skip
         return self.steps_done
