@@ -156,9 +156,7 @@ class ElasticLoader:
 
     def rewind(self, batch: GlobalBatch) -> None:
         """Put the cursor back to where ``batch`` (already yielded, never committed) starts."""
-        s = self.sampler
-        s.epoch, s.cursor, s.step = batch.plan.epoch, batch.plan.start, batch.step
-        self._version += 1
+        self.load_position(batch.plan.epoch, batch.plan.start, batch.step)
 
     def load_position(self, epoch: int, cursor: int, step: int) -> None:
         """Set the cursor (from a peer); the running iteration continues from it."""
@@ -173,10 +171,19 @@ class ElasticLoader:
                              s.drop_last)  # fmt: skip
             if plan is not None:
                 return plan
-            if s.cursor == 0:
-                raise DataError(f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} "
-                                f"samples) with drop_last; lower global_batch or set drop_last=False")  # fmt: skip
-            s.epoch, s.cursor = s.epoch + 1, 0
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        """Move the cursor to the next epoch's start (the cursor's epoch has no step left).
+
+        Raises:
+            DataError: not even the epoch's first step fits (``drop_last`` with too large a global batch).
+        """
+        s = self.sampler
+        if s.cursor == 0:
+            raise DataError(f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} samples) "
+                            f"with drop_last; lower global_batch or set drop_last=False")  # fmt: skip
+        s.epoch, s.cursor = s.epoch + 1, 0
 
     def refetch(self, batch: GlobalBatch) -> None:
         """Re-cut ``batch`` in place as the step at the cursor for the current world (after :meth:`rewind` and an
@@ -210,10 +217,7 @@ class ElasticLoader:
             version = self._version
             plans = self._epoch_plans()
             if not plans:  # the cursor's epoch is done
-                if s.cursor == 0:
-                    raise DataError(f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} "
-                                    f"samples) with drop_last; lower global_batch or set drop_last=False")  # fmt: skip
-                s.epoch, s.cursor = s.epoch + 1, 0
+                self._next_epoch()
                 continue
             lists = [idx for plan in plans for idx in s.rank_indices(plan, self.rank)]
             fetched = iter(DataLoader(self.dataset, batch_sampler=_EpochSampler(lists), **self._loader_args))

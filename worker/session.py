@@ -92,21 +92,17 @@ class Session:
         self.timeout = timedelta(seconds=timeout_s)
         self.group_fds: set[int] = set()
         self._owns_group = not dist.is_initialized()
-        in_place = bool(self.env.agent_store) and self.env.rescale == "in-place" and bool(self.env.master_port)
-        # A fresh worker of a later generation may be joining a running world, whose survivors wait for it from the
-        # moment it counts itself in: it meets them only when the script first needs the group (``engine()``,
-        # ``loader()``, ``checkpoints()``, a collective), so building the model does not lengthen their pause.
-        self._group_pending = self._owns_group and in_place and self.env.generation > 1
-        if self._owns_group and not self._group_pending:
-            if in_place:
-                announce_arrival(self.env)
-            self.init_group()
+        self._in_place = bool(self.env.agent_store) and self.env.rescale == "in-place" and bool(self.env.master_port)
+        self._group_pending = self._owns_group
         # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
         self.protocol: Protocol | None = None
         if self.env.agent_store and self._owns_group:
             self.protocol = Protocol(self, in_place=self.env.rescale == "in-place")
-            if not self._group_pending:
-                self.protocol.joined()
+        # A fresh worker of a later generation may be joining a running world, whose survivors wait for it from the
+        # moment it counts itself in: it meets them only when the script first needs the group (``engine()``,
+        # ``loader()``, ``checkpoints()``, a collective), so building the model does not lengthen their pause.
+        if not (self._in_place and self.env.generation > 1):
+            self._meet()
         if self.env.agent_store and threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
@@ -128,11 +124,13 @@ class Session:
 
     def _meet(self) -> None:
         """Join the world now, if that was left for the first moment the script needs it (see ``__init__``)."""
-        if self._group_pending:
-            self._group_pending = False
+        if not self._group_pending:
+            return
+        self._group_pending = False
+        if self._in_place:
             announce_arrival(self.env)
-            self.init_group()
-            assert self.protocol is not None
+        self.init_group()
+        if self.protocol is not None:
             self.protocol.joined()
 
     @property
