@@ -496,6 +496,7 @@ class Agent:
                 allow_fresh_start=self.config.allow_fresh_start,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
                 rescale=self.config.rescale,
+                snapshot_every=self.config.snapshot_every,
             )
             for local_rank in range(me.nproc)
         ]

@@ -147,6 +147,14 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         "path of scripts without pliant.worker). Default in-place",
     )
     parser.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=8,
+        help="with --rescale in-place, a sharded engine (zero) copies each rank's shard to a buddy rank on another "
+        "node every this many steps; after a rank's death the survivors roll back to that copy, so at most this "
+        "many steps run again (default 8)",
+    )
+    parser.add_argument(
         "--hang-timeout",
         type=float,
         default=None,
@@ -307,6 +315,7 @@ def config_from_args(
         start_timeout_s=args.start_timeout,
         allow_fresh_start=args.allow_fresh_start,
         rescale=args.rescale,
+        snapshot_every=args.snapshot_every,
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,

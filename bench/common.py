@@ -9,7 +9,7 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["join_flags", "longest_pause", "read_jsonl"]
+__all__ = ["join_flags", "longest_pause", "read_jsonl", "scrape"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -43,3 +43,15 @@ def join_flags(log: Path, timeout_s: float = 60.0) -> list[str]:
             return ["--tls-dir", found[1], found[2]]
         time.sleep(0.1)
     raise TimeoutError(f"no join command in {log} within {timeout_s:g}s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """name{labels} -> value of every sample of a Prometheus endpoint (empty when it does not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}

@@ -8,7 +8,14 @@ process group: DDP's broadcast of the parameters, pliant's of the optimizer stat
 boundary (sync DCP save), exits and restores in new processes. The bandwidth comes from the survivor's own log line
 (bytes moved by pliant plus the parameters DDP broadcast, over the re-formation's seconds, set-up included).
 
-Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300]``
+Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval: one node with 2 ZeRO
+ranks trains the same model under ``--rescale in-place`` (a snapshot every SNAPSHOT_EVERY steps, sent to the buddy in
+the background) and under ``--rescale restart`` (no copies), steady-state steps/s over the same step window; the
+workers' own ``pliant_worker_snapshot_stall_seconds`` gives the copy's stall. Last, a kill -9 of one ZeRO rank under
+in-place: the survivors roll back to the last snapshot, rebuilt from the buddies' copies (time to all ranks stepping,
+steps redone).
+
+Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300] [--only join|buddy]``
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from common import join_flags, longest_pause, read_jsonl
+from common import join_flags, longest_pause, read_jsonl, scrape
 
 from pliant.net import free_port
+from pliant.worker.buddy import SNAPSHOT_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
@@ -91,15 +99,66 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
         print(f"{mode}: logs in {work}", flush=True)
 
 
+WARM, WINDOW = 16, 64  # steady-state steps/s over steps WARM..WARM+WINDOW
+
+
+def steady(mode: str, width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool = False) -> dict:
+    """Steady-state steps/s of 2 ZeRO ranks on one node (``mode``: in-place keeps buddy copies every ``every``
+    steps, restart none); with ``kill``, then a kill -9 of rank 1 and the in-place recovery."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-{mode}-"))
+    events, metrics_port = work / "events.jsonl", free_port()
+    warm, window = WARM, WINDOW
+    script = [str(SCRIPT), "--engine", "zero", "--width", str(width), "--samples", "4096", "--global-batch", "8",
+              "--micro-batch", "4", "--steps", "1000000", "--events", str(events)]  # fmt: skip
+    cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--rescale", mode, "--max-restarts", "3",
+           "--metrics-port", str(metrics_port), "--start-timeout", "600", "--snapshot-every", str(every),
+           *script]  # fmt: skip
+    with open(work / "a.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def rank0() -> list[dict]:
+            return [e for e in read_jsonl(events) if e["rank"] == 0]
+
+        _wait(lambda: len(rank0()) > warm + window, timeout_s, f"{warm + window} steps")
+        times = {e["step"]: e["time"] for e in rank0()}
+        out = {"steps_s": window / (times[warm + window] - times[warm])}
+        m = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        count = m.get("pliant_worker_snapshot_stall_seconds_count", 0.0)
+        out["stall"] = m.get("pliant_worker_snapshot_stall_seconds_sum", 0.0) / count if count else 0.0
+        out["snap_bytes"] = m.get("pliant_worker_snapshot_bytes_total", 0.0) / count if count else 0.0
+        if kill:
+            pids = {e["rank"]: e["pid"] for e in read_jsonl(events)}
+            last = max(times)
+            killed = time.time()
+            psutil.Process(pids[1]).kill()
+            _wait(lambda: len({e["rank"] for e in read_jsonl(events) if e["time"] > killed + 0.01 and
+                               e["pid"] != pids[1]}) == 2, timeout_s, "both ranks stepping after the kill")  # fmt: skip
+            after = [e for e in read_jsonl(events) if e["time"] > killed]
+            resumed = min(e["step"] for e in after if e["rank"] == 0)
+            out["recover_s"] = max(min(e["time"] for e in after if e["rank"] == r) for r in (0, 1)) - killed
+            out["redone"] = max(0, last + 1 - resumed)
+            log = (work / "a.log").read_text(errors="replace")
+            out["rolled_back"] = float("rolled back to the snapshot" in log)
+        return out
+    finally:
+        _kill(proc)
+        print(f"buddy copies ({mode}): logs in {work}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=11600, help="hidden width (11600: 1.08 GB model + momentum)")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--only", choices=["join", "buddy"], default="", help="run one part")
     args = parser.parse_args()
     w = args.width
     params = 16 * w + w + w * w + w + w + 1
     state_gb = 2 * params * 4 / 1e9  # parameters and SGD momentum, fp32
     print(f"model + optimizer state: {state_gb:.2f} GB ({params / 1e6:.0f}M parameters)", flush=True)
+    if args.only != "join":
+        buddy(w, args.timeout)
+    if args.only == "buddy":
+        return
     results = {mode: measure(mode, w, args.timeout) for mode in ("in-place", "restart")}
     inp, rst = results["in-place"], results["restart"]
     print(f"\n{'':<44}{'in-place':>12}{'restart':>12}{'ratio':>10}")
@@ -112,6 +171,25 @@ def main() -> None:
         moved = inp["sync_bytes"] + params * 4  # pliant's optimizer broadcast + DDP's parameter broadcast
         print(f"re-formation in place: {inp['reform_s']:.2f}s for {moved / 1e9:.2f} GB of state "
               f"({moved / 1e9 / inp['reform_s']:.2f} GB/s, process group set-up included)")  # fmt: skip
+
+
+
+def buddy(width: int, timeout_s: float) -> None:
+    without = steady("restart", width, timeout_s)
+    runs = {k: steady("in-place", width, timeout_s, k, kill=k == SNAPSHOT_EVERY) for k in (SNAPSHOT_EVERY, 32)}
+    print(f"\nZeRO, 2 ranks on one node, steady state over steps {WARM}..{WARM + WINDOW}: without buddy copies "
+          f"{without['steps_s']:.3f} steps/s")  # fmt: skip
+    for k, run in runs.items():
+        cost = 1 - run["steps_s"] / without["steps_s"]
+        stall = run["stall"] * run["steps_s"] / k
+        print(f"  snapshot every {k:>2} steps: {run['steps_s']:.3f} steps/s, throughput cost {100 * cost:.1f} %; "
+              f"each copied {run['snap_bytes'] / 1e6:.0f} MB per rank and stalled the step {run['stall']:.3f}s "
+              f"({100 * stall:.1f} % of the time)")  # fmt: skip
+    run = runs[SNAPSHOT_EVERY]
+    if "recover_s" in run:
+        print(f"  kill -9 of rank 1 (every {SNAPSHOT_EVERY}): both ranks stepping {run['recover_s']:.2f}s later, "
+              f"{run['redone']:.0f} committed steps redone, rolled back from the buddy copies: "
+              f"{bool(run['rolled_back'])}")  # fmt: skip
 
 
 if __name__ == "__main__":

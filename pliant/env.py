@@ -56,6 +56,8 @@ class WorkerEnv:
             (:mod:`pliant.progress`; "" when no agent watches).
         rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
             checkpoint and exit on a rescale); the agent's ``--rescale``.
+        snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.buddy`); the
+            agent's ``--snapshot-every``.
     """
 
     rank: int = 0
@@ -77,10 +79,14 @@ class WorkerEnv:
     progress_file: str = ""
     allow_fresh_start: bool = False
     rescale: str = "restart"
+    snapshot_every: int = 8
 
     def __post_init__(self) -> None:
         if self.rescale not in RESCALE_MODES:
             raise ConfigError(f"PLIANT_RESCALE={self.rescale!r} must be one of {', '.join(RESCALE_MODES)}")
+        if self.snapshot_every < 1:
+            raise ConfigError(f"PLIANT_SNAPSHOT_EVERY={self.snapshot_every} must be at least 1 (steps between "
+                              f"buddy copies; --snapshot-every)")  # fmt: skip
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
@@ -119,6 +125,7 @@ class WorkerEnv:
             "PLIANT_JOB_EPOCH": str(self.job_epoch),
             "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
             "PLIANT_RESCALE": self.rescale,
+            "PLIANT_SNAPSHOT_EVERY": str(self.snapshot_every),
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -169,4 +176,5 @@ class WorkerEnv:
             job_epoch=integer("PLIANT_JOB_EPOCH", 0),
             allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
             rescale=env.get("PLIANT_RESCALE") or defaults["rescale"],
+            snapshot_every=integer("PLIANT_SNAPSHOT_EVERY", defaults["snapshot_every"]),
         )

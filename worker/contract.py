@@ -95,6 +95,10 @@ class Engine(abc.ABC):
     survives_peer_loss: bool = False
     """True when the survivors alone hold all of the state (replicas), so a peer that dies mid-step costs only that
     step; False: a peer's death takes the restart path (its shards are only on disk)."""
+    sharded: bool = False
+    """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state). Under the
+    in-place protocol such an engine survives a peer's death through buddy copies (:mod:`pliant.worker.buddy`):
+    :meth:`shard` and :meth:`rebuild`."""
     shadowed: bool = False
     """Set by :meth:`forward_backward`: this rank only shadowed the others' collectives in the last step."""
 
@@ -182,3 +186,24 @@ class Engine(abc.ABC):
             EngineError: this engine cannot move in place.
         """
         raise EngineError(f"the {type(self).__name__} cannot re-form in place; the restart path applies")
+
+    def shard(self) -> tuple[list[int], list[torch.Tensor]]:
+        """(the rank that owns each parameter, by its index in ``module.parameters()``; this rank's shard: the
+        parameters it owns, their optimizer state and, on rank 0, the module's buffers, in a fixed order). Local.
+
+        Raises:
+            EngineError: the engine is not :attr:`sharded`.
+        """
+        raise EngineError(f"the {type(self).__name__} holds no shards")
+
+    def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
+                hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
+        """Rebuild the whole state of an old world from its shards, after :meth:`rewrap` (collective): for each old
+        rank (in order), ``receive(old rank, nbytes)`` returns that shard packed as :meth:`shard` made it
+        (:func:`pliant.worker.buddy.pack`); ``hyper`` (None on a newcomer) are the optimizer's hyperparameters of
+        the same step. :meth:`sync_state` then cuts the state for the new world. Returns the bytes received.
+
+        Raises:
+            EngineError: the engine is not :attr:`sharded`.
+        """
+        raise EngineError(f"the {type(self).__name__} holds no shards")

@@ -16,6 +16,7 @@ training mode.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,7 +170,8 @@ class ZeroEngine(DDPEngine):
 
     optimizer: ZeroRedundancyOptimizer
     in_place = True  # at a step boundary: the shards are gathered, then cut again for the new world
-    survives_peer_loss = False  # a dead rank's shard exists only on disk: the restart path
+    survives_peer_loss = False  # a dead rank's shard is not on the survivors ...
+    sharded = True  # ... but in its buddy's copy (pliant.worker.buddy), from which the survivors roll back
     MEMORY_SHARE = 0.8  # moving in place needs the whole optimizer state on every rank; at most this much free RAM
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
@@ -230,6 +232,39 @@ class ZeroEngine(DDPEngine):
             for param in group["params"]:
                 self.optimizer.optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                      for k, v in full.state[param].items()}  # fmt: skip
+        return nbytes
+
+    def _layout(self, owner: int, partition: list[int], state: dict[Any, dict[str, Any]]) -> list[torch.Tensor]:
+        """Old rank ``owner``'s shard: its parameters with their optimizer state tensors (by key), then on rank 0 the
+        module's buffers (replicated, so rank 0's stand for all)."""
+        out: list[torch.Tensor] = []
+        for index, param in enumerate(self.module.parameters()):
+            if partition[index] == owner:
+                slot = state.get(param, {})
+                out += [param.data, *(slot[k] for k in sorted(slot) if isinstance(slot[k], torch.Tensor))]
+        if owner == 0:
+            out += [buffer.data for buffer in self.module.buffers()]
+        return out
+
+    def shard(self) -> tuple[list[int], list[torch.Tensor]]:
+        owner = self.optimizer._param_to_rank
+        partition = [owner[param] for param in self.module.parameters()]
+        return partition, self._layout(dist.get_rank(), partition, self.optimizer.optim.state)
+
+    def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
+                hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
+        from pliant.worker.buddy import packed_size, unpack
+
+        full = self._template()
+        for group, saved in zip(full.param_groups, hyper or [], strict=False):
+            group.update(saved)
+        nbytes = 0
+        for owner in sorted({0, *partition}):
+            tensors = self._layout(owner, partition, full.state)
+            buffer = receive(owner, packed_size(tensors))
+            unpack(buffer, tensors)
+            nbytes += buffer.numel()
+        self._full = full
         return nbytes
 
     def state_dict(self) -> dict[str, Any]:

@@ -150,6 +150,20 @@ class WorkerMetrics:
         self.state_sync_bytes = Counter(
             "pliant_worker_state_sync_bytes", "Tensor bytes of training state sent or received in place.", registry=r
         )
+        self.snapshot_seconds = Histogram(
+            "pliant_worker_snapshot_stall_seconds",
+            "Time a buddy snapshot of a sharded engine blocked training (the copy of this rank's shard).",
+            buckets=_STEP_BUCKETS_S,
+            registry=r,
+        )
+        self.snapshot_bytes = Counter(
+            "pliant_worker_snapshot_bytes", "Bytes of this rank's shard copied and sent to its buddy.", registry=r
+        )
+        self.steps_redone = Counter(
+            "pliant_worker_steps_redone",
+            "Committed steps run again after a peer's death (a sharded engine rolls back to its last snapshot).",
+            registry=r,
+        )
         self.world_size.set(env.world_size)
         self.generation.set(env.generation)
         self._user: dict[str, Gauge] = {}

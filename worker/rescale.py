@@ -52,6 +52,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,7 @@ import torch.distributed as dist
 
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
+from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
 
 if TYPE_CHECKING:
@@ -181,6 +183,8 @@ class Protocol:
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
+        self.copies = BuddyCopies(self._tracked)  # a sharded engine's snapshots (pliant.worker.buddy)
+        self._rolling_back = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_signal)
         if in_place:  # the agent may now hand this worker its next generation (an engine that cannot move in place
@@ -196,6 +200,23 @@ class Protocol:
     @property
     def managers(self) -> list[CheckpointManager]:
         return [p for p in self.parts if not isinstance(p, Engine)]
+
+    @property
+    def sharded(self) -> Engine | None:
+        """The one sharded engine whose buddy copies this protocol keeps (None: none, or more than one)."""
+        sharded = [e for e in self.engines if e.sharded]
+        return sharded[0] if self.in_place and len(sharded) == 1 else None
+
+    def _recoverable(self, engine: Engine) -> bool:
+        """A peer's death costs only a step (replicas) or the steps since the last snapshot (buddy copies)."""
+        return self.in_place and (engine.survives_peer_loss or (engine is self.sharded and self.copies.taken))
+
+    def _tracked(self, make: Callable[[], object]) -> object:
+        """Make a process group, noting the sockets it opens among those a failure severs."""
+        before = socket_fds()
+        group = make()
+        self.session.group_fds |= socket_fds() - before
+        return group
 
     # -- joining a world -----------------------------------------------------------------------------------------------
 
@@ -254,9 +275,16 @@ class Protocol:
                 loss = engine.forward_backward(batch, loss_fn)
                 failure = "the vote"
                 asked = self._counted(vote) if vote is not None else False
+                failure = "the update"  # ZeRO's step broadcasts the updated parameters
+                engine.apply_update()
+                self.steps_done = batch.step + 1
+                failure = "the buddy copies"
+                every = self.session.env.snapshot_every
+                if engine is self.sharded and (self.steps_done % every == 0 or not self.copies.taken):
+                    self._snapshot(engine, [loader.position() for loader in self.loaders])
                 failure = ""
             except RuntimeError as exc:
-                if not (self.in_place and engine.survives_peer_loss and is_peer_failure(exc)):
+                if not (self._recoverable(engine) and is_peer_failure(exc)):
                     raise
                 failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
@@ -266,11 +294,19 @@ class Protocol:
                 if not self._recover(batch):
                     return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
                 continue
-            engine.apply_update()
-            self.steps_done = batch.step + 1
             engine.observe(batch, started)
             self.boundary_due = asked
             return loss
+
+    def _snapshot(self, engine: Engine, positions: list[tuple[int, int, int]]) -> None:
+        """Copy this rank's shard at the step just committed and start sending it to its buddy."""
+        started = time.perf_counter()
+        partition, tensors = engine.shard()
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+        nbytes = self.copies.take(self.session.env.generation, self.session.env.node_rank, self.steps_done,
+                                  partition, tensors, positions, hyper)  # fmt: skip
+        self.session.metrics.snapshot_seconds.observe(time.perf_counter() - started)
+        self.session.metrics.snapshot_bytes.inc(nbytes)
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
         """Start the commit vote: one integer all-reduce (max) that every rank must reach, carrying "my agent asked for
@@ -338,7 +374,12 @@ class Protocol:
             raise RescaleExit(directive.mode)
         for loader in self.loaders:
             loader.rewind(batch)
+        committed = self.steps_done
         behind, ahead = self._reform(directive, "failure")
+        if self.steps_done < batch.step:
+            self.session.metrics.steps_redone.inc(committed - self.steps_done)
+            logger.info("rank %d: rolled back to the snapshot of step %d; steps %d-%d run again", self.session.env.rank,
+                        self.steps_done, self.steps_done, committed - 1)  # fmt: skip
         if behind:
             logger.info("rank %d: step %d was committed by peers; taking their state", self.session.env.rank,
                         batch.step)  # fmt: skip
@@ -385,6 +426,7 @@ class Protocol:
         started = time.perf_counter()
         old = self.session.env
         env = WorkerEnv.from_env({**os.environ, **directive.env})
+        self._rolling_back = why == "failure" and self.sharded is not None
         try:
             retire_groups()
             os.environ.update(directive.env)
@@ -411,6 +453,11 @@ class Protocol:
         """Agree on the newest committed step and send the state of the lowest rank that has it to every rank
         (collective). Returns (tensor bytes moved here, this rank was behind, some rank was behind)."""
         world = dist.get_world_size()
+        old_world = self.copies.world if holds_state else 0
+        wanted = torch.tensor([int(self._rolling_back), old_world], dtype=torch.int64)
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # a survivor of a sharded engine's failure asks to roll back
+        self._rolling_back = False
+        received = self._roll_back(holds_state, int(wanted[1])) if wanted[0] else 0
         mine = self.steps_done if holds_state else -1
         span = torch.tensor([mine, -mine if holds_state else -(2**62)], dtype=torch.int64)
         dist.all_reduce(span, op=dist.ReduceOp.MAX)
@@ -422,7 +469,7 @@ class Protocol:
         src = int(candidate.item())
         position = torch.tensor([[*loader.position()] for loader in self.loaders] or [[0, 0, 0]], dtype=torch.int64)
         dist.broadcast(position, src)
-        nbytes = sum(engine.sync_state(src) for engine in self.engines)
+        nbytes = received + sum(engine.sync_state(src) for engine in self.engines)
         rng = torch.get_rng_state()
         dist.broadcast(rng, src)
         if not holds_state:  # survivors keep their own streams; a newcomer continues the source's
@@ -432,4 +479,48 @@ class Protocol:
             self._place(loader)
         behind = holds_state and mine < newest
         self.steps_done = newest
+        sharded = self.sharded
+        if sharded is not None:  # the new world's first copies, before its first step
+            self._snapshot(sharded, [tuple(p) for p in self._positions][: len(self.loaders)])  # type: ignore[misc]
         return nbytes, behind, holds_state and oldest < newest and not behind
+
+    def _roll_back(self, holds_state: bool, old_world: int) -> int:
+        """Every rank of the new world takes the sharded engine's state at the newest snapshot step that every old
+        shard's holder has (:func:`pliant.worker.buddy.choose_rollback`); survivors also take that step's loader
+        positions and RNG state. Collective. Returns the bytes received.
+
+        Raises:
+            RescaleError: no snapshot covers every shard (the restart path applies).
+        """
+        engine = self.sharded
+        if engine is None:
+            raise RescaleError("a roll back was asked, but this rank has no single sharded engine")
+        held = self.copies.held() if holds_state else Held(-1)
+        mine = encode(held, old_world)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine)
+        plan = choose_rollback([decode(row, old_world) for row in rows], old_world)
+        survivor = min(plan.holders.values())
+        partition = torch.tensor(self.copies.partition if dist.get_rank() == survivor else
+                                 [0] * len(list(engine.module.parameters())), dtype=torch.int64)  # fmt: skip
+        dist.broadcast(partition, survivor)
+        me = dist.get_rank()
+
+        def receive(old: int, nbytes: int) -> torch.Tensor:
+            holder = plan.holders[old]
+            buffer = self.copies.buffer(old, plan.step) if me == holder else torch.empty(nbytes, dtype=torch.uint8)
+            if buffer.numel() != nbytes:
+                raise RescaleError(f"the copy of old rank {old}'s shard has {buffer.numel()} bytes, not {nbytes}")
+            if nbytes:
+                dist.broadcast(buffer, holder)
+            return buffer
+
+        slot = self.copies.slot(plan.step) if holds_state else None
+        nbytes = engine.rebuild(partition.tolist(), receive, slot.hyper if slot else None)
+        if slot is not None:
+            for loader, position in zip(self.loaders, slot.positions, strict=False):
+                loader.load_position(*position)
+            assert slot.rng is not None
+            torch.set_rng_state(slot.rng)
+            self.steps_done = plan.step
+        return nbytes

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.common import longest_pause, read_jsonl
+from bench.common import longest_pause, read_jsonl, scrape
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
     "ELASTIC",
@@ -154,13 +154,3 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def scrape(url: str) -> dict[str, float]:
-    """name{labels} -> value of every sample of a Prometheus endpoint (empty when it does not answer)."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pliant.net import free_port
+from pliant.worker.buddy import SNAPSHOT_EVERY
 from tests.conftest import wait_for
 from tests.integration.harness import (
     SAMPLES,
@@ -96,7 +97,7 @@ def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
     return before, resumed
 
 
-@pytest.mark.parametrize("engine", ["ddp"])
+@pytest.mark.parametrize("engine", ["ddp", "zero"])
 @pytest.mark.parametrize("victim", ["worker", "node"])
 def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agent, tmp_path: Path, engine: str,
                                                     victim: str) -> None:  # fmt: skip
@@ -110,8 +111,9 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
     b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args,
                                           extra=("--max-restarts", "3", "--metrics-port", str(port))),
                     name="agent-b")  # fmt: skip
-    wait_for(lambda: _stepping(tmp_path, 4, 10) and len(_pids(_events(tmp_path), 4)) == 4, 90,
-             "every rank of world 4 stepping, past step 10")  # fmt: skip
+    wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 90, "every rank of world 4 stepping")
+    first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
+    wait_for(lambda: _stepping(tmp_path, 4, first + 11), 60, "world 4 past its first snapshots")
     world4 = _pids(_events(tmp_path), 4)
     killed_at = time.time()
     if victim == "worker":
@@ -145,7 +147,11 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
     print(f"{engine} kill -9 {victim} in place: step {before} was the last committed, the survivors resumed at "
           f"{resumed} ({before + 1 - resumed} committed steps redone), stepping {stepping_at - killed_at:.2f}s after "
           f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
-    assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
+    if engine == "ddp":
+        assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
+    else:  # the survivors roll back to the newest snapshot that the buddies' copies complete
+        assert 0 <= before + 1 - resumed <= SNAPSHOT_EVERY + 1, (before, resumed)
+        assert "rolled back to the snapshot of step" in a.output()
     assert diff <= 1e-5
 
 

@@ -12,7 +12,7 @@ def test_round_trip() -> None:
     env = WorkerEnv(rank=5, local_rank=1, world_size=6, local_world_size=2, node_rank=2, num_nodes=3,
                     master_addr="10.0.0.1", master_port=29500, job_id="job", generation=4, max_restarts=3,
                     node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt", job_epoch=77,
-                    progress_file="/tmp/p", allow_fresh_start=True)  # fmt: skip
+                    progress_file="/tmp/p", allow_fresh_start=True, snapshot_every=16)  # fmt: skip
     variables = env.to_env()
     assert variables["RANK"] == "5" and variables["GROUP_RANK"] == "2" and variables["GROUP_WORLD_SIZE"] == "3"
     assert variables["TORCHELASTIC_RESTART_COUNT"] == "3", "restart count is generation - 1"
@@ -42,6 +42,7 @@ def test_a_single_process_needs_no_variables() -> None:
         ({"RANK": "x"}, "RANK='x' is not an integer"),
         ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is outside WORLD_SIZE=4"),
         ({"WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is outside"),
+        ({"PLIANT_SNAPSHOT_EVERY": "0"}, "PLIANT_SNAPSHOT_EVERY=0 must be at least 1"),
     ],
 )
 def test_bad_values_are_named(variables: dict[str, str], needle: str) -> None:

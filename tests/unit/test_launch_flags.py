@@ -51,6 +51,7 @@ def test_host_defaults_to_loopback_with_the_embedded_control_plane() -> None:
         (("--nnodes", "2:x"), "--nnodes '2:x' must be N or MIN:MAX"),
         (("--nproc-per-node", "many"), "--nproc-per-node 'many'"),
         (("--metrics-port", "70000"), "--metrics-port 70000 must be in 0..65535"),
+        (("--snapshot-every", "0"), "--snapshot-every 0 must be at least 1"),
     ],
 )
 def test_bad_values(argv: tuple[str, ...], needle: str) -> None:

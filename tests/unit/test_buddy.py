@@ -1,0 +1,72 @@
+"""Buddy copies' pure parts: who keeps whose shard, which snapshot step the survivors roll back to, and packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pliant.worker.buddy import (
+    Held,
+    RollbackError,
+    buddies,
+    choose_rollback,
+    decode,
+    encode,
+    pack,
+    packed_size,
+    unpack,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_buddy_is_on_another_node_when_there_is_one() -> None:
+    assert buddies([0, 0, 1, 1]) == [2, 3, 0, 1]
+    assert buddies([0, 0, 0]) == [1, 2, 0]  # one node: the next rank (a worker's death is still covered)
+    assert buddies([0, 0, 1]) == [2, 2, 0]  # the lone rank of node 1 keeps both of node 0's shards
+    assert buddies([0, 1, 2]) == [1, 2, 0]
+    for nodes in ([0, 0, 1, 1], [0, 1, 1, 1], [3, 3, 5, 5, 5, 7]):
+        plan = buddies(nodes)
+        assert all(nodes[b] != nodes[r] for r, b in enumerate(plan)), nodes
+
+
+def test_the_survivors_roll_back_to_the_newest_step_every_shard_has() -> None:
+    # Old world of 4 on two nodes; node 1 (old ranks 2, 3) died. Ranks 0 and 1 hold their own copies of steps 16 and
+    # 24, and their wards' (2 and 3) of step 16 only: the step-24 exchange was still in flight.
+    held = [Held(0, (24, 16), {2: (16,)}), Held(1, (24, 16), {3: (16,)}), Held(-1)]
+    plan = choose_rollback(held, 4)
+    assert plan.step == 16
+    assert plan.holders == {0: 0, 1: 1, 2: 0, 3: 1}
+    held = [Held(0, (24, 16), {2: (24, 16)}), Held(1, (24, 16), {3: (24, 16)})]
+    assert choose_rollback(held, 4).step == 24
+
+
+def test_an_owner_sends_its_own_shard_before_a_buddy_does() -> None:
+    held = [Held(1, (8,), {0: (8,)}), Held(0, (8,), {1: (8,)})]
+    assert choose_rollback(held, 2).holders == {0: 1, 1: 0}  # new ranks: old 0 is new 1, and holds its own
+
+
+def test_a_shard_lost_with_its_buddy_takes_the_restart_path() -> None:
+    held = [Held(0, (8,), {2: (8,)}), Held(1, (8,), {})]  # old rank 3 and its buddy's copy are gone
+    with pytest.raises(RollbackError, match="ranks \\[2, 3\\] are gone"):
+        choose_rollback(held, 4)
+    with pytest.raises(RollbackError):
+        choose_rollback([Held(-1)], 2)  # newcomers only
+
+
+def test_held_copies_cross_ranks_as_one_integer_row() -> None:
+    held = Held(2, (24, 16), {0: (16,), 3: (24, 16)})
+    assert decode(encode(held, 4), 4) == held
+    assert decode(encode(Held(-1), 3), 3) == Held(-1)
+
+
+def test_a_shard_packs_into_one_reusable_byte_buffer() -> None:
+    tensors = [torch.randn(3, 5), torch.tensor(7.0), torch.arange(9), torch.randn(2, dtype=torch.float16)]
+    buffer = pack(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == packed_size(tensors)
+    assert pack(tensors, buffer) is buffer  # the same size: reused
+    out = [torch.empty_like(t) for t in tensors]
+    unpack(buffer, out)
+    for a, b in zip(tensors, out, strict=True):
+        assert torch.equal(a, b)
+    assert pack([]).numel() == 0

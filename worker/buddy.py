@@ -1,0 +1,318 @@
+"""In-memory redundancy for sharded state: each rank keeps host copies of its own shard and of a buddy's.
+
+A sharded engine (ZeRO) holds state that only one rank has: its shard of the optimizer state (and, for the rollback
+below, its shard of the parameters). Every K committed steps (``pliant run --snapshot-every``, default
+:data:`SNAPSHOT_EVERY`), once after the first step and once right after each (re-)formation of the world, every rank:
+
+1. copies its shard (the parameters it owns, their optimizer state, and on rank 0 the module's buffers) into a host
+   buffer it reuses (on CUDA a pinned one; on CPU a memcpy), with the step, its loaders' positions and its RNG state;
+2. sends that buffer to its *buddy* (:func:`buddies`: the next rank on another node) and receives its wards' buffers,
+   on a process group of its own, in the background: the training collectives never queue behind a snapshot, and the
+   sends are waited for only at the next snapshot.
+
+Two generations of copies are kept (the newest may still be in flight when a peer dies). When a peer dies, the
+survivors roll back together to the newest snapshot step at which every old rank's shard is held by a survivor,
+its owner's own copy or a buddy's (:func:`choose_rollback`, pure); each shard is broadcast from its holder, every
+rank rebuilds the whole state from them, the new world is cut from it, and the steps since that snapshot run again
+on the same global batches (at most K, plus the steps of an exchange still in flight). When a
+shard and its buddy died together, re-forming fails and the restart path takes over, from the last disk checkpoint.
+
+The cost: host memory of two copies of the own shard and of each ward's, a memcpy of the own shard every K steps,
+and the background sends, which on a machine whose collectives are CPU-bound (gloo) compete with the step's own
+traffic: ``bench/inplace.py`` measures it. Only tensors cross ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pliant.worker.contract import WorkerError
+
+__all__ = [
+    "SNAPSHOT_EVERY",
+    "BuddyCopies",
+    "Rollback",
+    "RollbackError",
+    "buddies",
+    "choose_rollback",
+    "pack",
+    "packed_size",
+    "unpack",
+]
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_EVERY = 8  # the default K: committed steps between snapshots (at most K steps run again after a death)
+RECEIVE_WAIT_S = 1.0  # at a failure, how long a ward's copy still in flight may take to arrive
+_ALIGN = 16  # every tensor starts at a multiple of this many bytes in a packed buffer (any dtype can view it)
+
+
+class RollbackError(WorkerError):
+    """No snapshot step covers every shard (a shard and its buddy died together): the restart path applies."""
+
+
+# -- pure decisions --------------------------------------------------------------------------------------------------
+
+
+def buddies(nodes: Sequence[int]) -> list[int]:
+    """Rank -> the rank that keeps its copy: ranks on other nodes are dealt round-robin (the ``i``-th rank of a node
+    gets the ``i``-th rank, cyclically, of the ranks on other nodes); with one node, the next rank.
+
+    Args:
+        nodes: each rank's node (by rank).
+    """
+    world = len(nodes)
+    out = []
+    for rank, node in enumerate(nodes):
+        others = [r for r in range(world) if nodes[r] != node]
+        if not others:
+            out.append((rank + 1) % world)
+            continue
+        index = sum(1 for r in range(rank) if nodes[r] == node)
+        start = next((i for i, r in enumerate(others) if r > rank), 0)  # begin after this rank, cyclically
+        out.append(others[(start + index) % len(others)])
+    return out
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one rank of the new world holds from the old one.
+
+    Attributes:
+        old_rank: its rank in the old world (-1: a newcomer, holding nothing).
+        own: the steps of its complete own copies.
+        wards: old rank -> the steps of its complete copies of that rank's shard.
+    """
+
+    old_rank: int
+    own: tuple[int, ...] = ()
+    wards: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The survivors' plan: every shard's state at ``step``, sent by ``holders[old rank]`` (a rank of the new world)."""
+
+    step: int
+    holders: dict[int, int]
+
+
+def choose_rollback(held: Sequence[Held], old_world: int) -> Rollback:
+    """The newest step at which every old rank's shard is held by some rank of the new world (its owner's own copy
+    first, else a buddy's).
+
+    Raises:
+        RollbackError: no step covers every shard.
+    """
+    steps = sorted({s for h in held for s in (*h.own, *(s for ss in h.wards.values() for s in ss))}, reverse=True)
+    for step in steps:
+        holders: dict[int, int] = {}
+        for old in range(old_world):
+            owner = [i for i, h in enumerate(held) if h.old_rank == old and step in h.own]
+            buddy = [i for i, h in enumerate(held) if step in h.wards.get(old, ())]
+            if owner or buddy:
+                holders[old] = (owner or buddy)[0]
+        if len(holders) == old_world:
+            return Rollback(step, holders)
+    lost = sorted(set(range(old_world)) - {h.old_rank for h in held})
+    raise RollbackError(f"no snapshot step covers every shard of the old world of {old_world}: ranks {lost} are "
+                        f"gone, and no survivor holds a complete copy of their shards at a step the others also "
+                        f"hold; the restart path applies")  # fmt: skip
+
+
+# -- packing ---------------------------------------------------------------------------------------------------------
+
+
+def _spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    out, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        out.append((offset, n))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def packed_size(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the buffer :func:`pack` fills for ``tensors``."""
+    spans = _spans(tensors)
+    return -(-(spans[-1][0] + spans[-1][1]) // _ALIGN) * _ALIGN if spans else 0
+
+
+def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy ``tensors`` into one byte buffer (``out`` when it has the right size, else a new one; pinned when the
+    tensors are on CUDA, whose copies are then waited for)."""
+    size = packed_size(tensors)
+    if out is None or out.numel() != size:
+        cuda = any(t.is_cuda for t in tensors)
+        out = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
+        out[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda)
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+    return out
+
+
+def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy a :func:`pack`-ed buffer back into ``tensors`` (the same shapes and dtypes, in the same order)."""
+    with torch.no_grad():
+        for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
+            t.copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
+
+
+# -- the copies ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """One generation of copies: this rank's shard and its wards' at ``step``."""
+
+    step: int = -1
+    positions: list[tuple[int, int, int]] = field(default_factory=list)
+    rng: torch.Tensor | None = None
+    hyper: list[dict[str, object]] = field(default_factory=list)
+    own: torch.Tensor | None = None
+    wards: dict[int, torch.Tensor] = field(default_factory=dict)
+    sends: list[dist.Work] = field(default_factory=list)
+    receives: list[dist.Work] = field(default_factory=list)
+    received: bool = False
+
+    def ward_complete(self) -> bool:
+        """Every ward's copy arrived (a failed receive counts as not). gloo reports a receive done only to
+        ``wait``: one in flight from a live peer gets :data:`RECEIVE_WAIT_S` to finish (one from a dead peer fails
+        at once)."""
+        if not self.received:
+            try:
+                for work in self.receives:
+                    work.wait(timedelta(seconds=RECEIVE_WAIT_S))
+            except RuntimeError:
+                return False
+            self.received = True
+        return self.received
+
+
+class BuddyCopies:
+    """This rank's snapshots and its wards' (see the module docstring). Made by the rescale protocol.
+
+    Args:
+        track_fds: called around the creation of the copies' process group, to note the sockets it opens
+            (``Session.group_fds``, which a failure severs).
+    """
+
+    def __init__(self, track_fds: Callable[[Callable[[], object]], object]) -> None:
+        self._track = track_fds
+        self.generation = -1
+        self.world = 0
+        self.rank = -1
+        self.group: dist.ProcessGroup | None = None
+        self.buddy = -1
+        self.wards: list[int] = []
+        self.sizes: list[int] = []
+        self.partition: list[int] = []
+        self.slots = [_Slot(), _Slot()]
+        self.newest = 1
+        self.retired: list[object] = []  # exchanges a failure interrupted: never waited for, never freed
+
+    def reset(self) -> None:
+        """Forget every copy (the world changed: its shards are cut differently)."""
+        for slot in self.slots:
+            if slot.sends or slot.receives:
+                self.retired.append(slot)  # an exchange may be in flight: its buffers must outlive it
+        self.slots, self.newest, self.generation = [_Slot(), _Slot()], 1, -1
+
+    @property
+    def taken(self) -> bool:
+        return self.generation >= 0
+
+    def take(self, generation: int, node: int, step: int, partition: list[int], tensors: Sequence[torch.Tensor],
+             positions: list[tuple[int, int, int]], hyper: list[dict[str, object]]) -> int:  # fmt: skip
+        """Snapshot this rank's shard at ``step`` (committed) and start the exchange with the buddies (collective on
+        the first snapshot of a world; raises when a peer failed during the previous exchange). Returns the bytes
+        copied."""
+        if generation != self.generation:
+            self._meet(generation, node, packed_size(tensors))
+        previous = self.slots[self.newest]
+        for work in [*previous.sends, *previous.receives]:
+            work.wait()  # sent a while ago; a failed peer raises here
+        previous.sends, previous.receives = [], []
+        previous.received = True
+        slot = self.slots[1 - self.newest]
+        slot.own = pack(tensors, slot.own)
+        slot.step, slot.positions, slot.rng, slot.hyper = step, positions, torch.get_rng_state(), hyper
+        self.partition = partition
+        for ward, size in ((w, self.sizes[w]) for w in self.wards):
+            if slot.wards.get(ward) is None or slot.wards[ward].numel() != size:
+                slot.wards[ward] = torch.empty(size, dtype=torch.uint8)
+        slot.received = False
+        slot.sends = [dist.isend(slot.own, self.buddy, group=self.group)] if self.buddy != self.rank else []
+        slot.receives = [dist.irecv(slot.wards[w], w, group=self.group) for w in self.wards]
+        self.newest = 1 - self.newest
+        return slot.own.numel()
+
+    def _meet(self, generation: int, node: int, size: int) -> None:
+        """The first snapshot of a world: open the copies' group and learn every rank's node and shard size."""
+        self.reset()
+        self.generation, self.rank, self.world = generation, dist.get_rank(), dist.get_world_size()
+        self.group = self._track(lambda: dist.new_group(backend="gloo"))  # type: ignore[assignment]
+        mine = torch.tensor([node, size], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine, group=self.group)
+        nodes, self.sizes = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+        plan = buddies(nodes)
+        self.buddy = plan[self.rank]
+        self.wards = [r for r in range(self.world) if plan[r] == self.rank and r != self.rank]
+        logger.info("buddy copies: rank %d keeps its shard (%d bytes) on rank %d and holds ranks %s", self.rank,
+                    size, self.buddy, self.wards)  # fmt: skip
+
+    def held(self) -> Held:
+        """What this rank holds (for :func:`choose_rollback`)."""
+        if not self.taken:
+            return Held(-1)
+        own = tuple(s.step for s in self.slots if s.step >= 0)
+        complete = [s for s in self.slots if s.step >= 0 and s.ward_complete()]
+        return Held(self.rank, own, {w: tuple(s.step for s in complete) for w in self.wards})
+
+    def slot(self, step: int) -> _Slot:
+        """This rank's copies of ``step``.
+
+        Raises:
+            RollbackError: it has none.
+        """
+        for slot in self.slots:
+            if slot.step == step:
+                return slot
+        raise RollbackError(f"rank {self.rank} holds no copy of step {step}")
+
+    def buffer(self, old: int, step: int) -> torch.Tensor:
+        """This rank's copy of old rank ``old``'s shard at ``step`` (its own, or a ward's)."""
+        slot = self.slot(step)
+        buf = slot.own if old == self.rank else slot.wards[old]
+        assert buf is not None
+        return buf
+
+
+def encode(held: Held, old_world: int) -> torch.Tensor:
+    """``held`` as one int64 row: old rank, 2 own steps, then 2 steps per old rank as a ward (-1: none)."""
+    row = [held.old_rank, *_two(held.own)]
+    for old in range(old_world):
+        row += _two(held.wards.get(old, ()))
+    return torch.tensor(row, dtype=torch.int64)
+
+
+def decode(row: torch.Tensor, old_world: int) -> Held:
+    values = [int(v) for v in row]
+    wards = {old: _steps(values[3 + 2 * old : 5 + 2 * old]) for old in range(old_world)}
+    return Held(values[0], _steps(values[1:3]), {k: v for k, v in wards.items() if v})
+
+
+def _two(steps: Sequence[int]) -> list[int]:
+    return [*sorted(steps, reverse=True)[:2], -1, -1][:2]
+
+
+def _steps(values: Sequence[int]) -> tuple[int, ...]:
+    return tuple(v for v in values if v >= 0)
