@@ -41,7 +41,7 @@ from pliant.coordinator.contract import (
 from pliant.env import STACKS_SIGNAL, WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import free_port
-from pliant.progress import read_fence, read_progress
+from pliant.progress import read_directive, read_fence, read_record
 from pliant.tls import Role
 
 __all__ = ["Agent"]
@@ -509,9 +509,15 @@ class Agent:
             return out
         for worker in self.group.workers:
             if worker.proc.returncode is None and worker.env.progress_file:
-                record = read_progress(worker.env.progress_file)
-                if record is not None and record[1] != "done":
-                    out[worker.env.local_rank] = record
+                record = read_record(worker.env.progress_file)
+                if record is None or record[1] == "done":
+                    continue
+                step, phase, failed_in = record
+                if phase == "wait" and failed_in:
+                    handed = read_directive(worker.env.progress_file)
+                    if handed is not None and handed.generation > failed_in:
+                        continue  # it failed in an older generation and will take the one already handed to it
+                out[worker.env.local_rank] = (step, phase)
         return out
 
     def _describe(self, result: object) -> str:

@@ -74,7 +74,8 @@ def main() -> None:
             ckpt.after_step(batch.step + 1)  # pliant: periodic saves, and the rescale protocol
     if ckpt is not None:
         ckpt.wait()
-    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    live = engine.module  # pliant: the live model (an fsdp engine builds it again when the world changes in place)
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in live.state_dict().items()}
     if session.rank == 0 and args.out:
         with open(args.out, "w") as out:
             json.dump({"loss": loss, "world": session.world_size, "steps": args.steps}, out)

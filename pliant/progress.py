@@ -6,8 +6,9 @@ One small file per worker, rewritten in place (one ``pwrite`` of a fixed-width r
 and after every step; the agent reads it on its own clock and never needs an RPC. The record is
 ``"<step> <phase>\\n"`` padded to :data:`RECORD_BYTES`. Phases: ``start`` (the session opened; imports, the first
 step's compilation and a checkpoint restore follow), ``step`` (a step completed), ``save`` (a checkpoint save is
-blocking the loop), ``wait`` (a collective failed: a peer died; the worker waits for its agent's next directive),
-``done`` (the session closed).
+blocking the loop), ``wait`` (a collective failed: a peer died; the worker waits for its agent's next directive; the
+record ends with the generation it failed in, so an agent that already handed it a newer one does not report the
+failure again), ``done`` (the session closed).
 
 **The directive file** ``<progress file>.next`` is how an agent hands a running worker its next generation (the
 in-place rescale, :mod:`pliant.worker.rescale`): a JSON object ``{"generation": N, "mode": M, "env": {...}}`` written
@@ -41,6 +42,7 @@ __all__ = [
     "read_directive",
     "read_fence",
     "read_progress",
+    "read_record",
     "write_directive",
 ]
 
@@ -57,11 +59,12 @@ class ProgressFile:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) if path else -1
         self.step, self.phase = 0, ""
 
-    def write(self, step: int, phase: str) -> None:
+    def write(self, step: int, phase: str, generation: int = 0) -> None:
         if self._fd < 0 or (step, phase) == (self.step, self.phase):
             return
         self.step, self.phase = step, phase
-        record = f"{step} {phase}".ljust(RECORD_BYTES - 1).encode()[: RECORD_BYTES - 1] + b"\n"
+        text = f"{step} {phase} {generation}" if generation else f"{step} {phase}"
+        record = text.ljust(RECORD_BYTES - 1).encode()[: RECORD_BYTES - 1] + b"\n"
         with contextlib.suppress(OSError):  # the agent removed its directory: it no longer watches
             os.pwrite(self._fd, record, 0)
 
@@ -84,14 +87,20 @@ class ProgressFile:
 
 def read_progress(path: str) -> tuple[int, str] | None:
     """The agent's side: (step, phase) last written to ``path``, or None if the worker wrote none (yet)."""
+    record = read_record(path)
+    return None if record is None else (record[0], record[1])
+
+
+def read_record(path: str) -> tuple[int, str, int] | None:
+    """(step, phase, generation) last written to ``path`` (generation: 0 unless the phase names one), or None."""
     try:
         with open(path, "rb") as f:
             text = f.read(RECORD_BYTES).decode(errors="replace").split()
     except OSError:
         return None
-    if len(text) != 2 or text[1] not in PHASES or not text[0].isdigit():
+    if len(text) not in (2, 3) or text[1] not in PHASES or not all(t.isdigit() for t in text[:1] + text[2:]):
         return None
-    return int(text[0]), text[1]
+    return int(text[0]), text[1], int(text[2]) if len(text) == 3 else 0
 
 
 def read_fence(directory: str | os.PathLike[str]) -> tuple[int, int]:

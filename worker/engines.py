@@ -29,6 +29,7 @@ from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
 __all__ = [
     "DDPEngine",
     "ZeroEngine",
+    "broadcast_hyper",
     "broadcast_module",
     "broadcast_optimizer",
     "loss_sum",
@@ -330,12 +331,8 @@ def _numeric(value: object) -> bool:
     return isinstance(value, (int, float))  # bool included
 
 
-def broadcast_optimizer(optimizer: torch.optim.Optimizer, src: int) -> int:
-    """Make every rank's optimizer state and numeric hyperparameters (a scheduler's learning rate) equal to rank
-    ``src``'s. A rank with no state yet (a newcomer) first creates it with a zero-learning-rate step, as DCP's
-    state-dict helpers do, so every rank holds the same tensors to receive into. Returns the tensor bytes moved."""
-    flag = torch.tensor([int(any(optimizer.state.values()))], dtype=torch.int64)
-    dist.broadcast(flag, src)
+def broadcast_hyper(optimizer: torch.optim.Optimizer, src: int) -> None:
+    """Make every rank's numeric hyperparameters (a scheduler's learning rate) equal to rank ``src``'s."""
     groups = optimizer.param_groups
     keys = [sorted(k for k, v in g.items() if k != "params" and _numeric(v)) for g in groups]
     hyper = torch.tensor([float(g[k]) for g, ks in zip(groups, keys, strict=True) for k in ks], dtype=torch.float64)
@@ -345,6 +342,16 @@ def broadcast_optimizer(optimizer: torch.optim.Optimizer, src: int) -> int:
         for key in ks:
             value = next(values)
             group[key] = type(group[key])(value) if not isinstance(group[key], bool) else bool(value)
+
+
+def broadcast_optimizer(optimizer: torch.optim.Optimizer, src: int) -> int:
+    """Make every rank's optimizer state and numeric hyperparameters (a scheduler's learning rate) equal to rank
+    ``src``'s. A rank with no state yet (a newcomer) first creates it with a zero-learning-rate step, as DCP's
+    state-dict helpers do, so every rank holds the same tensors to receive into. Returns the tensor bytes moved."""
+    flag = torch.tensor([int(any(optimizer.state.values()))], dtype=torch.int64)
+    dist.broadcast(flag, src)
+    groups = optimizer.param_groups
+    broadcast_hyper(optimizer, src)
     if not flag.item():
         return 0
     if not any(optimizer.state.values()):

@@ -10,10 +10,21 @@ and receives its shard of the summed gradient like everyone else.
 Limits of the shadow pass: the model's forward must issue the same FSDP collectives whatever the input (no
 data-dependent choice of sub-modules, e.g. token-routed experts); modules with running statistics (BatchNorm) see the
 shadow sample in training mode; a loss that is NaN/inf on the shadow sample poisons the step (0 * inf = NaN).
+
+**In place** (under the rescale protocol): ``fully_shard`` cannot move a sharded module to another mesh, so the engine
+keeps a *skeleton* of the model (a deep copy whose tensors are on the meta device: no memory) taken before sharding.
+At a step boundary every rank gathers the full model and optimizer state (``get_model_state_dict`` /
+``get_optimizer_state_dict`` with ``full_state_dict``: torch's own all-gathers) while the old world is whole; then it
+builds the model again from the skeleton, shards it over the new world, and the source rank's full state is
+broadcast to every rank (newcomers included) and loaded with ``set_model_state_dict`` / ``set_optimizer_state_dict``,
+which cut each rank's shard. The model the script passed in stays sharded over the old world: after a rescale the
+live model is ``engine.module`` (the loss function is always given the live one).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -21,10 +32,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
-from pliant.worker.engines import loss_sum, to_device, weighted_backward
+from pliant.worker.engines import _materialize, _numeric, broadcast_hyper, loss_sum, to_device, weighted_backward
 
 __all__ = ["FSDPEngine", "FSDPJoinable"]
 
@@ -104,16 +122,128 @@ class FSDPEngine(Engine):
         if group is not None:
             raise EngineError("the fsdp engine shards over the whole world; drop the group argument")
         self.device, self.group = device, group
-        model = model.to(device)
-        for module in shard(model):
+        self._shard = shard
+        self._optimizer_args = (optimizer_class, optimizer_kwargs)
+        self._skeleton = _skeleton(model)
+        self._full: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._build(model.to(device))
+
+    def _build(self, model: torch.nn.Module) -> None:
+        """Shard ``model`` over the current world and build its optimizer."""
+        for module in self._shard(model):
             fully_shard(module)
         fully_shard(model)
         self.model = model
         # FSDP2 averages reduce-scattered gradients over the world (a premultiplied sum gloo cannot do otherwise);
         # losses are weighted by the world size to undo it, so gradients are sums as in the DDP engines.
         self.world_size = dist.get_world_size()
-        self.optimizer = optimizer_class(model.parameters(), **optimizer_kwargs)
+        cls, kwargs = self._optimizer_args
+        self.optimizer = cls(model.parameters(), **kwargs)
         self.joinable = FSDPJoinable(self)
+
+    in_place = True  # at a step boundary: the full state is gathered, the model sharded again over the new world
+    MEMORY_SHARE = 0.8  # the full model and optimizer state must fit in this share of the free host memory
+
+    def can_move(self) -> bool:
+        """The full model and optimizer state must fit in free host memory on every rank."""
+        import psutil
+
+        local = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        per_param = len(local) / max(1, len(self.optimizer.state))
+        need = (1 + per_param) * sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return need <= self.MEMORY_SHARE * psutil.virtual_memory().available
+
+    def before_move(self) -> None:
+        """Every rank gathers the full model and optimizer state over the old world (torch's all-gathers)."""
+        options = StateDictOptions(full_state_dict=True)
+        self._full = (get_model_state_dict(self.model, options=options),
+                      get_optimizer_state_dict(self.model, self.optimizer, options=options))  # fmt: skip
+        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}  # not in state dicts
+
+    def rewrap(self) -> None:
+        """The model again from the skeleton, sharded over the new world; its values come in :meth:`sync_state`."""
+        module = copy.deepcopy(self._skeleton).to_empty(device=self.device)
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                if name in self._buffers:
+                    buffer.copy_(self._buffers[name])
+        self._buffers = {}
+        self._build(module)
+
+    def sync_state(self, src: int) -> int:
+        """Rank ``src``'s full model and optimizer state to every rank, each of which loads its new shard of it."""
+        options = StateDictOptions(full_state_dict=True)
+        full, self._full = self._full, None
+        model_sd = full[0] if full is not None else {k: _empty(v, self.device) for k, v in
+                                                     self.model.state_dict().items()}  # fmt: skip
+        nbytes = _broadcast_tree(model_sd, src)
+        set_model_state_dict(self.model, model_sd, options=options)
+        flag = torch.tensor([int(full is not None and bool(full[1]["state"]))], dtype=torch.int64)
+        dist.broadcast(flag, src)
+        if flag.item():
+            optim_sd = full[1] if full is not None else self._optimizer_template()
+            nbytes += _broadcast_tree(optim_sd["state"], src)
+            set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=options)
+        broadcast_hyper(self.optimizer, src)
+        return nbytes
+
+    sharded = True  # every parameter is cut across the ranks: a death is survived through buddy copies
+
+    @staticmethod
+    def _layout(rows: Callable[[torch.Tensor], torch.Tensor], first: bool, model: dict[str, torch.Tensor],
+                state: dict[str, dict[str, Any]], buffers: list[torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+        """One old rank's shard, in a fixed order: ``rows`` of every parameter (``model``: name -> tensor) and of its
+        optimizer state tensors (``state``: name -> key -> tensor), then, on the ``first`` rank only, the replicated
+        state (0-dim: a step count) and the module's buffers."""
+        out: list[torch.Tensor] = []
+        for name in model:
+            slot = state.get(name, {})
+            keys = [k for k in sorted(slot) if isinstance(slot[k], torch.Tensor)]
+            out += [rows(model[name]), *(rows(slot[k]) for k in keys if slot[k].dim() > 0)]
+            out += [slot[k] for k in keys if slot[k].dim() == 0] if first else []
+        return out + (buffers if first else [])
+
+    def shard(self) -> tuple[list[int], list[torch.Tensor]]:
+        params = dict(self.model.named_parameters())
+        names = {param: name for name, param in params.items()}
+        local = {name: _local(p) for name, p in params.items()}
+        state = {names[p]: {k: _local(v) for k, v in s.items()} for p, s in self.optimizer.state.items()}
+        buffers = [b.data for b in self.model.buffers()]
+        tensors = self._layout(lambda t: t, dist.get_rank() == 0, local, state, buffers)
+        return [dist.get_world_size()] * len(params), tensors
+
+    def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
+                hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
+        from pliant.worker.buddy import packed_size, unpack
+
+        world = partition[0] if partition else 1
+        template = self._optimizer_template()
+        model = {name: _empty(p, self.device) for name, p in self.model.named_parameters()}
+        buffers = [b.data for b in self.model.buffers()]
+        nbytes = 0
+        for owner in range(world):
+            tensors = self._layout(lambda t, o=owner: _rows(t, o, world), owner == 0, model, template["state"],
+                                   buffers)  # fmt: skip
+            buffer = receive(owner, packed_size(tensors))
+            unpack(buffer, tensors)
+            nbytes += buffer.numel()
+        for group, saved in zip(template["param_groups"], hyper or [], strict=False):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        persistent = {name: b for name, b in self.model.named_buffers() if name in self.model.state_dict()}
+        self._full = ({**model, **{k: v.detach().clone() for k, v in persistent.items()}}, template)
+        return nbytes
+
+    def _optimizer_template(self) -> dict[str, Any]:
+        """A full optimizer state dict (by parameter name) shaped as the source's, to receive into."""
+        if not any(self.optimizer.state.values()):
+            _materialize(self.optimizer)
+        names = {param: name for name, param in self.model.named_parameters()}
+        state = {names[p]: {k: _empty(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for p, s in self.optimizer.state.items()}  # fmt: skip
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                  for g in self.optimizer.param_groups]  # fmt: skip
+        return {"state": state, "param_groups": groups}
 
     @property
     def fsdp(self) -> FSDPModule:
@@ -137,3 +267,51 @@ class FSDPEngine(Engine):
         self.fsdp.set_requires_gradient_sync(True)
         self.shadowed = len(micros) < joinable.iterations
         return loss_sum(losses)
+
+
+def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no memory; sharing kept)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) \
+            else meta  # fmt: skip
+    return copy.deepcopy(model, memo)
+
+
+def _empty(value: Any, device: torch.device) -> Any:
+    """An uninitialised full tensor shaped as ``value`` (a DTensor's global shape), to receive into."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device=device)
+
+
+def _broadcast_tree(tree: dict[str, Any], src: int) -> int:
+    """Broadcast the tensors (and numbers) of a nested dict from ``src``, in sorted key order, in place. Returns the
+    tensor bytes."""
+    nbytes = 0
+    for key in sorted(tree):
+        value = tree[key]
+        if isinstance(value, dict):
+            nbytes += _broadcast_tree(value, src)
+        elif isinstance(value, torch.Tensor):
+            dist.broadcast(value, src)
+            nbytes += value.numel() * value.element_size()
+        elif _numeric(value):
+            box = torch.tensor([float(value)], dtype=torch.float64)
+            dist.broadcast(box, src)
+            tree[key] = type(value)(box.item())
+    return nbytes
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard (FSDP2's rows of this rank), else the value itself."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _rows(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a full tensor cut over ``world`` ranks as FSDP2 cuts dim 0 (``torch.chunk``; the last
+    ranks' may be empty)."""
+    size = -(-tensor.shape[0] // world)
+    start = min(rank * size, tensor.shape[0])
+    return tensor[start : min(start + size, tensor.shape[0])]

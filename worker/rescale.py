@@ -365,7 +365,7 @@ class Protocol:
     def _recover(self, batch: GlobalBatch) -> bool:
         """A peer failed mid-step: re-form and decide what this rank does with ``batch``. True: run it again (cut for
         the new world); False: return from the step (committed by the newer state, or skipped to stay in step)."""
-        self.session.metrics.progress.write(batch.step, "wait")
+        self.session.metrics.progress.write(batch.step, "wait", self.session.env.generation)
         for manager in self.managers:
             manager.abandon()
         sever(self.session.group_fds)  # wakes the peers still blocked in a collective with this rank

@@ -51,7 +51,7 @@ def test_bad_values_are_named(variables: dict[str, str], needle: str) -> None:
 
 
 def test_progress_and_fence_files(tmp_path) -> None:
-    from pliant.progress import ProgressFile, read_fence, read_progress
+    from pliant.progress import ProgressFile, read_fence, read_progress, read_record
 
     path = str(tmp_path / "rank-0")
     assert read_progress(path) is None
@@ -63,6 +63,8 @@ def test_progress_and_fence_files(tmp_path) -> None:
     with progress.saving():
         assert read_progress(path) == (12345, "save")
     assert read_progress(path) == (12345, "step")
+    progress.write(12346, "wait", 7)  # a failure names the generation it happened in
+    assert read_progress(path) == (12346, "wait") and read_record(path) == (12346, "wait", 7)
     progress.close()
     ProgressFile("").write(1, "step")  # no agent watches: a no-op
     assert read_fence(tmp_path) == (0, 0)
