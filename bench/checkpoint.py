@@ -2,7 +2,9 @@
 
 - save and load throughput of a pliant (DCP) checkpoint of a DDP model + SGD momentum, 2 ranks forked on gloo,
   against ``dd`` write (fdatasync) and read bandwidth of the same directory;
-- the training stall of an async save (what ``save()`` blocks for) against a sync save;
+- the training stall of an async save against a sync save: what ``save()`` blocks for, plus how much longer than a
+  typical step the next step takes (an async save copies the state to host memory in the background, and the next
+  optimizer step waits for that copy);
 - the rescale pause: last step of generation n -> every rank stepping in generation n+1, when a second node joins a
   ``pliant run`` job (examples/train_elastic.py with --checkpoint-dir).
 
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import read_jsonl
+from common import join_flags, read_jsonl
+from torch.utils.data import TensorDataset
 
 import pliant.worker as pw
 from pliant.env import WorkerEnv
@@ -57,22 +60,40 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: 
     width = int((mb * 2**20 / 4 / 2) ** 0.5)  # two square layers: parameters = mb / 2, momentum the other half
     model = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
     engine = session.engine(model, "ddp", torch.optim.SGD, lr=0.01, momentum=0.9)
-    x = torch.randn(8, width)
-    model(x).sum().backward()
-    engine.optimizer.step()  # creates the momentum buffers
+    data = TensorDataset(torch.randn(4096, width))
+    loader = session.loader(data, global_batch=16, micro_batch=8)
+    batches = iter(loader)
+
+    def loss_fn(model: torch.nn.Module, micro: list[torch.Tensor]) -> torch.Tensor:
+        return model(micro[0]).pow(2).mean()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        engine.step(next(batches), loss_fn)
+        return time.perf_counter() - t0
+
     results: dict[str, float] = {}
     for mode in ("sync", "async"):
         ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode == "async", keep=1)
-        stalls, totals = [], []
-        for step in range(1, 4):
+        plain, stalls, totals = [], [], []
+        for i in range(1, 16):
             dist.barrier()
+            if i % 5:
+                plain.append(step())
+                continue
             t0 = time.perf_counter()
-            stalls.append(ckpt.save(step))
+            blocked = ckpt.save(i)
+            after = step()  # the optimizer step waits for an async save's copy of the state
+            stalls.append((blocked, after))
             ckpt.wait()
             dist.barrier()
-            totals.append(time.perf_counter() - t0)
-        results[f"{mode} stall"] = statistics.median(stalls)
+            totals.append(time.perf_counter() - t0 - after)
+        typical = statistics.median(plain)
+        # The stall: what save() blocked, plus how much longer than a typical step the step after it took.
+        results[f"{mode} stall"] = statistics.median(b + max(0.0, a - typical) for b, a in stalls)
+        results[f"{mode} blocked"] = statistics.median(b for b, _ in stalls)
         results[f"{mode} total"] = statistics.median(totals)
+        results["step"] = typical
     subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], capture_output=True)
     loads = []
     for _ in range(3):
@@ -95,16 +116,19 @@ def rescale_pause(workdir: Path) -> float:
     events, ckpt = workdir / "events.jsonl", workdir / "ckpt"
     script = [str(ROOT / "examples" / "train_elastic.py"), "--steps", "100000", "--step-time", "0.05",
               "--events", str(events)]  # fmt: skip
-    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--checkpoint-dir", str(ckpt)]
-    a = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}", *common, *script],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--checkpoint-dir", str(ckpt),
+              "--rescale", "restart"]  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "a.log", "wb") as log:
+        a = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}", *common,
+                              *script], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     b = None
     try:
         _wait(lambda: any(e["world"] == 2 for e in read_jsonl(events)), 120)
         time.sleep(2)
-        b = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{port}", *common,
-                              *script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # fmt: skip
+        b = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{port}",
+                              *join_flags(workdir / "a.log"), *common, *script], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         _wait(lambda: {e["rank"] for e in read_jsonl(events) if e["world"] == 4} == {0, 1, 2, 3}, 120)
         evs = read_jsonl(events)
         last_old = max(e["time"] for e in evs if e["world"] == 2)
@@ -159,8 +183,13 @@ def main() -> None:
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
     print(f"  training stall: sync save {r['sync stall']:.3f} s, async save {r['async stall']:.3f} s "
-          f"({r['async stall'] / r['sync stall']:.2f}x; async total {r['async total']:.2f} s)")  # fmt: skip
-    print(f"  rescale pause (node joins, 2 -> 4 ranks, checkpoint + restart + restore): {pause:.2f} s")
+          f"({r['async stall'] / r['sync stall']:.2f}x; async total {r['async total']:.2f} s; a step "
+          f"{r['step']:.3f} s)")  # fmt: skip
+    print(f"  of which save() blocked: sync {r['sync blocked']:.3f} s, async {r['async blocked']:.3f} s "
+          f"({r['async blocked'] / r['sync blocked']:.2f}x); the rest is the next step slowed by the background "
+          f"copy and write")  # fmt: skip
+    print(f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
+          f"{pause:.2f} s")  # fmt: skip
     shutil.rmtree(directory, ignore_errors=True)
 
 

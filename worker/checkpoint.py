@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -83,14 +84,23 @@ def _fingerprint(engine: Engine) -> str:
 
 
 class _TrainState(Stateful):
-    """The engine's model and optimizer as DCP sees them (:meth:`pliant.worker.contract.Engine.state_dict`)."""
+    """The engine's model and optimizer as DCP sees them (:meth:`pliant.worker.contract.Engine.state_dict`).
 
-    def __init__(self, engine: Engine) -> None:
+    With ``freeze_buffers`` the module's buffers are copied at once: an async save's copy of the rest runs during the
+    next forward, which may write buffers (DDP's buffer broadcast, running statistics) but never parameters or
+    optimizer state (the optimizer step waits for the copy).
+    """
+
+    def __init__(self, engine: Engine, freeze_buffers: bool = False) -> None:
         self.engine = engine
+        self.freeze_buffers = freeze_buffers
         self.nbytes = 0  # tensor bytes of the last state handed to or received from DCP (this rank's shards)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.engine.state_dict()
+        if self.freeze_buffers:
+            buffers = {b.data_ptr() for b in self.engine.module.buffers() if b.numel()}
+            state = _clone_where(state, buffers)
         self.nbytes = tensor_bytes(state)
         return state
 
@@ -144,6 +154,7 @@ class CheckpointManager:
         self.epoch = epoch
         self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
         self._in_flight: Future[Any] | None = None
+        self._committed = threading.Event()  # the in-flight save's completion callback has run (commit or error)
         self._in_flight_path: Path | None = None
         self._commit_error: Exception | None = None
         if dist.get_rank() == 0:
@@ -187,8 +198,8 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------------------------
 
-    def _state(self, step: int) -> dict[str, Any]:
-        state: dict[str, Any] = {"train": _TrainState(self.engine), "step": step}
+    def _state(self, step: int, freeze_buffers: bool = False) -> dict[str, Any]:
+        state: dict[str, Any] = {"train": _TrainState(self.engine, freeze_buffers), "step": step}
         if self.loader is not None:
             state["data"] = dict(self.loader.state_dict())
         if self.extras:
@@ -202,29 +213,61 @@ class CheckpointManager:
         path = self.directory / f"{_PREFIX}{step:012d}"
         if (path / COMMIT).exists():
             return time.perf_counter() - started
-        state = self._state(step)
+        background = self.async_save and not sync
+        state = self._state(step, freeze_buffers=background)
         train = state["train"]
         saving = self.metrics.progress.saving() if self.metrics is not None else contextlib.nullcontext()
         with saving:  # the agent's hang detection gives a save the start timeout, not the step one
-            if self.async_save and not sync:
-                future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
-                future.add_done_callback(lambda f: self._async_done(f, path, step, started, train))
+            if background:
+                future = self._save_in_background(state, path)
+                committed = self._committed = threading.Event()
+                future.add_done_callback(lambda f: self._async_done(f, path, step, started, train, committed))
                 self._in_flight, self._in_flight_path = future, path
             else:
                 dcp.save(state, checkpoint_id=str(path), process_group=self.group)
                 self._saved(path, step, started, train)
         stall = time.perf_counter() - started
-        if self.metrics is not None:
+        if self.metrics is not None and not background:
             self.metrics.observe_save(stall)
         return stall
 
-    def _async_done(self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState) -> None:
+    def _save_in_background(self, state: dict[str, Any], path: Path) -> Future[Any]:
+        """DCP's async save with its copy to host memory in the background too (``DefaultStager`` with async
+        staging): the training loop goes on at once, and the engine's next optimizer step waits for the copy
+        (:meth:`Engine.settle`), so the copy overlaps the next forward and backward. Returns the upload's future."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = any(t.is_cuda for t in self.engine.module.parameters())
+        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                              use_non_blocking_copy=cuda))  # fmt: skip
+        blocked = time.perf_counter()
+        response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=stager)
+        if isinstance(response, Future):  # a torch whose stager copies in the caller
+            stager.close()
+            return response
+        blocked = time.perf_counter() - blocked
+        staged, upload = response.staging_completion, response.upload_completion
+
+        def settle() -> None:
+            waited = time.perf_counter()
+            staged.result()
+            if self.metrics is not None:  # the stall: the call, plus the optimizer step's wait for the copy
+                self.metrics.observe_save(blocked + time.perf_counter() - waited)
+
+        self.engine.staging = settle
+        upload.add_done_callback(lambda _: stager.close())
+        return upload
+
+    def _async_done(self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState,
+                    committed: threading.Event) -> None:  # fmt: skip
         """An async save finished (DCP's thread): commit it; a refusal is raised by the step that reaps it."""
-        if future.exception() is None:
-            try:
+        try:
+            if future.exception() is None:
                 self._saved(path, step, started, train)
-            except Exception as exc:
-                self._commit_error = exc
+        except Exception as exc:
+            self._commit_error = exc
+        finally:
+            committed.set()
 
     def _saved(self, path: Path, step: int, started: float, train: _TrainState) -> None:
         """A save completed on this rank: commit it (rank 0, as soon as complete) and report it."""
@@ -238,6 +281,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: the save failed (its path and the OS error).
         """
+        self.engine.settle()
         if self._in_flight is None:
             return
         future, path = self._in_flight, self._in_flight_path
@@ -246,6 +290,7 @@ class CheckpointManager:
             future.result()
         except Exception as exc:
             raise _save_error(path, exc) from exc
+        self._committed.wait()  # a future's waiters wake before its callbacks run: the commit is one of them
         error, self._commit_error = self._commit_error, None
         if error is not None:
             raise error
@@ -437,3 +482,13 @@ def _step_of(path: Path) -> int:
         return int(path.name[len(_PREFIX) :])
     except ValueError:
         return -1
+
+
+def _clone_where(tree: Any, pointers: set[int]) -> Any:
+    """``tree`` (nested dicts) with its tensors whose storage starts at one of ``pointers`` cloned."""
+    if isinstance(tree, dict):
+        return {k: _clone_where(v, pointers) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and not hasattr(tree, "to_local") and tree.numel() and \
+            tree.data_ptr() in pointers:  # fmt: skip
+        return tree.detach().clone()
+    return tree

@@ -99,6 +99,9 @@ class Engine(abc.ABC):
     """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state). Under the
     in-place protocol such an engine survives a peer's death through buddy copies (:mod:`pliant.worker.buddy`):
     :meth:`shard` and :meth:`rebuild`."""
+    staging: Callable[[], None] | None = None
+    """Set by an async checkpoint save whose copy of the state to host memory runs in the background: waits for it
+    (:meth:`settle`, before the next optimizer step changes the state)."""
     shadowed: bool = False
     """Set by :meth:`forward_backward`: this rank only shadowed the others' collectives in the last step."""
 
@@ -144,6 +147,7 @@ class Engine(abc.ABC):
             return self.protocol.step(self, batch, loss_fn)  # type: ignore[no-any-return]
         started = time.perf_counter()
         loss = self.forward_backward(batch, loss_fn)
+        self.settle()
         self.apply_update()
         self.observe(batch, started)
         return loss
@@ -152,6 +156,12 @@ class Engine(abc.ABC):
     def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         """Forward and backward of this rank's micro-batches, with every gradient collective, but no optimizer step.
         Sets :attr:`shadowed`. Returns what :meth:`step` returns."""
+
+    def settle(self) -> None:
+        """Wait for an async checkpoint's copy of the state, if one is running (see :attr:`staging`)."""
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging()
 
     def apply_update(self) -> None:
         """The optimizer step of the gradients :meth:`forward_backward` left, then clear them."""

@@ -276,6 +276,7 @@ class Protocol:
                 failure = "the vote"
                 asked = self._counted(vote) if vote is not None else False
                 failure = "the update"  # ZeRO's step broadcasts the updated parameters
+                engine.settle()  # an async checkpoint's copy of the state, overlapped with the forward and backward
                 engine.apply_update()
                 self.steps_done = batch.step + 1
                 failure = "the buddy copies"

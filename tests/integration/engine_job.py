@@ -75,7 +75,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             if ckpt is not None:
                 ckpt.after_step(batch.step + 1)
             if ckpt is not None and args.stop_after and batch.step + 1 == args.stop_after:
-                ckpt.save(batch.step + 1)
+                ckpt.save(batch.step + 1)  # an async save copies the state while the next steps train
+            if ckpt is not None and args.stop_after and batch.step + 1 == args.stop_after + args.train_after_save:
                 ckpt.wait()
                 break
         params = full_params(engine)
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=0, help="checkpoint after this many steps and stop")
     parser.add_argument("--resume", type=int, default=0, help="restore (expecting this step) before training")
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--train-after-save", type=int, default=0, help="steps to train on before --stop-after stops")
     parser.add_argument("--every", type=int, default=0, help="periodic saves every this many steps")
     parser.add_argument("--generation", type=int, default=1, help="the generation the checkpoint manager runs")
     parser.add_argument("--expect-error", action="store_true", help="print a WorkerError and exit 0")

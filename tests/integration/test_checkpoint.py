@@ -33,8 +33,9 @@ def test_saved_at_world_2_resumed_at_world_3_matches_a_static_run(engine: str, t
     static.mkdir()
     resumed.mkdir()
     _job("--engine", engine, "--worlds", "1", "--out", str(static))
+    # The async save of step 3 copies the state in the background while steps 3 and 4 train on: it must hold step 3.
     _job("--engine", engine, "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--async-save",
-         "--out", str(tmp_path))  # fmt: skip
+         "--train-after-save", "2", "--out", str(tmp_path))  # fmt: skip
     assert sorted(p.name for p in ckpt.iterdir()) == ["pliant-fence.json", "step-000000000003"]
     files = {p.name for p in (ckpt / "step-000000000003").iterdir()}
     assert {".metadata", "pliant-commit.json"} <= files, files
