@@ -97,11 +97,21 @@ def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
     return before, resumed
 
 
+def _check_redone(engine: str, events: list[dict], killed_at: float) -> tuple[int, int]:
+    """(the last step committed before the kill, the first run after it), asserting what may run again."""
+    before, resumed = _redone(events, killed_at)
+    if engine == "ddp":
+        assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
+    else:  # the survivors roll back to the newest snapshot that the buddies' copies complete
+        assert 0 <= before + 1 - resumed <= SNAPSHOT_EVERY + 1, (before, resumed)
+    return before, resumed
+
+
 @pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
-@pytest.mark.parametrize("victim", ["worker", "node"])
-def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agent, tmp_path: Path, engine: str,
-                                                    victim: str) -> None:  # fmt: skip
-    steps = 100
+def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coordinator, spawn_agent, tmp_path: Path,
+                                                                       engine: str) -> None:  # fmt: skip
+    """World 4 on two nodes; kill -9 one of node b's workers (its agent replaces it in place), then node b whole."""
+    steps = 120
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine))
     a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, extra=("--max-restarts", "3"),
@@ -114,42 +124,44 @@ def test_a_kill_9_redoes_at_most_the_step_in_flight(make_coordinator, spawn_agen
     wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 90, "every rank of world 4 stepping")
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     wait_for(lambda: _stepping(tmp_path, 4, first + 11), 60, "world 4 past its first snapshots")
+
     world4 = _pids(_events(tmp_path), 4)
-    killed_at = time.time()
-    if victim == "worker":
-        os.kill(world4[3], signal.SIGKILL)  # node b's second worker; its agent and its first worker live on
-        survivors = {r: world4[r] for r in (0, 1, 2)}
-        wait_for(lambda: _stepping(tmp_path, 4, generation=3), 60, "world 4 stepping again")
-        metrics = scrape(f"http://127.0.0.1:{port}/metrics")  # node b's: the agent's and its workers' series
-        rescales = {k: v for k, v in metrics.items() if "rescales_total" in k or "reconfigurations_total" in k}
-        assert metrics['pliant_agent_rescales_total{path="in-place"}'] >= 1, rescales
-        assert 'pliant_agent_rescales_total{path="restart"}' not in metrics, rescales
-        assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] >= 1, rescales  # its surviving worker
-        assert metrics["pliant_worker_state_sync_bytes_total"] > 0  # ... and the new one's state from peers
-        assert metrics['pliant_agent_worker_exits_total{code="-9"}'] == 1
-    else:
-        b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
-        survivors = {r: world4[r] for r in (0, 1)}
-        wait_for(lambda: _stepping(tmp_path, 2, generation=3), 60, "the survivors stepping")
+    worker_killed = time.time()
+    os.kill(world4[3], signal.SIGKILL)  # node b's second worker; its agent and its first worker live on
+    wait_for(lambda: _stepping(tmp_path, 4, generation=3), 60, "world 4 stepping again")
     events = _events(tmp_path)
-    stepping_at = min(e["time"] for e in events if e["generation"] == 3)
+    worker_back = max(min(e["time"] for e in events if e["generation"] == 3 and e["rank"] == r) for r in range(4))
+    metrics = scrape(f"http://127.0.0.1:{port}/metrics")  # node b's: the agent's and its workers' series
+    rescales = {k: v for k, v in metrics.items() if "rescales_total" in k or "reconfigurations_total" in k}
+    assert metrics['pliant_agent_rescales_total{path="in-place"}'] >= 1, rescales
+    assert 'pliant_agent_rescales_total{path="restart"}' not in metrics, rescales
+    assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] >= 1, rescales  # its surviving worker
+    assert metrics["pliant_worker_state_sync_bytes_total"] > 0  # ... and the new one's state from peers
+    assert metrics['pliant_agent_worker_exits_total{code="-9"}'] == 1
+    gen3 = _pids([e for e in events if e["generation"] == 3], 4)
+    assert {r: gen3[r] for r in (0, 1, 2)} == {r: world4[r] for r in (0, 1, 2)}, "the survivors kept their processes"
+    worker_redone = _check_redone(engine, events, worker_killed)
+
+    wait_for(lambda: _stepping(tmp_path, 4, max(e["step"] for e in events) + 11, generation=3), 60,
+             "world 4 past its next snapshots")  # fmt: skip
+    node_killed = time.time()
+    b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
+    wait_for(lambda: _stepping(tmp_path, 2, generation=4), 60, "the survivors stepping")
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-3000:]
-    if victim == "worker":
-        wait_for(lambda: b.proc.poll() is not None, 60, "agent b to finish")
-        assert b.proc.returncode == 0, b.output()[-3000:]
 
     events = _events(tmp_path)
-    after = {e["rank"]: e["pid"] for e in events if e["generation"] == 3}
-    assert {r: after[r] for r in survivors} == survivors, "the survivors kept their processes"
-    before, resumed = _redone(events, killed_at)
+    node_back = min(e["time"] for e in events if e["generation"] == 4)
+    assert _pids([e for e in events if e["generation"] == 4], 2) == {0: world4[0], 1: world4[1]}, \
+        "node a's workers kept their processes throughout"  # fmt: skip
+    node_redone = _check_redone(engine, events, node_killed)
     diff = _check_exact(tmp_path, steps, engine)
-    print(f"{engine} kill -9 {victim} in place: step {before} was the last committed, the survivors resumed at "
-          f"{resumed} ({before + 1 - resumed} committed steps redone), stepping {stepping_at - killed_at:.2f}s after "
-          f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
-    if engine == "ddp":
-        assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
-    else:  # the survivors roll back to the newest snapshot that the buddies' copies complete
-        assert 0 <= before + 1 - resumed <= SNAPSHOT_EVERY + 1, (before, resumed)
+    for what, (before, resumed), back, killed in (("worker", worker_redone, worker_back, worker_killed),
+                                                  ("node", node_redone, node_back, node_killed)):  # fmt: skip
+        print(f"{engine} kill -9 {what} in place: step {before} was the last committed, the survivors resumed at "
+              f"{resumed} ({before + 1 - resumed} committed steps redone), all stepping {back - killed:.2f}s after "
+              f"the kill")  # fmt: skip
+    print(f"{engine}: max |param diff| vs static {diff:.2e}")
+    if engine != "ddp":
         assert "rolled back to the snapshot of step" in a.output()
     assert diff <= 1e-5
