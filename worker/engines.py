@@ -32,6 +32,7 @@ __all__ = [
     "broadcast_hyper",
     "broadcast_module",
     "broadcast_optimizer",
+    "broadcast_tree",
     "loss_sum",
     "to_device",
     "weighted_backward",
@@ -356,19 +357,24 @@ def broadcast_optimizer(optimizer: torch.optim.Optimizer, src: int) -> int:
         return 0
     if not any(optimizer.state.values()):
         _materialize(optimizer)
+    return sum(broadcast_tree(optimizer.state[param], src) for group in groups for param in group["params"])
+
+
+def broadcast_tree(tree: dict[str, Any], src: int) -> int:
+    """Broadcast the tensors (in place) and numbers of a nested dict from ``src``, in sorted key order (every rank
+    holds the same keys and shapes). Returns the tensor bytes."""
     nbytes = 0
-    for group in groups:
-        for param in group["params"]:
-            state = optimizer.state[param]
-            for key in sorted(state):
-                value = state[key]
-                if isinstance(value, torch.Tensor):
-                    dist.broadcast(value, src)
-                    nbytes += value.numel() * value.element_size()
-                elif _numeric(value):
-                    box = torch.tensor([float(value)], dtype=torch.float64)
-                    dist.broadcast(box, src)
-                    state[key] = type(value)(box.item())
+    for key in sorted(tree):
+        value = tree[key]
+        if isinstance(value, dict):
+            nbytes += broadcast_tree(value, src)
+        elif isinstance(value, torch.Tensor):
+            dist.broadcast(value, src)
+            nbytes += value.numel() * value.element_size()
+        elif _numeric(value):
+            box = torch.tensor([float(value)], dtype=torch.float64)
+            dist.broadcast(box, src)
+            tree[key] = type(value)(box.item())
     return nbytes
 
 

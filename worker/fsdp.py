@@ -42,7 +42,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
-from pliant.worker.engines import _materialize, _numeric, broadcast_hyper, loss_sum, to_device, weighted_backward
+from pliant.worker.engines import (
+    _materialize,
+    broadcast_hyper,
+    broadcast_tree,
+    loss_sum,
+    to_device,
+    weighted_backward,
+)
 
 __all__ = ["FSDPEngine", "FSDPJoinable"]
 
@@ -177,13 +184,13 @@ class FSDPEngine(Engine):
         full, self._full = self._full, None
         model_sd = full[0] if full is not None else {k: _empty(v, self.device) for k, v in
                                                      self.model.state_dict().items()}  # fmt: skip
-        nbytes = _broadcast_tree(model_sd, src)
+        nbytes = broadcast_tree(model_sd, src)
         set_model_state_dict(self.model, model_sd, options=options)
         flag = torch.tensor([int(full is not None and bool(full[1]["state"]))], dtype=torch.int64)
         dist.broadcast(flag, src)
         if flag.item():
             optim_sd = full[1] if full is not None else self._optimizer_template()
-            nbytes += _broadcast_tree(optim_sd["state"], src)
+            nbytes += broadcast_tree(optim_sd["state"], src)
             set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=options)
         broadcast_hyper(self.optimizer, src)
         return nbytes
@@ -284,24 +291,6 @@ def _empty(value: Any, device: torch.device) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     return torch.empty(value.shape, dtype=value.dtype, device=device)
-
-
-def _broadcast_tree(tree: dict[str, Any], src: int) -> int:
-    """Broadcast the tensors (and numbers) of a nested dict from ``src``, in sorted key order, in place. Returns the
-    tensor bytes."""
-    nbytes = 0
-    for key in sorted(tree):
-        value = tree[key]
-        if isinstance(value, dict):
-            nbytes += _broadcast_tree(value, src)
-        elif isinstance(value, torch.Tensor):
-            dist.broadcast(value, src)
-            nbytes += value.numel() * value.element_size()
-        elif _numeric(value):
-            box = torch.tensor([float(value)], dtype=torch.float64)
-            dist.broadcast(box, src)
-            tree[key] = type(value)(box.item())
-    return nbytes
 
 
 def _local(value: Any) -> Any:
