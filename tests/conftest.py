@@ -94,7 +94,7 @@ def make_coordinator(etcd: object, prefix: str, pki: object) -> Iterator[Callabl
             kwargs.setdefault("tls", coordinator_tls(pki))  # type: ignore[arg-type]
         config = CoordinatorConfig(
             etcd_endpoints=endpoints or (etcd.endpoint,),  # type: ignore[attr-defined]
-            listen="127.0.0.1:0",
+            listen=str(kwargs.pop("listen", "127.0.0.1:0")),
             prefix=prefix,
             replica_id=replica_id,
             **kwargs,  # type: ignore[arg-type]
@@ -177,7 +177,9 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
 
     created: set[tuple[str, str]] = set()
 
-    def start(server: object, argv: list[str], name: str = "agent", env: dict[str, str] | None = None) -> Spawned:
+    def start(server: object, argv: list[str], name: str = "agent", env: dict[str, str] | None = None,
+              node: object | None = None) -> Spawned:  # fmt: skip
+        """``node``: a :class:`bench.netns.Node` to run the agent in (its namespace; gloo on its interface)."""
         at = argv.index("agent") + 1
         parser = argparse.ArgumentParser()
         add_launch_flags(parser, "agent")
@@ -187,8 +189,11 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
             fleet(server).create_job(config.spec, TEST_JOIN_TOKEN)  # type: ignore[attr-defined]
             created.add(key)
         tls_dir = str(Path(agent_tls(pki, config.node_id).cert).parent)  # type: ignore[arg-type]
-        return spawn([*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]], name=name,
-                     env=None if env is None else {**os.environ, **env})  # fmt: skip
+        args = [*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]]
+        if node is not None:
+            args = ["ip", "netns", "exec", node.netns, *args]  # type: ignore[attr-defined]
+            env = {**(env or {}), "GLOO_SOCKET_IFNAME": node.ifname}  # type: ignore[attr-defined]
+        return spawn(args, name=name, env=None if env is None else {**os.environ, **env})
 
     return start
 

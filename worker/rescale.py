@@ -77,6 +77,7 @@ __all__ = [
     "RescaleExit",
     "announce_arrival",
     "is_peer_failure",
+    "keepalive",
     "retire_groups",
     "sever",
     "socket_fds",
@@ -150,6 +151,32 @@ def sever(fds: set[int]) -> None:
                 sock.detach()
 
 
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 2, 1, 3  # a silent peer is declared gone after ~5 s
+USER_TIMEOUT_S = 10  # data unacknowledged this long aborts the connection (a live peer's kernel acknowledges it,
+# and since Linux 5.11 also answers zero-window probes for a receiver too busy to read, which then never counts)
+
+
+def keepalive(fds: set[int]) -> None:
+    """Turn on TCP keepalive (and a user timeout for unacknowledged data) on a process group's sockets, so that a
+    peer that went silent without closing its connections (a network partition, a frozen machine) makes the
+    collectives waiting on it fail after about ``KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES``
+    seconds (:data:`USER_TIMEOUT_S` when this rank was sending to it), with a transport error, instead of after the
+    collective timeout. A busy peer's kernel still answers
+    the probes: a slow step is never mistaken for a dead peer."""
+    for fd in fds:
+        with contextlib.suppress(OSError, ValueError):
+            sock = socket.socket(fileno=fd)
+            try:
+                if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1000 * USER_TIMEOUT_S)
+            finally:
+                sock.detach()
+
+
 def retire_groups() -> None:
     """Destroy the default process group without ever running a group's destructor.
 
@@ -215,7 +242,9 @@ class Protocol:
         """Make a process group, noting the sockets it opens among those a failure severs."""
         before = socket_fds()
         group = make()
-        self.session.group_fds |= socket_fds() - before
+        fds = socket_fds() - before
+        keepalive(fds)
+        self.session.group_fds |= fds
         return group
 
     # -- joining a world -----------------------------------------------------------------------------------------------

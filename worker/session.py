@@ -29,7 +29,7 @@ from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
 from pliant.worker.metrics import WorkerMetrics
-from pliant.worker.rescale import Protocol, announce_arrival, retire_groups, socket_fds
+from pliant.worker.rescale import Protocol, announce_arrival, keepalive, retire_groups, socket_fds
 
 __all__ = ["Session", "init"]
 
@@ -110,10 +110,14 @@ class Session:
 
     def init_group(self) -> None:
         """Initialise the default process group for :attr:`env`'s world (env:// under an agent or torchrun), noting
-        the sockets it opened (:attr:`group_fds`, for :func:`pliant.worker.rescale.sever`)."""
+        the sockets it opened (:attr:`group_fds`, for :func:`pliant.worker.rescale.sever`). In place, those sockets
+        also get TCP keepalive (:func:`pliant.worker.rescale.keepalive`): a peer cut off by a partition fails the
+        collectives waiting on it within seconds instead of the collective timeout."""
         before = socket_fds()
         self._init_group()
         self.group_fds = socket_fds() - before
+        if self._in_place:
+            keepalive(self.group_fds)
 
     def _init_group(self) -> None:
         if self.env.master_port:
