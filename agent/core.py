@@ -328,7 +328,10 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
         why = f"generation {gen.number} in place, {ranks}"
         return _set(state, AgentState.RUNNING, why), [*actions, Reconfigure(gen)]
     if state.group is not None:
-        actions.append(Stop(rescale=True))
+        # Dropped from a world that goes on in place (evicted, or a spare again): the workers hand over and leave at
+        # the step boundary, as in a graceful leave, so the others re-form without a restart.
+        leave = mine is None and bool(gen.members) and _in_place(state)
+        actions.append(Stop(rescale=True, leave=leave))
         state = _no_group(state)
     if mine is None:
         why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"

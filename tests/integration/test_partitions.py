@@ -5,6 +5,7 @@ node, and the rest trains on in place, exactly. Root only: skipped with the reas
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -88,4 +89,58 @@ def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_c
     print(f"node b cut off at step {last}: node a stepping alone {back - cut:.2f}s later from step {resumed} "
           f"({last + 1 - resumed} committed steps redone); max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert "rescale in place (failure)" in agent_a.output()
+    assert diff <= 1e-5
+
+
+def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_coordinator, spawn_agent, pki, fleet,
+                                                                         fabric, tmp_path: Path) -> None:  # fmt: skip
+    """Node b still reaches node a but not the coordinator: it is evicted and its workers stop, node a's re-form in
+    place without it, and no checkpoint of the old world is committed after the new world opened the directory;
+    once the partition heals node b joins again, in place, and the job ends exact."""
+    steps = 160
+    tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
+    server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
+    a, b = fabric.node("a"), fabric.node("b")
+    args = dict(script=("--engine", "ddp", "--save-every", "5"))  # periodic checkpoints: the fence has work to do
+    agent_a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps,
+                                                extra=("--host", a.address, "--max-restarts", "3"), **args),
+                          name="agent-a", node=a)  # fmt: skip
+    wait_for(lambda: _stepping(tmp_path, 2, 3), 90, "node a stepping")
+    agent_b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps,
+                                                extra=("--host", b.address, "--max-restarts", "3"), **args),
+                          name="agent-b", node=b)  # fmt: skip
+    wait_for(lambda: len({e["rank"] for e in _events(tmp_path) if e["world"] == 4}) == 4, 90, "world 4 stepping")
+    b_pids = {e["pid"] for e in _events(tmp_path) if e["world"] == 4 and e["rank"] in (2, 3)}
+
+    cut = time.time()
+    fabric.block(b, fabric.host)  # node b reaches node a, not the coordinator
+    with fleet(server) as client:
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("node-a",) and g, 30,
+                       "node b evicted")  # fmt: skip
+        assert gen.reason == "failure"
+    wait_for(lambda: any(e["world"] == 2 and e["time"] > cut for e in _events(tmp_path)), 90, "node a alone")
+    # Its workers stop: they leave at a step boundary when its agent still hears the new generation on its watch
+    # (a blackhole drops only what node b sends), or its agent fences them when it hears nothing.
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in b_pids), 30, "node b's workers to be stopped")
+    fence_at = (tmp_path / "ckpt" / "pliant-fence.json").stat().st_mtime
+    for marker in (tmp_path / "ckpt").glob("step-*/pliant-commit.json"):
+        info = json.loads(marker.read_text())
+        assert info["generation"] >= gen.number or info["saved_at"] < fence_at, info
+
+    fabric.unblock(b, fabric.host)
+    healed = time.time()
+    wait_for(lambda: any(e["world"] == 4 and e["time"] > healed for e in _events(tmp_path)), 90, "node b back")
+    rejoined = min(e["time"] for e in _events(tmp_path) if e["world"] == 4 and e["time"] > healed)
+    wait_for(lambda: agent_a.proc.poll() is not None and agent_b.proc.poll() is not None, 120, "the job to finish")
+    assert (agent_a.proc.returncode, agent_b.proc.returncode) == (0, 0), agent_b.output()[-3000:]
+
+    events = _events(tmp_path)
+    steps_run, per_epoch = counted_samples(events)
+    assert steps_run == list(range(steps))
+    for epoch in [ep for ep in per_epoch if ep < max(per_epoch)]:
+        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
+    diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
+    print(f"node b cut off from the control plane: evicted, its workers stopped; healed -> world 4 stepping again "
+          f"{rejoined - healed:.2f}s later; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    assert "restarted from the checkpoint" not in agent_a.output(), "node a's workers re-formed in place"
     assert diff <= 1e-5

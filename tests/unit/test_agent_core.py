@@ -223,11 +223,17 @@ def test_without_readiness_or_with_rescale_restart_the_restart_path_applies() ->
     restart.on(core.GenerationSeen(_gen(1, "a")))
     _ready(restart)
     assert restart.kinds(restart.on(core.GenerationSeen(_gen(2, "a", "b")))) == ["Prepare", "Stop", "Start"]
-    # A generation without this node stops the group even in place: its ranks checkpoint and exit.
+    # A generation without this node stops the group even in place; its ranks leave at the step boundary (they hand
+    # over what only they hold), so the others re-form in place without a restart.
     evicted = Agent(in_place=True)
     evicted.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(evicted)
-    assert evicted.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True)]
+    assert evicted.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True, leave=True)]
+    # A generation with no one (the job below its minimum, or done): the group checkpoints and exits.
+    emptied = Agent(in_place=True)
+    emptied.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(emptied)
+    assert emptied.on(core.GenerationSeen(_gen(2))) == [core.Stop(rescale=True)]
 
 
 def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
