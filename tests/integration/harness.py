@@ -107,9 +107,10 @@ SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch of examples/train_elastic
 
 
 def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int, extra: tuple[str, ...] = (),
-                  script: tuple[str, ...] = (), checkpoints: bool = True) -> list[str]:  # fmt: skip
-    """``pliant agent`` running examples/train_elastic.py (0.1 s steps) with its events and final parameters under
-    ``tmp``; ``checkpoints`` adds ``--checkpoint-dir tmp/ckpt``."""
+                  script: tuple[str, ...] = (), checkpoints: bool = True,
+                  step_time: float = 0.1) -> list[str]:  # fmt: skip
+    """``pliant agent`` running examples/train_elastic.py (``step_time`` s steps) with its events and final parameters
+    under ``tmp``; ``checkpoints`` adds ``--checkpoint-dir tmp/ckpt``."""
     ckpt = ("--checkpoint-dir", str(tmp / "ckpt")) if checkpoints else ()
     return [
         sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
@@ -117,7 +118,7 @@ def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int
         "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "0",
         *ckpt, "--log-dir", str(tmp / "logs"), *extra,
         str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
-        "--micro-batch", "8", "--step-time", "0.1", "--events", str(tmp / "events.jsonl"),
+        "--micro-batch", "8", "--step-time", str(step_time), "--events", str(tmp / "events.jsonl"),
         "--params-out", str(tmp / "final.pt"), *script,
     ]  # fmt: skip
 

@@ -59,7 +59,7 @@ def _check_exact(tmp: Path, steps: int, engine: str = "ddp") -> float:
 @pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
 def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn_agent, tmp_path: Path,
                                                          engine: str) -> None:  # fmt: skip
-    steps = 120
+    steps = 90
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine))
     a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args), name="agent-a")
@@ -113,7 +113,7 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     """World 4 on two nodes; kill -9 one of node b's workers (its agent replaces it in place), then node b whole."""
     steps = 120
     server = make_coordinator()
-    args = dict(checkpoints=False, script=("--engine", engine))
+    args = dict(checkpoints=False, script=("--engine", engine), step_time=0.05)
     a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, extra=("--max-restarts", "3"),
                                           **args), name="agent-a")  # fmt: skip
     wait_for(lambda: _stepping(tmp_path, 2), 90, "node a stepping")  # node a holds ranks 0 and 1

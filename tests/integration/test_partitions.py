@@ -53,7 +53,7 @@ def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_c
     tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
     server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
     a, b = fabric.node("a"), fabric.node("b")
-    args = dict(checkpoints=False, script=("--engine", "ddp"))
+    args = dict(checkpoints=False, script=("--engine", "ddp"), step_time=0.05)
     agent_a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps,
                                                 extra=("--host", a.address, "--max-restarts", "3"), **args),
                           name="agent-a", node=a)  # fmt: skip
@@ -101,7 +101,7 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
     tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
     server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
     a, b = fabric.node("a"), fabric.node("b")
-    args = dict(script=("--engine", "ddp", "--save-every", "5"))  # periodic checkpoints: the fence has work to do
+    args = dict(script=("--engine", "ddp", "--save-every", "5"), step_time=0.05)  # periodic checkpoints: fenced
     agent_a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps,
                                                 extra=("--host", a.address, "--max-restarts", "3"), **args),
                           name="agent-a", node=a)  # fmt: skip

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.netns import unavailable
 from pliant.coordinator.contract import JobState
 from pliant.coordinator.etcd_server import EtcdServer
 from tests.conftest import health_serving, wait_for
@@ -239,6 +240,7 @@ def test_a_loop_without_checkpoints_never_waits_out_the_rescale_grace(make_coord
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(not unavailable(), reason="covered on real network namespaces (test_partitions.py)")
 def test_an_evicted_node_stops_its_workers_and_commits_nothing_after(make_coordinator, spawn_agent, fleet,
                                                                      tmp_path) -> None:  # fmt: skip
     server = make_coordinator()
