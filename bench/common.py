@@ -9,7 +9,7 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["join_flags", "longest_pause", "read_jsonl", "scrape"]
+__all__ = ["counted_samples", "join_flags", "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -55,3 +55,22 @@ def scrape(url: str) -> dict[str, float]:
     except OSError:
         return {}
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def counted_samples(events: list[dict]) -> tuple[list[int], dict[int, list[int]]]:
+    """(the steps run, the samples per epoch used by the updates that count) from a training script's step events
+    (``step``, ``generation``, ``epoch``, ``samples``). The generation that ran a step last is the one whose update
+    counts (an older one's was lost to a restart or a failure)."""
+    last_gen: dict[int, int] = {}
+    for e in events:
+        last_gen[e["step"]] = max(last_gen.get(e["step"], 0), e["generation"])
+    per_epoch: dict[int, list[int]] = {}
+    for e in events:
+        if e["generation"] == last_gen[e["step"]]:
+            per_epoch.setdefault(e["epoch"], []).extend(e["samples"])
+    return sorted(last_gen), per_epoch
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts' tensors (``b``'s keys)."""
+    return max((a[k] - b[k]).abs().max().item() for k in b)
