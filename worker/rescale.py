@@ -294,8 +294,8 @@ class Protocol:
     def step(self, engine: Engine, batch: GlobalBatch, loss_fn: LossFn) -> float:
         """One engine step under the protocol (see the module docstring)."""
         self.sync_pending()
-        if self.boundary_due:
-            self._boundary(batch)
+        if self.boundary_due and not self._boundary(engine, batch):
+            return 0.0  # a peer failed at the boundary, and this step was committed elsewhere or is skipped
         while True:
             started = time.perf_counter()
             failure = ""
@@ -359,7 +359,9 @@ class Protocol:
 
     # -- the step boundary ---------------------------------------------------------------------------------------------
 
-    def _boundary(self, batch: GlobalBatch) -> None:
+    def _boundary(self, engine: Engine, batch: GlobalBatch) -> bool:
+        """The step boundary (see the module docstring). Returns whether to run ``batch`` (False only when a peer
+        failed during the old world's part of it and the recovery says so, as in :meth:`_recover`)."""
         self.boundary_due = False
         self.asked = False
         env = self.session.env
@@ -369,18 +371,28 @@ class Protocol:
         movable = self.in_place and all(e.can_move() for e in self.engines)
         restart = (directive is not None and directive.mode == "restart") or not movable
         flag = torch.tensor([int(restart)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the old world, still whole: a restart anywhere is for everyone
-        for loader in self.loaders:
-            loader.rewind(batch)  # the step not run yet belongs to the next world
-        if flag.item():
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the old world, if whole: a restart anywhere is for everyone
+            for loader in self.loaders:
+                loader.rewind(batch)  # the step not run yet belongs to the next world
+            if flag.item():
+                for manager in self.managers:
+                    stall = manager.save(batch.step, sync=True)
+                    logger.info("rescale (restart path): step %d checkpointed in %.2fs", batch.step, stall)
+                raise RescaleExit("restart")
             for manager in self.managers:
-                stall = manager.save(batch.step, sync=True)
-                logger.info("rescale (restart path): step %d checkpointed in %.2fs", batch.step, stall)
-            raise RescaleExit("restart")
-        for manager in self.managers:
-            manager.wait()  # its group is about to be retired
-        for engine in self.engines:
-            engine.before_move()  # what only some ranks hold (ZeRO's shards), gathered while every rank is here
+                manager.wait()  # its group is about to be retired
+            for part in self.engines:
+                part.before_move()  # what only some ranks hold (ZeRO's shards), gathered while every rank is here
+            failed = ""
+        except RuntimeError as exc:  # a peer died or was cut off as the boundary began: the failure path
+            if not (self._recoverable(engine) and is_peer_failure(exc)):
+                raise
+            failed = str(exc).splitlines()[0][:200]
+        if failed:
+            logger.warning("rank %d: a peer failed at the step boundary before step %d (%s); waiting for the next "
+                           "generation", env.rank, batch.step, failed)  # fmt: skip
+            return self._recover(batch)
         if directive is None:
             directive = self._await_directive()
         if directive.mode != "in-place":
@@ -391,6 +403,7 @@ class Protocol:
             raise RescaleExit(directive.mode)
         self._reform(directive, "boundary")
         self._refetch(batch)
+        return True
 
     def _recover(self, batch: GlobalBatch) -> bool:
         """A peer failed mid-step: re-form and decide what this rank does with ``batch``. True: run it again (cut for

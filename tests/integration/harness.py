@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.common import longest_pause, read_jsonl, scrape
+from bench.common import counted_samples, longest_pause, max_param_diff, read_jsonl, scrape
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
     "ELASTIC",
@@ -123,19 +123,6 @@ def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int
     ]  # fmt: skip
 
 
-def counted_samples(events: list[dict]) -> tuple[list[int], dict[int, list[int]]]:
-    """(the steps run, the samples per epoch used by the updates that count). The generation that ran a step last is
-    the one whose update counts (an older one's was lost to a restart or a failure)."""
-    last_gen: dict[int, int] = {}
-    for e in events:
-        last_gen[e["step"]] = max(last_gen.get(e["step"], 0), e["generation"])
-    per_epoch: dict[int, list[int]] = {}
-    for e in events:
-        if e["generation"] == last_gen[e["step"]]:
-            per_epoch.setdefault(e["epoch"], []).extend(e["samples"])
-    return sorted(last_gen), per_epoch
-
-
 def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
     """The final parameters of examples/train_elastic.py run as one plain process on the same global batches."""
     import subprocess
@@ -149,9 +136,3 @@ def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
     if result.returncode != 0:
         raise RuntimeError(result.stderr[-3000:])
     return torch.load(out)
-
-
-def max_param_diff(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in b)
-
-
