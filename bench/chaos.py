@@ -16,8 +16,9 @@ After each fault the soak waits until every node's worker has stepped again in o
 to recover: from the end of the fault (the kill; the heal; the SIGCONT; the restart) to that moment. Then the job
 runs to its last step and the table is printed: faults and recoveries by kind, p50/p99 time to recover, committed
 steps redone, samples duplicated or missed among the updates that count (per-step sample ids), checkpoints loaded that
-were partial (must be 0), the final parameters against a static run on the same global batches, and the effective
-training time (useful steps x median step time / wall time).
+were partial (must be 0), the final parameters against a static run on the same global batches (both in float64:
+over thousands of steps float32 rounding alone drifts by about 1e-4 between world sizes, which would hide a lost or
+doubled update), and the effective training time (useful steps x median step time / wall time).
 
 Usage (root): ``.venv/bin/python bench/chaos.py [--faults 100] [--seed 1] [--nodes 3]``
 """
@@ -104,7 +105,8 @@ class Soak:
                 "--checkpoint-dir", str(self.work / "ckpt"), "--stop-grace", "2", "--rescale-grace", "30",
                 "--log-dir", str(self.work / "logs"), str(SCRIPT), "--steps", str(self.steps), "--samples",
                 str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--step-time", str(STEP_S),
-                "--save-every", "50", "--events", str(self.events), "--params-out", str(self.work / "final.pt")]
+                "--save-every", "50", "--float64", "--events", str(self.events), "--params-out",
+                str(self.work / "final.pt")]  # fmt: skip
         self.agents[node.name] = node.spawn(argv, self.work / f"agent-{node.name}.log")
 
     # -- what the job is doing ---------------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class Soak:
 def static_params(work: Path, steps: int) -> dict:
     out = work / "static.pt"
     subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch",
-                    str(GLOBAL_BATCH), "--micro-batch", "8", "--params-out", str(out)], check=True,
+                    str(GLOBAL_BATCH), "--micro-batch", "8", "--float64", "--params-out", str(out)], check=True,
                    capture_output=True, timeout=1800)  # fmt: skip
     return torch.load(out)
 
@@ -243,7 +245,7 @@ def main() -> None:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     rng = random.Random(args.seed)
     schedule = [rng.choice(kinds) for _ in range(args.faults)]
-    steps = 200 + 160 * args.faults
+    steps = 400 + 100 * args.faults
     work = Path(tempfile.mkdtemp(prefix="pliant-chaos-"))
     print(f"chaos soak: seed {args.seed}, {args.faults} faults, {args.nodes} nodes, {steps} steps; work in {work}",
           flush=True)  # fmt: skip

@@ -34,7 +34,10 @@ def main() -> None:
     parser.add_argument("--events", default="", help="append one JSON line per rank and step (samples consumed)")
     parser.add_argument("--out", default="", help="rank 0 writes the final loss and world size here as JSON")
     parser.add_argument("--params-out", default="", help="rank 0 saves the final parameters here (torch.save)")
+    parser.add_argument("--float64", action="store_true", help="train in double precision (long exactness checks)")
     args = parser.parse_args()
+    if args.float64:
+        torch.set_default_dtype(torch.float64)
 
     session = pliant.worker.init()  # pliant: reads the env, initialises the process group
     g = torch.Generator().manual_seed(0)
