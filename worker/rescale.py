@@ -310,7 +310,8 @@ class Protocol:
                 self.steps_done = batch.step + 1
                 failure = "the buddy copies"
                 every = self.session.env.snapshot_every
-                if engine is self.sharded and (self.steps_done % every == 0 or not self.copies.taken):
+                if engine.sharded and engine is self.sharded and (self.steps_done % every == 0
+                                                                  or not self.copies.taken):  # fmt: skip
                     self._snapshot(engine, [loader.position() for loader in self.loaders])
                 failure = ""
             except RuntimeError as exc:

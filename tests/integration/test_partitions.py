@@ -47,21 +47,29 @@ def _stepping(tmp: Path, world: int, min_step: int = 0, generation: int = 0) -> 
     return any(e["world"] == world and e["step"] >= min_step and e["generation"] >= generation for e in _events(tmp))
 
 
-def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_coordinator, spawn_agent, pki,
-                                                                          fabric, tmp_path: Path) -> None:  # fmt: skip
-    steps = 110
+def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, script: tuple[str, ...],
+                checkpoints: bool):  # type: ignore[no-untyped-def]  # fmt: skip
+    """A coordinator on the host's bridge address, nodes a and b in namespaces with 2 DDP workers each (0.05 s
+    steps), training at world 4. Returns (server, node a, node b, agent a, agent b)."""
     tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
     server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
     a, b = fabric.node("a"), fabric.node("b")
-    args = dict(checkpoints=False, script=("--engine", "ddp"), step_time=0.05)
-    agent_a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps,
-                                                extra=("--host", a.address, "--max-restarts", "3"), **args),
-                          name="agent-a", node=a)  # fmt: skip
-    wait_for(lambda: _stepping(tmp_path, 2, 3), 90, "node a stepping")
-    agent_b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps,
-                                                extra=("--host", b.address, "--max-restarts", "3"), **args),
-                          name="agent-b", node=b)  # fmt: skip
-    wait_for(lambda: len({e["rank"] for e in _events(tmp_path) if e["world"] == 4}) == 4, 90, "world 4 stepping")
+    args = dict(checkpoints=checkpoints, script=("--engine", "ddp", *script), step_time=0.05)
+    agents = []
+    for node in (a, b):
+        argv = elastic_agent(server.address, f"node-{node.name}", 2, tmp, steps,
+                             extra=("--host", node.address, "--max-restarts", "3"), **args)  # fmt: skip
+        agents.append(spawn_agent(server, argv, name=f"agent-{node.name}", node=node))
+        if node is a:
+            wait_for(lambda: _stepping(tmp, 2, 3), 90, "node a stepping")
+    wait_for(lambda: len({e["rank"] for e in _events(tmp) if e["world"] == 4}) == 4, 90, "world 4 stepping")
+    return server, a, b, agents[0], agents[1]
+
+
+def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_coordinator, spawn_agent, pki,
+                                                                          fabric, tmp_path: Path) -> None:  # fmt: skip
+    steps = 110
+    _, _, b, agent_a, agent_b = _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False)
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     wait_for(lambda: _stepping(tmp_path, 4, first + 5), 60, "world 4 stepping on")
 
@@ -97,19 +105,9 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
     """Node b still reaches node a but not the coordinator: it is evicted and its workers stop, node a's re-form in
     place without it, and no checkpoint of the old world is committed after the new world opened the directory;
     once the partition heals node b joins again, in place, and the job ends exact."""
-    steps = 160
-    tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
-    server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
-    a, b = fabric.node("a"), fabric.node("b")
-    args = dict(script=("--engine", "ddp", "--save-every", "5"), step_time=0.05)  # periodic checkpoints: fenced
-    agent_a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps,
-                                                extra=("--host", a.address, "--max-restarts", "3"), **args),
-                          name="agent-a", node=a)  # fmt: skip
-    wait_for(lambda: _stepping(tmp_path, 2, 3), 90, "node a stepping")
-    agent_b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps,
-                                                extra=("--host", b.address, "--max-restarts", "3"), **args),
-                          name="agent-b", node=b)  # fmt: skip
-    wait_for(lambda: len({e["rank"] for e in _events(tmp_path) if e["world"] == 4}) == 4, 90, "world 4 stepping")
+    steps = 160  # with periodic checkpoints, so the fence has commits to refuse
+    server, _, b, agent_a, agent_b = _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps,
+                                                 ("--save-every", "5"), True)  # fmt: skip
     b_pids = {e["pid"] for e in _events(tmp_path) if e["world"] == 4 and e["rank"] in (2, 3)}
 
     cut = time.time()
