@@ -96,9 +96,9 @@ class Engine(abc.ABC):
     """True when the survivors alone hold all of the state (replicas), so a peer that dies mid-step costs only that
     step; False: a peer's death takes the restart path (its shards are only on disk)."""
     sharded: bool = False
-    """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state). Under the
-    in-place protocol such an engine survives a peer's death through buddy copies (:mod:`pliant.worker.buddy`):
-    :meth:`shard` and :meth:`rebuild`."""
+    """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state, FSDP2's rows).
+    Under the in-place protocol such an engine survives a peer's death through buddy copies
+    (:mod:`pliant.worker.buddy`): :meth:`shard` and :meth:`rebuild`."""
     staging: Callable[[], None] | None = None
     """Set by an async checkpoint save whose copy of the state to host memory runs in the background: waits for it
     (:meth:`settle`, before the next optimizer step changes the state)."""
@@ -198,8 +198,9 @@ class Engine(abc.ABC):
         raise EngineError(f"the {type(self).__name__} cannot re-form in place; the restart path applies")
 
     def shard(self) -> tuple[list[int], list[torch.Tensor]]:
-        """(the rank that owns each parameter, by its index in ``module.parameters()``; this rank's shard: the
-        parameters it owns, their optimizer state and, on rank 0, the module's buffers, in a fixed order). Local.
+        """(one integer per parameter saying how the state is cut, which :meth:`rebuild` gets back: ZeRO, the rank
+        that owns it; FSDP2, the world size; this rank's shard: what only it holds, then on rank 0 the module's
+        buffers, in a fixed order). Local.
 
         Raises:
             EngineError: the engine is not :attr:`sharded`.
