@@ -96,12 +96,11 @@ class Fabric:
         self.host = f"10.213.{net}.1"
         self.nodes: dict[str, Node] = {}
         self._closed = False
-        self.close(quiet=True)  # what an earlier run that was killed left behind
-        self._closed = False
+        self._remove()  # what an earlier run that was killed left behind
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.host}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        atexit.register(self.close, True)
+        atexit.register(self.close)
 
     def node(self, name: str) -> Node:
         """A new namespace on the bridge."""
@@ -159,11 +158,14 @@ class Fabric:
 
     # -- cleanup ---------------------------------------------------------------------------------------------------
 
-    def close(self, quiet: bool = False) -> None:
-        """Kill every process in the namespaces, delete them and the bridge (also what a killed run left)."""
-        if self._closed:
-            return
-        self._closed = True
+    def close(self) -> None:
+        """Kill every process in the namespaces, delete them and the bridge (once)."""
+        if not self._closed:
+            self._closed = True
+            self._remove()
+
+    def _remove(self) -> None:
+        """Kill every process in namespaces of this prefix, delete them, their veth pairs and the bridge."""
         names = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
         for netns in names:
             if netns.startswith(self.prefix) and netns != self.bridge:

@@ -37,10 +37,13 @@ from pliant.worker.contract import WorkerError
 __all__ = [
     "SNAPSHOT_EVERY",
     "BuddyCopies",
+    "Held",
     "Rollback",
     "RollbackError",
     "buddies",
     "choose_rollback",
+    "decode",
+    "encode",
     "pack",
     "packed_size",
     "unpack",
