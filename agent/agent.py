@@ -30,6 +30,7 @@ from pliant.agent.stores import NodeStore, reachable
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import (
+    AlreadyExists,
     CoordinatorError,
     FailedPrecondition,
     Generation,
@@ -174,16 +175,35 @@ class Agent:
         job = self.config.spec.job_id
         if not self.join_token:
             self._create_job()
-        try:
-            grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
-                                     self.join_token)  # fmt: skip
-        except NotFound:
-            self._create_job()
-            grant = self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
-                                     self.join_token)  # fmt: skip
+        # A node restarted at once (kill -9, a pod restart) finds its earlier agent's membership still live until
+        # the leader drops that silent member: it waits for that, as long as a heartbeat TTL allows, then gives up
+        # with the error (two live agents given the same --node-id).
+        patience = 2 * self.config.spec.heartbeat_ttl_s + 10
+        deadline, waited = time.monotonic() + patience, False
+        while True:
+            try:
+                grant = self._join_once(job)
+                break
+            except AlreadyExists:
+                if time.monotonic() > deadline:
+                    raise
+                if not waited:
+                    waited = True
+                    logger.info("agent %s: an earlier agent of this node id still holds its membership; waiting up to "
+                                "%.0fs for it to be dropped", self.config.node_id, patience)  # fmt: skip
+                self._stop.wait(0.5)
         self.grant = grant
         self._events.put(core.Joined(grant.heartbeat_ttl_s))
         logger.info("agent %s: joined job %s", self.config.node_id, job)
+
+    def _join_once(self, job: str) -> JoinGrant:
+        try:
+            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
+                                    self.join_token)  # fmt: skip
+        except NotFound:
+            self._create_job()
+            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
+                                    self.join_token)  # fmt: skip
 
     # -- background threads --------------------------------------------------------------------------------------------
 

@@ -190,10 +190,13 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
             created.add(key)
         tls_dir = str(Path(agent_tls(pki, config.node_id).cert).parent)  # type: ignore[arg-type]
         args = [*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]]
+        # Every agent is a host of its own to NCCL, which refuses two ranks of one communicator on one GPU of one
+        # host: on a one-GPU machine the nodes' ranks share it (over NCCL's network transport). Ignored on CPU.
+        env = {"NCCL_HOSTID": f"pliant-test-{config.node_id}", **(env or {})}
         if node is not None:
             args = ["ip", "netns", "exec", node.netns, *args]  # type: ignore[attr-defined]
-            env = {**(env or {}), "GLOO_SOCKET_IFNAME": node.ifname}  # type: ignore[attr-defined]
-        return spawn(args, name=name, env=None if env is None else {**os.environ, **env})
+            env = {**env, "GLOO_SOCKET_IFNAME": node.ifname}  # type: ignore[attr-defined]
+        return spawn(args, name=name, env={**os.environ, **env})
 
     return start
 

@@ -44,6 +44,7 @@ generation starts fresh workers that restore from disk. That is the way back.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -63,6 +64,7 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
+from pliant.worker.nccl import Guard, has_nccl
 
 if TYPE_CHECKING:
     from pliant.worker.checkpoint import CheckpointManager
@@ -189,7 +191,10 @@ def retire_groups() -> None:
     for group in dist.distributed_c10d._world.pg_map:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         _RETIRED_GROUPS.append(group)
-    dist.destroy_process_group()
+    if has_nccl():  # aborting frees the communicators at once; destroying would wait for NCCL's watchdog thread,
+        dist.distributed_c10d._abort_process_group()  # which sleeps a minute after an error (seen on an H100)
+    else:
+        dist.destroy_process_group()
 
 
 class Protocol:
@@ -212,8 +217,14 @@ class Protocol:
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
         self.copies = BuddyCopies(self._tracked)  # a sharded engine's snapshots (pliant.worker.buddy)
         self._rolling_back = False
+        self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
+        # NCCL hangs where gloo raises: a guard thread aborts a communicator whose peer failed (pliant.worker.nccl)
+        self.guard = Guard(session.env.progress_file) if in_place and session.backend == "nccl" else None
         if threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_signal)
+            # Python puts the default action (death) back as it exits: a script past its last step would die of a
+            # signal its agent sent, and count as failed. Ignored from the start of the interpreter's exit.
+            atexit.register(signal.signal, RESCALE_SIGNAL, signal.SIG_IGN)
         if in_place:  # the agent may now hand this worker its next generation (an engine that cannot move in place
             announce_in_place(session.env.progress_file)  # makes the boundary take the restart path instead)
 
@@ -294,14 +305,24 @@ class Protocol:
     def step(self, engine: Engine, batch: GlobalBatch, loss_fn: LossFn) -> float:
         """One engine step under the protocol (see the module docstring)."""
         self.sync_pending()
-        if self.boundary_due and not self._boundary(engine, batch):
+        if self.failed_between:  # a collective between steps failed: re-form before this step, as if it broke
+            logger.warning("rank %d: a peer failed before step %d (%s); waiting for the next generation",
+                           self.session.env.rank, batch.step, self.failed_between)  # fmt: skip
+            self.failed_between, self.boundary_due = "", False
+            if not self._recover(batch):
+                return 0.0
+        elif self.boundary_due and not self._boundary(engine, batch):
             return 0.0  # a peer failed at the boundary, and this step was committed elsewhere or is skipped
         while True:
             started = time.perf_counter()
             failure = ""
+            if self.guard is not None:
+                self.guard.begin(self.session.env.generation)
             try:
                 vote = self._vote() if batch.step % VOTE_EVERY == 0 else None  # in flight while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
+                if self.guard is not None:
+                    self.guard.check()  # NCCL: the step's collectives completed on every rank, or raise
                 failure = "the vote"
                 asked = self._counted(vote) if vote is not None else False
                 failure = "the update"  # ZeRO's step broadcasts the updated parameters
@@ -318,6 +339,8 @@ class Protocol:
                 if not (self._recoverable(engine) and is_peer_failure(exc)):
                     raise
                 failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
+            if self.guard is not None:
+                self.guard.end()
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
                 engine.discard_update()
                 logger.warning("rank %d: a peer failed during step %d (%s); waiting for the next generation",
@@ -328,6 +351,28 @@ class Protocol:
             engine.observe(batch, started)
             self.boundary_due = asked
             return loss
+
+    def failed_between_steps(self, exc: BaseException) -> bool:
+        """A collective the session ran between steps failed (``Session.all_reduce_sum``). True when it is a peer
+        failure the next step recovers from (it re-forms first); the peers still blocked in it are woken now."""
+        if not (self.engines and all(self._recoverable(e) for e in self.engines) and is_peer_failure(exc)):
+            return False
+        self.failed_between = str(exc).splitlines()[0][:200]
+        self.session.metrics.progress.write(self.steps_done, "wait", self.session.env.generation)
+        sever(self.session.group_fds)
+        return True
+
+    def guarded(self, collective: Callable[[], object]) -> None:
+        """Run a collective of the session's between steps under the NCCL guard (plainly on gloo)."""
+        if self.guard is None:
+            collective()
+            return
+        self.guard.begin(self.session.env.generation)
+        try:
+            collective()
+            self.guard.check()
+        finally:
+            self.guard.end()
 
     def _snapshot(self, engine: Engine, positions: list[tuple[int, int, int]]) -> None:
         """Copy this rank's shard at the step just committed and start sending it to its buddy."""
@@ -347,7 +392,7 @@ class Protocol:
             env = self.session.env
             directive = read_directive(env.progress_file) if env.progress_file else None
             self.asked = directive is not None and directive.generation > env.generation
-        flag = torch.tensor([int(self.asked)], dtype=torch.int32, device=self.session.device)
+        flag = torch.tensor([int(self.asked)], dtype=torch.int32)  # on NCCL too: gloo, off the GPU's stream
         return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag  # type: ignore[return-value]
 
     def _counted(self, vote: tuple[dist.Work, torch.Tensor]) -> bool:
@@ -366,6 +411,8 @@ class Protocol:
         self.boundary_due = False
         self.asked = False
         env = self.session.env
+        if self.guard is not None:
+            self.guard.begin(None)
         directive = read_directive(env.progress_file) if env.progress_file else None
         if directive is not None and directive.generation <= env.generation:
             directive = None  # an old one; this rank's agent has not written its next yet
@@ -390,6 +437,8 @@ class Protocol:
             if not (self._recoverable(engine) and is_peer_failure(exc)):
                 raise
             failed = str(exc).splitlines()[0][:200]
+        if self.guard is not None:
+            self.guard.end()
         if failed:
             logger.warning("rank %d: a peer failed at the step boundary before step %d (%s); waiting for the next "
                            "generation", env.rank, batch.step, failed)  # fmt: skip
@@ -476,6 +525,8 @@ class Protocol:
             os.environ.update(directive.env)
             self.session.env = env
             self.session.init_group()
+            if self.guard is not None:  # the new world's communicator (the old one failed, or was freed)
+                self.guard.begin(env.generation)
             self.exchange(holds_state=True)
             for part in self.parts:
                 if isinstance(part, Engine):
@@ -486,6 +537,9 @@ class Protocol:
         except Exception as exc:
             raise RescaleError(f"re-forming generation {old.generation} -> {env.generation} in place failed: "
                                f"{type(exc).__name__}: {str(exc)[:300]}") from exc  # fmt: skip
+        finally:
+            if self.guard is not None:
+                self.guard.end()
         seconds = time.perf_counter() - started
         self.session.metrics.observe_reconfigured(env, why, seconds, nbytes)
         logger.info("rescale in place (%s): generation %d -> %d, rank %d/%d -> %d/%d, step %d, %.3fs, %d state bytes "

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from pliant.env import STACKS_SIGNAL, WorkerEnv
 from pliant.logsetup import setup_library_logging
+from pliant.worker import nccl
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
@@ -93,6 +94,7 @@ class Session:
         self.group_fds: set[int] = set()
         self._owns_group = not dist.is_initialized()
         self._in_place = bool(self.env.agent_store) and self.env.rescale == "in-place" and bool(self.env.master_port)
+        nccl.prepare(self.backend, self._in_place)
         self._group_pending = self._owns_group
         # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
         self.protocol: Protocol | None = None
@@ -121,7 +123,8 @@ class Session:
 
     def _init_group(self) -> None:
         if self.env.master_port:
-            dist.init_process_group(self.backend, rank=self.env.rank, world_size=self.env.world_size,
+            backend = nccl.backend_for(self.backend, under_agent=bool(self.env.agent_store))
+            dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size,
                                     timeout=self.timeout)  # fmt: skip
         else:  # a plain single process: no store to meet at
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
@@ -236,12 +239,26 @@ class Session:
         return manager
 
     def all_reduce_sum(self, value: float) -> float:
-        """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss)."""
+        """Sum ``value`` over every rank (e.g. ``engine.step``'s return, for the global mean loss).
+
+        In place, a peer that fails during it costs nothing but this one sum: this rank's own ``value`` is returned
+        and the next ``engine.step`` re-forms the world first (a collective of the script's own between steps has no
+        such protection: use this one)."""
         self._meet()
         started = time.perf_counter()
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        total = float(tensor.item())
+        try:
+            if self.protocol is not None:
+                self.protocol.guarded(lambda: dist.all_reduce(tensor))
+            else:
+                dist.all_reduce(tensor)
+            total = float(tensor.item())
+        except RuntimeError as exc:  # a peer died between steps: the next engine.step re-forms and goes on
+            if self.protocol is None or not self.protocol.failed_between_steps(exc):
+                raise
+            logger.warning("rank %d: a peer failed during all_reduce_sum; returning this rank's own value (%g)",
+                           self.env.rank, value)  # fmt: skip
+            return value
         self.metrics.observe_collective("control", time.perf_counter() - started)
         return total
 
