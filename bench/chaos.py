@@ -1,16 +1,22 @@
 """Chaos soak: one training job on network namespaces (bench/netns.py) through a seeded schedule of faults.
 
 The job: ``examples/train_elastic.py`` (DDP on pliant.worker, in place, with a checkpoint directory) on ``--nodes``
-agents of one worker each, each agent in its own namespace; etcd and two coordinator replicas on the host's bridge
-address. Faults, drawn with ``random.Random(seed)`` (so ``--seed`` replays a run):
+agents of one worker each, each agent in its own namespace; etcd and coordinator replica r1 on the host's bridge
+address, replica r2 in the last node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays a
+run):
 
 - ``kill-worker``: kill -9 one worker (its agent replaces it in place);
 - ``kill-node``: kill -9 a whole node (agent and workers), then start it again at the same address;
+- ``new-address``: the same, but the node comes back under a new IP address (same node id);
 - ``partition``: a node's link down for a few seconds (no reset: its peers go silent), then up;
 - ``control-cut``: a node cannot reach the control plane for a few seconds (blackhole route), then can;
 - ``hang``: SIGSTOP a worker for 1 s, then SIGCONT;
 - ``kill-coordinator``: kill -9 one coordinator replica, started again 2 s later;
-- ``kill-etcd``: kill etcd for 3 s.
+- ``kill-etcd``: kill etcd for 3 s;
+- ``minority``: the last node runs coordinator replica r2 beside its agent; r2 is made the leader (r1 killed and
+  started again), then that node is cut off from everything (etcd, r1, the other nodes) for 6 s, longer than the
+  leader and heartbeat TTLs, then healed. The minority side must publish nothing and commit nothing: the report
+  counts the generations r2 published during the cuts (from its log; must be 0) beside r1's.
 
 After each fault the soak waits until every node's worker has stepped again in one generation, and records the time
 to recover: from the end of the fault (the kill; the heal; the SIGCONT; the restart) to that moment. Then the job
@@ -38,20 +44,30 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
 import torch
-from common import counted_samples, max_param_diff, read_jsonl
-from netns import Fabric, Node, unavailable
 
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.net import free_port
 from pliant.tls import LocalCA, Role
+from pliant.worker.data import ElasticSampler
+
+if __package__:  # imported as bench.chaos (the suite's short soak, tests/integration/test_chaos.py)
+    from bench.common import counted_samples, max_param_diff, read_jsonl
+    from bench.netns import Fabric, Node, unavailable
+else:  # python bench/chaos.py
+    from common import counted_samples, max_param_diff, read_jsonl
+    from netns import Fabric, Node, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
-KINDS = ("kill-worker", "kill-node", "partition", "control-cut", "hang", "kill-coordinator", "kill-etcd")
+KINDS = ("kill-worker", "kill-node", "new-address", "partition", "control-cut", "hang", "kill-coordinator", "kill-etcd",
+         "minority")
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
 TOKEN = "chaos-join-token"
 
@@ -59,18 +75,24 @@ TOKEN = "chaos-join-token"
 class Soak:
     """The job, its processes, and the faults (see the module docstring)."""
 
-    def __init__(self, work: Path, nodes: int, steps: int) -> None:
+    def __init__(self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9) -> None:
         self.work, self.steps = work, steps
         self.events = work / "events.jsonl"
-        self.fabric = Fabric(prefix="plc", net=9)
+        self.fabric = Fabric(prefix=prefix, net=net)
+        self.nodes = [self.fabric.node(f"n{i}") for i in range(nodes)]
+        self.minority = self.nodes[-1]  # also runs coordinator replica r2: a partition of it has a minority side
+        self.cuts: list[tuple[float, float]] = []  # when the minority side was cut off (wall time)
         ca = LocalCA(work / "pki")
         host = self.fabric.host
-        self.coord_tls = ca.issue("coordinator", Role.COORDINATOR, "chaos-coordinator", (host, "127.0.0.1"))
+        self.coord_tls = ca.issue("coordinator", Role.COORDINATOR, "chaos-coordinator",
+                                  (host, "127.0.0.1", self.minority.address))  # fmt: skip
         self.admin_tls = ca.issue("admin", Role.ADMIN, "chaos-admin")
-        self.etcd = EtcdServer(data_dir=str(work / "etcd")).start()
-        self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {}
-        for name in ("r1", "r2"):
-            self.replicas[name] = (f"{host}:{free_port()}", None)
+        self.etcd = EtcdServer(data_dir=str(work / "etcd"), host=host).start()
+        self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {
+            "r2": (f"{self.minority.address}:{free_port()}", None),
+            "r1": (f"{host}:{free_port()}", None),
+        }
+        for name in self.replicas:
             self.start_replica(name)
         self.coordinator = ",".join(address for address, _ in self.replicas.values())
         self.spec = ["--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "1000",
@@ -78,7 +100,6 @@ class Soak:
         subprocess.run([sys.executable, "-m", "pliant", "job", "create", "chaos", "--coordinator", self.coordinator,
                         "--tls-dir", str(Path(self.admin_tls.cert).parent), *self.spec, "--join-token-file",
                         str(self._token())], check=True, capture_output=True, timeout=60)  # fmt: skip
-        self.nodes = [self.fabric.node(f"n{i}") for i in range(nodes)]
         self.agent_tls = {n.name: ca.issue(f"agent-{n.name}", Role.AGENT, n.name) for n in self.nodes}
         self.agents: dict[str, subprocess.Popen] = {}
         for node in self.nodes:
@@ -90,13 +111,23 @@ class Soak:
         return path
 
     def start_replica(self, name: str) -> None:
+        """Start coordinator replica ``name``: r1 on the host, r2 in the minority node's namespace."""
         address, _ = self.replicas[name]
-        with open(self.work / f"coordinator-{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "pliant", "coordinator", "--etcd", self.etcd.endpoint,
-                                     "--listen", address, "--tls-dir", str(Path(self.coord_tls.cert).parent),
-                                     "--leader-ttl", "2", "--replica-id", name], stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        argv = [sys.executable, "-m", "pliant", "coordinator", "--etcd", self.etcd.endpoint, "--listen", address,
+                "--tls-dir", str(Path(self.coord_tls.cert).parent), "--leader-ttl", "2", "--replica-id", name]
+        log = self.work / f"coordinator-{name}.log"
+        if name == "r2":
+            proc = self.minority.spawn(argv, log)
+        else:
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.replicas[name] = (address, proc)
+
+    def leads(self, name: str) -> bool:
+        """Replica ``name``'s last election transition made it the leader (its log)."""
+        text = (self.work / f"coordinator-{name}.log").read_text(errors="replace")
+        moves = re.findall(rf"replica {name}: \S+ -> (\S+)", text)
+        return bool(moves) and moves[-1] == "leader"
 
     def start_agent(self, node: Node) -> None:
         argv = [sys.executable, "-m", "pliant", "agent", "--coordinator", self.coordinator, "--job", "chaos",
@@ -153,12 +184,20 @@ class Soak:
             if pids:
                 os.kill(rng.choice(pids), signal.SIGKILL)
             return time.time(), full
-        if kind == "kill-node":
+        if kind in ("kill-node", "new-address"):
+            if kind == "new-address":  # the minority node keeps its address: replica r2's certificate names it
+                node = rng.choice([n for n in self.nodes if n is not self.minority])
             node.kill_all()
             self.agents[node.name].wait(10)
+            if kind == "new-address":
+                self.fabric.readdress(node)
             time.sleep(1.0)
             self.start_agent(node)
+            if node is self.minority:
+                self.start_replica("r2")
             return time.time(), full
+        if kind == "minority":
+            return self._minority(), full
         if kind == "partition":
             self.fabric.isolate(node)
             time.sleep(4.0)
@@ -192,6 +231,39 @@ class Soak:
             self.etcd.start()
             return time.time(), full
         raise ValueError(kind)
+
+    def _minority(self) -> float:
+        """Make r2 (on the minority node) the leader, then cut that node, with r2, off from everything else (etcd,
+        r1, the other nodes) for longer than the leader and heartbeat TTLs; returns when it healed."""
+        if not self.leads("r2"):
+            r1 = self.replicas["r1"][1]
+            if r1 is not None:
+                r1.kill()
+                r1.wait(10)
+            deadline = time.time() + 15
+            while not self.leads("r2") and time.time() < deadline:
+                time.sleep(0.1)
+            self.start_replica("r1")
+        cut = time.time()
+        self.fabric.isolate(self.minority)
+        time.sleep(6.0)
+        self.fabric.heal(self.minority)
+        healed = time.time()
+        self.cuts.append((cut, healed))
+        return healed
+
+    def during_cut(self, when: float) -> bool:
+        return any(cut <= when <= healed for cut, healed in self.cuts)
+
+    def published(self, name: str) -> list[tuple[float, int]]:
+        """(when, generation number) of every generation replica ``name`` published (its log)."""
+        out = []
+        text = (self.work / f"coordinator-{name}.log").read_text(errors="replace")
+        for found in re.finditer(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*generation (\d+) published", text,
+                                 re.MULTILINE):  # fmt: skip
+            when = datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append((when, int(found[2])))
+        return out
 
     def close(self) -> None:
         for agent in self.agents.values():
@@ -228,94 +300,169 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+@dataclass
+class Report:
+    """What one soak measured (see the module docstring); :meth:`table` prints it."""
+
+    seed: int
+    steps: int
+    wall_s: float
+    codes: dict[str, int | None]
+    recoveries: dict[str, list[float]]
+    failed: Counter[str]
+    steps_run: int = 0
+    redone: int = 0
+    duplicated: int = 0
+    missed: int = 0
+    complete_epochs: int = 0
+    restored: int = 0
+    partial: int = 0
+    param_diff: float = float("nan")
+    step_s: float = 0.0
+    wrong: int = 0  # samples logged by a step whose global batch does not hold them (must be 0)
+    unlogged: int = 0  # steps that lack a rank's line: it was killed between its commit and its log line
+    minority_published: int = 0  # generations replica r2 published while its side was cut off (must be 0)
+    majority_published: int = 0  # ... and r1, on the majority side, meanwhile
+
+    @property
+    def faults(self) -> int:
+        return sum(len(v) for v in self.recoveries.values()) + sum(self.failed.values())
+
+    @property
+    def effective(self) -> float:
+        return self.steps_run * self.step_s / self.wall_s if self.wall_s else 0.0
+
+    def table(self) -> str:
+        lines = [f"chaos soak, seed {self.seed}: {self.faults} faults, wall {self.wall_s:.0f}s, agents' exit codes "
+                 f"{self.codes}", f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}"]
+        for kind in KINDS:
+            done = self.recoveries.get(kind, [])
+            total = len(done) + self.failed.get(kind, 0)
+            if total:
+                lines.append(f"{kind:18s}{total:8d}{len(done):11d}{percentile(done, 0.5):9.2f}"
+                             f"{percentile(done, 0.99):9.2f}")  # fmt: skip
+        lines += [
+            f"steps: {self.steps_run} of {self.steps} run; committed steps run again (rank 0): {self.redone}",
+            f"samples among the updates that count: {self.duplicated} duplicated, {self.missed} missed, {self.wrong} "
+            f"outside their step's global batch (complete epochs {self.complete_epochs}; {self.unlogged} steps lack "
+            f"the line of a rank killed between its commit and its log)",
+            f"checkpoints restored: {self.restored}, of which partial: {self.partial}",
+            f"generations published while the minority side was cut off: {self.minority_published} by its replica, "
+            f"{self.majority_published} by the majority's",
+            f"final parameters vs a static run: max |diff| {self.param_diff:.2e}",
+            f"effective training time: {self.steps_run} useful steps x {self.step_s * 1e3:.0f} ms / "
+            f"{self.wall_s:.0f} s = {self.effective:.0%}",
+        ]
+        return "\n".join(lines)
+
+
+def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...] = KINDS,
+        recover_timeout: float = 120.0, steps: int = 0, prefix: str = "plc", net: int = 9,
+        log: Callable[[str], None] = print) -> Report:  # fmt: skip
+    """Run one soak (see the module docstring); ``steps`` 0: 400 + 100 per fault. Needs root (network namespaces)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    rng = random.Random(seed)
+    schedule = [rng.choice(kinds) for _ in range(faults)]
+    steps = steps or 400 + 100 * faults
+    work = Path(tempfile.mkdtemp(prefix="pliant-chaos-"))
+    log(f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes, {steps} steps; work in {work}")
+    started = time.time()
+    soak = Soak(work, nodes, steps, prefix, net)
+    recoveries: dict[str, list[float]] = defaultdict(list)
+    failed: Counter[str] = Counter()
+    try:
+        deadline = time.time() + 180
+        while not soak.stepping(0, nodes):
+            if time.time() > deadline:
+                raise RuntimeError(f"the job never reached {nodes} ranks; see {work}")
+            time.sleep(0.2)
+        for index, kind in enumerate(schedule, 1):
+            if soak.finished() or soak.last_step() > steps - 100:
+                log(f"the job is about to finish after {index - 1} faults: stopping the schedule")
+                break
+            ended, ranks = soak.inject(kind, rng)
+            deadline = ended + recover_timeout
+            while not soak.stepping(ended, ranks) and time.time() < deadline and not soak.finished():
+                time.sleep(0.05)
+            at = soak.recovered_at(ended, ranks)
+            if at is not None:
+                recoveries[kind].append(at - ended)
+                log(f"[{index:3d}] {kind:17s} recovered in {at - ended:6.2f}s (step {soak.last_step()})")
+            else:
+                failed[kind] += 1
+                log(f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s")
+            time.sleep(rng.uniform(0.5, 2.0))
+        while not soak.finished():
+            time.sleep(0.5)
+            if time.time() - started > 7200:
+                raise RuntimeError(f"the job did not finish; see {work}")
+        wall = time.time() - started
+        codes = {name: agent.returncode for name, agent in soak.agents.items()}
+    finally:
+        soak.close()
+    report = Report(seed, steps, wall, codes, dict(recoveries), failed)
+    report.minority_published = sum(soak.during_cut(when) for when, _ in soak.published("r2"))
+    report.majority_published = sum(soak.during_cut(when) for when, _ in soak.published("r1"))
+    measure(work, report)
+    return report
+
+
+def measure(work: Path, report: Report) -> None:
+    """Fill ``report`` from the job's per-step events, the agents' logs and a static run."""
+    events = read_jsonl(work / "events.jsonl")
+    steps_run, _ = counted_samples(events)
+    last = {e["step"]: e["generation"] for e in sorted(events, key=lambda e: e["generation"])}
+    logged: dict[int, list[int]] = defaultdict(list)  # step -> its ranks' samples, in the generation that counts
+    for e in events:
+        if e["generation"] == last[e["step"]]:
+            logged[e["step"]].extend(e["samples"])
+    # A rank killed after its step committed but before its script logged the step leaves that step's line missing:
+    # such a step counts with the global batch the sampler gives it, once what was logged is part of that batch.
+    sampler = ElasticSampler(SAMPLES, GLOBAL_BATCH, 8)
+    per_step = -(-SAMPLES // GLOBAL_BATCH)
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for step in steps_run:
+        epoch, index = divmod(step, per_step)
+        expected = sampler.order(epoch)[index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH].tolist()
+        report.wrong += len(set(logged[step]) - set(expected))
+        if sorted(logged[step]) != sorted(expected) and set(logged[step]) <= set(expected):
+            report.unlogged += 1
+            per_epoch[epoch].extend(sorted(set(expected) - set(logged[step])))
+        per_epoch[epoch].extend(logged[step])
+    complete = [ep for ep in per_epoch if ep < max(per_epoch)]
+    report.steps_run, report.complete_epochs = len(steps_run), len(complete)
+    report.duplicated = sum(len(per_epoch[ep]) - len(set(per_epoch[ep])) for ep in complete)
+    report.missed = sum(SAMPLES - len(set(per_epoch[ep])) for ep in complete)
+    runs = Counter(e["step"] for e in events if e["rank"] == 0)
+    report.redone = sum(n - 1 for n in runs.values())
+    report.restored, report.partial = partial_loads(work)
+    times = sorted(e["time"] for e in events if e["rank"] == 0)
+    report.step_s = statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
+    report.param_diff = max_param_diff(torch.load(work / "final.pt"), static_params(work, report.steps))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=0, help="training steps (default: 400 + 100 per fault)")
     parser.add_argument("--recover-timeout", type=float, default=120.0)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from")
     args = parser.parse_args()
     why = unavailable()
     if why:
         raise SystemExit(f"chaos soak: {why} (run it as root on Linux)")
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
-    rng = random.Random(args.seed)
-    schedule = [rng.choice(kinds) for _ in range(args.faults)]
-    steps = 400 + 100 * args.faults
-    work = Path(tempfile.mkdtemp(prefix="pliant-chaos-"))
-    print(f"chaos soak: seed {args.seed}, {args.faults} faults, {args.nodes} nodes, {steps} steps; work in {work}",
-          flush=True)  # fmt: skip
-    started = time.time()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up (finally below)
-    soak = Soak(work, args.nodes, steps)
-    recoveries: dict[str, list[float]] = defaultdict(list)
-    failed: Counter[str] = Counter()
-    try:
-        deadline = time.time() + 180
-        while not soak.stepping(0, args.nodes):
-            if time.time() > deadline:
-                raise SystemExit(f"the job never reached {args.nodes} ranks; see {work}")
-            time.sleep(0.2)
-        for index, kind in enumerate(schedule, 1):
-            if soak.finished() or soak.last_step() > steps - 100:
-                print(f"the job is about to finish after {index - 1} faults: stopping the schedule", flush=True)
-                break
-            ended, ranks = soak.inject(kind, rng)
-            deadline = ended + args.recover_timeout
-            while not soak.stepping(ended, ranks) and time.time() < deadline and not soak.finished():
-                time.sleep(0.05)
-            at = soak.recovered_at(ended, ranks)
-            if at is not None:
-                recovered = at - ended
-                recoveries[kind].append(recovered)
-                print(f"[{index:3d}] {kind:17s} recovered in {recovered:6.2f}s (step {soak.last_step()})", flush=True)
-            else:
-                failed[kind] += 1
-                print(f"[{index:3d}] {kind:17s} NOT recovered within {args.recover_timeout:g}s", flush=True)
-            time.sleep(rng.uniform(0.5, 2.0))
-        while not soak.finished():
-            time.sleep(0.5)
-            if time.time() - started > 7200:
-                raise SystemExit(f"the job did not finish; see {work}")
-        wall = time.time() - started
-        codes = {name: agent.returncode for name, agent in soak.agents.items()}
-    finally:
-        soak.close()
-    report(work, steps, schedule, recoveries, failed, codes, wall, args.seed)
-
-
-def report(work: Path, steps: int, schedule: list[str], recoveries: dict[str, list[float]], failed: Counter[str],
-           codes: dict[str, int | None], wall: float, seed: int) -> None:  # fmt: skip
-    events = read_jsonl(work / "events.jsonl")
-    steps_run, per_epoch = counted_samples(events)
-    complete = [ep for ep in per_epoch if ep < max(per_epoch)]
-    duplicated = sum(len(per_epoch[ep]) - len(set(per_epoch[ep])) for ep in complete)
-    missed = sum(SAMPLES - len(set(per_epoch[ep])) for ep in complete)
-    runs = Counter(e["step"] for e in events if e["rank"] == 0)
-    redone = sum(n - 1 for n in runs.values())
-    restored, partial = partial_loads(work)
-    times = sorted(e["time"] for e in events if e["rank"] == 0)
-    step_s = statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
-    diff = max_param_diff(torch.load(work / "final.pt"), static_params(work, steps))
-    print(f"\nchaos soak, seed {seed}: {sum(len(v) for v in recoveries.values()) + sum(failed.values())} faults, "
-          f"wall {wall:.0f}s, agents' exit codes {codes}")  # fmt: skip
-    print(f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}")
-    for kind in KINDS:
-        done = recoveries.get(kind, [])
-        total = len(done) + failed.get(kind, 0)
-        if total:
-            print(f"{kind:18s}{total:8d}{len(done):11d}{percentile(done, 0.5):9.2f}{percentile(done, 0.99):9.2f}")
-    print(f"steps: {len(steps_run)} of {steps} run; committed steps run again (rank 0): {redone}")
-    print(f"samples among the updates that count: {duplicated} duplicated, {missed} missed (complete epochs "
-          f"{len(complete)})")  # fmt: skip
-    print(f"checkpoints restored: {restored}, of which partial: {partial}")
-    print(f"final parameters vs a static run: max |diff| {diff:.2e}")
-    print(f"effective training time: {len(steps_run)} useful steps x {step_s * 1e3:.0f} ms / {wall:.0f} s = "
-          f"{len(steps_run) * step_s / wall:.0%}")  # fmt: skip
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up (run's finally)
+    report = run(args.faults, args.seed, args.nodes, kinds, args.recover_timeout, args.steps,
+                 log=lambda line: print(line, flush=True))  # fmt: skip
+    print("\n" + report.table())
 
 
 if __name__ == "__main__":

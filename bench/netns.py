@@ -95,6 +95,7 @@ class Fabric:
         self.bridge = f"{prefix}br"
         self.host = f"10.213.{net}.1"
         self.nodes: dict[str, Node] = {}
+        self._readdressed = 0
         self._closed = False
         self._remove()  # what an earlier run that was killed left behind
         _ip("link", "add", self.bridge, "type", "bridge")
@@ -117,6 +118,16 @@ class Fabric:
         node = Node(self, name, netns, address, ifname, host_if)
         self.nodes[name] = node
         return node
+
+    def readdress(self, node: Node) -> str:
+        """Move ``node`` to a new address (a machine that comes back under another IP); returns it. Its processes
+        should be gone: their sockets keep the old address."""
+        self._readdressed += 1
+        address = f"10.213.{self.net}.{110 + self._readdressed % 140}"
+        _ip("addr", "del", f"{node.address}/24", "dev", node.ifname, netns=node.netns)
+        _ip("addr", "add", f"{address}/24", "dev", node.ifname, netns=node.netns)
+        node.address = address
+        return address
 
     # -- faults ----------------------------------------------------------------------------------------------------
 

@@ -45,12 +45,9 @@ generation starts fresh workers that restore from disk. That is the way back.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -64,7 +61,8 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
-from pliant.worker.nccl import Guard, has_nccl
+from pliant.worker.groups import keepalive, retire_groups, sever, socket_fds
+from pliant.worker.nccl import Guard
 
 if TYPE_CHECKING:
     from pliant.worker.checkpoint import CheckpointManager
@@ -79,17 +77,12 @@ __all__ = [
     "RescaleExit",
     "announce_arrival",
     "is_peer_failure",
-    "keepalive",
-    "retire_groups",
-    "sever",
-    "socket_fds",
 ]
 
 logger = logging.getLogger(__name__)
 
 DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
 VOTE_EVERY = 4  # steps between commit votes that carry the rescale flag (see the module docstring)
-_RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see retire_groups
 
 
 class RescaleError(WorkerError):
@@ -125,76 +118,6 @@ def announce_arrival(env: WorkerEnv, timeout_s: float = 30.0) -> None:
     hand the generation over only once the newcomers are about to meet them: the survivors train on meanwhile."""
     store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.add(ARRIVED_KEY, 1)
-
-
-def socket_fds() -> set[int]:
-    """This process's open socket file descriptors (Linux /proc; empty elsewhere)."""
-    out = set()
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                    out.add(int(name))
-    except OSError:
-        pass
-    return out
-
-
-def sever(fds: set[int]) -> None:
-    """Shut down (without closing) the sockets the old process group opened, so every peer still blocked in a
-    collective with this rank sees the connection close and fails at once: gloo reports a failure only on a
-    connection that closed, its abort closes none, and the group itself is never destroyed (:func:`retire_groups`)."""
-    for fd in fds:
-        with contextlib.suppress(OSError, ValueError):
-            sock = socket.socket(fileno=fd)
-            try:
-                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer; gloo aborts the process on a local SHUT_RD
-            finally:
-                sock.detach()
-
-
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 2, 1, 3  # a silent peer is declared gone after ~5 s
-USER_TIMEOUT_S = 10  # data unacknowledged this long aborts the connection (a live peer's kernel acknowledges it,
-# and since Linux 5.11 also answers zero-window probes for a receiver too busy to read, which then never counts)
-
-
-def keepalive(fds: set[int]) -> None:
-    """Turn on TCP keepalive (and a user timeout for unacknowledged data) on a process group's sockets, so that a
-    peer that went silent without closing its connections (a network partition, a frozen machine) makes the
-    collectives waiting on it fail after about ``KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES``
-    seconds (:data:`USER_TIMEOUT_S` when this rank was sending to it), with a transport error, instead of after the
-    collective timeout. A busy peer's kernel still answers
-    the probes: a slow step is never mistaken for a dead peer."""
-    for fd in fds:
-        with contextlib.suppress(OSError, ValueError):
-            sock = socket.socket(fileno=fd)
-            try:
-                if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1000 * USER_TIMEOUT_S)
-            finally:
-                sock.detach()
-
-
-def retire_groups() -> None:
-    """Destroy the default process group without ever running a group's destructor.
-
-    A gloo group's destructor joins its worker threads, and a thread that needs the GIL as it exits either deadlocks
-    with the destroying thread or, during interpreter shutdown, aborts the process. One reference per group is leaked
-    on purpose; the threads stay parked until the process exits (a few per re-formation).
-    """
-    if not dist.is_initialized():
-        return
-    for group in dist.distributed_c10d._world.pg_map:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-        _RETIRED_GROUPS.append(group)
-    if has_nccl():  # aborting frees the communicators at once; destroying would wait for NCCL's watchdog thread,
-        dist.distributed_c10d._abort_process_group()  # which sleeps a minute after an error (seen on an H100)
-    else:
-        dist.destroy_process_group()
 
 
 class Protocol:
@@ -524,7 +447,8 @@ class Protocol:
             retire_groups()
             os.environ.update(directive.env)
             self.session.env = env
-            self.session.init_group()
+            self.form_group()
+            env = self.session.env  # a newer generation's, if the agent handed one over while the ranks met
             if self.guard is not None:  # the new world's communicator (the old one failed, or was freed)
                 self.guard.begin(env.generation)
             self.exchange(holds_state=True)
@@ -546,6 +470,34 @@ class Protocol:
                     "sent or received", why, old.generation, env.generation, old.rank, old.world_size, env.rank,
                     env.world_size, self.steps_done, seconds, nbytes)  # fmt: skip
         return behind, ahead
+
+    def form_group(self) -> None:
+        """Initialise the process group of the session's generation. If the agent hands over a newer generation while
+        its ranks are still meeting (one of them died or was evicted before the others met it, and would be waited for
+        until the timeout), abandon it: the sockets the rendezvous opened are shut down, which fails its wait, and
+        the newer generation is formed instead.
+
+        Raises:
+            RescaleExit: the newer generation's directive is ``leave`` or ``restart``.
+        """
+        while True:
+            env = self.session.env
+            watch = _RendezvousWatch(env.progress_file, env.generation)
+            try:
+                self.session.init_group()
+            except Exception:
+                if watch.finish() is None:
+                    raise
+            directive = watch.finish()
+            if directive is None:
+                return
+            logger.warning("rank %d: generation %d was superseded by generation %d while its ranks met; forming that "
+                           "one", env.rank, env.generation, directive.generation)  # fmt: skip
+            retire_groups()
+            if directive.mode != "in-place":
+                raise RescaleExit(directive.mode)
+            os.environ.update(directive.env)
+            self.session.env = WorkerEnv.from_env({**os.environ, **directive.env})
 
     def _sync(self, holds_state: bool) -> tuple[int, bool, bool]:
         """Agree on the newest committed step and send the state of the lowest rank that has it to every rank
@@ -622,3 +574,37 @@ class Protocol:
             torch.set_rng_state(slot.rng)
             self.steps_done = plan.step
         return nbytes
+
+
+class _RendezvousWatch:
+    """While a process group's ranks meet, watch for a newer generation's directive; when one comes, shut down the
+    sockets opened since (the store client's, gloo's), so the blocked rendezvous fails (:meth:`Protocol.form_group`).
+    """
+
+    def __init__(self, progress_file: str, generation: int) -> None:
+        self.progress_file, self.generation = progress_file, generation
+        self.before = socket_fds()
+        self.newer: Directive | None = None
+        self._lock = threading.Lock()
+        self._done = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="pliant-rendezvous-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            directive = read_directive(self.progress_file) if self.progress_file else None
+            if directive is not None and directive.generation > self.generation:
+                with self._lock:
+                    if not self._done:  # the group formed meanwhile: it stays, and the boundary moves it on
+                        self.newer = directive
+                        sever(socket_fds() - self.before)
+                return
+
+    def finish(self) -> Directive | None:
+        """The rendezvous returned (or raised): stop watching; returns the directive that superseded it, or None."""
+        with self._lock:
+            self._done = True
+        self._stop.set()
+        self._thread.join()
+        return self.newer

@@ -29,8 +29,9 @@ from pliant.worker import nccl
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
+from pliant.worker.groups import keepalive, retire_groups, socket_fds
 from pliant.worker.metrics import WorkerMetrics
-from pliant.worker.rescale import Protocol, announce_arrival, keepalive, retire_groups, socket_fds
+from pliant.worker.rescale import Protocol, announce_arrival
 
 __all__ = ["Session", "init"]
 
@@ -112,8 +113,8 @@ class Session:
 
     def init_group(self) -> None:
         """Initialise the default process group for :attr:`env`'s world (env:// under an agent or torchrun), noting
-        the sockets it opened (:attr:`group_fds`, for :func:`pliant.worker.rescale.sever`). In place, those sockets
-        also get TCP keepalive (:func:`pliant.worker.rescale.keepalive`): a peer cut off by a partition fails the
+        the sockets it opened (:attr:`group_fds`, for :func:`pliant.worker.groups.sever`). In place, those sockets
+        also get TCP keepalive (:func:`pliant.worker.groups.keepalive`): a peer cut off by a partition fails the
         collectives waiting on it within seconds instead of the collective timeout."""
         before = socket_fds()
         self._init_group()
@@ -136,7 +137,10 @@ class Session:
         self._group_pending = False
         if self._in_place:
             announce_arrival(self.env)
-        self.init_group()
+        if self.protocol is not None and self._in_place:
+            self.protocol.form_group()  # follows a newer generation handed over while the ranks meet
+        else:
+            self.init_group()
         if self.protocol is not None:
             self.protocol.joined()
 
@@ -265,7 +269,7 @@ class Session:
     def close(self) -> None:
         """Destroy the process groups this session created.
 
-        The groups are never freed (:func:`pliant.worker.rescale.retire_groups`): a gloo group's destructor joins its
+        The groups are never freed (:func:`pliant.worker.groups.retire_groups`): a gloo group's destructor joins its
         worker threads, and a worker thread that needs the GIL as it exits either deadlocks with the destroying
         thread (when a DDP reducer drops the group as the training function returns) or, during interpreter shutdown,
         is ended by Python with ``pthread_exit`` inside a ``noexcept`` frame, which aborts the process ("terminate
