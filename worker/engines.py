@@ -81,6 +81,8 @@ class DDPEngine(Engine):
         optimizer_class, optimizer_kwargs: the optimizer to build over the model's parameters.
         device: where the model lives.
         group: the process group (default: the world).
+        init_sync: DDP broadcasts rank 0's parameters as it wraps (False: a rank joining a running world in place,
+            whose state then comes from the rank that holds it, :meth:`sync_state`; rank 0 may be a newcomer).
         ddp_kwargs: passed to ``DistributedDataParallel``.
     """
 
@@ -91,21 +93,23 @@ class DDPEngine(Engine):
         optimizer_kwargs: dict[str, Any],
         device: torch.device,
         group: dist.ProcessGroup | None = None,
+        init_sync: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         self.device = device
         self.group = group
         self._ddp_kwargs = ddp_kwargs
-        self._wrap(model.to(device))
+        self._wrap(model.to(device), init_sync)
         self._optimizer_args = (optimizer_class, optimizer_kwargs)
         self.optimizer = self._optimizer(optimizer_class, optimizer_kwargs)
 
-    def _wrap(self, module: torch.nn.Module) -> None:
-        """Wrap ``module`` in DDP over the current world (collective: DDP broadcasts rank 0's parameters)."""
+    def _wrap(self, module: torch.nn.Module, init_sync: bool = True) -> None:
+        """Wrap ``module`` in DDP over the current world (collective; with ``init_sync`` DDP broadcasts rank 0's
+        parameters)."""
         self.world_size = dist.get_world_size(self.group)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = DistributedDataParallel(module, device_ids=device_ids, process_group=self.group,
-                                             **self._ddp_kwargs)  # fmt: skip
+        kwargs = self._ddp_kwargs if init_sync else {**self._ddp_kwargs, "init_sync": False}
+        self.model = DistributedDataParallel(module, device_ids=device_ids, process_group=self.group, **kwargs)
         # torch's DDP times the all-reduce of every SAMPLE_RATE-th iteration; the metrics extrapolate from those.
         self.model._set_ddp_runtime_logging_sample_rate(_DDP_SAMPLE_RATE)
         self._last_comm_start = 0
@@ -141,10 +145,10 @@ class DDPEngine(Engine):
         if self.group is not None:
             raise EngineError("a DDP engine on a custom process group cannot re-form in place; the restart path "
                               "applies")  # fmt: skip
-        self._wrap(self.module)
+        self._wrap(self.module, init_sync=False)  # rank 0 may be a newcomer: the state comes from ``src``
 
     def sync_state(self, src: int) -> int:
-        nbytes = broadcast_module(self.module, src) if src != 0 else 0  # DDP's constructor sent rank 0's
+        nbytes = broadcast_module(self.module, src)
         return nbytes + broadcast_optimizer(self.optimizer, src)
 
     def _observe_allreduce(self) -> None:
@@ -225,7 +229,7 @@ class ZeroEngine(DDPEngine):
 
     def sync_state(self, src: int) -> int:
         """The gathered state from ``src`` to the newcomers, then each rank keeps its new shard of it."""
-        nbytes = broadcast_module(self.module, src) if src != 0 else 0
+        nbytes = broadcast_module(self.module, src)
         full, self._full = self._full or self._template(), None
         nbytes += broadcast_optimizer(full, src)
         for group, hyper in zip(self.optimizer.param_groups, full.param_groups, strict=True):

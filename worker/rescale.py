@@ -32,9 +32,10 @@ the new world on the same global batch: at most one step is redone per failure.
 **Re-forming** (:meth:`Protocol._reform`), the same sequence on survivors and on newcomers (fresh processes, whose
 session starts in the new world): the process group is re-initialised on the new generation's store; every rank
 says whether it holds state (one all-reduce; a newcomer's session does it in ``init``); each engine is wrapped again
-(DDP broadcasts rank 0's parameters) and each checkpoint manager opens its group again, in the order the script made
-them; then the state is sent from the source rank: the step, each loader's cursor, the optimizer's state and
-hyperparameters, the RNG state, and the parameters when the source is not rank 0. Only tensors cross ranks. A newcomer
+(without DDP's broadcast of rank 0's parameters: rank 0 may be a newcomer, as when a node that held rank 0 comes back)
+and each checkpoint manager opens its group again, in the order the script made them; then the state is sent from the
+source rank: the step, each loader's cursor, the parameters, the optimizer's state and hyperparameters, and the RNG
+state. Only tensors cross ranks. A newcomer
 takes part from ``CheckpointManager.restore`` or the start of the loader's iteration, whichever comes first, so a
 script's setup between ``init`` and its loop must not run collectives of its own.
 

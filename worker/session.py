@@ -178,7 +178,8 @@ class Session:
             from pliant.worker.engines import DDPEngine, ZeroEngine
 
             cls = ZeroEngine if kind is EngineKind.ZERO else DDPEngine
-            engine = cls(model, optimizer, optimizer_kwargs, self.device)
+            joining = self.protocol is not None and self.protocol.pending_sync  # its state comes from peers
+            engine = cls(model, optimizer, optimizer_kwargs, self.device, init_sync=not joining)
         engine.metrics = self.metrics
         if self.protocol is not None:
             engine.protocol = self.protocol

@@ -1,0 +1,36 @@
+"""The CPU-checkable parts of NCCL's handling under the in-place protocol (pliant.worker.nccl); the guard itself runs
+in tests/integration/test_in_place_nccl.py where a GPU exists."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pliant.worker import nccl
+
+
+def test_nccl_under_an_agent_also_gets_gloo_for_the_protocols_cpu_tensors() -> None:
+    assert nccl.backend_for("nccl", under_agent=True) == "cpu:gloo,cuda:nccl"
+    assert nccl.backend_for("nccl", under_agent=False) == "nccl"  # torchrun or a plain process: as the user asked
+    assert nccl.backend_for("gloo", under_agent=True) == "gloo"
+
+
+def test_in_place_turns_off_torchs_teardown_on_nccl_errors_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.setenv(name, "")  # noted, so that what prepare() sets is undone after the test
+        monkeypatch.delenv(name)
+    nccl.prepare("gloo", in_place=True)
+    nccl.prepare("nccl", in_place=False)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    nccl.prepare("nccl", in_place=True)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1", "a value the user set wins"
+
+
+def test_without_a_process_group_there_is_no_nccl_to_abort() -> None:
+    assert not nccl.has_nccl()
+    assert not nccl.abort_nccl()
