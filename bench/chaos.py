@@ -286,12 +286,14 @@ def static_params(work: Path, steps: int) -> dict:
 
 
 def partial_loads(work: Path) -> tuple[int, int]:
-    """(checkpoints restored, of which the directory had no commit marker) from the agents' logs."""
+    """(checkpoints restored, of which the directory still exists without its commit marker) from the agents' logs.
+    A restored directory that retention deleted since cannot be checked here; the restore itself loads only a
+    directory with its marker (``CheckpointManager``)."""
     restored = partial = 0
     for log in work.glob("agent-*.log"):
         for found in re.finditer(r"restored step \d+ from (\S+)", log.read_text(errors="replace")):
             restored += 1
-            partial += not (Path(found[1]) / "pliant-commit.json").exists()
+            partial += Path(found[1]).exists() and not (Path(found[1]) / "pliant-commit.json").exists()
     return restored, partial
 
 
