@@ -1,7 +1,7 @@
 """Process groups' sockets and lifecycle, for the rescale protocol (:mod:`pliant.worker.rescale`): which sockets a
 group opened, shutting them down so that peers blocked with this rank fail at once (``sever``), TCP keepalive so that a
 silent peer fails them within seconds (``keepalive``), and retiring a group without running its destructor
-(``retire_groups``)."""
+(``retire_groups``); and watching a rendezvous for a newer generation (``RendezvousWatch``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import contextlib
 import ctypes
 import os
 import socket
+import threading
 
 import torch.distributed as dist
 
+from pliant.progress import Directive, read_directive
 from pliant.worker.nccl import has_nccl
 
-__all__ = ["KEEPALIVE_IDLE_S", "USER_TIMEOUT_S", "keepalive", "retire_groups", "sever", "socket_fds"]
+__all__ = ["KEEPALIVE_IDLE_S", "USER_TIMEOUT_S", "RendezvousWatch", "keepalive", "retire_groups", "sever", "socket_fds"]
 
 _RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see retire_groups
 
@@ -87,3 +89,37 @@ def retire_groups() -> None:
         dist.distributed_c10d._abort_process_group()  # which sleeps a minute after an error (seen on an H100)
     else:
         dist.destroy_process_group()
+
+
+class RendezvousWatch:
+    """While a process group's ranks meet, watch for a newer generation's directive; when one comes, shut down the
+    sockets opened since (the store client's, gloo's), so the blocked rendezvous fails
+    (:meth:`pliant.worker.rescale.Protocol.form_group`)."""
+
+    def __init__(self, progress_file: str, generation: int) -> None:
+        self.progress_file, self.generation = progress_file, generation
+        self.before = socket_fds()
+        self.newer: Directive | None = None
+        self._lock = threading.Lock()
+        self._done = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="pliant-rendezvous-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            directive = read_directive(self.progress_file) if self.progress_file else None
+            if directive is not None and directive.generation > self.generation:
+                with self._lock:
+                    if not self._done:  # the group formed meanwhile: it stays, and the boundary moves it on
+                        self.newer = directive
+                        sever(socket_fds() - self.before)
+                return
+
+    def finish(self) -> Directive | None:
+        """The rendezvous returned (or raised): stop watching; returns the directive that superseded it, or None."""
+        with self._lock:
+            self._done = True
+        self._stop.set()
+        self._thread.join()
+        return self.newer

@@ -62,7 +62,7 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
-from pliant.worker.groups import keepalive, retire_groups, sever, socket_fds
+from pliant.worker.groups import RendezvousWatch, keepalive, retire_groups, sever, socket_fds
 from pliant.worker.nccl import Guard
 
 if TYPE_CHECKING:
@@ -483,7 +483,7 @@ class Protocol:
         """
         while True:
             env = self.session.env
-            watch = _RendezvousWatch(env.progress_file, env.generation)
+            watch = RendezvousWatch(env.progress_file, env.generation)
             try:
                 self.session.init_group()
             except Exception:
@@ -575,37 +575,3 @@ class Protocol:
             torch.set_rng_state(slot.rng)
             self.steps_done = plan.step
         return nbytes
-
-
-class _RendezvousWatch:
-    """While a process group's ranks meet, watch for a newer generation's directive; when one comes, shut down the
-    sockets opened since (the store client's, gloo's), so the blocked rendezvous fails (:meth:`Protocol.form_group`).
-    """
-
-    def __init__(self, progress_file: str, generation: int) -> None:
-        self.progress_file, self.generation = progress_file, generation
-        self.before = socket_fds()
-        self.newer: Directive | None = None
-        self._lock = threading.Lock()
-        self._done = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="pliant-rendezvous-watch", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.1):
-            directive = read_directive(self.progress_file) if self.progress_file else None
-            if directive is not None and directive.generation > self.generation:
-                with self._lock:
-                    if not self._done:  # the group formed meanwhile: it stays, and the boundary moves it on
-                        self.newer = directive
-                        sever(socket_fds() - self.before)
-                return
-
-    def finish(self) -> Directive | None:
-        """The rendezvous returned (or raised): stop watching; returns the directive that superseded it, or None."""
-        with self._lock:
-            self._done = True
-        self._stop.set()
-        self._thread.join()
-        return self.newer
