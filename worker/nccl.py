@@ -18,8 +18,9 @@ communicator is finally torn down the step's buffers hold partial sums. So, in p
   the world on a fresh communicator in the same process.
 
 Checked on one H100 with two ranks that NCCL takes for two hosts (``NCCL_HOSTID``; NCCL 2.28.9, torch 2.11): a peer's
-kill -9 is reported by NCCL within about a second (not timed more closely); without the abort the survivor stays blocked until the collective
-timeout (60 s there); aborting releases it at once, and a new communicator forms in the same process.
+kill -9 is reported by NCCL within about a second (not timed more closely); without the abort the survivor stays
+blocked until the collective timeout (60 s there); aborting releases it at once, and a new communicator forms in the
+same process.
 """
 
 from __future__ import annotations
