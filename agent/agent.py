@@ -522,9 +522,10 @@ class Agent:
         ]
         return envs
 
-    def _progress(self) -> dict[int, tuple[int, str]]:
-        """Each live worker's (step, phase) from its progress file (workers that write none are left out)."""
-        out: dict[int, tuple[int, str]] = {}
+    def _progress(self) -> dict[int, tuple[int, str, int]]:
+        """Each live worker's (step, phase, generation of a wait) from its progress file (workers that write none are
+        left out)."""
+        out: dict[int, tuple[int, str, int]] = {}
         if self.group is None:
             return out
         for worker in self.group.workers:
@@ -537,7 +538,7 @@ class Agent:
                     handed = read_directive(worker.env.progress_file)
                     if handed is not None and handed.generation > failed_in:
                         continue  # it failed in an older generation and will take the one already handed to it
-                out[worker.env.local_rank] = (step, phase)
+                out[worker.env.local_rank] = (step, phase, failed_in)
         return out
 
     def _describe(self, result: object) -> str:

@@ -118,7 +118,8 @@ class Report:
 class RankProgress:
     step: int
     phase: str
-    since: float  # when this (step, phase) was first seen
+    since: float  # when this (step, phase, generation) was first seen
+    generation: int = 0  # of a "wait": the generation the rank waits in (a new wait at the same step is a new record)
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,11 @@ class SignalReceived:
 
 @dataclass(frozen=True)
 class Tick:
-    """Periodic, with the workers' progress as read now (local rank -> (step, phase), for ranks that write one) and
-    the checkpoint directory's fence ((job epoch, generation) of the newest world that opened it; (0, 0): none)."""
+    """Periodic, with the workers' progress as read now (local rank -> (step, phase) or (step, phase, generation), for
+    ranks that write one; the generation a "wait" names) and the checkpoint directory's fence ((job epoch, generation)
+    of the newest world that opened it; (0, 0): none)."""
 
-    progress: Mapping[int, tuple[int, str]] = field(default_factory=dict)
+    progress: Mapping[int, tuple[int, str] | tuple[int, str, int]] = field(default_factory=dict)
     fence: tuple[int, int] = (0, 0)
     ready: bool = False  # every live worker announced that it re-forms in place
 
@@ -383,16 +385,17 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
     progress: dict[int, RankProgress] = {}
     intervals = list(state.step_intervals)
     waiting: list[int] = []  # ranks that entered the "wait" phase since the last tick
-    for rank, (step, phase) in tick.progress.items():
+    for rank, record in tick.progress.items():
+        step, phase, generation = record if len(record) == 3 else (*record, 0)
         old = before.get(rank)
-        if old is not None and (old.step, old.phase) == (step, phase):
+        if old is not None and (old.step, old.phase, old.generation) == (step, phase, generation):
             progress[rank] = old
             continue
         if phase == "wait":
             waiting.append(rank)
         if old is not None and old.phase == "step" and phase == "step" and step > old.step:
             intervals.append((now - old.since) / (step - old.step))
-        progress[rank] = RankProgress(step, phase, now)
+        progress[rank] = RankProgress(step, phase, now, generation)
     state = replace(state, progress=tuple(sorted(progress.items())), step_intervals=tuple(intervals[-_STEP_SAMPLES:]),
                     ready=tick.ready)  # fmt: skip
     limit = hang_timeout(state)

@@ -53,6 +53,7 @@ import psutil
 import torch
 
 from pliant.coordinator.etcd_server import EtcdServer
+from pliant.env import STACKS_SIGNAL
 from pliant.net import free_port
 from pliant.tls import LocalCA, Role
 from pliant.worker.data import ElasticSampler
@@ -172,6 +173,16 @@ class Soak:
 
     def finished(self) -> bool:
         return all(a.poll() is not None for a in self.agents.values())
+
+    def dump_stacks(self) -> None:
+        """Ask every worker for its Python stacks (into its agent's log), as an agent does before it stops a hung
+        one: the workers are the processes its zygote forked (or that it started itself, other than the zygote)."""
+        for agent in self.agents.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for proc in psutil.Process(agent.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                        if proc.ppid() != agent.pid or "pliant.agent.zygote" not in " ".join(proc.cmdline()):
+                            os.kill(proc.pid, STACKS_SIGNAL)
 
     # -- faults ------------------------------------------------------------------------------------------------------
 
@@ -385,8 +396,12 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
                 log(f"the job is about to finish after {index - 1} faults: stopping the schedule")
                 break
             ended, ranks = soak.inject(kind, rng)
-            deadline = ended + recover_timeout
+            deadline, dumped = ended + recover_timeout, False
             while not soak.stepping(ended, ranks) and time.time() < deadline and not soak.finished():
+                if not dumped and time.time() > ended + recover_timeout / 2:  # what is it waiting for? (the logs)
+                    log(f"[{index:3d}] {kind:17s} not recovered after {recover_timeout / 2:g}s: dumping the stacks")
+                    soak.dump_stacks()
+                    dumped = True
                 time.sleep(0.05)
             at = soak.recovered_at(ended, ranks)
             if at is not None:

@@ -57,12 +57,12 @@ class ProgressFile:
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) if path else -1
-        self.step, self.phase = 0, ""
+        self.step, self.phase, self.generation = 0, "", 0
 
     def write(self, step: int, phase: str, generation: int = 0) -> None:
-        if self._fd < 0 or (step, phase) == (self.step, self.phase):
+        if self._fd < 0 or (step, phase, generation) == (self.step, self.phase, self.generation):
             return
-        self.step, self.phase = step, phase
+        self.step, self.phase, self.generation = step, phase, generation
         text = f"{step} {phase} {generation}" if generation else f"{step} {phase}"
         record = text.ljust(RECORD_BYTES - 1).encode()[: RECORD_BYTES - 1] + b"\n"
         with contextlib.suppress(OSError):  # the agent removed its directory: it no longer watches

@@ -1,22 +1,47 @@
 """Process groups' sockets and lifecycle, for the rescale protocol (:mod:`pliant.worker.rescale`): which sockets a
 group opened, shutting them down so that peers blocked with this rank fail at once (``sever``), TCP keepalive so that a
 silent peer fails them within seconds (``keepalive``), and retiring a group without running its destructor
-(``retire_groups``); and watching a rendezvous for a newer generation (``RendezvousWatch``)."""
+(``retire_groups``); connecting to a generation's store in short attempts that a newer generation can end
+(``connect_store``); and watching a rendezvous for a newer generation (``RendezvousWatch``)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch.distributed as dist
 
+from pliant.env import WorkerEnv
 from pliant.progress import Directive, read_directive
+from pliant.worker.contract import WorkerError
 from pliant.worker.nccl import has_nccl
 
-__all__ = ["KEEPALIVE_IDLE_S", "USER_TIMEOUT_S", "RendezvousWatch", "keepalive", "retire_groups", "sever", "socket_fds"]
+__all__ = [
+    "CONNECT_ATTEMPT_S",
+    "KEEPALIVE_IDLE_S",
+    "PROBE_S",
+    "USER_TIMEOUT_S",
+    "RendezvousError",
+    "RendezvousWatch",
+    "Superseded",
+    "connect_store",
+    "keepalive",
+    "retire_groups",
+    "sever",
+    "socket_fds",
+]
+
+logger = logging.getLogger(__name__)
+
+CONNECT_ATTEMPT_S = 2.0  # one TCPStore attempt to reach a generation's store that listens; see connect_store
+PROBE_S = 0.2  # between probes of a generation store's port that does not listen yet
 
 _RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see retire_groups
 
@@ -91,9 +116,62 @@ def retire_groups() -> None:
         dist.destroy_process_group()
 
 
+class RendezvousError(WorkerError):
+    """This rank could not meet its generation's ranks."""
+
+
+class Superseded(RendezvousError):
+    """A newer generation was handed over while this rank was still reaching the store of the one it meets in."""
+
+
+def connect_store(env: WorkerEnv, timeout: timedelta, superseded: Callable[[], bool]) -> dist.TCPStore:
+    """A client of ``env``'s generation store (run by an agent, as torch's env:// rendezvous reaches it when
+    TORCHELASTIC_USE_AGENT_STORE is set), reached within ``timeout`` unless ``superseded()`` first.
+
+    torch's own connect loop backs off up to a minute between attempts and runs until the whole timeout (600 s by
+    default). That stalled a whole job in the chaos soak: a survivor handed generation N, then N+1 and N+2 before it
+    reached N's store, kept connecting to that store, already closed by its agent, while the other ranks waited for it
+    in N+2's rendezvous. Here the port is probed with plain connections every :data:`PROBE_S` (quiet, and checked
+    against ``superseded()`` each time) until it listens; then TCPStore connects in attempts of
+    :data:`CONNECT_ATTEMPT_S`.
+
+    Raises:
+        Superseded: ``superseded()`` became true before the store was reached.
+        RendezvousError: the store was not reached within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    where = f"the store of generation {env.generation} at {env.master_addr}:{env.master_port}"
+    warned = False
+    while True:
+        if superseded():
+            raise Superseded(f"generation {env.generation} was superseded while {where} was being reached")
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"{where} was not reachable within {timeout.total_seconds():.0f}s: its node-rank-0 "
+                                  "agent serves it; check that agent and the route to it (the collective timeout "
+                                  "bounds this wait)")  # fmt: skip
+        try:
+            socket.create_connection((env.master_addr, env.master_port), timeout=PROBE_S).close()
+        except OSError:
+            if not warned:
+                logger.warning("rank %d: %s is not listening yet; waiting up to %.0fs", env.rank, where,
+                               timeout.total_seconds())  # fmt: skip
+                warned = True
+            time.sleep(PROBE_S)
+            continue
+        try:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                                  timeout=timedelta(seconds=CONNECT_ATTEMPT_S))  # fmt: skip
+        except RuntimeError as exc:  # DistNetworkError, DistStoreError: it closed since the probe, or is slow
+            logger.warning("rank %d: %s: %s", env.rank, where, str(exc).splitlines()[0][:200])
+            continue
+        store.set_timeout(timeout)
+        return store
+
+
 class RendezvousWatch:
-    """While a process group's ranks meet, watch for a newer generation's directive; when one comes, shut down the
-    sockets opened since (the store client's, gloo's), so the blocked rendezvous fails
+    """While a process group's ranks meet, watch for a newer generation's directive; from when one comes until the
+    rendezvous returns, shut down every socket opened since the watch began (the store client's, gloo's; again every
+    tenth of a second, so a socket connected meanwhile fails too), so the blocked rendezvous fails
     (:meth:`pliant.worker.rescale.Protocol.form_group`)."""
 
     def __init__(self, progress_file: str, generation: int) -> None:
@@ -106,15 +184,21 @@ class RendezvousWatch:
         self._thread = threading.Thread(target=self._watch, name="pliant-rendezvous-watch", daemon=True)
         self._thread.start()
 
+    def superseded(self) -> bool:
+        """A newer generation's directive came while the ranks met."""
+        return self.newer is not None
+
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
-            directive = read_directive(self.progress_file) if self.progress_file else None
-            if directive is not None and directive.generation > self.generation:
-                with self._lock:
-                    if not self._done:  # the group formed meanwhile: it stays, and the boundary moves it on
-                        self.newer = directive
-                        sever(socket_fds() - self.before)
-                return
+            if self.newer is None:
+                directive = read_directive(self.progress_file) if self.progress_file else None
+                if directive is None or directive.generation <= self.generation:
+                    continue
+            with self._lock:
+                if self._done:  # the group formed meanwhile: it stays, and the boundary moves it on
+                    return
+                self.newer = self.newer or directive
+                sever(socket_fds() - self.before)
 
     def finish(self) -> Directive | None:
         """The rendezvous returned (or raised): stop watching; returns the directive that superseded it, or None."""

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIRECTIVE_WAIT_S",
+    "MEET_S",
     "VOTE_EVERY",
     "Protocol",
     "RescaleError",
@@ -83,6 +84,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
+MEET_S = 30.0  # survivors re-forming in place meet within this; see Protocol.form_group
 VOTE_EVERY = 4  # steps between commit votes that carry the rescale flag (see the module docstring)
 
 
@@ -448,7 +450,7 @@ class Protocol:
             retire_groups()
             os.environ.update(directive.env)
             self.session.env = env
-            self.form_group()
+            self.form_group(survivor=True)
             env = self.session.env  # a newer generation's, if the agent handed one over while the ranks met
             if self.guard is not None:  # the new world's communicator (the old one failed, or was freed)
                 self.guard.begin(env.generation)
@@ -472,11 +474,13 @@ class Protocol:
                     env.world_size, self.steps_done, seconds, nbytes)  # fmt: skip
         return behind, ahead
 
-    def form_group(self) -> None:
+    def form_group(self, survivor: bool = False) -> None:
         """Initialise the process group of the session's generation. If the agent hands over a newer generation while
         its ranks are still meeting (one of them died or was evicted before the others met it, and would be waited for
         until the timeout), abandon it: the sockets the rendezvous opened are shut down, which fails its wait, and
-        the newer generation is formed instead.
+        the newer generation is formed instead. A ``survivor`` (re-forming in place) meets within :data:`MEET_S`; if
+        its generation's ranks do not all meet by then, it waits in place, like a survivor of a failed step, for the
+        next generation that its agent's failure report brings.
 
         Raises:
             RescaleExit: the newer generation's directive is ``leave`` or ``restart``.
@@ -485,15 +489,23 @@ class Protocol:
             env = self.session.env
             watch = RendezvousWatch(env.progress_file, env.generation)
             try:
-                self.session.init_group()
-            except Exception:
-                if watch.finish() is None:
-                    raise
-            directive = watch.finish()
-            if directive is None:
-                return
-            logger.warning("rank %d: generation %d was superseded by generation %d while its ranks met; forming that "
-                           "one", env.rank, env.generation, directive.generation)  # fmt: skip
+                self.session.init_group(watch.superseded, MEET_S if survivor else None)
+            except Exception as exc:
+                directive = watch.finish()
+                if directive is None:
+                    if not survivor:
+                        raise
+                    logger.warning("rank %d: generation %d's ranks did not all meet (%s: %s); waiting in place for the "
+                                   "next generation", env.rank, env.generation, type(exc).__name__,
+                                   str(exc).splitlines()[0][:200])  # fmt: skip
+                    self.session.metrics.progress.write(self.steps_done, "wait", env.generation)
+                    directive = self._await_directive()
+            else:
+                directive = watch.finish()
+                if directive is None:
+                    return
+            logger.warning("rank %d: generation %d gave way to generation %d before its ranks met; forming that one",
+                           env.rank, env.generation, directive.generation)  # fmt: skip
             retire_groups()
             if directive.mode != "in-place":
                 raise RescaleExit(directive.mode)

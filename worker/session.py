@@ -29,7 +29,7 @@ from pliant.worker import nccl
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
-from pliant.worker.groups import keepalive, retire_groups, socket_fds
+from pliant.worker.groups import connect_store, keepalive, retire_groups, socket_fds
 from pliant.worker.metrics import WorkerMetrics
 from pliant.worker.rescale import Protocol, announce_arrival
 
@@ -111,22 +111,31 @@ class Session:
         logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
                     self.backend, self.device)  # fmt: skip
 
-    def init_group(self) -> None:
-        """Initialise the default process group for :attr:`env`'s world (env:// under an agent or torchrun), noting
-        the sockets it opened (:attr:`group_fds`, for :func:`pliant.worker.groups.sever`). In place, those sockets
-        also get TCP keepalive (:func:`pliant.worker.groups.keepalive`): a peer cut off by a partition fails the
-        collectives waiting on it within seconds instead of the collective timeout."""
+    def init_group(self, superseded: Callable[[], bool] = lambda: False, meet_s: float | None = None) -> None:
+        """Initialise the default process group for :attr:`env`'s world, noting the sockets it opened
+        (:attr:`group_fds`, for :func:`pliant.worker.groups.sever`). In place, those sockets also get TCP keepalive
+        (:func:`pliant.worker.groups.keepalive`): a peer cut off by a partition fails the collectives waiting on it
+        within seconds instead of the collective timeout.
+
+        Under an agent the generation's store is reached by :func:`pliant.worker.groups.connect_store`, which gives up
+        once ``superseded()``; under torchrun, by torch's env:// rendezvous. ``meet_s`` bounds the meeting (reaching
+        the store and every rank's connections) instead of the collective timeout, which the group then takes."""
         before = socket_fds()
-        self._init_group()
+        self._init_group(superseded, timedelta(seconds=meet_s) if meet_s else self.timeout)
         self.group_fds = socket_fds() - before
         if self._in_place:
             keepalive(self.group_fds)
 
-    def _init_group(self) -> None:
+    def _init_group(self, superseded: Callable[[], bool], meet: timedelta) -> None:
         if self.env.master_port:
             backend = nccl.backend_for(self.backend, under_agent=bool(self.env.agent_store))
-            dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size,
-                                    timeout=self.timeout)  # fmt: skip
+            store = connect_store(self.env, meet, superseded) if self.env.agent_store else None
+            dist.init_process_group(backend, store=store, rank=self.env.rank, world_size=self.env.world_size,
+                                    timeout=meet)  # fmt: skip
+            if meet != self.timeout:
+                dist.distributed_c10d._set_pg_timeout(self.timeout)
+                if store is not None:
+                    store.set_timeout(self.timeout)
         else:  # a plain single process: no store to meet at
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
 

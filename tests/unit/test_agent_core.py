@@ -268,6 +268,10 @@ def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # still waiting
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # the same wait
+    # Handed generation 2, local rank 0 could not meet its ranks there: it waits again, now in generation 2.
+    assert agent.on(core.Tick({0: (4, "wait", 2), 1: (4, "wait")}, ready=True), after=0.2) == [
+        core.Send(core.Report("failure", 2, core.HANG_EXIT_CODE, report.message))
+    ]
     # Waiting longer than the start timeout is a hang like a slow start.
     hung = agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=700.0)
     assert agent.kinds(hung) == ["Dump", "Stop", "Send"]

@@ -65,6 +65,8 @@ def test_progress_and_fence_files(tmp_path) -> None:
     assert read_progress(path) == (12345, "step")
     progress.write(12346, "wait", 7)  # a failure names the generation it happened in
     assert read_progress(path) == (12346, "wait") and read_record(path) == (12346, "wait", 7)
+    progress.write(12346, "wait", 8)  # waiting again, in the generation handed since (its ranks did not all meet)
+    assert read_record(path) == (12346, "wait", 8)
     progress.close()
     ProgressFile("").write(1, "step")  # no agent watches: a no-op
     assert read_fence(tmp_path) == (0, 0)

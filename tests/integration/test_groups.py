@@ -1,0 +1,98 @@
+"""A rank meeting a generation that a newer one supersedes lets go at once: reaching the generation's store
+(``connect_store``) and the rendezvous sockets (``RendezvousWatch``), on real TCPStores and sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from pliant.env import WorkerEnv
+from pliant.net import free_port
+from pliant.progress import Directive, write_directive
+from pliant.worker.groups import PROBE_S, RendezvousError, RendezvousWatch, Superseded, connect_store
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _env(port: int) -> WorkerEnv:
+    return WorkerEnv(rank=1, local_rank=0, world_size=2, local_world_size=1, master_addr="127.0.0.1",
+                     master_port=port, generation=7)  # fmt: skip
+
+
+def test_a_store_that_opens_late_is_reached() -> None:
+    port = free_port()
+    server: list[dist.TCPStore] = []
+    opener = threading.Timer(3.0, lambda: server.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True,
+                                                                      wait_for_workers=False)))  # fmt: skip
+    opener.start()
+    try:
+        started = time.monotonic()
+        store = connect_store(_env(port), timedelta(seconds=30), superseded=lambda: False)
+        assert time.monotonic() - started >= 2.5, "it connected before the store existed"
+        store.set("k", "v")
+        assert server[0].get("k") == b"v"
+    finally:
+        opener.join()
+
+
+def test_reaching_a_closed_store_ends_when_a_newer_generation_comes() -> None:
+    """The chaos soak's stall: a store its agent already closed, and torch's own loop retrying for 600 s."""
+    port = free_port()
+    came = time.monotonic() + 1.0
+    started = time.monotonic()
+    with pytest.raises(Superseded, match="generation 7 was superseded"):
+        connect_store(_env(port), timedelta(seconds=600), superseded=lambda: time.monotonic() > came)
+    assert time.monotonic() - started < 1.0 + PROBE_S + 1.0
+
+
+def test_a_store_that_never_opens_fails_after_the_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"store of generation 7 at 127.0.0.1:\d+ was not reachable within 3s"):
+        connect_store(_env(free_port()), timedelta(seconds=3), superseded=lambda: False)
+    assert 3.0 <= time.monotonic() - started < 3.0 + PROBE_S + 1.0
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    conn.settimeout(2.0)
+    try:
+        return conn.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def test_a_superseded_rendezvous_loses_every_socket_it_opened_until_it_returns(tmp_path: Path) -> None:
+    progress = str(tmp_path / "progress")
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    old = socket.create_connection(address)  # opened before the rendezvous: not the watch's
+    old_peer, _ = listener.accept()
+    watch = RendezvousWatch(progress, generation=7)
+    try:
+        first = socket.create_connection(address)
+        first_peer, _ = listener.accept()
+        time.sleep(0.3)
+        assert not watch.superseded()
+        write_directive(progress, Directive(6, "in-place"))  # an older one changes nothing
+        time.sleep(0.3)
+        assert not watch.superseded()
+        write_directive(progress, Directive(8, "in-place"))
+        assert _closed_by_peer(first_peer), "a socket of the superseded rendezvous stayed open"
+        assert watch.superseded()
+        second = socket.create_connection(address)  # connected after the directive came: severed too
+        second_peer, _ = listener.accept()
+        assert _closed_by_peer(second_peer)
+    finally:
+        newer = watch.finish()
+    assert newer is not None and newer.generation == 8
+    third = socket.create_connection(address)  # after the rendezvous returned: the watch has stopped
+    third_peer, _ = listener.accept()
+    assert not _closed_by_peer(third_peer)
+    assert not _closed_by_peer(old_peer)
+    for sock in (old, old_peer, first, first_peer, second, second_peer, third, third_peer, listener):
+        sock.close()
