@@ -6,9 +6,10 @@ One small file per worker, rewritten in place (one ``pwrite`` of a fixed-width r
 and after every step; the agent reads it on its own clock and never needs an RPC. The record is
 ``"<step> <phase>\\n"`` padded to :data:`RECORD_BYTES`. Phases: ``start`` (the session opened; imports, the first
 step's compilation and a checkpoint restore follow), ``step`` (a step completed), ``save`` (a checkpoint save is
-blocking the loop), ``wait`` (a collective failed: a peer died; the worker waits for its agent's next directive; the
-record ends with the generation it failed in, so an agent that already handed it a newer one does not report the
-failure again), ``done`` (the session closed).
+blocking the loop), ``wait`` (a collective failed: a peer died, or a survivor's new generation did not all meet; the
+worker waits for its agent's next directive; the record ends with the generation it failed in, so an agent that
+already handed it a newer one does not report the failure again, and a wait in a newer generation at the same step is
+a new one), ``done`` (the session closed).
 
 **The directive file** ``<progress file>.next`` is how an agent hands a running worker its next generation (the
 in-place rescale, :mod:`pliant.worker.rescale`): a JSON object ``{"generation": N, "mode": M, "env": {...}}`` written

@@ -33,6 +33,7 @@ __all__ = [
     "Superseded",
     "connect_store",
     "keepalive",
+    "new_world",
     "retire_groups",
     "sever",
     "socket_fds",
@@ -114,6 +115,18 @@ def retire_groups() -> None:
         dist.distributed_c10d._abort_process_group()  # which sleeps a minute after an error (seen on an H100)
     else:
         dist.destroy_process_group()
+
+
+def new_world() -> None:
+    """Before initialising the default process group again in this process: restart torch's process group names at
+    0, as a fresh process has them.
+
+    The default group's store keys are prefixed with its name, the count of groups this process named so far;
+    ``destroy_process_group`` resets the count, but an ``init_process_group`` that failed (abandoned for a newer
+    generation, or timed out) named a group and created none, so the next attempt's keys went under "1/" while a fresh
+    newcomer's went under "0/", and the ranks waited for each other's keys forever (found by the chaos soak)."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 class RendezvousError(WorkerError):

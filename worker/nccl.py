@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from pliant.progress import read_directive
 
-__all__ = ["POLL_S", "STALL_S", "Guard", "abort_nccl", "backend_for", "has_nccl", "prepare"]
+__all__ = ["POLL_S", "STALL_S", "Guard", "NoGuard", "abort_nccl", "backend_for", "has_nccl", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,20 @@ def abort_nccl() -> bool:
     with contextlib.suppress(RuntimeError):
         backend.abort()  # type: ignore[attr-defined]
     return True
+
+
+class NoGuard:
+    """The guard of a worker that is not on NCCL in place (gloo raises on a peer's failure by itself): watches
+    nothing."""
+
+    def begin(self, generation: int | None) -> None:
+        """See :meth:`Guard.begin`."""
+
+    def end(self) -> None:
+        """See :meth:`Guard.end`."""
+
+    def check(self) -> None:
+        """See :meth:`Guard.check`."""
 
 
 class Guard:

@@ -63,7 +63,7 @@ from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
 from pliant.worker.groups import RendezvousWatch, keepalive, retire_groups, sever, socket_fds
-from pliant.worker.nccl import Guard
+from pliant.worker.nccl import Guard, NoGuard
 
 if TYPE_CHECKING:
     from pliant.worker.checkpoint import CheckpointManager
@@ -145,7 +145,7 @@ class Protocol:
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
         # NCCL hangs where gloo raises: a guard thread aborts a communicator whose peer failed (pliant.worker.nccl)
-        self.guard = Guard(session.env.progress_file) if in_place and session.backend == "nccl" else None
+        self.guard = Guard(session.env.progress_file) if in_place and session.backend == "nccl" else NoGuard()
         if threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_signal)
             # Python puts the default action (death) back as it exits: a script past its last step would die of a
@@ -242,13 +242,11 @@ class Protocol:
         while True:
             started = time.perf_counter()
             failure = ""
-            if self.guard is not None:
-                self.guard.begin(self.session.env.generation)
+            self.guard.begin(self.session.env.generation)
             try:
                 vote = self._vote() if batch.step % VOTE_EVERY == 0 else None  # in flight while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
-                if self.guard is not None:
-                    self.guard.check()  # NCCL: the step's collectives completed on every rank, or raise
+                self.guard.check()  # NCCL: the step's collectives completed on every rank, or raise
                 failure = "the vote"
                 asked = self._counted(vote) if vote is not None else False
                 failure = "the update"  # ZeRO's step broadcasts the updated parameters
@@ -265,8 +263,7 @@ class Protocol:
                 if not (self._recoverable(engine) and is_peer_failure(exc)):
                     raise
                 failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
-            if self.guard is not None:
-                self.guard.end()
+            self.guard.end()
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
                 engine.discard_update()
                 logger.warning("rank %d: a peer failed during step %d (%s); waiting for the next generation",
@@ -290,9 +287,6 @@ class Protocol:
 
     def guarded(self, collective: Callable[[], object]) -> None:
         """Run a collective of the session's between steps under the NCCL guard (plainly on gloo)."""
-        if self.guard is None:
-            collective()
-            return
         self.guard.begin(self.session.env.generation)
         try:
             collective()
@@ -337,8 +331,7 @@ class Protocol:
         self.boundary_due = False
         self.asked = False
         env = self.session.env
-        if self.guard is not None:
-            self.guard.begin(None)
+        self.guard.begin(None)
         directive = read_directive(env.progress_file) if env.progress_file else None
         if directive is not None and directive.generation <= env.generation:
             directive = None  # an old one; this rank's agent has not written its next yet
@@ -363,8 +356,7 @@ class Protocol:
             if not (self._recoverable(engine) and is_peer_failure(exc)):
                 raise
             failed = str(exc).splitlines()[0][:200]
-        if self.guard is not None:
-            self.guard.end()
+        self.guard.end()
         if failed:
             logger.warning("rank %d: a peer failed at the step boundary before step %d (%s); waiting for the next "
                            "generation", env.rank, batch.step, failed)  # fmt: skip
@@ -452,8 +444,8 @@ class Protocol:
             self.session.env = env
             self.form_group(survivor=True)
             env = self.session.env  # a newer generation's, if the agent handed one over while the ranks met
-            if self.guard is not None:  # the new world's communicator (the old one failed, or was freed)
-                self.guard.begin(env.generation)
+            # the new world's communicator (the old one failed, or was freed)
+            self.guard.begin(env.generation)
             self.exchange(holds_state=True)
             for part in self.parts:
                 if isinstance(part, Engine):
@@ -465,8 +457,7 @@ class Protocol:
             raise RescaleError(f"re-forming generation {old.generation} -> {env.generation} in place failed: "
                                f"{type(exc).__name__}: {str(exc)[:300]}") from exc  # fmt: skip
         finally:
-            if self.guard is not None:
-                self.guard.end()
+            self.guard.end()
         seconds = time.perf_counter() - started
         self.session.metrics.observe_reconfigured(env, why, seconds, nbytes)
         logger.info("rescale in place (%s): generation %d -> %d, rank %d/%d -> %d/%d, step %d, %.3fs, %d state bytes "

@@ -29,7 +29,7 @@ from pliant.worker import nccl
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
-from pliant.worker.groups import connect_store, keepalive, retire_groups, socket_fds
+from pliant.worker.groups import connect_store, keepalive, new_world, retire_groups, socket_fds
 from pliant.worker.metrics import WorkerMetrics
 from pliant.worker.rescale import Protocol, announce_arrival
 
@@ -130,6 +130,7 @@ class Session:
         if self.env.master_port:
             backend = nccl.backend_for(self.backend, under_agent=bool(self.env.agent_store))
             store = connect_store(self.env, meet, superseded) if self.env.agent_store else None
+            new_world()  # an earlier attempt in this process may have failed
             dist.init_process_group(backend, store=store, rank=self.env.rank, world_size=self.env.world_size,
                                     timeout=meet)  # fmt: skip
             if meet != self.timeout:

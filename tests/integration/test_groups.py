@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -17,7 +19,33 @@ from pliant.net import free_port
 from pliant.progress import Directive, write_directive
 from pliant.worker.groups import PROBE_S, RendezvousError, RendezvousWatch, Superseded, connect_store
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
+
+# One rank of a two-rank world: with a first port, a meeting that fails (its peer never comes) before the real one;
+# then the real one on the second port and an all-reduce. argv: rank, first port (0: none), second port, reset (0/1).
+_RANK = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from pliant.env import WorkerEnv
+from pliant.worker.groups import connect_store, new_world
+rank, first, second, reset = (int(a) for a in sys.argv[1:])
+def meet(port, seconds):
+    env = WorkerEnv(rank=rank, world_size=2, master_port=port)
+    store = connect_store(env, timedelta(seconds=30), superseded=lambda: False)
+    if reset:
+        new_world()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=seconds))
+if first:
+    try:
+        meet(first, 2)
+    except RuntimeError:
+        print("first meeting failed", flush=True)
+meet(second, 15)
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", int(t.item()), flush=True)
+"""
 
 
 def _env(port: int) -> WorkerEnv:
@@ -96,3 +124,27 @@ def test_a_superseded_rendezvous_loses_every_socket_it_opened_until_it_returns(t
     assert not _closed_by_peer(old_peer)
     for sock in (old, old_peer, first, first_peer, second, second_peer, third, third_peer, listener):
         sock.close()
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["new_world", "without"])
+def test_a_rank_whose_earlier_meeting_failed_meets_a_fresh_one(reset: bool) -> None:
+    """torch names the default group by a per-process count that only its destruction resets: after a failed
+    ``init_process_group`` the next one's keys went under another prefix than a fresh rank's (the chaos soak's
+    stall). ``new_world`` resets it; without it, the two ranks never meet (the control case)."""
+    stores = [dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False) for _ in range(2)]
+    first, second = (store.port for store in stores)
+    argv = [sys.executable, "-c", _RANK]
+    survivor = subprocess.Popen([*argv, "0", str(first), str(second), str(int(reset))], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    fresh = subprocess.Popen([*argv, "1", "0", str(second), str(int(reset))], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        out = [proc.communicate(timeout=60)[0] for proc in (survivor, fresh)]
+    finally:
+        for proc in (survivor, fresh):
+            proc.kill()
+    assert "first meeting failed" in out[0]
+    if reset:
+        assert "sum 2" in out[0] and "sum 2" in out[1], out
+    else:
+        assert "sum 2" not in out[0] and "sum 2" not in out[1], "torch now resets the count itself: drop new_world"
