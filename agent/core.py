@@ -346,8 +346,14 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
 
 def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreState, list[Action]]:
     result = event.result
-    if state.group is None or result.generation != state.group or result.stopped:
+    if state.group is None or result.stopped:
         return state, [Stop()]  # not the group this state runs: just reap it
+    if result.generation != state.group:
+        if state.handed != state.group:
+            return state, [Stop()]  # a group of an earlier generation: just reap it
+        # The running group, handed generation ``state.group`` in place and not re-formed there yet (the executor
+        # waits for newcomers): its exit is that generation's, or the failure report would be stale and lost.
+        result = replace(result, generation=state.group)
     failure = result.first_failure
     if failure is not None and event.alive and _in_place(state):
         # The other local workers keep their processes and state; the next generation replaces the dead one.

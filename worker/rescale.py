@@ -429,7 +429,8 @@ class Protocol:
 
     def _reform(self, directive: Directive, why: str) -> tuple[bool, bool]:
         """Leave the old world and join ``directive``'s with this rank's state; returns (behind, ahead) as
-        :meth:`_sync` does.
+        :meth:`_sync` does. A newer generation handed over before the state moves (the ranks met, but a peer or the
+        store went away while they opened their groups) is formed instead.
 
         Raises:
             RescaleError: any step failed (the worker exits; its agent takes the restart path).
@@ -439,19 +440,29 @@ class Protocol:
         env = WorkerEnv.from_env({**os.environ, **directive.env})
         self._rolling_back = why == "failure" and self.sharded is not None
         try:
-            retire_groups()
-            os.environ.update(directive.env)
-            self.session.env = env
-            self.form_group(survivor=True)
-            env = self.session.env  # a newer generation's, if the agent handed one over while the ranks met
-            # the new world's communicator (the old one failed, or was freed)
-            self.guard.begin(env.generation)
-            self.exchange(holds_state=True)
-            for part in self.parts:
-                if isinstance(part, Engine):
-                    part.rewrap()
-                else:
-                    part.reopen(env.generation)
+            while True:
+                retire_groups()
+                os.environ.update(directive.env)
+                self.session.env = env
+                self.form_group(survivor=True)
+                env = self.session.env  # a newer generation's, if the agent handed one over while the ranks met
+                self.guard.begin(env.generation)  # the new world's communicator (the old one failed, or was freed)
+                try:
+                    self.exchange(holds_state=True)
+                    for part in self.parts:
+                        if isinstance(part, Engine):
+                            part.rewrap()
+                        else:
+                            part.reopen(env.generation)
+                    break
+                except Exception as exc:
+                    newer = read_directive(env.progress_file) if env.progress_file else None
+                    if newer is None or newer.generation <= env.generation or newer.mode != "in-place":
+                        raise
+                    logger.warning("rank %d: generation %d gave way to generation %d as its groups opened (%s); "
+                                   "forming that one", env.rank, env.generation, newer.generation,
+                                   str(exc).splitlines()[0][:200])  # fmt: skip
+                    directive, env = newer, WorkerEnv.from_env({**os.environ, **newer.env})
             nbytes, behind, ahead = self._sync(holds_state=True)
         except Exception as exc:
             raise RescaleError(f"re-forming generation {old.generation} -> {env.generation} in place failed: "

@@ -253,6 +253,25 @@ def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
     assert lost.kinds(lost.on(core.GroupExited(GroupResult(1, {0: -9, 1: -9}), "", alive=0))) == ["Stop", "Send"]
 
 
+def test_a_group_that_dies_before_a_pending_hand_over_reports_the_handed_generation() -> None:
+    """Handed generation 2 in place, the executor waits for newcomers before the workers re-form; the only worker
+    exits meanwhile (its re-forming failed). The failure is generation 2's: one of generation 1 would be stale, and
+    the agent would wait forever with no workers (found by the chaos soak)."""
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(agent)
+    agent.on(core.GenerationSeen(_gen(2, "a", "b", "c")), after=0.5)
+    why = "local rank 0 (rank 0) exited with code 1"
+    actions = agent.on(core.GroupExited(GroupResult(1, {0: 1}), why, alive=0))
+    assert actions == [core.Stop(), core.Send(core.Report("failure", 2, 1, why))]
+    assert agent.state.group is None and agent.state.phase is AgentState.WAITING
+    # A group of an earlier generation, replaced by a fresh start (not handed in place), is only reaped.
+    fresh = Agent(in_place=False)
+    fresh.on(core.GenerationSeen(_gen(1, "a")))
+    fresh.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert fresh.on(core.GroupExited(GroupResult(1, {0: 1}), "", alive=0)) == [core.Stop()]
+
+
 def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
     agent = Agent(in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
