@@ -86,6 +86,7 @@ class Agent:
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
         self._generations: dict[int, Generation] = {}
+        self._newest_seen = 0  # the newest generation the watch delivered (it may wait in the event queue)
         self._events: queue.Queue[object] = queue.Queue()
         self._reports: queue.Queue[core.Report] = queue.Queue()
         self._stop = threading.Event()
@@ -268,6 +269,7 @@ class Agent:
                 for event in self.client.watch(self.config.spec.job_id, next_number):
                     if event.generation is not None:
                         next_number = event.generation.number + 1
+                        self._newest_seen = event.generation.number  # read by the main thread's waits
                     self._events.put(event)
                     if self._stop.is_set():
                         return
@@ -456,7 +458,7 @@ class Agent:
         arrived = 0
         if needed:
             try:
-                client = client or NodeStore.client(envs[0].master_addr, envs[0].master_port)
+                client = client or NodeStore.client(envs[0].master_addr, envs[0].master_port, timeout_s=1.0)
                 arrived = NodeStore.arrivals(client)
             except Exception as exc:  # the store is not reachable yet: next tick
                 logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
@@ -493,7 +495,8 @@ class Agent:
             # Node rank 0 opens the store before it stops its old group, so this is normally at once; the bound is
             # the longest node rank 0 may take to stop that group, so a slow checkpoint never fails a join.
             wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
-            master_port = NodeStore.generation_port(gen.store_address, gen.number, timeout_s=wait_s)
+            master_port = NodeStore.generation_port(gen.store_address, gen.number, timeout_s=wait_s,
+                                                    superseded=lambda: self._newest_seen > gen.number)  # fmt: skip
         master_addr = gen.store_address.rsplit(":", 1)[0]
         envs = [
             WorkerEnv(

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from pliant.agent.contract import AgentError
@@ -25,6 +27,7 @@ __all__ = ["ARRIVED_KEY", "NodeStore", "reachable"]
 logger = logging.getLogger(__name__)
 
 _KEEP = 2  # generation stores kept alive (the current and the previous one)
+PORT_ATTEMPT_S = 2.0  # one attempt to read a generation's store port; see NodeStore.generation_port
 
 
 _RENEWING_KEY = "/pliant/agent/renewing"  # seconds of unbroken membership renewals ("-1": not renewing)
@@ -128,23 +131,34 @@ class NodeStore:
         return port
 
     @staticmethod
-    def generation_port(store_address: str, generation: int, timeout_s: float) -> int:
-        """Read generation ``generation``'s store port from the agent store of node rank 0 at ``store_address``.
+    def generation_port(store_address: str, generation: int, timeout_s: float,
+                        superseded: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+        """Read generation ``generation``'s store port from the agent store of node rank 0 at ``store_address``, in
+        attempts of :data:`PORT_ATTEMPT_S`: between them, ``superseded()`` (a newer generation was seen) ends the wait,
+        which the agent's main thread would otherwise spend on a node rank 0 that died.
 
         Raises:
-            AgentError: that store did not answer or never published the port within ``timeout_s``.
+            AgentError: that store did not answer or never published the port within ``timeout_s``, or the
+                generation was superseded first.
         """
         from torch.distributed import TCPStore
 
         host, port = parse_host_port(store_address)
-        try:
-            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            return int(client.get(_port_key(generation)))
-        except Exception as exc:
-            raise AgentError(
-                f"the agent store of node rank 0 at {store_address} did not give generation {generation}'s store "
-                f"port within {timeout_s:g}s ({type(exc).__name__})"
-            ) from exc
+        deadline = time.monotonic() + timeout_s
+        while True:
+            attempt = max(0.1, min(PORT_ATTEMPT_S, deadline - time.monotonic()))
+            try:
+                client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=attempt))
+                return int(client.get(_port_key(generation)))
+            except Exception as exc:
+                if superseded():
+                    raise AgentError(f"generation {generation} was superseded while its store port was read from "
+                                     f"{store_address}") from exc  # fmt: skip
+                if time.monotonic() >= deadline:
+                    raise AgentError(
+                        f"the agent store of node rank 0 at {store_address} did not give generation {generation}'s "
+                        f"store port within {timeout_s:g}s ({type(exc).__name__})"
+                    ) from exc
 
     @staticmethod
     def arrivals(client: object) -> int:

@@ -1,5 +1,6 @@
 """A rank meeting a generation that a newer one supersedes lets go at once: reaching the generation's store
-(``connect_store``) and the rendezvous sockets (``RendezvousWatch``), on real TCPStores and sockets on loopback."""
+(``connect_store``), the rendezvous sockets (``RendezvousWatch``), a rank whose earlier meeting failed (``new_world``),
+and an agent reading a generation's store port; on real TCPStores, sockets and worker processes on loopback."""
 
 from __future__ import annotations
 
@@ -148,3 +149,19 @@ def test_a_rank_whose_earlier_meeting_failed_meets_a_fresh_one(reset: bool) -> N
         assert "sum 2" in out[0] and "sum 2" in out[1], out
     else:
         assert "sum 2" not in out[0] and "sum 2" not in out[1], "torch now resets the count itself: drop new_world"
+
+
+def test_an_agent_stops_reading_a_superseded_generations_port() -> None:
+    """A non-rank-0 agent reads each generation's store port from node rank 0's agent store; when node rank 0 died,
+    the wait (up to a minute, in the agent's main thread) ends as soon as a newer generation is seen."""
+    from pliant.agent.contract import AgentError
+    from pliant.agent.stores import PORT_ATTEMPT_S, NodeStore
+
+    address = f"127.0.0.1:{free_port()}"  # node rank 0's agent store, gone
+    seen = time.monotonic() + 1.0
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="generation 5 was superseded"):
+        NodeStore.generation_port(address, 5, timeout_s=60, superseded=lambda: time.monotonic() > seen)
+    assert time.monotonic() - started < 1.0 + 2 * PORT_ATTEMPT_S + 1.0
+    with pytest.raises(AgentError, match="did not give generation 5's store port within 2s"):
+        NodeStore.generation_port(address, 5, timeout_s=2)
