@@ -6,9 +6,12 @@ address, replica r2 in the last node's namespace. Faults, drawn with ``random.Ra
 run):
 
 - ``kill-worker``: kill -9 one worker (its agent replaces it in place);
+- ``kill-agent``: kill -9 a node's agent alone (its zygote and workers die with it), then start it again;
 - ``kill-node``: kill -9 a whole node (agent and workers), then start it again at the same address;
 - ``new-address``: the same, but the node comes back under a new IP address (same node id);
 - ``partition``: a node's link down for a few seconds (no reset: its peers go silent), then up;
+- ``peer-cut``: two nodes cannot reach each other for a few seconds (blackhole routes), while both reach everything
+  else;
 - ``control-cut``: a node cannot reach the control plane for a few seconds (blackhole route), then can;
 - ``hang``: SIGSTOP a worker for 1 s, then SIGCONT;
 - ``kill-coordinator``: kill -9 one coordinator replica, started again 2 s later;
@@ -67,8 +70,8 @@ else:  # python bench/chaos.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
-KINDS = ("kill-worker", "kill-node", "new-address", "partition", "control-cut", "hang", "kill-coordinator", "kill-etcd",
-         "minority")
+KINDS = ("kill-worker", "kill-agent", "kill-node", "new-address", "partition", "peer-cut", "control-cut", "hang",
+         "kill-coordinator", "kill-etcd", "minority")
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
 TOKEN = "chaos-join-token"
 
@@ -207,8 +210,20 @@ class Soak:
             if node is self.minority:
                 self.start_replica("r2")
             return time.time(), full
+        if kind == "kill-agent":
+            self.agents[node.name].kill()
+            self.agents[node.name].wait(10)
+            time.sleep(1.0)
+            self.start_agent(node)
+            return time.time(), full
         if kind == "minority":
             return self._minority(), full
+        if kind == "peer-cut":
+            other = rng.choice([n for n in self.nodes if n is not node])
+            self.fabric.block(node, other.address)
+            time.sleep(4.0)
+            self.fabric.unblock(node, other.address)
+            return time.time(), full
         if kind == "partition":
             self.fabric.isolate(node)
             time.sleep(4.0)
