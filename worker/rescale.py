@@ -513,6 +513,12 @@ class Protocol:
                 raise RescaleExit(directive.mode)
             os.environ.update(directive.env)
             self.session.env = WorkerEnv.from_env({**os.environ, **directive.env})
+            if not survivor:  # the survivors' agents wait for the newcomers to count themselves in this one too
+                try:
+                    announce_arrival(self.session.env, timeout_s=5.0)
+                except RuntimeError as exc:  # they then wait their rescale grace instead
+                    logger.warning("rank %d: could not count in generation %d: %s", self.session.env.rank,
+                                   self.session.env.generation, str(exc).splitlines()[0][:200])  # fmt: skip
 
     def _sync(self, holds_state: bool) -> tuple[int, bool, bool]:
         """Agree on the newest committed step and send the state of the lowest rank that has it to every rank
