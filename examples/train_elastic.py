@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--width", type=int, default=32, help="hidden width (a bigger model makes bigger checkpoints)")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr-period", type=int, default=20, help="steps per cosine cycle of the learning rate (0: "
+                        "a constant learning rate)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=0, help="periodic checkpoints (with a checkpoint dir)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
     parser.add_argument("--events", default="", help="append one JSON line per rank and step (samples consumed)")
@@ -48,7 +50,12 @@ def main() -> None:
         torch.nn.Linear(16, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
         torch.nn.Linear(args.width, 1),
     )  # fmt: skip
-    engine = session.engine(model, args.engine, torch.optim.SGD, lr=args.lr, momentum=0.9)  # pliant
+    schedule = None
+    if args.lr_period:  # pliant steps it after every committed step, and keeps its state with the optimizer's
+        def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+            return torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=args.lr_period)
+
+    engine = session.engine(model, args.engine, torch.optim.SGD, lr=args.lr, momentum=0.9, scheduler=schedule)  # pliant
     loader = session.loader(data, args.global_batch, args.micro_batch, max_steps=args.steps)  # pliant
     ckpt = None
     if session.env.checkpoint_dir:  # pliant: resume from the newest checkpoint, at any world size

@@ -24,6 +24,7 @@ traffic: ``bench/inplace.py`` measures it. Only tensors cross ranks.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -179,6 +180,7 @@ class _Slot:
     positions: list[tuple[int, int, int]] = field(default_factory=list)
     rng: torch.Tensor | None = None
     hyper: list[dict[str, object]] = field(default_factory=list)
+    scheduler: dict[str, object] | None = None  # the learning-rate scheduler's state at ``step``, if any
     own: torch.Tensor | None = None
     wards: dict[int, torch.Tensor] = field(default_factory=dict)
     sends: list[dist.Work] = field(default_factory=list)
@@ -233,7 +235,8 @@ class BuddyCopies:
         return self.generation >= 0
 
     def take(self, generation: int, node: int, step: int, partition: list[int], tensors: Sequence[torch.Tensor],
-             positions: list[tuple[int, int, int]], hyper: list[dict[str, object]]) -> int:  # fmt: skip
+             positions: list[tuple[int, int, int]], hyper: list[dict[str, object]],
+             scheduler: dict[str, object] | None = None) -> int:  # fmt: skip
         """Snapshot this rank's shard at ``step`` (committed) and start the exchange with the buddies (collective on
         the first snapshot of a world; raises when a peer failed during the previous exchange). Returns the bytes
         copied."""
@@ -247,6 +250,7 @@ class BuddyCopies:
         slot = self.slots[1 - self.newest]
         slot.own = pack(tensors, slot.own)
         slot.step, slot.positions, slot.rng, slot.hyper = step, positions, torch.get_rng_state(), hyper
+        slot.scheduler = copy.deepcopy(scheduler)
         self.partition = partition
         for ward, size in ((w, self.sizes[w]) for w in self.wards):
             if slot.wards.get(ward) is None or slot.wards[ward].numel() != size:

@@ -28,6 +28,7 @@ Fencing and edges:
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -91,9 +92,11 @@ class _TrainState(Stateful):
     optimizer state (the optimizer step waits for the copy).
     """
 
-    def __init__(self, engine: Engine, freeze_buffers: bool = False) -> None:
+    def __init__(self, engine: Engine, freeze_buffers: bool = False, scheduler: bool = True) -> None:
         self.engine = engine
         self.freeze_buffers = freeze_buffers
+        self.scheduler = scheduler and engine.scheduler is not None
+        self.unscheduled = not scheduler and engine.scheduler is not None  # loading a checkpoint saved without one
         self.nbytes = 0  # tensor bytes of the last state handed to or received from DCP (this rank's shards)
 
     def state_dict(self) -> dict[str, Any]:
@@ -102,11 +105,21 @@ class _TrainState(Stateful):
             buffers = {b.data_ptr() for b in self.engine.module.buffers() if b.numel()}
             state = _clone_where(state, buffers)
         self.nbytes = tensor_bytes(state)
+        if self.scheduler:
+            state["scheduler"] = copy.deepcopy(self.engine.scheduler.state_dict())
+        if self.unscheduled:  # a scheduler adds "initial_lr" to the optimizer's groups, which such a checkpoint lacks
+            state = _without(state, "initial_lr")
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.nbytes = tensor_bytes(state)
+        scheduler = state.pop("scheduler", None)
         self.engine.load_state_dict(state)
+        if scheduler is not None:
+            self.engine.scheduler.load_state_dict(scheduler)
+        if self.unscheduled:  # the groups loaded may have dropped it: put back what the scheduler set
+            for group, base in zip(self.engine.optimizer.param_groups, self.engine.scheduler.base_lrs, strict=False):
+                group.setdefault("initial_lr", base)
 
 
 class CheckpointManager:
@@ -198,8 +211,8 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------------------------
 
-    def _state(self, step: int, freeze_buffers: bool = False) -> dict[str, Any]:
-        state: dict[str, Any] = {"train": _TrainState(self.engine, freeze_buffers), "step": step}
+    def _state(self, step: int, freeze_buffers: bool = False, scheduler: bool = True) -> dict[str, Any]:
+        state: dict[str, Any] = {"train": _TrainState(self.engine, freeze_buffers, scheduler), "step": step}
         if self.loader is not None:
             state["data"] = dict(self.loader.state_dict())
         if self.extras:
@@ -387,7 +400,7 @@ class CheckpointManager:
                     f"checkpoint {info.path} was saved from another model (fingerprint {info.fingerprint}, this "
                     f"model {self.fingerprint}); use the same model definition or another --checkpoint-dir"
                 )
-            state = self._state(step)
+            state = self._state(step, scheduler=self._has_scheduler(path))
             error = "" if info is not None else f"its marker {path / COMMIT} is unreadable on this rank"
             started = time.perf_counter()
             if not error:
@@ -413,6 +426,21 @@ class CheckpointManager:
             self._set_aside(unusable)
             return step
         return self._nothing_loaded(unusable)
+
+    def _has_scheduler(self, path: Path) -> bool:
+        """Whether the checkpoint at ``path`` holds the engine's learning-rate scheduler (one saved before the script
+        gave ``scheduler=`` does not: the scheduler then starts from its first step, with a warning)."""
+        if self.engine.scheduler is None:
+            return False
+        try:
+            keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception:  # unreadable metadata: the load fails and says so
+            return True
+        if any(key.startswith("train.scheduler.") for key in keys):
+            return True
+        logger.warning("checkpoint %s holds no learning-rate scheduler state (saved without scheduler=); the "
+                       "scheduler starts from its first step", path)  # fmt: skip
+        return False
 
     def _set_aside(self, unusable: list[tuple[Path, str]]) -> None:
         """Rank 0 renames checkpoints that failed to load (newer than the one that did) out of the ``step-*``
@@ -482,6 +510,15 @@ def _step_of(path: Path) -> int:
         return int(path.name[len(_PREFIX) :])
     except ValueError:
         return -1
+
+
+def _without(tree: Any, name: str) -> Any:
+    """``tree`` (nested dicts and lists) without the dict entries named ``name``."""
+    if isinstance(tree, dict):
+        return {k: _without(v, name) for k, v in tree.items() if k != name}
+    if isinstance(tree, list):
+        return [_without(v, name) for v in tree]
+    return tree
 
 
 def _clone_where(tree: Any, pointers: set[int]) -> Any:

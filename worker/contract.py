@@ -104,6 +104,11 @@ class Engine(abc.ABC):
     (:meth:`settle`, before the next optimizer step changes the state)."""
     shadowed: bool = False
     """Set by :meth:`forward_backward`: this rank only shadowed the others' collectives in the last step."""
+    scheduler: Any = None
+    """The learning-rate scheduler (``session.engine(..., scheduler=)``, :meth:`use_scheduler`), stepped once after
+    every committed optimizer step. Its state goes with the optimizer's: into checkpoints, to newcomers, and back to
+    a buddy snapshot's step when a sharded engine rolls back. None: the learning rate is the script's business."""
+    _scheduler_factory: Callable[[Any], Any] | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -164,9 +169,38 @@ class Engine(abc.ABC):
             staging()
 
     def apply_update(self) -> None:
-        """The optimizer step of the gradients :meth:`forward_backward` left, then clear them."""
+        """The optimizer step of the gradients :meth:`forward_backward` left, then clear them; then the scheduler's
+        step, if there is one."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def use_scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """Build the learning-rate scheduler over this engine's optimizer, as ``factory(optimizer)``; the engine calls
+        it again whenever it builds a new optimizer (ZeRO and FSDP2 re-forming in place), keeping its state.
+
+        Raises:
+            EngineError: a scheduler stepped on a metric (``ReduceLROnPlateau``): pliant steps schedulers once per
+                committed step, with no argument.
+        """
+        scheduler = factory(self.optimizer)
+        if type(scheduler).__name__ == "ReduceLROnPlateau" or not hasattr(scheduler, "state_dict"):
+            raise EngineError(f"scheduler {type(scheduler).__name__} cannot be stepped once per step by the engine; "
+                              "pass a step-based LRScheduler, or step this one yourself and leave scheduler= out")
+        self.scheduler, self._scheduler_factory = scheduler, factory
+
+    def rebind_scheduler(self) -> None:
+        """After the optimizer was built again: the scheduler again over the new one, with the state it had, and the
+        learning rates it last set (a fresh scheduler resets them to the first step's)."""
+        if self.scheduler is None or self.scheduler.optimizer is self.optimizer:
+            return
+        assert self._scheduler_factory is not None
+        state = self.scheduler.state_dict()
+        self.scheduler = self._scheduler_factory(self.optimizer)
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
 
     def discard_update(self) -> None:
         """Drop the gradients of a step that will not be committed."""

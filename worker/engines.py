@@ -31,9 +31,11 @@ __all__ = [
     "ZeroEngine",
     "broadcast_hyper",
     "broadcast_module",
+    "broadcast_numbers",
     "broadcast_optimizer",
     "broadcast_tree",
     "loss_sum",
+    "sync_scheduler",
     "to_device",
     "weighted_backward",
 ]
@@ -226,6 +228,7 @@ class ZeroEngine(DDPEngine):
         cls, kwargs = self._optimizer_args
         full, self.optimizer = self._full, self._optimizer(cls, kwargs)
         self._full = full
+        self.rebind_scheduler()
 
     def sync_state(self, src: int) -> int:
         """The gathered state from ``src`` to the newcomers, then each rank keeps its new shard of it."""
@@ -380,6 +383,53 @@ def broadcast_tree(tree: dict[str, Any], src: int) -> int:
             dist.broadcast(box, src)
             tree[key] = type(value)(box.item())
     return nbytes
+
+
+def _numbers(tree: Any, out: list[float]) -> None:
+    """The numbers of a nested dict/list, in a fixed order (dicts by sorted key), appended to ``out``."""
+    if isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            _numbers(tree[key], out)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            _numbers(value, out)
+    elif _numeric(tree):
+        out.append(float(tree))
+
+
+def _refill(tree: Any, values: Any) -> Any:
+    """``tree`` with its numbers taken in turn from the iterator ``values`` (the order of :func:`_numbers`)."""
+    if isinstance(tree, dict):
+        return {key: _refill(tree[key], values) for key in sorted(tree, key=str)}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_refill(value, values) for value in tree)
+    if _numeric(tree):
+        value = next(values)
+        return bool(value) if isinstance(tree, bool) else type(tree)(value)
+    return tree
+
+
+def broadcast_numbers(tree: Any, src: int) -> Any:
+    """Rank ``src``'s numbers in a nested dict/list of the same structure on every rank (a scheduler's state: its
+    step count, last learning rates), in one float64 broadcast. Returns the tree with them; what is not a number
+    (a name, a None) stays as this rank has it."""
+    flat: list[float] = []
+    _numbers(tree, flat)
+    box = torch.tensor(flat, dtype=torch.float64)
+    dist.broadcast(box, src)
+    return _refill(tree, iter(box.tolist()))
+
+
+def sync_scheduler(engine: Engine, src: int) -> int:
+    """Make ``engine``'s learning-rate scheduler state (if it has one) equal to rank ``src``'s (collective). Returns
+    the bytes moved."""
+    if engine.scheduler is None:
+        return 0
+    state = broadcast_numbers(engine.scheduler.state_dict(), src)
+    engine.scheduler.load_state_dict(state)
+    numbers: list[float] = []
+    _numbers(state, numbers)
+    return 8 * len(numbers)
 
 
 def _materialize(optimizer: torch.optim.Optimizer) -> None:

@@ -177,6 +177,7 @@ class FSDPEngine(Engine):
                     buffer.copy_(self._buffers[name])
         self._buffers = {}
         self._build(module)
+        self.rebind_scheduler()
 
     def sync_state(self, src: int) -> int:
         """Rank ``src``'s full model and optimizer state to every rank, each of which loads its new shard of it."""

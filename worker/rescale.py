@@ -62,6 +62,7 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
+from pliant.worker.engines import sync_scheduler
 from pliant.worker.groups import RendezvousWatch, keepalive, retire_groups, sever, socket_fds
 from pliant.worker.nccl import Guard, NoGuard
 
@@ -299,8 +300,8 @@ class Protocol:
         started = time.perf_counter()
         partition, tensors = engine.shard()
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
-        nbytes = self.copies.take(self.session.env.generation, self.session.env.node_rank, self.steps_done,
-                                  partition, tensors, positions, hyper)  # fmt: skip
+        nbytes = self.copies.take(self.session.env.generation, self.session.env.node_rank, self.steps_done, partition,
+                                  tensors, positions, hyper, engine.scheduler and engine.scheduler.state_dict())
         self.session.metrics.snapshot_seconds.observe(time.perf_counter() - started)
         self.session.metrics.snapshot_bytes.inc(nbytes)
 
@@ -540,7 +541,7 @@ class Protocol:
         src = int(candidate.item())
         position = torch.tensor([[*loader.position()] for loader in self.loaders] or [[0, 0, 0]], dtype=torch.int64)
         dist.broadcast(position, src)
-        nbytes = received + sum(engine.sync_state(src) for engine in self.engines)
+        nbytes = received + sum(engine.sync_state(src) + sync_scheduler(engine, src) for engine in self.engines)
         rng = torch.get_rng_state()
         dist.broadcast(rng, src)
         if not holds_state:  # survivors keep their own streams; a newcomer continues the source's
@@ -589,6 +590,8 @@ class Protocol:
         slot = self.copies.slot(plan.step) if holds_state else None
         nbytes = engine.rebuild(partition.tolist(), receive, slot.hyper if slot else None)
         if slot is not None:
+            if slot.scheduler is not None:  # the learning rates of the redone steps
+                engine.scheduler.load_state_dict(slot.scheduler)
             for loader, position in zip(self.loaders, slot.positions, strict=False):
                 loader.load_position(*position)
             assert slot.rng is not None

@@ -119,9 +119,10 @@ class Session:
 
         Under an agent the generation's store is reached by :func:`pliant.worker.groups.connect_store`, which gives up
         once ``superseded()``; under torchrun, by torch's env:// rendezvous. ``meet_s`` bounds the meeting (reaching
-        the store and every rank's connections) instead of the collective timeout, which the group then takes."""
+        the store and every rank's connections) instead of the collective timeout, which the group then takes (the
+        shorter of the two bounds it)."""
         before = socket_fds()
-        self._init_group(superseded, timedelta(seconds=meet_s) if meet_s else self.timeout)
+        self._init_group(superseded, min(timedelta(seconds=meet_s), self.timeout) if meet_s else self.timeout)
         self.group_fds = socket_fds() - before
         if self._in_place:
             keepalive(self.group_fds)
@@ -167,12 +168,20 @@ class Session:
         model: torch.nn.Module,
         kind: str | EngineKind = EngineKind.DDP,
         optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
+        *,
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         **optimizer_kwargs: Any,
     ) -> Engine:
-        """Wrap ``model`` and build its optimizer.
+        """Wrap ``model`` and build its optimizer (``optimizer(params, **optimizer_kwargs)``).
+
+        Args:
+            scheduler: builds the learning-rate scheduler over the optimizer, e.g. ``lambda opt:
+                torch.optim.lr_scheduler.StepLR(opt, 100)``. The engine steps it after every committed step (do not
+                step it yourself) and keeps its state with the optimizer's: in checkpoints, for newcomers, and in a
+                sharded engine's roll back (:meth:`Engine.use_scheduler`).
 
         Raises:
-            EngineError: an unknown kind.
+            EngineError: an unknown kind, or a scheduler that steps on a metric.
         """
         self._meet()
         try:
@@ -191,6 +200,8 @@ class Session:
             joining = self.protocol is not None and self.protocol.pending_sync  # its state comes from peers
             engine = cls(model, optimizer, optimizer_kwargs, self.device, init_sync=not joining)
         engine.metrics = self.metrics
+        if scheduler is not None:
+            engine.use_scheduler(scheduler)
         if self.protocol is not None:
             engine.protocol = self.protocol
             self.protocol.parts.append(engine)

@@ -3,6 +3,7 @@ checkpoints are never loaded; another job's checkpoint is refused with a clear e
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -106,3 +107,26 @@ def test_partial_checkpoints_are_removed_once_superseded(tmp_path: Path) -> None
     (ckpt / "step-000000000001").mkdir()  # a save killed long ago
     _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--out", str(tmp_path))
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000000000003"]
+
+
+def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warning(tmp_path: Path) -> None:
+    """A scheduler adds ``initial_lr`` to the optimizer's groups and its own state to the checkpoint; one saved without
+    them loads, the scheduler starting afresh, and the next checkpoint holds it."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.integration.harness import ELASTIC
+
+    env = {**os.environ, "PLIANT_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PLIANT_JOB_ID": "job"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([sys.executable, str(ELASTIC), "--save-every", "5", *args],
+                                capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result
+
+    run("--steps", "5", "--lr-period", "0")
+    result = run("--steps", "10")
+    assert "holds no learning-rate scheduler state (saved without scheduler=); the scheduler starts" in result.stderr
+    keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "step-000000000010")).read_metadata().state_dict_metadata
+    assert {"train.scheduler.last_epoch", "train.scheduler.T_cur"} <= set(keys)
+    assert "holds no learning-rate" not in run("--steps", "15").stderr

@@ -42,7 +42,7 @@ if first:
         meet(first, 2)
     except RuntimeError:
         print("first meeting failed", flush=True)
-meet(second, 15 if reset else 4)  # without the reset the meeting cannot succeed: fail it soon
+meet(second, 15 if reset else 2)  # without the reset the meeting cannot succeed: fail it soon
 t = torch.ones(1)
 dist.all_reduce(t)
 print("sum", int(t.item()), flush=True)

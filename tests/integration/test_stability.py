@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow]
 
 HOOKS = Path(__file__).with_name("train_hooks.py")
 OUTAGE_S = float(os.environ.get("PLIANT_TEST_OUTAGE_S", "60"))  # longer outages: set it (the closing figures)
-STEPS = int(OUTAGE_S * 10 + 80)  # 0.1 s steps (fewer than 10 a second): training outlasts the outage
+STEPS = int(OUTAGE_S * 10 + 40)  # 0.1 s steps (fewer than 10 a second): training outlasts the outage
 
 
 def _args(coordinator: str, node: str, workdir: Path, steps: int, nnodes: str = "1:2", step_time: float = 0.1,
@@ -148,7 +148,7 @@ def test_workers_that_finish_during_an_outage_report_success_when_it_ends(spawn_
     wait_for(lambda: _stepping(tmp_path, 1, 2), 90, "node a stepping")
     replica.kill()
     wait_for(lambda: "workers done; waiting for the job to finish" in a.output(), 60, "the workers to finish")
-    time.sleep(5)  # the success waits in the agent's queue; the agent neither exits nor gives up
+    time.sleep(3)  # the success waits in the agent's queue; the agent neither exits nor gives up
     assert a.proc.poll() is None
     spawn_coordinator("r1", address=address)
     _finished([a], 60)
