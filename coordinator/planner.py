@@ -6,7 +6,10 @@ Rules (see docs/architecture.md):
   joiners wait as spares.
 - Scale-ups that arrive within ``join_grace_s`` of each other are batched into one generation; reaching
   ``max_nodes`` publishes at once. There is no fixed "last call".
-- A lost node (lease expired) or a graceful leave publishes a new generation at once, with every live node.
+- A lost node (lease expired) or a graceful leave publishes a new generation at once, with every live node. A node
+  of the generation whose live membership has another address (its agent restarted and joined again before its old
+  lease was evicted) is lost too, and rejoins as a newcomer: the generation's agent store on the old address is gone,
+  so that world can never form.
 - Below ``min_nodes`` the job waits: if it was running, an empty generation stops every worker; after
   ``min_nodes_timeout_s`` in that state the job fails with a reason naming the nodes it has.
 - A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
@@ -103,10 +106,12 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
 
     live = sorted(snap.members, key=lambda m: (m.order, m.node_id))
     live_by_id = {m.node_id: m for m in live}
+    placed = {m.node_id: m.address for m in gen.members} if gen else {}
     current_ids = gen.node_ids if gen else ()
-    survivors = [live_by_id[n] for n in current_ids if n in live_by_id]
-    removed = [n for n in current_ids if n not in live_by_id]
-    newcomers = [m for m in live if m.node_id not in current_ids]
+    survivors = [live_by_id[n] for n in current_ids if n in live_by_id and live_by_id[n].address == placed[n]]
+    kept = {m.node_id for m in survivors}
+    removed = [n for n in current_ids if n not in kept]
+    newcomers = [m for m in live if m.node_id not in kept]
     admitted = _admit(spec, survivors, newcomers)
     target = survivors + admitted
     running = bool(gen and gen.members)

@@ -87,6 +87,12 @@ CASES = [
          state=JobState.RUNNING, now=T0 + 10, expect=NewGeneration, nodes=("c", "b", "d")),
     Case("a spare replaces a lost node", [A, B, C, E], gen=generation(3, [A, B, C, D]), state=JobState.RUNNING,
          now=T0 + 10, expect=NewGeneration, nodes=("a", "b", "c", "e"), reason="failure"),
+    Case("a node whose agent restarted and rejoined before its eviction is lost, then rejoins last",
+         [A, Member("b", "b.local:40001", 0, T0 + 9, 9), C], gen=RUNNING_ABC, state=JobState.RUNNING, now=T0 + 10,
+         expect=NewGeneration, nodes=("a", "c", "b"), reason="failure", restarts=0),
+    Case("rank 0's node rejoined under a new address: the others take its place", [Member("a", "a.new:29500", 0,
+         T0 + 9, 9), B], gen=RUNNING_AB, state=JobState.RUNNING, now=T0 + 10, expect=NewGeneration,
+         nodes=("b", "a"), reason="failure"),
     # -- min nodes -----------------------------------------------------------------------------------------------------
     Case("below min while running stops every worker", [A], gen=RUNNING_AB, state=JobState.RUNNING, now=T0 + 10,
          expect=NewGeneration, nodes=(), reason="failure", new_state=JobState.WAITING),
