@@ -1,6 +1,7 @@
 """Process groups' sockets and lifecycle, for the rescale protocol (:mod:`pliant.worker.rescale`): which sockets a
-group opened, shutting them down so that peers blocked with this rank fail at once (``sever``), TCP keepalive so that a
-silent peer fails them within seconds (``keepalive``), and retiring a group without running its destructor
+group opened, shutting them down so that peers blocked with this rank fail at once (``sever``) or so that this rank's
+own blocked collective fails too (``shut_down``), TCP keepalive so that a silent peer fails them within seconds
+(``keepalive``), and retiring a group without running its destructor
 (``retire_groups``); connecting to a generation's store in short attempts that a newer generation can end
 (``connect_store``); and watching a rendezvous for a newer generation (``RendezvousWatch``)."""
 
@@ -36,6 +37,7 @@ __all__ = [
     "new_world",
     "retire_groups",
     "sever",
+    "shut_down",
     "socket_fds",
 ]
 
@@ -68,7 +70,22 @@ def sever(fds: set[int]) -> None:
         with contextlib.suppress(OSError, ValueError):
             sock = socket.socket(fileno=fd)
             try:
-                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer; gloo aborts the process on a local SHUT_RD
+                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer (a listener's SHUT_RD aborts gloo: see shut_down)
+            finally:
+                sock.detach()
+
+
+def shut_down(fds: set[int]) -> None:
+    """Shut down both directions of the process groups' connections, so that a collective this rank is blocked in
+    fails at once ("Connection closed"), whichever peer it waits on, and so do the peers' waiting on this rank (the
+    step guard's break, :mod:`pliant.worker.guard`). Listening sockets are left alone: gloo aborts the process when
+    its listener's ``accept`` fails."""
+    for fd in fds:
+        with contextlib.suppress(OSError, ValueError):
+            sock = socket.socket(fileno=fd)
+            try:
+                if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.detach()
 

@@ -9,13 +9,11 @@ communicator is finally torn down the step's buffers hold partial sums. So, in p
 - torch's own handling of NCCL errors is off (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, and no debug dump on an error:
   ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``; :func:`prepare`, where a value the user set wins). Its default tears the process
   down on the first error, and a survivor must live on;
-- a :class:`Guard` thread watches every step. It aborts the default group's NCCL communicator, which releases the
-  kernels and the blocked CPU, when NCCL reports an error (a peer's connection closed: within a fraction of a second
-  of a kill -9), or when the agent handed over a newer generation and the step has been running for
-  :data:`STALL_S` or three times the last step's time, whichever is longer (a peer cut off without a reset);
-- before the optimizer step the step synchronises with the GPU and :meth:`Guard.check` raises a peer failure when the
-  communicator failed or was aborted: no survivor applies a step the others did not. The failure path then re-forms
-  the world on a fresh communicator in the same process.
+- the step guard (:mod:`pliant.worker.guard`) aborts the default group's NCCL communicator (:func:`abort_nccl`),
+  which releases the kernels and the blocked CPU, when NCCL reports an error (:func:`nccl_error`) or a newer
+  generation waits for a blocked step; before the optimizer step the step synchronises with the GPU and the guard
+  raises a peer failure when the communicator failed or was aborted: no survivor applies a step the others did not.
+  The failure path then re-forms the world on a fresh communicator in the same process.
 
 Checked on one H100 with two ranks that NCCL takes for two hosts (``NCCL_HOSTID``; NCCL 2.28.9, torch 2.11): a peer's
 kill -9 is reported by NCCL within about a second (not timed more closely); without the abort the survivor stays
@@ -26,22 +24,12 @@ same process.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from pliant.progress import read_directive
-
-__all__ = ["POLL_S", "STALL_S", "Guard", "NoGuard", "abort_nccl", "backend_for", "has_nccl", "prepare"]
-
-logger = logging.getLogger(__name__)
-
-POLL_S = 0.05  # how often the guard looks at the communicator's error state and the agent's directive
-STALL_S = 2.0  # a step blocked this long (at least) while a newer generation is waiting is taken as broken
+__all__ = ["abort_nccl", "backend_for", "has_nccl", "nccl_backend", "nccl_error", "prepare"]
 
 
 def backend_for(backend: str, under_agent: bool) -> str:
@@ -59,7 +47,7 @@ def prepare(backend: str, in_place: bool) -> None:
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
-def _nccl_backend() -> object | None:
+def nccl_backend() -> object | None:
     """The default group's NCCL backend, or None (no group, or no NCCL in it)."""
     if not dist.is_initialized():
         return None
@@ -70,7 +58,7 @@ def _nccl_backend() -> object | None:
     return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
 
 
-def _failed(backend: object) -> str:
+def nccl_error(backend: object) -> str:
     """The backend's error state as text ("" while healthy; torch without ``get_error`` reports none)."""
     get_error = getattr(backend, "get_error", None)
     if get_error is None:
@@ -81,95 +69,14 @@ def _failed(backend: object) -> str:
 
 def has_nccl() -> bool:
     """The default group has an NCCL backend."""
-    return _nccl_backend() is not None
+    return nccl_backend() is not None
 
 
 def abort_nccl() -> bool:
     """Abort the default group's NCCL communicator (local: frees it and releases its kernels). False if none."""
-    backend = _nccl_backend()
+    backend = nccl_backend()
     if backend is None:
         return False
     with contextlib.suppress(RuntimeError):
         backend.abort()  # type: ignore[attr-defined]
     return True
-
-
-class NoGuard:
-    """The guard of a worker that is not on NCCL in place (gloo raises on a peer's failure by itself): watches
-    nothing."""
-
-    def begin(self, generation: int | None) -> None:
-        """See :meth:`Guard.begin`."""
-
-    def end(self) -> None:
-        """See :meth:`Guard.end`."""
-
-    def check(self) -> None:
-        """See :meth:`Guard.check`."""
-
-
-class Guard:
-    """Watches an in-place NCCL worker's steps (see the module docstring). One per protocol; a daemon thread.
-
-    Args:
-        progress_file: the worker's progress file (its agent's directives are read next to it).
-    """
-
-    def __init__(self, progress_file: str) -> None:
-        self.progress_file = progress_file
-        self.generation: int | None = 0
-        self._step_started: float | None = None
-        self._last_step_s = 0.0
-        self._why = ""
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._watch, name="pliant-nccl-guard", daemon=True)
-        self._thread.start()
-
-    def begin(self, generation: int | None) -> None:
-        """A step (or a re-formation) starts in ``generation``; None: only NCCL's own error counts (the step
-        boundary, during which the next generation's directive is expected)."""
-        with self._lock:
-            self.generation = generation
-            self._step_started = time.monotonic()
-            self._why = ""
-
-    def end(self) -> None:
-        """The step ended (committed, or failed and handled)."""
-        with self._lock:
-            if self._step_started is not None:
-                self._last_step_s = time.monotonic() - self._step_started
-            self._step_started = None
-
-    def check(self) -> None:
-        """Wait for the step's GPU work, then raise a peer failure if the communicator failed or was aborted.
-
-        Raises:
-            RuntimeError: naming NCCL (:func:`pliant.worker.rescale.is_peer_failure` takes it as a peer failure).
-        """
-        torch.cuda.current_stream().synchronize()
-        backend = _nccl_backend()
-        why = self._why or (_failed(backend) if backend is not None else "")
-        if why:
-            raise RuntimeError(f"NCCL: a peer failed during the step ({why}); the communicator was aborted")
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(POLL_S)
-            with self._lock:
-                started, last, generation = self._step_started, self._last_step_s, self.generation
-                if started is None or self._why:
-                    continue
-            backend = _nccl_backend()
-            if backend is None:
-                continue
-            why = _failed(backend)
-            if not why and generation is not None and time.monotonic() - started > max(STALL_S, 3 * last):
-                directive = read_directive(self.progress_file) if self.progress_file else None
-                if directive is not None and directive.generation > generation:
-                    why = (f"the step has run {time.monotonic() - started:.1f}s while generation "
-                           f"{directive.generation} waits")  # fmt: skip
-            if why:
-                with self._lock:
-                    self._why = why
-                logger.warning("NCCL guard: aborting the communicator of generation %d (%s)", generation, why)
-                abort_nccl()

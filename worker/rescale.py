@@ -64,7 +64,7 @@ from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, enco
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
 from pliant.worker.engines import sync_scheduler
 from pliant.worker.groups import RendezvousWatch, keepalive, retire_groups, sever, socket_fds
-from pliant.worker.nccl import Guard, NoGuard
+from pliant.worker.guard import Guard, NoGuard
 
 if TYPE_CHECKING:
     from pliant.worker.checkpoint import CheckpointManager
@@ -145,8 +145,8 @@ class Protocol:
         self.copies = BuddyCopies(self._tracked)  # a sharded engine's snapshots (pliant.worker.buddy)
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
-        # NCCL hangs where gloo raises: a guard thread aborts a communicator whose peer failed (pliant.worker.nccl)
-        self.guard = Guard(session.env.progress_file) if in_place and session.backend == "nccl" else NoGuard()
+        nccl, fds = session.backend == "nccl", lambda: session.group_fds  # a step that a dead or cut-off peer blocks
+        self.guard = Guard(session.env.progress_file, nccl, fds) if in_place else NoGuard()  # is broken: worker.guard
         if threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_signal)
             # Python puts the default action (death) back as it exits: a script past its last step would die of a
@@ -247,7 +247,7 @@ class Protocol:
             try:
                 vote = self._vote() if batch.step % VOTE_EVERY == 0 else None  # in flight while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
-                self.guard.check()  # NCCL: the step's collectives completed on every rank, or raise
+                self.guard.check()  # the step's collectives completed on every rank, or raise
                 failure = "the vote"
                 asked = self._counted(vote) if vote is not None else False
                 failure = "the update"  # ZeRO's step broadcasts the updated parameters
@@ -264,7 +264,7 @@ class Protocol:
                 if not (self._recoverable(engine) and is_peer_failure(exc)):
                     raise
                 failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
-            self.guard.end()
+            self.guard.end(committed=not failure)
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
                 engine.discard_update()
                 logger.warning("rank %d: a peer failed during step %d (%s); waiting for the next generation",
@@ -287,7 +287,7 @@ class Protocol:
         return True
 
     def guarded(self, collective: Callable[[], object]) -> None:
-        """Run a collective of the session's between steps under the NCCL guard (plainly on gloo)."""
+        """Run a collective of the session's between steps under the step guard."""
         self.guard.begin(self.session.env.generation)
         try:
             collective()

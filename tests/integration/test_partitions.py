@@ -68,7 +68,7 @@ def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: in
 
 def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_coordinator, spawn_agent, pki,
                                                                           fabric, tmp_path: Path) -> None:  # fmt: skip
-    steps = 110
+    steps = 150  # world 2 runs on while node b joins (its zygote and agent start took 6 s once: 110 ran out)
     _, _, b, agent_a, agent_b = _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False)
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     wait_for(lambda: _stepping(tmp_path, 4, first + 5), 60, "world 4 stepping on")
@@ -105,7 +105,7 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
     """Node b still reaches node a but not the coordinator: it is evicted and its workers stop, node a's re-form in
     place without it, and no checkpoint of the old world is committed after the new world opened the directory;
     once the partition heals node b joins again, in place, and the job ends exact."""
-    steps = 160  # with periodic checkpoints, so the fence has commits to refuse
+    steps = 260  # periodic checkpoints give the fence commits to refuse; node a trains on alone until b is back
     server, _, b, agent_a, agent_b = _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps,
                                                  ("--save-every", "5"), True)  # fmt: skip
     b_pids = {e["pid"] for e in _events(tmp_path) if e["world"] == 4 and e["rank"] in (2, 3)}

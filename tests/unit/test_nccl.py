@@ -1,5 +1,5 @@
-"""The CPU-checkable parts of NCCL's handling under the in-place protocol (pliant.worker.nccl); the guard itself runs
-in tests/integration/test_in_place_nccl.py where a GPU exists."""
+"""The CPU-checkable parts of NCCL's handling under the in-place protocol (pliant.worker.nccl); the step guard's abort
+of a communicator runs in tests/integration/test_in_place_nccl.py where a GPU exists."""
 
 from __future__ import annotations
 

@@ -1,0 +1,18 @@
+"""The step guard's rule (pliant.worker.guard.stalled): when a step that a newer generation waits for is taken as
+broken. The guard on real gloo processes: tests/integration/test_guard.py."""
+
+from __future__ import annotations
+
+from pliant.worker.guard import STALL_S, stalled
+
+
+def test_no_step_running_is_never_stalled() -> None:
+    assert not stalled(None, 0.0, now=1e6)
+
+
+def test_a_step_is_stalled_after_the_floor_or_three_last_steps_whichever_is_longer() -> None:
+    assert not stalled(100.0, 0.01, now=100.0 + STALL_S - 0.01)
+    assert stalled(100.0, 0.01, now=100.0 + STALL_S + 0.01)
+    slow = 4.0  # a slow model's step: three of them before a blocked step is broken
+    assert not stalled(100.0, slow, now=100.0 + 3 * slow - 0.1)
+    assert stalled(100.0, slow, now=100.0 + 3 * slow + 0.1)

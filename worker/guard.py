@@ -1,0 +1,149 @@
+"""The step guard of an in-place worker: a step that a dead or cut-off peer blocks is broken, never left to hang.
+
+Most failures need no guard: on gloo a peer's death closes its connections, and every collective waiting on it raises
+at once; TCP keepalive (:func:`pliant.worker.groups.keepalive`) fails a connection to a peer that went silent. Two
+cases remain, and a guard thread (one per protocol) watches every step for them:
+
+- **NCCL** does not raise: its kernels wait on the GPU for data that never comes, and the CPU blocks at its next
+  synchronisation. The guard aborts the default group's NCCL communicator when NCCL reports an error (a peer's
+  connection closed: within about a second of a kill -9 on an H100), which releases the kernels and the blocked CPU.
+- **A step blocked while the agent already handed over a newer generation**, on either backend. Gloo waits on one
+  peer's connection at a time, and wakes only when that connection fails. The chaos soak found a rank that waited on
+  a peer cut off by a partition, whose process was then stopped (its agent, cut off from the control plane, fenced
+  itself) while the link was down: the connection's close never arrived, its keepalive never fired, and the rank sat
+  in DDP's gradient all-reduce until the agent's hang detection replaced it a minute later, while the survivors had
+  long re-formed without it. So when a newer generation's directive waits (:mod:`pliant.progress`) and the step has
+  run for :data:`STALL_S` or three times the last step's time, whichever is longer (:func:`stalled`), the guard
+  breaks the step: on NCCL it aborts the communicator; on gloo it shuts down the group's connections
+  (:func:`pliant.worker.groups.shut_down`), which fails the collective waiting on any of them (and the peers' waiting
+  on this rank). A healthy step that merely outlasts the rule is redone in the new world; nothing is lost.
+
+After a break, :meth:`Guard.check` (before the optimizer step) raises a peer failure, so this rank never applies the
+step; :func:`pliant.worker.rescale.is_peer_failure` takes the error as one, and the failure path re-forms the world in
+the same process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from pliant.progress import read_directive
+from pliant.worker.groups import shut_down
+from pliant.worker.nccl import abort_nccl, nccl_backend, nccl_error
+
+__all__ = ["POLL_S", "STALL_S", "Guard", "NoGuard", "stalled"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often the guard looks at the step's time and the communicator's error state
+STALL_S = 2.0  # a step blocked this long (at least) while a newer generation is waiting is taken as broken
+
+
+def stalled(started: float | None, last_step_s: float, now: float) -> bool:
+    """Whether a step that began at ``started`` (monotonic; None: no step running) has run long enough, at ``now``, to
+    be broken if a newer generation waits: :data:`STALL_S` or three times the last step's time, whichever is longer."""
+    return started is not None and now - started > max(STALL_S, 3 * last_step_s)
+
+
+class NoGuard:
+    """The guard of a worker that does not re-form in place (the restart path takes every failure): watches nothing."""
+
+    def begin(self, generation: int | None) -> None:
+        """See :meth:`Guard.begin`."""
+
+    def end(self, committed: bool = True) -> None:
+        """See :meth:`Guard.end`."""
+
+    def check(self) -> None:
+        """See :meth:`Guard.check`."""
+
+
+class Guard:
+    """Watches an in-place worker's steps (see the module docstring). A daemon thread.
+
+    Args:
+        progress_file: the worker's progress file (its agent's directives are read next to it).
+        nccl: the default group runs its collectives on NCCL (else gloo).
+        sockets: the process groups' socket descriptors (``Session.group_fds``), which a break shuts down on gloo.
+    """
+
+    def __init__(self, progress_file: str, nccl: bool, sockets: Callable[[], set[int]]) -> None:
+        self.progress_file = progress_file
+        self.nccl = nccl
+        self._sockets = sockets
+        self.generation: int | None = 0
+        self._step_started: float | None = None
+        self._last_step_s = 0.0
+        self._why = ""
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="pliant-step-guard", daemon=True)
+        self._thread.start()
+
+    def begin(self, generation: int | None) -> None:
+        """A step (or a collective between steps) starts in ``generation``; None: only NCCL's own errors count (the
+        step boundary, during which the next generation's directive is expected)."""
+        with self._lock:
+            self.generation = generation
+            self._step_started = time.monotonic()
+            self._why = ""
+
+    def end(self, committed: bool = True) -> None:
+        """The step ended: ``committed``, or failed (its time, which includes the wait for the failure, is not the
+        step's)."""
+        with self._lock:
+            if self._step_started is not None and committed:
+                self._last_step_s = time.monotonic() - self._step_started
+            self._step_started = None
+
+    def check(self) -> None:
+        """Before the optimizer step: on NCCL wait for the step's GPU work; raise a peer failure if the guard broke
+        the step or the communicator failed.
+
+        Raises:
+            RuntimeError: naming the backend (:func:`pliant.worker.rescale.is_peer_failure` takes it as a peer
+                failure).
+        """
+        if self.nccl:
+            torch.cuda.current_stream().synchronize()
+            backend = nccl_backend()
+            why = self._why or (nccl_error(backend) if backend is not None else "")
+            if why:
+                raise RuntimeError(f"NCCL: a peer failed during the step ({why}); the communicator was aborted")
+        elif self._why:
+            raise RuntimeError(f"gloo: the step guard broke the step ({self._why}); its connections were shut down")
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            with self._lock:
+                started, last, generation = self._step_started, self._last_step_s, self.generation
+                if started is None or self._why:
+                    continue
+            backend = nccl_backend() if self.nccl else None
+            if self.nccl and backend is None:
+                continue
+            why = nccl_error(backend) if backend is not None else ""
+            now = time.monotonic()
+            if not why and generation is not None and stalled(started, last, now):
+                directive = read_directive(self.progress_file) if self.progress_file else None
+                if directive is not None and directive.generation > generation:
+                    why = f"the step has run {now - started:.1f}s while generation {directive.generation} waits"
+            if why:
+                self._break(generation, why)
+
+    def _break(self, generation: int | None, why: str) -> None:
+        with self._lock:
+            if self._step_started is None:  # the step ended meanwhile: the next one starts afresh
+                return
+            self._why = why
+        if self.nccl:
+            logger.warning("step guard: aborting the NCCL communicator of generation %s (%s)", generation, why)
+            abort_nccl()
+        else:
+            logger.warning("step guard: shutting down the gloo connections of generation %s (%s)", generation, why)
+            shut_down(self._sockets())
