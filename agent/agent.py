@@ -225,7 +225,8 @@ class Agent:
                 return
             try:
                 step = self.metrics.latest_step()
-                self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step)
+                self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step,
+                                      timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))  # fmt: skip
                 self._events.put(core.HeartbeatOk())
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from pliant.agent.contract import AgentError, GroupResult
-from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
+from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
 from pliant.progress import Directive, in_place_ready, write_directive
 from pliant.spawn import die_with_parent
 
@@ -365,6 +365,14 @@ class WorkerGroup:
             deadline = time.monotonic() + rescale_grace_s
             while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
                 time.sleep(0.02)
+            late = [w.proc.pid for w in self.workers if w.proc.poll() is None]
+            if late:  # what held them (their Python stacks, through the output pumps) before they are stopped
+                logger.warning("generation %d: workers %s did not exit within the rescale grace (%.0fs); their stacks "
+                               "follow", self.generation, late, rescale_grace_s)  # fmt: skip
+                for pid in late:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, STACKS_SIGNAL)
+                time.sleep(0.5)
         for worker in self.workers:
             _kill_group(worker.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

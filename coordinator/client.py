@@ -162,11 +162,16 @@ class CoordinatorClient:
         req = pb.JoinRequest(job_id=job_id, node_id=node_id, address=address, slots=slots, join_token=join_token)
         return JoinGrant(self._call("Join", req))
 
-    def heartbeat(self, job_id: str, node_id: str, lease_id: int, step: int = 0) -> float:
+    def heartbeat(
+        self, job_id: str, node_id: str, lease_id: int, step: int = 0, timeout_s: float | None = None
+    ) -> float:
         """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns its TTL.
-        Raises NotFound once the lease is gone (Join again)."""
+        ``timeout_s``: the deadline of each attempt (default: the client's), after which the next replica is tried:
+        an agent passes a fraction of the heartbeat TTL, so a replica that accepts calls but cannot answer them (cut
+        off from etcd) costs less than the TTL. Raises NotFound once the lease is gone (Join again)."""
         req = pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id, step=step)
-        return self._call("Heartbeat", req).ttl_s
+        deadline = timeout_s or self.timeout_s
+        return self._retrying(lambda stub: stub.Heartbeat(req, timeout=deadline), "Heartbeat").ttl_s
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))

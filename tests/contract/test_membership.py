@@ -9,6 +9,7 @@ import pytest
 
 from pliant.coordinator.contract import JobSpec, JobState, NotFound
 from tests.conftest import wait_for
+from tests.integration.proxy import Proxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,3 +105,29 @@ def test_concurrent_heartbeats_share_one_keepalive_stream(make_coordinator, flee
         with pytest.raises(NotFound, match="expired or was revoked"):
             client.heartbeat("job", "n0", grants[0].lease_id)
         assert client.heartbeat("job", "n1", grants[1].lease_id) > 0  # the stream is still fine
+
+
+def test_a_replica_cut_off_from_etcd_costs_a_heartbeat_only_its_deadline(etcd, make_coordinator, fleet) -> None:
+    """A replica that still takes calls but cannot reach etcd (a partition between them: its etcd requests hang for
+    their 5 s deadline) must cost a heartbeat less than the TTL: each attempt has the deadline the agent passes (a
+    third of the TTL), then the next replica answers. With the client's default deadline (5 s) the TTL (3 s) ran out
+    first: the chaos soak's minority fault once evicted every node that way."""
+    good = make_coordinator("r1")
+    proxy = Proxy(etcd.endpoint.removeprefix("http://"))
+    try:
+        cut_off = make_coordinator("r2", endpoints=(f"http://{proxy.address}",))
+        with fleet(good.address) as admin:
+            admin.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=3))
+            token = admin.tokens["job"]
+        with fleet([cut_off.address, good.address]) as nodes:
+            nodes.tokens["job"] = token
+            grant = nodes.join("job", "a", "127.0.0.1:29500")  # through r2, while it reaches etcd
+            client = nodes.node("a")
+            assert client._current == 0
+            proxy.mute()
+            started = time.monotonic()
+            assert client.heartbeat("job", "a", grant.lease_id, timeout_s=grant.heartbeat_ttl_s / 3) == 3
+            took = time.monotonic() - started
+            assert took < grant.heartbeat_ttl_s, f"the heartbeat took {took:.2f}s, past the TTL"
+    finally:
+        proxy.close()

@@ -15,7 +15,8 @@ class Proxy:
     """Forward ``127.0.0.1:<port>`` to ``target`` (HOST:PORT) until :meth:`cut`; :meth:`heal` restores it.
 
     While cut, every open connection is closed and new ones are closed as soon as they are accepted (the node sees
-    the coordinator unreachable).
+    the coordinator unreachable). While muted (:meth:`mute`), connections stay open and nothing gets through: the
+    far side goes silent, as behind a partition.
     """
 
     def __init__(self, target: str) -> None:
@@ -27,6 +28,7 @@ class Proxy:
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._muted = False
         threading.Thread(target=self._accept, name="proxy", daemon=True).start()
 
     def _accept(self) -> None:
@@ -49,11 +51,11 @@ class Proxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not self._muted:
+                    dst.sendall(data)
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -67,8 +69,13 @@ class Proxy:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
+    def mute(self) -> None:
+        """Drop everything both ways from now on, keeping every connection open (no reset, no close)."""
+        self._muted = True
+
     def heal(self) -> None:
         self._open = True
+        self._muted = False
 
     def close(self) -> None:
         self._closed = True

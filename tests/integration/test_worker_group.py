@@ -1,0 +1,48 @@
+"""An agent's worker group (pliant.agent.workers.WorkerGroup) stopping real worker processes: a worker that does not
+exit within the rescale grace has its Python stacks logged before it is stopped, so what held it shows."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pliant.agent.workers import WorkerCommand, WorkerGroup
+from pliant.env import STACKS_SIGNAL, WorkerEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+# A worker that dumps its stacks on the agent's signal (as the zygote arranges) and ignores the rescale request,
+# stuck in a function whose name the dump must show.
+_STUCK = f"""
+import faulthandler, signal, sys, time
+from pliant.env import RESCALE_SIGNAL
+faulthandler.register({int(STACKS_SIGNAL)}, file=sys.stderr, all_threads=True)
+signal.signal(RESCALE_SIGNAL, signal.SIG_IGN)
+def held_by_something():
+    print("ready", flush=True)
+    time.sleep(600)
+held_by_something()
+"""
+
+
+def test_a_worker_that_ignores_the_rescale_grace_has_its_stacks_logged(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK)
+    env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"))
+    group = WorkerGroup(1, [env], WorkerCommand((str(script),)), log_dir=tmp_path / "logs", base_env={
+        "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
+    group.start()
+    log = tmp_path / "logs" / "rank-0.log"
+    deadline = time.monotonic() + 30
+    while "ready" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.1)
+    started = time.monotonic()
+    result = group.stop(grace_s=2.0, rescale_grace_s=1.0)
+    assert time.monotonic() - started < 10
+    assert result.stopped and result.exit_codes[0] != 0
+    text = log.read_text()
+    assert "held_by_something" in text, text
