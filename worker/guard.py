@@ -8,15 +8,17 @@ cases remain, and a guard thread (one per protocol) watches every step for them:
   synchronisation. The guard aborts the default group's NCCL communicator when NCCL reports an error (a peer's
   connection closed: within about a second of a kill -9 on an H100), which releases the kernels and the blocked CPU.
 - **A step blocked while the agent already handed over a newer generation**, on either backend. Gloo waits on one
-  peer's connection at a time, and wakes only when that connection fails. The chaos soak found a rank that waited on
-  a peer cut off by a partition, whose process was then stopped (its agent, cut off from the control plane, fenced
-  itself) while the link was down: the connection's close never arrived, its keepalive never fired, and the rank sat
-  in DDP's gradient all-reduce until the agent's hang detection replaced it a minute later, while the survivors had
-  long re-formed without it. So when a newer generation's directive waits (:mod:`pliant.progress`) and the step has
-  run for :data:`STALL_S` or three times the last step's time, whichever is longer (:func:`stalled`), the guard
-  breaks the step: on NCCL it aborts the communicator; on gloo it shuts down the group's connections
-  (:func:`pliant.worker.groups.shut_down`), which fails the collective waiting on any of them (and the peers' waiting
-  on this rank). A healthy step that merely outlasts the rule is redone in the new world; nothing is lost.
+  peer's connection at a time, and wakes only when that connection fails. The chaos soak found a rank that waited on a
+  peer cut off by a partition, whose process was then stopped (its agent, cut off from the control plane, fenced
+  itself) while the link was down: neither that close, nor the other survivor's severed sockets, nor keepalive
+  released it (why is not established), and the rank sat in DDP's gradient all-reduce until the agent's hang detection
+  replaced it a minute later, while the survivors had long re-formed without it. So when a newer generation's
+  directive waits (:mod:`pliant.progress`) and the step has run for :data:`STALL_S` or three times the last step's
+  time, whichever is longer (:func:`stalled`), the guard breaks the step: on NCCL it aborts the communicator; on gloo
+  it shuts down the group's connections (:func:`pliant.worker.groups.shut_down`), which fails the collective waiting
+  on any of them (and the peers' waiting on this rank). A healthy step that merely outlasts the rule is redone in the
+  new world (DDP: that step; ZeRO and FSDP2: the steps since their last buddy snapshot); no sample is lost or
+  repeated.
 
 After a break, :meth:`Guard.check` (before the optimizer step) raises a peer failure, so this rank never applies the
 step; :func:`pliant.worker.rescale.is_peer_failure` takes the error as one, and the failure path re-forms the world in
