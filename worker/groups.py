@@ -70,7 +70,7 @@ def sever(fds: set[int]) -> None:
         with contextlib.suppress(OSError, ValueError):
             sock = socket.socket(fileno=fd)
             try:
-                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer (a listener's SHUT_RD aborts gloo: see shut_down)
+                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer (a failed accept on its listener aborts gloo)
             finally:
                 sock.detach()
 
