@@ -117,8 +117,9 @@ class CoordinatorClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _call(self, method: str, request: Any) -> Any:
-        return self._retrying(lambda stub: getattr(stub, method)(request, timeout=self.timeout_s), method)
+    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        deadline = timeout_s or self.timeout_s
+        return self._retrying(lambda stub: getattr(stub, method)(request, timeout=deadline), method)
 
     # -- API -----------------------------------------------------------------------------------------------------------
 
@@ -170,8 +171,7 @@ class CoordinatorClient:
         an agent passes a fraction of the heartbeat TTL, so a replica that accepts calls but cannot answer them (cut
         off from etcd) costs less than the TTL. Raises NotFound once the lease is gone (Join again)."""
         req = pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id, step=step)
-        deadline = timeout_s or self.timeout_s
-        return self._retrying(lambda stub: stub.Heartbeat(req, timeout=deadline), "Heartbeat").ttl_s
+        return self._call("Heartbeat", req, timeout_s).ttl_s
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))

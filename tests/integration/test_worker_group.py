@@ -11,6 +11,7 @@ import pytest
 
 from pliant.agent.workers import WorkerCommand, WorkerGroup
 from pliant.env import STACKS_SIGNAL, WorkerEnv
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,10 +37,7 @@ def test_a_worker_that_ignores_the_rescale_grace_has_its_stacks_logged(tmp_path:
         "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
     group.start()
     log = tmp_path / "logs" / "rank-0.log"
-    deadline = time.monotonic() + 30
-    while "ready" not in (log.read_text() if log.exists() else ""):
-        assert time.monotonic() < deadline, "the worker never started"
-        time.sleep(0.1)
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")
     started = time.monotonic()
     result = group.stop(grace_s=2.0, rescale_grace_s=1.0)
     assert time.monotonic() - started < 10
