@@ -63,7 +63,7 @@ from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
 from pliant.worker.engines import sync_scheduler
-from pliant.worker.groups import RendezvousWatch, keepalive, retire_groups, sever, socket_fds
+from pliant.worker.groups import RendezvousWatch, retire_groups, sever
 from pliant.worker.guard import Guard, NoGuard
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class Protocol:
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
-        self.copies = BuddyCopies(self._tracked)  # a sharded engine's snapshots (pliant.worker.buddy)
+        self.copies = BuddyCopies(session.tracked)  # a sharded engine's snapshots (pliant.worker.buddy)
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
         nccl, fds = session.backend == "nccl", lambda: session.group_fds  # a step that a dead or cut-off peer blocks
@@ -175,15 +175,6 @@ class Protocol:
     def _recoverable(self, engine: Engine) -> bool:
         """A peer's death costs only a step (replicas) or the steps since the last snapshot (buddy copies)."""
         return self.in_place and (engine.survives_peer_loss or (engine is self.sharded and self.copies.taken))
-
-    def _tracked(self, make: Callable[[], object]) -> object:
-        """Make a process group, noting the sockets it opens among those a failure severs."""
-        before = socket_fds()
-        group = make()
-        fds = socket_fds() - before
-        keepalive(fds)
-        self.session.group_fds |= fds
-        return group
 
     # -- joining a world -----------------------------------------------------------------------------------------------
 
@@ -454,7 +445,7 @@ class Protocol:
                         if isinstance(part, Engine):
                             part.rewrap()
                         else:
-                            part.reopen(env.generation)
+                            self.session.tracked(lambda: part.reopen(env.generation))  # noqa: B023 (run now)
                     break
                 except Exception as exc:
                     newer = read_directive(env.progress_file) if env.progress_file else None

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from pliant.worker.rescale import Protocol, announce_arrival
 __all__ = ["Session", "init"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def settle_gloo_threads(timeout_s: float = 2.0) -> None:
@@ -126,6 +128,18 @@ class Session:
         self.group_fds = socket_fds() - before
         if self._in_place:
             keepalive(self.group_fds)
+
+    def tracked(self, make: Callable[[], T]) -> T:
+        """Run ``make``, which opens a process group of this world (a checkpoint manager's, the buddy copies'), noting
+        the sockets it opens among :attr:`group_fds`, which a peer failure severs and the step guard shuts down: a
+        collective blocked on that group (an async save's, on a peer gone) is released with the others."""
+        before = socket_fds()
+        made = make()
+        fds = socket_fds() - before
+        if self._in_place:
+            keepalive(fds)
+        self.group_fds |= fds
+        return made
 
     def _init_group(self, superseded: Callable[[], bool], meet: timedelta) -> None:
         if self.env.master_port:
@@ -256,9 +270,9 @@ class Session:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
         env = self.env
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
-        manager = CheckpointManager(directory, engine, loader, job_id=env.job_id, generation=env.generation,
-                                    keep=keep, async_save=async_save, every_steps=every_steps, metrics=self.metrics,
-                                    allow_fresh_start=fresh, epoch=env.job_epoch)  # fmt: skip
+        manager = self.tracked(lambda: CheckpointManager(
+            directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep, async_save=async_save,
+            every_steps=every_steps, metrics=self.metrics, allow_fresh_start=fresh, epoch=env.job_epoch))  # fmt: skip
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
             self.protocol.parts.append(manager)
             manager.from_peers = self.protocol.sync_pending

@@ -74,3 +74,56 @@ def test_a_step_blocked_on_a_silent_peer_breaks_once_a_newer_generation_waits(tm
         for proc in ranks:
             proc.kill()
             proc.wait()
+
+
+# One rank of a three-rank session (collective timeout 60 s) with an async-saving checkpoint manager. Rank 2 goes
+# silent once the manager's group is made; ranks 0 and 1 start a save, whose collectives on that group then wait for
+# rank 2 in DCP's thread. Then they sever the session's sockets (as a peer failure or the step guard does) and exit,
+# which joins that thread. argv: rank, port, checkpoint directory.
+_SAVER = """
+import os, sys, time
+import torch
+import pliant.worker as pw
+from pliant.env import WorkerEnv
+from pliant.worker.groups import sever
+rank, port, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=3, local_world_size=3, master_port=port),
+                     timeout_s=60)
+engine = session.engine(torch.nn.Linear(64, 64), "ddp", torch.optim.SGD, lr=0.1)
+manager = session.checkpoints(engine, directory=directory, async_save=True)
+print("made", flush=True)
+if rank == 2:
+    time.sleep(80)
+manager.save(1)
+time.sleep(1.0)
+sever(session.group_fds)
+print("exiting", flush=True)
+"""
+
+
+def test_an_async_save_blocked_on_a_silent_peer_is_released_by_severing_the_session(tmp_path: Path) -> None:
+    """The checkpoint manager's group is among the session's sockets: a leaving or failed rank's exit, which joins
+    DCP's save thread, is not held until the collective timeout by a save waiting on a peer behind a partition."""
+    from pliant.net import free_port
+
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", _SAVER, str(rank), str(port), str(tmp_path / "ckpt")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(3)]
+    try:
+        assert ranks[0].stdout is not None
+        lines = []
+        while "exiting" not in lines[-1:]:
+            line = ranks[0].stdout.readline()
+            assert line, "rank 0 ended early: " + "".join(lines)
+            lines.append(line.strip())
+        exiting = time.monotonic()
+        ranks[0].wait(timeout=40)
+        exited = time.monotonic() - exiting
+        assert exited < 10.0, f"rank 0 took {exited:.1f}s to exit (the collective timeout is 60 s)"
+        assert not (tmp_path / "ckpt" / "step-000000000001" / "pliant-commit.json").exists()
+        print(f"rank 0 exited {exited:.2f}s after severing, with its save blocked on rank 2")
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
