@@ -351,6 +351,7 @@ class Report:
     unlogged: int = 0  # steps that lack a rank's line: it was killed between its commit and its log line
     minority_published: int = 0  # generations replica r2 published while its side was cut off (must be 0)
     majority_published: int = 0  # ... and r1, on the majority side, meanwhile
+    work: str = ""  # the run's directory: logs, events, checkpoints (the suite's short soak removes it if it passed)
 
     @property
     def faults(self) -> int:
@@ -434,7 +435,7 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
         codes = {name: agent.returncode for name, agent in soak.agents.items()}
     finally:
         soak.close()
-    report = Report(seed, steps, wall, codes, dict(recoveries), failed)
+    report = Report(seed, steps, wall, codes, dict(recoveries), failed, work=str(work))
     report.minority_published = sum(soak.during_cut(when) for when, _ in soak.published("r2"))
     report.majority_published = sum(soak.during_cut(when) for when, _ in soak.published("r1"))
     measure(work, report)

@@ -5,24 +5,45 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
+import threading
 import time
 from pathlib import Path
 
 __all__ = ["counted_samples", "join_flags", "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
 
 
+_TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
+_TAILS_LOCK = threading.Lock()
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (none if it does not exist), skipping a line still being written."""
-    if not path.exists():
+    """The JSON lines of ``path`` (none if it does not exist), skipping a line still being written or garbled.
+
+    The files read are logs that training processes append to while a test or a benchmark polls them, often every
+    few tens of milliseconds: each call parses only the complete lines appended since the last call on ``path`` (a
+    replaced or truncated file is read again from its start), so polling costs no CPU the job under test needs."""
+    key = str(path)
+    try:
+        with open(path, "rb") as f:
+            inode = os.fstat(f.fileno()).st_ino
+            with _TAILS_LOCK:
+                known, offset, items = _TAILS.get(key, (inode, 0, []))
+                if known != inode or os.fstat(f.fileno()).st_size < offset:
+                    offset, items = 0, []
+                f.seek(offset)
+                data = f.read()
+                end = data.rfind(b"\n") + 1  # only complete lines: the last one may still be being written
+                for line in data[:end].splitlines():
+                    try:
+                        items.append(json.loads(line))
+                    except ValueError:
+                        continue
+                _TAILS[key] = (inode, offset + end, items)
+                return list(items)
+    except FileNotFoundError:
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def longest_pause(events: list[dict], since: float) -> float:

@@ -96,10 +96,12 @@ def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tm
             assert [j.spec.job_id for j in client.list_jobs()] == [], "nothing may be written while etcd is down"
             etcd.kill()
             # A client call made while etcd is down succeeds once etcd is back: UNAVAILABLE is retried.
-            threading.Timer(1.0, etcd.start).start()
+            restart = threading.Timer(1.0, etcd.start)
+            restart.start()
             _info, created, _token = client.create_job(JobSpec("late", 1, 1))
             assert created
             assert client.get_job("late").status.state is JobState.WAITING
+            restart.join()  # its start() may still be checking etcd's health: the stop below would fail it
     finally:
         etcd.stop()
 
