@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -49,45 +49,59 @@ PROBE_S = 0.2  # between probes of a generation store's port that does not liste
 _RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see retire_groups
 
 
-def socket_fds() -> set[int]:
-    """This process's open socket file descriptors (Linux /proc; empty elsewhere)."""
+def socket_fds() -> set[tuple[int, int]]:
+    """This process's open sockets as (file descriptor, inode) pairs (Linux /proc; empty elsewhere).
+
+    A socket is known by both: a process group's sockets are found as those opened since a snapshot, while the old
+    groups' sockets close in gloo's own threads, and the kernel gives a new socket the lowest free descriptor. By
+    number alone a new group's socket that reuses a number closed after the snapshot would be missed, and never
+    severed, shut down or given keepalive (a step blocked on it waited out the 30 s rescale grace in the chaos soak)."""
     out = set()
     try:
         for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                    out.add(int(name))
+            with contextlib.suppress(OSError, ValueError):
+                link = os.readlink(f"/proc/self/fd/{name}")
+                if link.startswith("socket:["):
+                    out.add((int(name), int(link[8:-1])))
     except OSError:
         pass
     return out
 
 
-def sever(fds: set[int]) -> None:
+def _still_open(sockets: Iterable[tuple[int, int]]) -> Iterator[socket.socket]:
+    """The sockets of ``sockets`` still open under the same descriptor, each as a socket object that does not own it
+    (a descriptor since closed, or reused by another socket, is skipped)."""
+    for fd, inode in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
+                continue
+            sock = socket.socket(fileno=fd)
+        except (OSError, ValueError):
+            continue
+        try:
+            yield sock
+        finally:
+            sock.detach()
+
+
+def sever(sockets: Iterable[tuple[int, int]]) -> None:
     """Shut down (without closing) the sockets the old process group opened, so every peer still blocked in a
     collective with this rank sees the connection close and fails at once: gloo reports a failure only on a
     connection that closed, its abort closes none, and the group itself is never destroyed (:func:`retire_groups`)."""
-    for fd in fds:
-        with contextlib.suppress(OSError, ValueError):
-            sock = socket.socket(fileno=fd)
-            try:
-                sock.shutdown(socket.SHUT_WR)  # a FIN to the peer (a failed accept on its listener aborts gloo)
-            finally:
-                sock.detach()
+    for sock in _still_open(sockets):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)  # a FIN to the peer (a failed accept on its listener aborts gloo)
 
 
-def shut_down(fds: set[int]) -> None:
+def shut_down(sockets: Iterable[tuple[int, int]]) -> None:
     """Shut down both directions of the process groups' connections, so that a collective this rank is blocked in
     fails at once ("Connection closed"), whichever peer it waits on, and so do the peers' waiting on this rank (the
     step guard's break, :mod:`pliant.worker.guard`). Listening sockets are left alone: gloo aborts the process when
     its listener's ``accept`` fails."""
-    for fd in fds:
-        with contextlib.suppress(OSError, ValueError):
-            sock = socket.socket(fileno=fd)
-            try:
-                if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-            finally:
-                sock.detach()
+    for sock in _still_open(sockets):
+        with contextlib.suppress(OSError):
+            if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 2, 1, 3  # a silent peer is declared gone after ~5 s
@@ -95,25 +109,21 @@ USER_TIMEOUT_S = 10  # data unacknowledged this long aborts the connection (a li
 # and since Linux 5.11 also answers zero-window probes for a receiver too busy to read, which then never counts)
 
 
-def keepalive(fds: set[int]) -> None:
+def keepalive(sockets: Iterable[tuple[int, int]]) -> None:
     """Turn on TCP keepalive (and a user timeout for unacknowledged data) on a process group's sockets, so that a
     peer that went silent without closing its connections (a network partition, a frozen machine) makes the
     collectives waiting on it fail after about ``KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES``
     seconds (:data:`USER_TIMEOUT_S` when this rank was sending to it), with a transport error, instead of after the
     collective timeout. A busy peer's kernel still answers
     the probes: a slow step is never mistaken for a dead peer."""
-    for fd in fds:
-        with contextlib.suppress(OSError, ValueError):
-            sock = socket.socket(fileno=fd)
-            try:
-                if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1000 * USER_TIMEOUT_S)
-            finally:
-                sock.detach()
+    for sock in _still_open(sockets):
+        with contextlib.suppress(OSError):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1000 * USER_TIMEOUT_S)
 
 
 def retire_groups() -> None:

@@ -74,7 +74,7 @@ class Guard:
         sockets: the process groups' socket descriptors (``Session.group_fds``), which a break shuts down on gloo.
     """
 
-    def __init__(self, progress_file: str, nccl: bool, sockets: Callable[[], set[int]]) -> None:
+    def __init__(self, progress_file: str, nccl: bool, sockets: Callable[[], set[tuple[int, int]]]) -> None:
         self.progress_file = progress_file
         self.nccl = nccl
         self._sockets = sockets

@@ -94,7 +94,7 @@ class Session:
         else:
             self.device = torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)
-        self.group_fds: set[int] = set()
+        self.group_fds: set[tuple[int, int]] = set()  # (descriptor, inode): groups.socket_fds
         self._owns_group = not dist.is_initialized()
         self._in_place = bool(self.env.agent_store) and self.env.rescale == "in-place" and bool(self.env.master_port)
         nccl.prepare(self.backend, self._in_place)
