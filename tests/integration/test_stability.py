@@ -30,10 +30,10 @@ STEPS = int(OUTAGE_S * 10 + 40)  # 0.1 s steps (fewer than 10 a second): trainin
 
 
 def _args(coordinator: str, node: str, workdir: Path, steps: int, nnodes: str = "1:2", step_time: float = 0.1,
-          extra: tuple[str, ...] = (), checkpoints: bool = True) -> list[str]:  # fmt: skip
+          extra: tuple[str, ...] = (), checkpoints: bool = True, nproc: int = 2) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
-        "--nnodes", nnodes, "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.5",
+        "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
         "--stop-grace", "2", "--finish-grace", "10", "--log-dir", str(workdir / "logs"),
         *(("--checkpoint-dir", str(workdir / "ckpt")) if checkpoints else ()), *extra,
         str(HOOKS), "--steps", str(steps), "--step-time", str(step_time), "--save-every", "20",
@@ -87,12 +87,13 @@ def _assert_steps_through(workdir: Path, start: float, end: float) -> int:
 
 
 def _train_through_an_outage(target: object, spawn_agent, fleet, workdir: Path, down, up) -> None:
-    """Two agents x 2 workers train; ``down()`` starts the outage, ``up()`` ends it ``OUTAGE_S`` later. Nothing may
-    change: steps go on throughout, the same workers finish the job in generation 1, no restart is spent."""
+    """Two agents x 1 worker train (a minute of two loaded cores for the suite's other tests); ``down()`` starts the
+    outage, ``up()`` ends it ``OUTAGE_S`` later. Nothing may change: steps go on throughout, the same workers finish
+    the job in generation 1, no restart is spent."""
     address = target.address  # type: ignore[attr-defined]
-    a = spawn_agent(target, _args(address, "a", workdir, steps=STEPS, nnodes="2:2"), name="agent-a")
-    b = spawn_agent(target, _args(address, "b", workdir, steps=STEPS, nnodes="2:2"), name="agent-b")
-    wait_for(lambda: _stepping(workdir, 1, 4), 90, "the world of 4 stepping")
+    a = spawn_agent(target, _args(address, "a", workdir, steps=STEPS, nnodes="2:2", nproc=1), name="agent-a")
+    b = spawn_agent(target, _args(address, "b", workdir, steps=STEPS, nnodes="2:2", nproc=1), name="agent-b")
+    wait_for(lambda: _stepping(workdir, 1, 2), 90, "the world of 2 stepping")
     workers = _workers(a, b)
     started = time.time()
     down()
