@@ -35,6 +35,12 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, inter
         time.sleep(interval_s)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked ``long`` first (in their order): xdist hands tests out in collection order, and a long
+    test that starts last keeps one worker busy after the other has finished."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[object]:
     """One real etcd server for the session; tests isolate themselves with their own key prefix."""

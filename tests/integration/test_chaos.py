@@ -13,7 +13,7 @@ from bench import chaos
 from bench.netns import unavailable
 
 WHY = unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.skipif(bool(WHY), reason=WHY)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420), pytest.mark.skipif(bool(WHY), reason=WHY)]
 
 FAULTS, SEED = 11, 3656  # this seed draws every kind of fault (bench/chaos.py KINDS) once
 

@@ -118,11 +118,12 @@ def _check_redone(engine: str, events: list[dict], killed_at: float) -> tuple[in
     return before, resumed
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
 def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coordinator, spawn_agent, tmp_path: Path,
                                                                        engine: str) -> None:  # fmt: skip
     """World 4 on two nodes; kill -9 one of node b's workers (its agent replaces it in place), then node b whole."""
-    steps = 180
+    steps = 140  # world 4 forms in the first steps; the node kill comes near step 60-80 on 2 loaded cores
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine), step_time=0.05)
     a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, extra=("--max-restarts", "3"),

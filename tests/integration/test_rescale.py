@@ -45,6 +45,7 @@ def _stepping(tmp: Path, world: int, min_step: int = 0) -> bool:
     return any(e["world"] == world and e["step"] >= min_step for e in _events(tmp))
 
 
+@pytest.mark.long
 def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent, tmp_path: Path) -> None:
     steps = 160
     server = make_coordinator()

@@ -112,6 +112,7 @@ def _train_through_an_outage(target: object, spawn_agent, fleet, workdir: Path, 
     return steps
 
 
+@pytest.mark.long
 @pytest.mark.timeout(OUTAGE_S + 240)
 def test_a_60s_control_plane_outage_changes_nothing(spawn_coordinator, spawn_agent, fleet, tmp_path) -> None:
     """The whole control plane is unavailable for OUTAGE_S, in both of its ways: etcd goes down (the replicas stay up
