@@ -59,13 +59,12 @@ from pliant.coordinator.etcd_server import EtcdServer
 from pliant.env import STACKS_SIGNAL
 from pliant.net import free_port
 from pliant.tls import LocalCA, Role
-from pliant.worker.data import ElasticSampler
 
 if __package__:  # imported as bench.chaos (the suite's short soak, tests/integration/test_chaos.py)
-    from bench.common import counted_samples, max_param_diff, read_jsonl
+    from bench.common import batches_counted, max_param_diff, read_jsonl
     from bench.netns import Fabric, Node, unavailable
 else:  # python bench/chaos.py
-    from common import counted_samples, max_param_diff, read_jsonl
+    from common import batches_counted, max_param_diff, read_jsonl
     from netns import Fabric, Node, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -445,25 +444,7 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
 def measure(work: Path, report: Report) -> None:
     """Fill ``report`` from the job's per-step events, the agents' logs and a static run."""
     events = read_jsonl(work / "events.jsonl")
-    steps_run, _ = counted_samples(events)
-    last = {e["step"]: e["generation"] for e in sorted(events, key=lambda e: e["generation"])}
-    logged: dict[int, list[int]] = defaultdict(list)  # step -> its ranks' samples, in the generation that counts
-    for e in events:
-        if e["generation"] == last[e["step"]]:
-            logged[e["step"]].extend(e["samples"])
-    # A rank killed after its step committed but before its script logged the step leaves that step's line missing:
-    # such a step counts with the global batch the sampler gives it, once what was logged is part of that batch.
-    sampler = ElasticSampler(SAMPLES, GLOBAL_BATCH, 8)
-    per_step = -(-SAMPLES // GLOBAL_BATCH)
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for step in steps_run:
-        epoch, index = divmod(step, per_step)
-        expected = sampler.order(epoch)[index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH].tolist()
-        report.wrong += len(set(logged[step]) - set(expected))
-        if sorted(logged[step]) != sorted(expected) and set(logged[step]) <= set(expected):
-            report.unlogged += 1
-            per_epoch[epoch].extend(sorted(set(expected) - set(logged[step])))
-        per_epoch[epoch].extend(logged[step])
+    steps_run, per_epoch, report.wrong, report.unlogged = batches_counted(events, SAMPLES, GLOBAL_BATCH)
     complete = [ep for ep in per_epoch if ep < max(per_epoch)]
     report.steps_run, report.complete_epochs = len(steps_run), len(complete)
     report.duplicated = sum(len(per_epoch[ep]) - len(set(per_epoch[ep])) for ep in complete)

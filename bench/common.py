@@ -11,7 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["counted_samples", "join_flags", "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
+__all__ = ["batches_counted", "counted_samples", "join_flags", "longest_pause", "max_param_diff", "read_jsonl",
+           "scrape"]
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -90,6 +91,37 @@ def counted_samples(events: list[dict]) -> tuple[list[int], dict[int, list[int]]
         if e["generation"] == last_gen[e["step"]]:
             per_epoch.setdefault(e["epoch"], []).extend(e["samples"])
     return sorted(last_gen), per_epoch
+
+
+def batches_counted(events: list[dict], samples: int, global_batch: int,
+                    micro_batch: int = 8) -> tuple[list[int], dict[int, list[int]], int, int]:  # fmt: skip
+    """Like :func:`counted_samples`, checked against the global batches the elastic sampler gives each step (seed 0,
+    as ``examples/train_elastic.py``). A rank killed after its step committed but before its script logged the step
+    leaves that step's line missing: such a step counts with its whole global batch once what was logged is part of
+    it. Returns (steps run, samples per epoch, samples logged outside their step's global batch, steps completed that
+    way); a caller allows at most one such step per kill."""
+    from pliant.worker.data import ElasticSampler
+
+    steps_run, _ = counted_samples(events)
+    last = {e["step"]: e["generation"] for e in sorted(events, key=lambda e: e["generation"])}
+    logged: dict[int, list[int]] = {}  # step -> its ranks' samples, in the generation that counts
+    for e in events:
+        if e["generation"] == last[e["step"]]:
+            logged.setdefault(e["step"], []).extend(e["samples"])
+    sampler = ElasticSampler(samples, global_batch, micro_batch)
+    per_step = -(-samples // global_batch)
+    per_epoch: dict[int, list[int]] = {}
+    wrong = unlogged = 0
+    for step in steps_run:
+        epoch, index = divmod(step, per_step)
+        expected = sampler.order(epoch)[index * global_batch : (index + 1) * global_batch].tolist()
+        seen = logged.get(step, [])
+        wrong += len(set(seen) - set(expected))
+        if sorted(seen) != sorted(expected) and set(seen) <= set(expected):
+            unlogged += 1
+            per_epoch.setdefault(epoch, []).extend(sorted(set(expected) - set(seen)))
+        per_epoch.setdefault(epoch, []).extend(seen)
+    return steps_run, per_epoch, wrong, unlogged
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.common import counted_samples, longest_pause, max_param_diff, read_jsonl, scrape
+from bench.common import batches_counted, counted_samples, longest_pause, max_param_diff, read_jsonl, scrape
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
     "ELASTIC",
@@ -21,6 +21,7 @@ __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with
     "Step",
     "agent_args",
     "assert_all_gone",
+    "batches_counted",
     "counted_samples",
     "descendants",
     "elastic_agent",
