@@ -23,7 +23,8 @@ _RANK = """
 import sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from pliant.worker.groups import socket_fds
+from pliant.worker.groups import retire_groups, socket_fds
+from pliant.worker.session import settle_gloo_threads
 from pliant.worker.guard import Guard
 from pliant.worker.rescale import is_peer_failure
 rank, port, progress = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -47,6 +48,8 @@ except RuntimeError as exc:
           flush=True)
 guard.end(committed=False)
 print("alive", flush=True)
+retire_groups()  # as Session.close does: a gloo group's destructor at interpreter exit may abort the process
+settle_gloo_threads()
 """
 
 
