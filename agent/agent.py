@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from pliant.agent import core
 from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.metrics import AgentMetrics
+from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
@@ -85,6 +86,7 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
+        self._stores: StoreHost | None = None
         self._generations: dict[int, Generation] = {}
         self._newest_seen = 0  # the newest generation the watch delivered (it may wait in the event queue)
         self._events: queue.Queue[object] = queue.Queue()
@@ -98,7 +100,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
-        self._handover: tuple[Generation, list[WorkerEnv], int, float, object] | None = None
+        self._handover: tuple[Generation, list[WorkerEnv], int, float] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
@@ -111,6 +113,8 @@ class Agent:
         try:
             if self.zygote is None and not self.config.no_python:
                 self.zygote = Zygote(self.base_env)  # imports torch while the agent joins
+            # The stores run in the store host (the zygote forks it once torch is imported): never torch in here.
+            self._stores = self.zygote.stores if self.zygote is not None else StoreHost.standalone()
             port = self.config.store_port or free_port(self.config.host)
             self.address = f"{self.config.host}:{port}"
             if self.config.metrics_port is not None:
@@ -125,7 +129,7 @@ class Agent:
                                  (self._report_loop, "reporter")):  # fmt: skip
                 threading.Thread(target=target, name=name, daemon=True).start()
             # The join grace runs while the store starts (the agent's torch import); heartbeats are already going.
-            self.store = NodeStore(self.config.host, port)
+            self.store = NodeStore(self._stores, self.config.host, port)
             return self._loop()
         except (CoordinatorError, AgentError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)
@@ -135,10 +139,12 @@ class Agent:
             self._stop.set()
             if self.group is not None:
                 self.group.stop(self.config.stop_grace_s)
-            if self.zygote is not None:
-                self.zygote.close()
             if self.store is not None:
                 self.store.close()
+            if self.zygote is not None:
+                self.zygote.close()  # and its store host
+            elif self._stores is not None:
+                self._stores.close()
             self.client.close()
             if self.metrics_server is not None:
                 self.metrics_server.close()
@@ -445,25 +451,24 @@ class Agent:
         old = self._generations.get(self.group.generation)
         known = {m.node_id for m in old.members} if old else {m.node_id for m in gen.members}
         needed = sum(m.nproc for m in gen.members if m.node_id not in known)
-        self._handover = (gen, envs, needed, time.monotonic() + self.config.rescale_grace_s, None)
+        self._handover = (gen, envs, needed, time.monotonic() + self.config.rescale_grace_s)
         self._hand_over()
 
     def _hand_over(self) -> None:
         """Finish a pending in-place hand-over once the newcomers arrived (or the rescale grace ran out)."""
         if self._handover is None:
             return
-        gen, envs, needed, deadline, client = self._handover
+        gen, envs, needed, deadline = self._handover
         if self.group is None or self.state.group != gen.number:
             self._handover = None  # superseded
             return
         arrived = 0
         if needed:
             try:
-                client = client or NodeStore.client(envs[0].master_addr, envs[0].master_port, timeout_s=1.0)
-                arrived = NodeStore.arrivals(client)
+                assert self.store is not None
+                arrived = self.store.arrivals(envs[0].master_addr, envs[0].master_port)
             except Exception as exc:  # the store is not reachable yet: next tick
                 logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
-            self._handover = (gen, envs, needed, deadline, client)
             if arrived < needed and time.monotonic() < deadline:
                 return
         self._handover = None
@@ -496,7 +501,7 @@ class Agent:
             # Node rank 0 opens the store before it stops its old group, so this is normally at once; the bound is
             # the longest node rank 0 may take to stop that group, so a slow checkpoint never fails a join.
             wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
-            master_port = NodeStore.generation_port(gen.store_address, gen.number, timeout_s=wait_s,
+            master_port = self.store.generation_port(gen.store_address, gen.number, timeout_s=wait_s,
                                                     superseded=lambda: self._newest_seen > gen.number)  # fmt: skip
         master_addr = gen.store_address.rsplit(":", 1)[0]
         envs = [
@@ -572,7 +577,9 @@ class Agent:
         """The longest unbroken renewal streak among (up to 8 of) the generation's other agents; -1 if none."""
         gen = self.state.generation
         peers = [m for m in gen.members if m.node_id != self.config.node_id] if gen else []
-        return max([-1.0, *(NodeStore.peer_renewing(m.address) for m in peers[:8])])
+        if self.store is None:
+            return -1.0
+        return max([-1.0, *(self.store.peer_renewing(m.address) for m in peers[:8])])
 
     def _leave(self) -> None:
         self._left.set()  # no heartbeat, and no re-join, from here on

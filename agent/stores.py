@@ -6,20 +6,20 @@ prefix keys by restart count, and stale keys of a dead generation would otherwis
 agent publishes each generation's port in its long-lived store, where the other agents read it.
 
 Every store listens on the node's advertised address only (torch's TCPStore server would listen on every interface):
-pliant binds the socket itself and hands it over with ``master_listen_fd``. TCPStore has no authentication; see
+the store host binds the socket itself and hands it over with ``master_listen_fd``. The stores run in the store host
+(:mod:`pliant.agent.storehost`), so that the agent never imports torch. TCPStore has no authentication; see
 docs/operations.md (Security) for what the NetworkPolicy closes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 from pliant.agent.contract import AgentError
+from pliant.agent.storehost import REPLY_MARGIN_S, START_TIMEOUT_S, StoreHost, StoreHostError
 from pliant.net import parse_host_port
 
 __all__ = ["ARRIVED_KEY", "NodeStore", "reachable"]
@@ -38,35 +38,6 @@ def _port_key(generation: int) -> str:
     return f"/pliant/gen/{generation}/master_port"
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` only (port 0: a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _store_server(host: str, port: int) -> object:
-    """A TCPStore server listening on ``host:port`` only. The store owns the socket (it closes it when deleted)."""
-    from torch.distributed import TCPStore  # imported here: the agent joins before paying for torch
-
-    sock = _listen(host, port)
-    bound = sock.getsockname()[1]
-    fd = sock.detach()
-    try:
-        return TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
-                        master_listen_fd=fd, use_libuv=True)  # fmt: skip
-    except Exception:
-        os.close(fd)
-        raise
-
-
 def reachable(address: str, timeout_s: float = 0.5) -> bool:
     """True if something accepts TCP connections at ``address`` (an agent store)."""
     host, port = parse_host_port(address)
@@ -78,60 +49,55 @@ def reachable(address: str, timeout_s: float = 0.5) -> bool:
 
 
 class NodeStore:
-    """The agent's stores.
+    """The agent's stores, run by its store host (:mod:`pliant.agent.storehost`).
 
     Args:
+        stores: the store host.
         host: the address other nodes reach this node on.
         port: the long-lived store's port (0: a free one).
     """
 
-    def __init__(self, host: str, port: int = 0) -> None:
+    def __init__(self, stores: StoreHost, host: str, port: int = 0) -> None:
+        self.stores = stores
         self.host = host
         try:
-            self.server = _store_server(host, port)
-        except Exception as exc:
+            bound = int(stores.request("serve", START_TIMEOUT_S, host=host, port=port))
+        except StoreHostError as exc:
             raise AgentError(
                 f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port, or a --host "
                 f"that is one of this machine's addresses"
             ) from exc
-        self.address = f"{host}:{self.server.port}"  # type: ignore[attr-defined]
-        self._generation_stores: dict[int, object] = {}
+        self.address = f"{host}:{bound}"
+        self._generation_ports: dict[int, int] = {}
 
     def set_renewing(self, streak_s: int) -> None:
         """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing);
         see :meth:`peer_renewing`. A duration on this agent's own clock: no clocks are compared across nodes."""
-        self.server.set(_RENEWING_KEY, str(streak_s))  # type: ignore[attr-defined]
+        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_RENEWING_KEY, value=str(streak_s))
 
-    @staticmethod
-    def peer_renewing(address: str, timeout_s: float = 1.0) -> float:
+    def peer_renewing(self, address: str, timeout_s: float = 1.0) -> float:
         """For how long the agent whose store is at ``address`` has renewed its membership without a break (-1 when it
         is not renewing or does not answer)."""
-        from torch.distributed import TCPStore
-
-        host, port = parse_host_port(address)
         try:
-            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            if not client.check([_RENEWING_KEY]):
-                return -1.0
-            return float(client.get(_RENEWING_KEY))
-        except Exception:  # unreachable, or not an agent store
+            value = self.stores.request("get", timeout_s + REPLY_MARGIN_S, address=address, key=_RENEWING_KEY,
+                                        timeout=timeout_s, check=True)  # fmt: skip
+            return -1.0 if value is None else float(value)
+        except (StoreHostError, ValueError):  # unreachable, or not an agent store
             return -1.0
 
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
-        if generation in self._generation_stores:  # opened already (before the old group stopped)
-            return int(self._generation_stores[generation].port)  # type: ignore[attr-defined]
-        store = _store_server(self.host, 0)
-        self._generation_stores[generation] = store
-        for old in sorted(self._generation_stores)[:-_KEEP]:
-            del self._generation_stores[old]
-        port = int(store.port)  # type: ignore[attr-defined]
-        self.server.set(_port_key(generation), str(port))  # type: ignore[attr-defined]
+        if generation in self._generation_ports:  # opened already (before the old group stopped)
+            return self._generation_ports[generation]
+        port = int(self.stores.request("serve", START_TIMEOUT_S, host=self.host, port=0))
+        self._generation_ports[generation] = port
+        for old in sorted(self._generation_ports)[:-_KEEP]:
+            self.stores.request("close", REPLY_MARGIN_S, port=self._generation_ports.pop(old))
+        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_port_key(generation), value=str(port))
         logger.info("generation %d: store serving on %s:%d", generation, self.host, port)
         return port
 
-    @staticmethod
-    def generation_port(store_address: str, generation: int, timeout_s: float,
+    def generation_port(self, store_address: str, generation: int, timeout_s: float,
                         superseded: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
         """Read generation ``generation``'s store port from the agent store of node rank 0 at ``store_address``, in
         attempts of :data:`PORT_ATTEMPT_S`: between them, ``superseded()`` (a newer generation was seen) ends the wait,
@@ -141,38 +107,38 @@ class NodeStore:
             AgentError: that store did not answer or never published the port within ``timeout_s``, or the
                 generation was superseded first.
         """
-        from torch.distributed import TCPStore
-
-        host, port = parse_host_port(store_address)
         deadline = time.monotonic() + timeout_s
         while True:
             attempt = max(0.1, min(PORT_ATTEMPT_S, deadline - time.monotonic()))
+            started = time.monotonic()
             try:
-                client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=attempt))
-                return int(client.get(_port_key(generation)))
-            except Exception as exc:
+                return int(self.stores.request("get", attempt + REPLY_MARGIN_S, address=store_address,
+                                               key=_port_key(generation), timeout=attempt))  # fmt: skip
+            except (StoreHostError, TypeError, ValueError) as exc:
                 if superseded():
                     raise AgentError(f"generation {generation} was superseded while its store port was read from "
                                      f"{store_address}") from exc  # fmt: skip
                 if time.monotonic() >= deadline:
                     raise AgentError(
                         f"the agent store of node rank 0 at {store_address} did not give generation {generation}'s "
-                        f"store port within {timeout_s:g}s ({type(exc).__name__})"
+                        f"store port within {timeout_s:g}s ({exc})"
                     ) from exc
+                time.sleep(max(0.0, min(0.1, attempt - (time.monotonic() - started))))  # a refused connect: not a spin
 
-    @staticmethod
-    def arrivals(client: object) -> int:
-        """How many fresh workers announced that they are about to join the generation whose store ``client``
-        (a TCPStore client) reaches; see :func:`pliant.worker.rescale.announce_arrival`."""
-        return int(client.add(ARRIVED_KEY, 0))  # type: ignore[attr-defined]
+    def arrivals(self, host: str, port: int) -> int:
+        """How many fresh workers announced that they are about to join the generation whose store is at
+        ``host:port`` (see :func:`pliant.worker.rescale.announce_arrival`). The host keeps the client for the next poll.
 
-    @staticmethod
-    def client(host: str, port: int, timeout_s: float = 5.0) -> object:
-        """A TCPStore client of a generation's store."""
-        from torch.distributed import TCPStore
-
-        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        Raises:
+            StoreHostError: that store is not reachable (yet).
+        """
+        return int(self.stores.request("add", 1.0 + REPLY_MARGIN_S, address=f"{host}:{port}", key=ARRIVED_KEY,
+                                       amount=0, timeout=1.0, keep=True))  # fmt: skip
 
     def close(self) -> None:
-        self._generation_stores.clear()
-        del self.server
+        for port in self._generation_ports.values():
+            try:
+                self.stores.request("close", REPLY_MARGIN_S, port=port)
+            except StoreHostError:
+                break  # the host is gone, and its servers with it
+        self._generation_ports.clear()

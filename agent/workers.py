@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from pliant.agent.contract import AgentError, GroupResult
+from pliant.agent.storehost import StoreHost
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
 from pliant.progress import Directive, in_place_ready, write_directive
 from pliant.spawn import die_with_parent
@@ -115,11 +116,16 @@ class Zygote:
     def __init__(self, base_env: Mapping[str, str]) -> None:
         self.base_env = dict(base_env)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        stores, host_end = StoreHost.pair()
+        fds = [theirs.fileno(), host_end.fileno()]
         self.proc = subprocess.Popen(
-            die_with_parent([sys.executable, "-u", "-m", "pliant.agent.zygote", str(theirs.fileno())]),
-            env=self.base_env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], start_new_session=True,
+            die_with_parent([sys.executable, "-u", "-m", "pliant.agent.zygote", *map(str, fds)]),
+            env=self.base_env, stdin=subprocess.DEVNULL, pass_fds=fds, start_new_session=True,
         )  # fmt: skip
         theirs.close()
+        host_end.close()
+        self.stores = StoreHost(stores)  # the node's store host, which the zygote forks once torch is imported
+        self.stores_pid: int | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pids: dict[int, int] = {}
@@ -141,6 +147,8 @@ class Zygote:
                 message = json.loads(data)
                 if "exit" in message:
                     self._exits[message["exit"]] = message["code"]
+                elif "stores" in message:
+                    self.stores_pid = message["stores"]
                 elif "id" in message:
                     self._pids[message["id"]] = message["pid"]
                 self._changed.notify_all()
@@ -187,6 +195,7 @@ class Zygote:
         return None
 
     def close(self) -> None:
+        self.stores.close()
         with contextlib.suppress(OSError):
             self._sock.close()
         _kill_group(self.proc, signal.SIGKILL)

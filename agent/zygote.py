@@ -4,13 +4,15 @@ A worker forked from here starts in milliseconds instead of paying an interprete
 training script as ``python SCRIPT`` / ``python -m MODULE`` would (``__main__``, ``sys.argv``, ``sys.path[0]``),
 exiting through the normal interpreter shutdown (atexit handlers run).
 
-Run as ``python -m pliant.agent.zygote FD`` where FD is a SOCK_SEQPACKET Unix socket to the agent. The zygote stays
-single-threaded (forking is safe) and imports only the standard library and the preloaded modules. Messages are JSON:
+Run as ``python -m pliant.agent.zygote FD [STORE_FD]`` where FD is a SOCK_SEQPACKET Unix socket to the agent. The
+zygote stays single-threaded (forking is safe) and imports only the standard library and the preloaded modules. With
+STORE_FD (the store host's end of another socket pair), it forks the node's store host (:mod:`pliant.agent.storehost`)
+as soon as ``torch.distributed`` is imported, before the rest of the preload. Messages are JSON:
 
 - agent -> zygote ``{"op": "spawn", "id": N, "env": {...}, "argv": [...], "module": bool}`` with one fd attached:
   the write end of the worker's output pipe. Reply ``{"id": N, "pid": PID}``.
 - zygote -> agent ``{"exit": PID, "code": CODE}`` when a worker ends (CODE < 0: killed by that signal).
-- ``{"ready": true}`` once the preload is imported.
+- ``{"ready": true}`` once the preload is imported; ``{"stores": PID}`` once the store host is forked.
 
 Each worker leads its own session (stopping its process group stops everything it started) and gets SIGKILL when the
 zygote dies; the zygote gets SIGKILL when the agent dies (started through :mod:`pliant.spawn`).
@@ -130,12 +132,32 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
         _send(sock, {"id": message["id"], "pid": pid})
 
 
+def _fork_store_host(sock: socket.socket, store_fd: int) -> None:
+    """Fork the node's store host (:mod:`pliant.agent.storehost`) on ``store_fd``, with torch already imported."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        sock.close()
+        from pliant.agent.storehost import serve as serve_stores
+
+        serve_stores(store_fd)  # never returns
+    os.close(store_fd)
+    _send(sock, {"stores": pid})
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
+    store_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     for name in os.environ.get("PLIANT_WORKER_PRELOAD", ",".join(PRELOAD)).split(","):
         if name:
             with contextlib.suppress(ImportError):  # the script reports what it misses itself
                 importlib.import_module(name)
+        if store_fd is not None and "torch.distributed" in sys.modules:  # the stores need no more than this
+            _fork_store_host(sock, store_fd)
+            store_fd = None
+    if store_fd is not None:  # a preload without torch.distributed: the host imports it itself
+        _fork_store_host(sock, store_fd)
     job = serve(sock)
     if job is None:
         return

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from pliant.coordinator.contract import JobState
@@ -26,6 +27,8 @@ def test_second_node_joins_then_a_worker_is_killed(make_coordinator, spawn_agent
     events = tmp_path / "events.jsonl"
     a = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
     wait_world(events, restart=0, world=2, timeout_s=60)
+    loaded = [m.path for m in psutil.Process(a.pid).memory_maps() if "torch" in m.path]
+    assert not loaded, f"the agent process loaded torch ({loaded[:3]}): its stores belong in the store host"
 
     b = spawn_agent(server, agent_args(server.address, "job", "node-b", tmp_path), name="agent-b")
     before = _last_step(events)

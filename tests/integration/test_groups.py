@@ -155,13 +155,19 @@ def test_an_agent_stops_reading_a_superseded_generations_port() -> None:
     """A non-rank-0 agent reads each generation's store port from node rank 0's agent store; when node rank 0 died,
     the wait (up to a minute, in the agent's main thread) ends as soon as a newer generation is seen."""
     from pliant.agent.contract import AgentError
+    from pliant.agent.storehost import StoreHost
     from pliant.agent.stores import PORT_ATTEMPT_S, NodeStore
 
     address = f"127.0.0.1:{free_port()}"  # node rank 0's agent store, gone
-    seen = time.monotonic() + 1.0
-    started = time.monotonic()
-    with pytest.raises(AgentError, match="generation 5 was superseded"):
-        NodeStore.generation_port(address, 5, timeout_s=60, superseded=lambda: time.monotonic() > seen)
-    assert time.monotonic() - started < 1.0 + 2 * PORT_ATTEMPT_S + 1.0
-    with pytest.raises(AgentError, match="did not give generation 5's store port within 1s"):
-        NodeStore.generation_port(address, 5, timeout_s=1)
+    host = StoreHost.standalone()
+    try:
+        store = NodeStore(host, "127.0.0.1")  # this node's (waits for the host's torch import)
+        seen = time.monotonic() + 1.0
+        started = time.monotonic()
+        with pytest.raises(AgentError, match="generation 5 was superseded"):
+            store.generation_port(address, 5, timeout_s=60, superseded=lambda: time.monotonic() > seen)
+        assert time.monotonic() - started < 1.0 + 2 * PORT_ATTEMPT_S + 1.0
+        with pytest.raises(AgentError, match="did not give generation 5's store port within 1s"):
+            store.generation_port(address, 5, timeout_s=1)
+    finally:
+        host.close()

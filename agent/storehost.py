@@ -1,0 +1,268 @@
+"""The node's store host: the process that runs this node's TCPStores, so that the agent itself never imports torch.
+
+TCPStore (servers and clients) lives in torch, and importing torch costs an agent start about 2 s of CPU. A node
+start pays it once already, in its worker zygote (:mod:`pliant.agent.zygote`), so the zygote forks the store host
+as soon as it has imported ``torch.distributed``; an agent without a zygote (``--no-python``) starts it as ``python -m
+pliant.agent.storehost FD``. The agent's joining and its heartbeats never wait for torch; its stores are up when the
+zygote could fork the first worker anyway.
+
+The agent talks to its store host over a SOCK_SEQPACKET Unix socket; messages are JSON, one request or reply each:
+
+- ``{"id": N, "op": "serve", "host": H, "port": P}`` starts a TCPStore server listening on ``H:P`` only (P 0: a free
+  port); reply ``{"id": N, "value": PORT}``. ``{"op": "close", "port": P}`` stops it.
+- ``{"op": "set" | "get" | "add", "address": "H:P", "key": K, ...}`` on the store at that address: one this host
+  serves, or any other node's (as a client, within ``timeout`` seconds). ``get`` with ``check`` answers null at once
+  for a key that is not set; ``add`` adds ``amount`` and answers the sum; ``keep`` keeps the client for the next
+  requests (polling).
+- A failed request is answered ``{"id": N, "error": "..."}``.
+
+Requests are answered each on its own thread, so a ``get`` waiting for a key does not hold back a heartbeat's ``set``.
+The host exits when the agent's end of the socket closes (the agent exited or was killed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+from pliant.agent.contract import AgentError
+from pliant.net import parse_host_port
+from pliant.spawn import die_with_parent
+
+__all__ = ["StoreHost", "StoreHostError", "serve"]
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # a first request waits for the host's torch import (seconds on a loaded node)
+REPLY_MARGIN_S = 5.0  # beyond a request's own timeout
+_MAX_MESSAGE = 1 << 20
+
+
+class StoreHostError(AgentError):
+    """The store host failed a request, did not answer in time, or is gone."""
+
+
+# -- the host ----------------------------------------------------------------------------------------------------------
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` only (port 0: a free one). torch's TCPStore server would listen on every
+    interface; this one is handed over with ``master_listen_fd``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Host:
+    def __init__(self, sock: socket.socket) -> None:
+        from torch.distributed import TCPStore
+
+        self._store_type = TCPStore
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._servers: dict[int, tuple[str, Any]] = {}  # port -> (host, TCPStore server)
+        self._clients: dict[str, Any] = {}  # kept clients by address
+
+    def run(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:  # the agent is gone
+                return
+            threading.Thread(target=self._answer, args=(json.loads(data),), daemon=True).start()
+
+    def _answer(self, request: dict[str, Any]) -> None:
+        try:
+            reply = {"value": self._do(request)}
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
+        reply["id"] = request.get("id")
+        with self._send_lock, contextlib.suppress(OSError):
+            self._sock.send(json.dumps(reply).encode())
+
+    def _do(self, request: dict[str, Any]) -> Any:
+        op = request.get("op")
+        if op == "serve":
+            return self._serve(str(request["host"]), int(request["port"]))
+        if op == "close":
+            with self._lock:
+                self._servers.pop(int(request["port"]), None)  # the server closes its socket as it is freed
+            return None
+        if op not in ("set", "get", "add"):
+            raise ValueError(f"unknown op {op!r}")
+        address, keep = str(request["address"]), bool(request.get("keep"))
+        store = self._store(address, float(request.get("timeout", 5.0)), keep)
+        try:
+            if op == "set":
+                store.set(request["key"], str(request["value"]))
+                return None
+            if op == "add":
+                return int(store.add(request["key"], int(request.get("amount", 0))))
+            if request.get("check") and not store.check([request["key"]]):
+                return None
+            return store.get(request["key"]).decode()
+        except Exception:
+            with self._lock:
+                self._clients.pop(address, None)
+            raise
+
+    def _serve(self, host: str, port: int) -> int:
+        sock = _listen(host, port)
+        bound = int(sock.getsockname()[1])
+        fd = sock.detach()
+        try:
+            server = self._store_type(host, bound, is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=30), master_listen_fd=fd, use_libuv=True)  # fmt: skip
+        except Exception:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._servers[bound] = (host, server)
+        return bound
+
+    def _store(self, address: str, timeout_s: float, keep: bool) -> Any:
+        host, port = parse_host_port(address)
+        with self._lock:
+            served = self._servers.get(port)
+            if served is not None and served[0] == host:
+                return served[1]
+            if address in self._clients:
+                return self._clients[address]
+        client = self._store_type(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        if keep:
+            with self._lock:
+                self._clients[address] = client
+        return client
+
+
+def serve(fd: int) -> None:
+    """Run the store host on the connected socket ``fd`` until the agent's end closes; then end the process (its
+    servers with it). Called in a child the zygote forked, or by ``python -m pliant.agent.storehost FD``."""
+    with contextlib.suppress(OSError):
+        os.setsid()  # out of the zygote's process group: stopping workers never stops the stores
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    sock = socket.socket(fileno=fd)
+    try:
+        _Host(sock).run()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # not back into a forked zygote's loop; the servers' threads end with the process
+
+
+# -- the agent's side --------------------------------------------------------------------------------------------------
+
+
+class StoreHost:
+    """The agent's handle on its store host.
+
+    Args:
+        sock: the agent's end of the socket pair whose other end the host serves.
+        proc: the host's process when the agent started it itself (None: forked by the zygote).
+    """
+
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes] | None = None) -> None:
+        self._sock = sock
+        self.proc = proc
+        self._changed = threading.Condition()
+        self._replies: dict[int, dict[str, Any] | None] = {}  # id -> reply (None: awaited)
+        self._next_id = 0
+        self._closed = False
+        threading.Thread(target=self._read, name="store host", daemon=True).start()
+
+    @staticmethod
+    def pair() -> tuple[socket.socket, socket.socket]:
+        """(the agent's end, the host's end) of a new socket pair."""
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    @classmethod
+    def standalone(cls, env: dict[str, str] | None = None) -> StoreHost:
+        """Start a store host process of its own (it imports torch itself): for an agent without a zygote."""
+        ours, theirs = cls.pair()
+        proc = subprocess.Popen(
+            die_with_parent([sys.executable, "-u", "-m", "pliant.agent.storehost", str(theirs.fileno())]),
+            env=env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        return cls(ours, proc)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            with self._changed:
+                if not data:
+                    self._closed = True
+                    self._changed.notify_all()
+                    return
+                reply = json.loads(data)
+                if reply.get("id") in self._replies:  # a caller that gave up on it is not waiting any more
+                    self._replies[reply["id"]] = reply
+                    self._changed.notify_all()
+
+    def request(self, op: str, wait_s: float, **fields: Any) -> Any:
+        """Send one request and return its reply's value.
+
+        Raises:
+            StoreHostError: the host answered with an error, did not answer within ``wait_s``, or is gone.
+        """
+        with self._changed:
+            self._next_id += 1
+            ident = self._next_id
+            self._replies[ident] = None
+        try:
+            try:
+                self._sock.send(json.dumps({"id": ident, "op": op, **fields}).encode())
+            except OSError as exc:
+                raise StoreHostError(f"the store host is gone ({exc})") from exc
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._replies[ident] is not None or self._closed, wait_s):
+                    raise StoreHostError(f"the store host did not answer {op!r} within {wait_s:g}s")
+                reply = self._replies[ident]
+            if reply is None:
+                raise StoreHostError(f"the store host is gone (it exited before answering {op!r})")
+            if "error" in reply:
+                raise StoreHostError(str(reply["error"]))
+            return reply.get("value")
+        finally:
+            with self._changed:
+                self._replies.pop(ident, None)
+
+    def close(self) -> None:
+        """Close the agent's end: the host exits, and its stores with it."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self.proc is not None:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

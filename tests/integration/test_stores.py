@@ -1,0 +1,100 @@
+"""The node's store host (pliant.agent.storehost): real TCPStores in a real host process, forked by a real zygote or
+started on its own, reached by torch's own TCPStore clients as workers reach them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from pliant.agent.contract import AgentError
+from pliant.agent.storehost import StoreHost, StoreHostError
+from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable
+from pliant.agent.workers import Zygote
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() -> None:
+    zygote = Zygote({"PATH": "/usr/bin:/bin", "PLIANT_WORKER_PRELOAD": "torch,torch.distributed"})
+    other = StoreHost.standalone()  # another node's agent, without a zygote
+    try:
+        node0 = NodeStore(zygote.stores, "127.0.0.1")
+        node1 = NodeStore(other, "127.0.0.1")
+        wait_for(lambda: zygote.stores_pid is not None, 10, "the zygote to report its store host")
+        assert psutil.Process(zygote.stores_pid).ppid() == zygote.proc.pid
+
+        port = node0.open_generation(7)
+        assert node0.open_generation(7) == port, "opening a generation twice serves the same store"
+        assert node1.generation_port(node0.address, 7, timeout_s=5) == port
+
+        # A worker counts itself in the generation's store with torch's client; the agents read the count.
+        worker = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        worker.add(ARRIVED_KEY, 2)
+        assert node0.arrivals("127.0.0.1", port) == 2
+        worker.add(ARRIVED_KEY, 1)
+        assert node0.arrivals("127.0.0.1", port) == 3, "the kept client reads the new count"
+
+        assert node1.peer_renewing(node0.address) == -1.0, "nothing published yet"
+        node0.set_renewing(42)
+        assert node1.peer_renewing(node0.address) == 42.0
+        assert node1.peer_renewing(f"127.0.0.1:{port}") == -1.0, "a store without the key"
+
+        for generation in (8, 9):  # the current and the previous generation's stores stay open
+            node0.open_generation(generation)
+        wait_for(lambda: not reachable(f"127.0.0.1:{port}"), 10, "generation 7's store to close")
+        with pytest.raises(AgentError, match="did not give generation 99's store port within 1s"):
+            node1.generation_port(node0.address, 99, timeout_s=1)
+        with pytest.raises(AgentError, match=r"cannot start the agent store on 127\.0\.0\.1:"):
+            NodeStore(other, "127.0.0.1", int(node0.address.rsplit(":", 1)[1]))  # that port is taken
+    finally:
+        other.close()
+        zygote.close()
+    address = node0.address
+    wait_for(lambda: not psutil.pid_exists(zygote.stores_pid) or
+             psutil.Process(zygote.stores_pid).status() == psutil.STATUS_ZOMBIE, 10,
+             "the store host to exit with its zygote's handle")  # fmt: skip
+    assert not reachable(address)
+    with pytest.raises(StoreHostError, match="gone"):
+        zygote.stores.request("get", 2.0, address=address, key="x")
+
+
+_HOLDER = """
+import os, time
+from pliant.agent.stores import NodeStore
+from pliant.agent.workers import Zygote
+zygote = Zygote(dict(os.environ, PLIANT_WORKER_PRELOAD="torch,torch.distributed"))
+store = NodeStore(zygote.stores, "127.0.0.1")
+while zygote.stores_pid is None:
+    time.sleep(0.01)
+print(zygote.stores_pid, store.address, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_store_host_ends_when_its_agent_is_killed() -> None:
+    """kill -9 of the agent closes its end of the socket: the host (forked by the zygote, in a session of its own,
+    so no parent-death signal reaches it) exits, and its stores stop listening."""
+    agent = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None
+        pid, address = agent.stdout.readline().split()
+        assert reachable(address)
+        assert "torch" not in "".join(m.path for m in psutil.Process(agent.pid).memory_maps()), \
+            "the agent's side never loads torch"
+        agent.kill()
+        agent.wait(10)
+        started = time.monotonic()
+        wait_for(lambda: not reachable(address), 10, "the agent store to close")
+        wait_for(lambda: not psutil.pid_exists(int(pid)) or
+                 psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE, 10, "the store host to exit")  # fmt: skip
+        print(f"store host gone {time.monotonic() - started:.2f}s after its agent's kill -9")
+    finally:
+        agent.kill()
+        agent.wait(10)
