@@ -23,6 +23,8 @@ The host exits when the agent's end of the socket closes (the agent exited or wa
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -35,16 +37,19 @@ from datetime import timedelta
 from typing import Any
 
 from pliant.agent.contract import AgentError
+from pliant.env import STACKS_SIGNAL
 from pliant.net import parse_host_port
 from pliant.spawn import die_with_parent
 
-__all__ = ["StoreHost", "StoreHostError", "serve"]
+__all__ = ["PROCESS_NAME", "StoreHost", "StoreHostError", "serve"]
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # a first request waits for the host's torch import (seconds on a loaded node)
 REPLY_MARGIN_S = 5.0  # beyond a request's own timeout
 _MAX_MESSAGE = 1 << 20
+PROCESS_NAME = "pliant-stores"  # the store host's process name (at most 15 characters)
+_PR_SET_NAME = 15
 
 
 class StoreHostError(AgentError):
@@ -156,11 +161,16 @@ class _Host:
 
 def serve(fd: int) -> None:
     """Run the store host on the connected socket ``fd`` until the agent's end closes; then end the process (its
-    servers with it). Called in a child the zygote forked, or by ``python -m pliant.agent.storehost FD``."""
+    servers with it). Called in a child the zygote forked, or by ``python -m pliant.agent.storehost FD``.
+
+    The process is named :data:`PROCESS_NAME` (``ps``, ``/proc/PID/comm``), which tells it from the workers the same
+    zygote forked, and writes its threads' stacks on :data:`pliant.env.STACKS_SIGNAL` as a worker does."""
     with contextlib.suppress(OSError):
         os.setsid()  # out of the zygote's process group: stopping workers never stops the stores
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(_PR_SET_NAME, PROCESS_NAME.encode(), 0, 0, 0)
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     sock = socket.socket(fileno=fd)
     try:
         _Host(sock).run()

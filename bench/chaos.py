@@ -184,7 +184,7 @@ class Soak:
                 for proc in psutil.Process(agent.pid).children(recursive=True):
                     with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                         if proc.ppid() != agent.pid or "pliant.agent.zygote" not in " ".join(proc.cmdline()):
-                            os.kill(proc.pid, STACKS_SIGNAL)
+                            os.kill(proc.pid, STACKS_SIGNAL)  # the store host writes its stacks too
 
     # -- faults ------------------------------------------------------------------------------------------------------
 

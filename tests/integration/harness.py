@@ -85,6 +85,25 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def is_store_host(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a node's store host (forked by the zygote, as the workers are)."""
+    from pliant.agent.storehost import PROCESS_NAME
+
+    try:
+        return proc.name() == PROCESS_NAME
+    except psutil.NoSuchProcess:
+        return False
+
+
+def worker_processes(agent_pid: int) -> list[psutil.Process]:
+    """The workers the zygote of the agent ``agent_pid`` forked (not its store host), oldest first."""
+    try:
+        zygotes = [c for c in psutil.Process(agent_pid).children() if "pliant.agent.zygote" in " ".join(c.cmdline())]
+        return [w for z in zygotes for w in z.children() if not is_store_host(w)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

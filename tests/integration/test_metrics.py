@@ -15,7 +15,7 @@ import pytest
 
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
-from tests.integration.harness import scrape
+from tests.integration.harness import scrape, worker_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -23,10 +23,7 @@ SCRIPT = ROOT / "examples" / "train_elastic.py"
 
 
 def _workers(agent_pid: int) -> list[psutil.Process]:
-    for child in psutil.Process(agent_pid).children():
-        if "pliant.agent.zygote" in " ".join(child.cmdline()):
-            return child.children()
-    return []
+    return worker_processes(agent_pid)
 
 
 def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordinator, spawn_agent, tmp_path: Path,

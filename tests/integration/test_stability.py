@@ -19,7 +19,7 @@ from bench.netns import unavailable
 from pliant.coordinator.contract import JobState
 from pliant.coordinator.etcd_server import EtcdServer
 from tests.conftest import health_serving, wait_for
-from tests.integration.harness import assert_all_gone, descendants, read_jsonl
+from tests.integration.harness import assert_all_gone, read_jsonl, worker_processes
 from tests.integration.proxy import Proxy
 
 pytestmark = [pytest.mark.slow]
@@ -52,19 +52,8 @@ def _stepping(workdir: Path, generation: int, world: int, after: float = 0.0) ->
 
 
 def _workers(*agents: object) -> set[int]:
-    """Worker pids under the agents: the processes their zygotes forked."""
-    import psutil
-
-    out: set[int] = set()
-    for agent in agents:
-        for pid in descendants(agent.pid):  # type: ignore[attr-defined]
-            try:
-                parent = psutil.Process(pid).parent()
-                if parent is not None and parent.pid != agent.pid and "pliant.agent.zygote" in parent.cmdline():
-                    out.add(pid)
-            except psutil.NoSuchProcess:
-                continue
-    return out
+    """Worker pids under the agents: the processes their zygotes forked (not their store hosts)."""
+    return {w.pid for agent in agents for w in worker_processes(agent.pid)}  # type: ignore[attr-defined]
 
 
 def _finished(agents: list, timeout_s: float = 60) -> None:

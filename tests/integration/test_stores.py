@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from pliant.agent.contract import AgentError
-from pliant.agent.storehost import StoreHost, StoreHostError
+from pliant.agent.storehost import PROCESS_NAME, StoreHost, StoreHostError
 from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable
 from pliant.agent.workers import Zygote
 from tests.conftest import wait_for
@@ -28,7 +28,8 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         node0 = NodeStore(zygote.stores, "127.0.0.1")
         node1 = NodeStore(other, "127.0.0.1")
         wait_for(lambda: zygote.stores_pid is not None, 10, "the zygote to report its store host")
-        assert psutil.Process(zygote.stores_pid).ppid() == zygote.proc.pid
+        host = psutil.Process(zygote.stores_pid)
+        assert host.ppid() == zygote.proc.pid and host.name() == PROCESS_NAME, "ps tells it from the workers"
 
         port = node0.open_generation(7)
         assert node0.open_generation(7) == port, "opening a generation twice serves the same store"
