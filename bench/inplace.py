@@ -6,7 +6,8 @@ gap between two of rank 0's steps around the join, minus the median step time of
 the new world's slower first step). ``in-place`` runs without a checkpoint directory (the state moves over the new
 process group: DDP's broadcast of the parameters, pliant's of the optimizer state); ``restart`` checkpoints at the step
 boundary (sync DCP save), exits and restores in new processes. The bandwidth comes from the survivor's own log line
-(bytes moved by pliant plus the parameters DDP broadcast, over the re-formation's seconds, set-up included).
+(the bytes pliant broadcast, parameters and optimizer state, over the re-formation's seconds, set-up included; DDP's
+own broadcast at wrap time is off in place).
 
 Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval: one node with 2 ZeRO
 ranks trains the same model under ``--rescale in-place`` (a snapshot every SNAPSHOT_EVERY steps, sent to the buddy in
@@ -168,7 +169,7 @@ def main() -> None:
           f"{inp['join'] / rst['join']:>9.2f}x")  # fmt: skip
     print(f"{'median step at world 2':<44}{inp['step']:>11.2f}s{rst['step']:>11.2f}s")
     if "reform_s" in inp:
-        moved = inp["sync_bytes"] + params * 4  # pliant's optimizer broadcast + DDP's parameter broadcast
+        moved = inp["sync_bytes"]  # pliant's broadcasts of the parameters and the optimizer state
         print(f"re-formation in place: {inp['reform_s']:.2f}s for {moved / 1e9:.2f} GB of state "
               f"({moved / 1e9 / inp['reform_s']:.2f} GB/s, process group set-up included)")  # fmt: skip
 
