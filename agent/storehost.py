@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -174,6 +175,10 @@ def serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     try:
         _Host(sock).run()
+    except BaseException:  # e.g. torch missing: say why in the node's log; the agent sees the host gone
+        traceback.print_exc()
+        print(f"pliant store host (pid {os.getpid()}): exiting; this node's agent cannot serve its stores",
+              file=sys.stderr, flush=True)  # fmt: skip
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
