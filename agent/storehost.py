@@ -57,6 +57,14 @@ class StoreHostError(AgentError):
     """The store host failed a request, did not answer in time, or is gone."""
 
 
+def _receive(sock: socket.socket) -> bytes:
+    """The next message on ``sock``; empty once the other end closed (or the socket failed)."""
+    try:
+        return sock.recv(_MAX_MESSAGE)
+    except OSError:
+        return b""
+
+
 # -- the host ----------------------------------------------------------------------------------------------------------
 
 
@@ -88,10 +96,7 @@ class _Host:
 
     def run(self) -> None:
         while True:
-            try:
-                data = self._sock.recv(_MAX_MESSAGE)
-            except OSError:
-                data = b""
+            data = _receive(self._sock)
             if not data:  # the agent is gone
                 return
             threading.Thread(target=self._answer, args=(json.loads(data),), daemon=True).start()
@@ -223,10 +228,7 @@ class StoreHost:
 
     def _read(self) -> None:
         while True:
-            try:
-                data = self._sock.recv(_MAX_MESSAGE)
-            except OSError:
-                data = b""
+            data = _receive(self._sock)
             with self._changed:
                 if not data:
                     self._closed = True
