@@ -576,10 +576,8 @@ class Agent:
     def _peers_renewing(self) -> float:
         """The longest unbroken renewal streak among (up to 8 of) the generation's other agents; -1 if none."""
         gen = self.state.generation
-        peers = [m for m in gen.members if m.node_id != self.config.node_id] if gen else []
-        if self.store is None:
-            return -1.0
-        return max([-1.0, *(self.store.peer_renewing(m.address) for m in peers[:8])])
+        peers = [m.address for m in gen.members if m.node_id != self.config.node_id] if gen else []
+        return self.store.longest_renewing(peers[:8]) if self.store is not None else -1.0
 
     def _leave(self) -> None:
         self._left.set()  # no heartbeat, and no re-join, from here on

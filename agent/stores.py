@@ -85,6 +85,10 @@ class NodeStore:
         except (StoreHostError, ValueError):  # unreachable, or not an agent store
             return -1.0
 
+    def longest_renewing(self, addresses: list[str]) -> float:
+        """The longest of :meth:`peer_renewing` over the agent stores at ``addresses`` (-1 if none answers)."""
+        return max([-1.0, *(self.peer_renewing(address) for address in addresses)])
+
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
         if generation in self._generation_ports:  # opened already (before the old group stopped)

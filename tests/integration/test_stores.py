@@ -16,6 +16,7 @@ from pliant.agent.contract import AgentError
 from pliant.agent.storehost import PROCESS_NAME, StoreHost, StoreHostError
 from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable
 from pliant.agent.workers import Zygote
+from pliant.net import free_port
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,6 +47,8 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         node0.set_renewing(42)
         assert node1.peer_renewing(node0.address) == 42.0
         assert node1.peer_renewing(f"127.0.0.1:{port}") == -1.0, "a store without the key"
+        gone = f"127.0.0.1:{free_port()}"
+        assert node1.longest_renewing([gone, node0.address]) == 42.0 and node1.longest_renewing([gone]) == -1.0
 
         for generation in (8, 9):  # the current and the previous generation's stores stay open
             node0.open_generation(generation)
@@ -70,6 +73,7 @@ _HOLDER = """
 import os, time
 from pliant.agent.stores import NodeStore
 from pliant.agent.workers import Zygote
+from pliant.net import free_port
 zygote = Zygote(dict(os.environ, PLIANT_WORKER_PRELOAD="torch,torch.distributed"))
 store = NodeStore(zygote.stores, "127.0.0.1")
 while zygote.stores_pid is None:
