@@ -128,7 +128,7 @@ class Agent:
             for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
                                  (self._report_loop, "reporter")):  # fmt: skip
                 threading.Thread(target=target, name=name, daemon=True).start()
-            # The join grace runs while the store starts (the agent's torch import); heartbeats are already going.
+            # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
             self.store = NodeStore(self._stores, self.config.host, port)
             return self._loop()
         except (CoordinatorError, AgentError) as exc:
