@@ -40,7 +40,7 @@ from pliant.coordinator.contract import (
     Unauthenticated,
     WatchEvent,
 )
-from pliant.env import STACKS_SIGNAL, WorkerEnv
+from pliant.env import WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import free_port
 from pliant.progress import read_directive, read_fence, read_record
@@ -346,6 +346,10 @@ class Agent:
             event = self._next_event(next_tick)
             if isinstance(event, core.Tick):
                 next_tick = time.monotonic() + (TICK_S if self._handover is None else 0.02)
+                if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
+                    self._leave()
+                    raise AgentError("the node's store host (pliant-stores) exited; this agent left the job and exits "
+                                     "so that its supervisor restarts the node")  # fmt: skip
                 self._publish_renewing()
                 self._hand_over()
             elif isinstance(event, WatchEvent):
@@ -564,14 +568,8 @@ class Agent:
         """Ask every worker for its Python stacks (faulthandler), waking stopped ones first, and count the hang."""
         logger.error("agent %s: hang detected (%s); dumping every worker's stacks", self.config.node_id, why)
         self.metrics.hangs.inc()
-        if self.group is None:
-            return
-        for worker in self.group.workers:
-            if worker.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.proc.pid, signal.SIGCONT)
-                    os.kill(worker.proc.pid, STACKS_SIGNAL)
-        time.sleep(1.0)  # the dumps go through the output pumps into the log
+        if self.group is not None:
+            self.group.dump_stacks()
 
     def _peers_renewing(self) -> float:
         """The longest unbroken renewal streak among (up to 8 of) the generation's other agents; -1 if none."""

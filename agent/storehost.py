@@ -239,6 +239,11 @@ class StoreHost:
                     self._replies[reply["id"]] = reply
                     self._changed.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        """The host's end closed: it exited (or was killed), and its stores with it."""
+        return self._closed
+
     def request(self, op: str, wait_s: float, **fields: Any) -> Any:
         """Send one request and return its reply's value.
 

@@ -291,6 +291,15 @@ class WorkerGroup:
         self.gone += [w for w in self.workers if w.proc.poll() is not None]
         self.workers = [w for w in self.workers if w.proc.returncode is None]
 
+    def dump_stacks(self) -> None:
+        """Ask every live worker for its Python stacks (faulthandler, into its log), waking a stopped one first."""
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.proc.pid, signal.SIGCONT)
+                    os.kill(worker.proc.pid, STACKS_SIGNAL)
+        time.sleep(1.0)  # the dumps go through the output pumps into the log
+
     def direct(self, mode: str, generation: int, envs: Mapping[int, WorkerEnv] | None = None) -> None:
         """Write each live worker's directive (its env in ``envs`` by local rank, for ``in-place``), then send it
         the rescale signal."""

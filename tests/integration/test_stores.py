@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable
 from pliant.agent.workers import Zygote
 from pliant.net import free_port
 from tests.conftest import wait_for
+from tests.integration.harness import agent_args, assert_all_gone, descendants, is_store_host, wait_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,3 +105,25 @@ def test_the_store_host_ends_when_its_agent_is_killed() -> None:
     finally:
         agent.kill()
         agent.wait(10)
+
+
+@pytest.mark.slow
+def test_an_agent_whose_store_host_dies_leaves_the_job_and_exits(make_coordinator, spawn_agent, fleet,
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """Without its stores a node can neither meet nor hand over: the agent leaves at once (no TTL wait for the
+    others), stops its workers and exits 1 with the reason, so that its supervisor restarts the node."""
+    server = make_coordinator()
+    agent = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path), name="agent-a")
+    wait_world(tmp_path / "events.jsonl", restart=0, world=2, timeout_s=90)
+    tree = [agent.pid, *descendants(agent.pid)]
+    host = next(p for p in map(psutil.Process, tree[1:]) if is_store_host(p))
+    host.kill()
+    killed = time.monotonic()
+    wait_for(lambda: agent.proc.poll() is not None, 30, "the agent to exit")
+    took = time.monotonic() - killed
+    assert agent.proc.returncode == 1, agent.output()[-3000:]
+    assert "store host (pliant-stores) exited" in agent.output()
+    with fleet(server.address) as client:
+        assert not client.get_job("job").members, "it left the job rather than wait to be evicted"
+    assert_all_gone(tree)
+    print(f"agent exited {took:.2f}s after its store host was killed")
