@@ -13,7 +13,7 @@ The agent talks to its store host over a SOCK_SEQPACKET Unix socket; messages ar
 - ``{"op": "set" | "get" | "add", "address": "H:P", "key": K, ...}`` on the store at that address: one this host
   serves, or any other node's (as a client, within ``timeout`` seconds). ``get`` with ``check`` answers null at once
   for a key that is not set; ``add`` adds ``amount`` and answers the sum; ``keep`` keeps the client for the next
-  requests (polling).
+  requests (polling; the four newest are kept: a closed store's client would hold a descriptor).
 - A failed request is answered ``{"id": N, "error": "..."}``.
 
 Requests are answered each on its own thread, so a ``get`` waiting for a key does not hold back a heartbeat's ``set``.
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a first request waits for the host's torch import (seconds on a loaded node)
 REPLY_MARGIN_S = 5.0  # beyond a request's own timeout
 _MAX_MESSAGE = 1 << 20
+_KEPT_CLIENTS = 4  # clients kept for polling (one per generation store a hand-over polls)
 PROCESS_NAME = "pliant-stores"  # the store host's process name (at most 15 characters)
 _PR_SET_NAME = 15
 
@@ -162,6 +163,8 @@ class _Host:
         if keep:
             with self._lock:
                 self._clients[address] = client
+                while len(self._clients) > _KEPT_CLIENTS:  # older generations' stores: closed by now
+                    del self._clients[next(iter(self._clients))]
         return client
 
 
