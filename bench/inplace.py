@@ -3,11 +3,10 @@
 One process per node, two nodes on this machine, examples/train_elastic.py (DDP, SGD with momentum) at a width that
 makes model + optimizer state >= 1 GB. Per mode: node a trains alone; node b joins; the survivors' pause is the longest
 gap between two of rank 0's steps around the join, minus the median step time of the new world (so it still holds
-the new world's slower first step). ``in-place`` runs without a checkpoint directory (the state moves over the new
-process group: DDP's broadcast of the parameters, pliant's of the optimizer state); ``restart`` checkpoints at the step
-boundary (sync DCP save), exits and restores in new processes. The bandwidth comes from the survivor's own log line
-(the bytes pliant broadcast, parameters and optimizer state, over the re-formation's seconds, set-up included; DDP's
-own broadcast at wrap time is off in place).
+the new world's slower first step). ``in-place`` runs without a checkpoint directory (pliant broadcasts the
+parameters and the optimizer state over the new process group; DDP's own broadcast at wrap time is off); ``restart``
+checkpoints at the step boundary (sync DCP save), exits and restores in new processes. The bandwidth comes from the
+survivor's own log line (the bytes broadcast over the re-formation's seconds, set-up included).
 
 Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval: one node with 2 ZeRO
 ranks trains the same model under ``--rescale in-place`` (a snapshot every SNAPSHOT_EVERY steps, sent to the buddy in
