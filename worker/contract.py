@@ -206,6 +206,18 @@ class Engine(abc.ABC):
         """Drop the gradients of a step that will not be committed."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    @classmethod
+    def prepare(
+        cls, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+        device: torch.device,
+    ) -> torch.optim.Optimizer | None:  # fmt: skip
+        """Before a fresh worker of a later generation meets its world (it is most likely joining survivors, who
+        wait for it from that moment): build the optimizer over ``model`` (moved to ``device``) and create its state
+        tensors, so the memory the survivors' state arrives in is allocated and touched while they still train.
+        The engine is then built with it (``prepared=``). Local. None (the default): the engine builds its
+        optimizer over its process group, after the meeting."""
+        return None
+
     def can_move(self) -> bool:
         """Whether moving in place fits now (e.g. the memory a gathered state needs); False takes the restart path."""
         return self.in_place

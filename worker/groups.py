@@ -25,6 +25,7 @@ from pliant.worker.contract import WorkerError
 from pliant.worker.nccl import has_nccl
 
 __all__ = [
+    "ARRIVED_KEY",
     "CONNECT_ATTEMPT_S",
     "KEEPALIVE_IDLE_S",
     "PROBE_S",
@@ -32,6 +33,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousWatch",
     "Superseded",
+    "announce_arrival",
     "connect_store",
     "keepalive",
     "new_world",
@@ -162,6 +164,16 @@ class RendezvousError(WorkerError):
 
 class Superseded(RendezvousError):
     """A newer generation was handed over while this rank was still reaching the store of the one it meets in."""
+
+
+ARRIVED_KEY = "/pliant/arrived"  # pliant.agent.stores.ARRIVED_KEY: fresh workers count themselves in
+
+
+def announce_arrival(env: WorkerEnv, timeout_s: float = 30.0) -> None:
+    """A fresh worker counts itself in the generation's store before it joins the world, so the survivors' agents
+    hand the generation over only once the newcomers are about to meet them: the survivors train on meanwhile."""
+    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store.add(ARRIVED_KEY, 1)
 
 
 def connect_store(env: WorkerEnv, timeout: timedelta, superseded: Callable[[], bool]) -> dist.TCPStore:

@@ -15,9 +15,11 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
 2. **Vote and compute**: the engine's forward and backward with their gradient collectives, then, before the
    optimizer step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every
    rank's contribution, so a rank whose collectives fail never applies the step. Every :data:`VOTE_EVERY`-th step
-   the vote also carries "my agent asked for a rescale" in one more all-reduce of one integer, issued asynchronously
+   the vote also carries "my agent asked for a rescale" in one more all-reduce of two integers, issued asynchronously
    before the forward and waited for before the optimizer step: a rescale starts at most that many steps after the
-   agent asked. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo; every 4th costs about 1 %.)
+   agent asked. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo; every 4th costs about 1 %.) The
+   second integer says "my last step took :data:`LONG_STEP_S` or more": once a vote carries it, every rank votes every
+   step (a join then waits one step instead of up to four: seconds, with a large model), until the next re-formation.
 3. **Commit**: the optimizer step.
 
 **A peer dies** during 2 or 3: the collective raises on every survivor (gloo at once). The survivor drops the step's
@@ -52,7 +54,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,7 +64,7 @@ from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
 from pliant.worker.engines import sync_scheduler
-from pliant.worker.groups import RendezvousWatch, retire_groups, sever
+from pliant.worker.groups import RendezvousWatch, announce_arrival, retire_groups, sever
 from pliant.worker.guard import Guard, NoGuard
 
 if TYPE_CHECKING:
@@ -73,12 +74,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIRECTIVE_WAIT_S",
+    "LONG_STEP_S",
     "MEET_S",
     "VOTE_EVERY",
     "Protocol",
     "RescaleError",
     "RescaleExit",
-    "announce_arrival",
     "is_peer_failure",
 ]
 
@@ -86,7 +87,8 @@ logger = logging.getLogger(__name__)
 
 DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
 MEET_S = 30.0  # survivors re-forming in place meet within this; see Protocol.form_group
-VOTE_EVERY = 4  # steps between commit votes that carry the rescale flag (see the module docstring)
+VOTE_EVERY = 4  # steps between commit votes that carry the rescale flag (see the module docstring) ...
+LONG_STEP_S = 0.1  # ... or every step, once a rank's step takes this long (the vote is then < 0.1 % of a step)
 
 
 class RescaleError(WorkerError):
@@ -114,16 +116,6 @@ def is_peer_failure(exc: BaseException) -> bool:
     )
 
 
-ARRIVED_KEY = "/pliant/arrived"  # pliant.agent.stores.ARRIVED_KEY: fresh workers count themselves in
-
-
-def announce_arrival(env: WorkerEnv, timeout_s: float = 30.0) -> None:
-    """A fresh worker counts itself in the generation's store before it joins the world, so the survivors' agents
-    hand the generation over only once the newcomers are about to meet them: the survivors train on meanwhile."""
-    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    store.add(ARRIVED_KEY, 1)
-
-
 class Protocol:
     """One worker's side of the rescale protocol (see the module docstring). Made by the session under an agent.
 
@@ -139,6 +131,8 @@ class Protocol:
         self.boundary_due = False
         self.pending_sync = False
         self.steps_done = 0
+        self._each_step = False  # every rank votes every step (long steps; see the module docstring)
+        self._last_step_s = 0.0
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
@@ -236,7 +230,7 @@ class Protocol:
             failure = ""
             self.guard.begin(self.session.env.generation)
             try:
-                vote = self._vote() if batch.step % VOTE_EVERY == 0 else None  # in flight while the step computes
+                vote = self._vote() if self._each_step or batch.step % VOTE_EVERY == 0 else None  # while it computes
                 loss = engine.forward_backward(batch, loss_fn)
                 self.guard.check()  # the step's collectives completed on every rank, or raise
                 failure = "the vote"
@@ -264,6 +258,7 @@ class Protocol:
                     return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
                 continue
             engine.observe(batch, started)
+            self._last_step_s = time.perf_counter() - started
             self.boundary_due = asked
             return loss
 
@@ -304,7 +299,8 @@ class Protocol:
             env = self.session.env
             directive = read_directive(env.progress_file) if env.progress_file else None
             self.asked = directive is not None and directive.generation > env.generation
-        flag = torch.tensor([int(self.asked)], dtype=torch.int32)  # on NCCL too: gloo, off the GPU's stream
+        long = self._last_step_s >= LONG_STEP_S
+        flag = torch.tensor([int(self.asked), int(long)], dtype=torch.int32)  # on NCCL too: gloo, off the GPU's stream
         return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag  # type: ignore[return-value]
 
     def _counted(self, vote: tuple[dist.Work, torch.Tensor]) -> bool:
@@ -313,7 +309,8 @@ class Protocol:
         work, flag = vote
         work.wait()
         self.session.metrics.observe_collective("control", time.perf_counter() - started)
-        return bool(flag.item())
+        self._each_step = bool(flag[1])  # the same on every rank: the all-reduced flag
+        return bool(flag[0])
 
     # -- the step boundary ---------------------------------------------------------------------------------------------
 
@@ -542,6 +539,7 @@ class Protocol:
             self._place(loader)
         behind = holds_state and mine < newest
         self.steps_done = newest
+        self._each_step = False  # every rank of the new world together, until a vote says otherwise
         sharded = self.sharded
         if sharded is not None:  # the new world's first copies, before its first step
             self._snapshot(sharded, [tuple(p) for p in self._positions][: len(self.loaders)])  # type: ignore[misc]

@@ -29,9 +29,9 @@ from pliant.worker import nccl
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
 from pliant.worker.contract import Engine, EngineError, EngineKind
 from pliant.worker.data import ElasticLoader, ElasticSampler
-from pliant.worker.groups import connect_store, keepalive, new_world, retire_groups, socket_fds
+from pliant.worker.groups import announce_arrival, connect_store, keepalive, new_world, retire_groups, socket_fds
 from pliant.worker.metrics import WorkerMetrics
-from pliant.worker.rescale import Protocol, announce_arrival
+from pliant.worker.rescale import Protocol
 
 __all__ = ["Session", "init"]
 
@@ -197,7 +197,6 @@ class Session:
         Raises:
             EngineError: an unknown kind, or a scheduler that steps on a metric.
         """
-        self._meet()
         try:
             kind = EngineKind(kind)
         except ValueError:
@@ -206,13 +205,19 @@ class Session:
         if kind is EngineKind.FSDP:
             from pliant.worker.fsdp import FSDPEngine
 
+            self._meet()
             engine = FSDPEngine(model, optimizer, optimizer_kwargs, self.device)
         else:
             from pliant.worker.engines import DDPEngine, ZeroEngine
 
             cls = ZeroEngine if kind is EngineKind.ZERO else DDPEngine
+            # Not met yet: most likely a newcomer, whose survivors wait for it from the meeting on (see __init__).
+            prepared = cls.prepare(model, optimizer, optimizer_kwargs, self.device) if self._group_pending else None
+            self._meet()
             joining = self.protocol is not None and self.protocol.pending_sync  # its state comes from peers
-            engine = cls(model, optimizer, optimizer_kwargs, self.device, init_sync=not joining)
+            if prepared is not None and not joining:
+                prepared.state.clear()  # no peer holds state: the optimizer starts fresh (or from a checkpoint)
+            engine = cls(model, optimizer, optimizer_kwargs, self.device, init_sync=not joining, prepared=prepared)
         engine.metrics = self.metrics
         if scheduler is not None:
             engine.use_scheduler(scheduler)
