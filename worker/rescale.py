@@ -14,12 +14,13 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
      (:meth:`Protocol._reform` below), then the step's batch is cut again for the new world.
 2. **Vote and compute**: the engine's forward and backward with their gradient collectives, then, before the
    optimizer step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every
-   rank's contribution, so a rank whose collectives fail never applies the step. Every :data:`VOTE_EVERY`-th step
-   the vote also carries "my agent asked for a rescale" in one more all-reduce of two integers, issued asynchronously
-   before the forward and waited for before the optimizer step: a rescale starts at most that many steps after the
-   agent asked. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo; every 4th costs about 1 %.) The
-   second integer says "my last step took :data:`LONG_STEP_S` or more": once a vote carries it, every rank votes every
-   step (a join then waits one step instead of up to four: seconds, with a large model), until the next re-formation.
+   rank's contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my
+   agent asked for a rescale" in one more all-reduce of two integers, issued asynchronously before the forward and
+   waited for before the optimizer step. Its second integer is the rank's last step time: from the slowest, every
+   rank computes the same number of steps to the next vote, so that one comes about every :data:`VOTE_WITHIN_S`
+   (every step for long steps, at most every :data:`MAX_VOTE_EVERY` steps; the first step of a job or of a new world
+   votes). A rescale then starts within about that time, or two steps. (One such all-reduce per step cost 5 % of a
+   7 ms DDP step on gloo; every 4th, 1.5 %; every 14th, as now, 0.5 %.)
 3. **Commit**: the optimizer step.
 
 **A peer dies** during 2 or 3: the collective raises on every survivor (gloo at once). The survivor drops the step's
@@ -74,21 +75,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIRECTIVE_WAIT_S",
-    "LONG_STEP_S",
+    "MAX_VOTE_EVERY",
     "MEET_S",
-    "VOTE_EVERY",
+    "VOTE_WITHIN_S",
     "Protocol",
     "RescaleError",
     "RescaleExit",
     "is_peer_failure",
+    "votes_apart",
 ]
 
 logger = logging.getLogger(__name__)
 
 DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
 MEET_S = 30.0  # survivors re-forming in place meet within this; see Protocol.form_group
-VOTE_EVERY = 4  # steps between commit votes that carry the rescale flag (see the module docstring) ...
-LONG_STEP_S = 0.1  # ... or every step, once a rank's step takes this long (the vote is then < 0.1 % of a step)
+VOTE_WITHIN_S = 0.1  # a vote carrying the rescale flag about this often, or every step (see the module docstring) ...
+MAX_VOTE_EVERY = 32  # ... but at least every this many steps
+
+
+def votes_apart(slowest_s: float) -> int:
+    """Steps from one vote to the next when the slowest rank's last step took ``slowest_s`` (0: none yet)."""
+    return min(MAX_VOTE_EVERY, max(1, int(VOTE_WITHIN_S / slowest_s))) if slowest_s > 0 else 1
 
 
 class RescaleError(WorkerError):
@@ -131,7 +138,7 @@ class Protocol:
         self.boundary_due = False
         self.pending_sync = False
         self.steps_done = 0
-        self._each_step = False  # every rank votes every step (long steps; see the module docstring)
+        self._next_vote = 0  # the step of the next vote: the same on every rank (see the module docstring)
         self._last_step_s = 0.0
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
@@ -230,11 +237,11 @@ class Protocol:
             failure = ""
             self.guard.begin(self.session.env.generation)
             try:
-                vote = self._vote() if self._each_step or batch.step % VOTE_EVERY == 0 else None  # while it computes
+                vote = self._vote() if batch.step >= self._next_vote else None  # in flight while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
                 self.guard.check()  # the step's collectives completed on every rank, or raise
                 failure = "the vote"
-                asked = self._counted(vote) if vote is not None else False
+                asked = self._counted(vote, batch.step) if vote is not None else False
                 failure = "the update"  # ZeRO's step broadcasts the updated parameters
                 engine.settle()  # an async checkpoint's copy of the state, overlapped with the forward and backward
                 engine.apply_update()
@@ -299,17 +306,18 @@ class Protocol:
             env = self.session.env
             directive = read_directive(env.progress_file) if env.progress_file else None
             self.asked = directive is not None and directive.generation > env.generation
-        long = self._last_step_s >= LONG_STEP_S
-        flag = torch.tensor([int(self.asked), int(long)], dtype=torch.int32)  # on NCCL too: gloo, off the GPU's stream
+        micros = min(int(self._last_step_s * 1e6), 2**31 - 1)
+        flag = torch.tensor([int(self.asked), micros], dtype=torch.int32)  # on NCCL too: gloo, off the GPU's stream
         return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag  # type: ignore[return-value]
 
-    def _counted(self, vote: tuple[dist.Work, torch.Tensor]) -> bool:
-        """Wait for the commit vote; returns "a rescale was asked" (raises when a peer failed)."""
+    def _counted(self, vote: tuple[dist.Work, torch.Tensor], step: int) -> bool:
+        """Wait for the commit vote of ``step`` and set the next one's step; returns "a rescale was asked" (raises when
+        a peer failed)."""
         started = time.perf_counter()
         work, flag = vote
         work.wait()
         self.session.metrics.observe_collective("control", time.perf_counter() - started)
-        self._each_step = bool(flag[1])  # the same on every rank: the all-reduced flag
+        self._next_vote = step + votes_apart(int(flag[1]) / 1e6)  # all-reduced: the same on every rank
         return bool(flag[0])
 
     # -- the step boundary ---------------------------------------------------------------------------------------------
@@ -539,7 +547,7 @@ class Protocol:
             self._place(loader)
         behind = holds_state and mine < newest
         self.steps_done = newest
-        self._each_step = False  # every rank of the new world together, until a vote says otherwise
+        self._next_vote = newest  # every rank of the new world votes in its first step
         sharded = self.sharded
         if sharded is not None:  # the new world's first copies, before its first step
             self._snapshot(sharded, [tuple(p) for p in self._positions][: len(self.loaders)])  # type: ignore[misc]
