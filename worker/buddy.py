@@ -5,10 +5,12 @@ below, its shard of the parameters). Every K committed steps (``pliant run --sna
 :data:`SNAPSHOT_EVERY`), once after the first step and once right after each (re-)formation of the world, every rank:
 
 1. copies its shard (the parameters it owns, their optimizer state, and on rank 0 the module's buffers) into a host
-   buffer it reuses (on CUDA a pinned one; on CPU a memcpy), with the step, its loaders' positions and its RNG state;
-2. sends that buffer to its *buddy* (:func:`buddies`: the next rank on another node) and receives its wards' buffers,
-   on a process group of its own, in the background: the training collectives never queue behind a snapshot, and the
-   sends are waited for only at the next snapshot.
+   buffer it reuses (on CUDA a pinned one, by non-blocking copies; on CPU a memcpy on a thread), with the step, its
+   loaders' positions and its RNG state. The copy runs while the next step computes, and that step waits for it only
+   before its optimizer step (:meth:`BuddyCopies.finish`), the first moment the state changes;
+2. sends that buffer to its *buddy* (:func:`buddies`: the next rank on another node) as soon as it is copied, and
+   receives its wards' buffers, on a process group of its own, in the background: the training collectives never
+   queue behind a snapshot, and the sends are waited for only at the next snapshot.
 
 Two generations of copies are kept (the newest may still be in flight when a peer dies). When a peer dies, the
 survivors roll back together to the newest snapshot step at which every old rank's shard is held by a survivor,
@@ -26,14 +28,17 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pliant.worker.contract import WorkerError
+from pliant.worker.contract import Engine, WorkerError
 
 __all__ = [
     "SNAPSHOT_EVERY",
@@ -150,16 +155,53 @@ def packed_size(tensors: Sequence[torch.Tensor]) -> int:
 
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy ``tensors`` into one byte buffer (``out`` when it has the right size, else a new one; pinned when the
-    tensors are on CUDA, whose copies are then waited for)."""
-    size = packed_size(tensors)
-    if out is None or out.numel() != size:
-        cuda = any(t.is_cuda for t in tensors)
-        out = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-    for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
-        out[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda)
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
+    tensors are on CUDA) and wait for the copy."""
+    out, wait = pack_later(tensors, out)
+    wait()
     return out
+
+
+def pack_later(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+    then: Callable[[torch.Tensor], object] | None = None,
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Start :func:`pack` without waiting: returns the buffer and a function that waits for the copy and for
+    ``then(buffer)``, which a thread runs as soon as the copy is done, and raises what failed. On CUDA the copies are
+    non-blocking, on the caller's stream, and the thread waits for an event after them; on CPU the thread copies
+    (torch releases the GIL). Nothing may write ``tensors`` until the wait returns."""
+    size = packed_size(tensors)
+    cuda = any(t.is_cuda for t in tensors)
+    if out is None or out.numel() != size:
+        out = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    buffer, failed = out, []
+
+    def copy() -> None:
+        for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
+            buffer[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
+
+    if cuda:
+        copy()
+        event = torch.cuda.Event()
+        event.record()
+        copy = event.synchronize
+
+    def run() -> None:
+        try:
+            copy()
+            if then is not None:
+                then(buffer)
+        except BaseException as exc:  # raised again by the wait, on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="pliant-snapshot", daemon=True)
+    thread.start()
+
+    def joined() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return out, joined
 
 
 def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -186,11 +228,14 @@ class _Slot:
     sends: list[dist.Work] = field(default_factory=list)
     receives: list[dist.Work] = field(default_factory=list)
     received: bool = False
+    send_failed: BaseException | None = None  # starting the send to the buddy failed (a peer went away)
 
     def ward_complete(self) -> bool:
         """Every ward's copy arrived (a failed receive counts as not). gloo reports a receive done only to
         ``wait``: one in flight from a live peer gets :data:`RECEIVE_WAIT_S` to finish (one from a dead peer fails
         at once)."""
+        if self.step < 0:
+            return False
         if not self.received:
             try:
                 for work in self.receives:
@@ -207,10 +252,13 @@ class BuddyCopies:
     Args:
         track_fds: called around the creation of the copies' process group, to note the sockets it opens
             (``Session.group_fds``, which a failure severs).
+        metrics: the worker's metrics (the snapshots' stall and bytes), if any.
     """
 
-    def __init__(self, track_fds: Callable[[Callable[[], object]], object]) -> None:
+    def __init__(self, track_fds: Callable[[Callable[[], object]], object], metrics: Any = None) -> None:
         self._track = track_fds
+        self._metrics = metrics
+        self._launched_s = 0.0  # the training thread's time in snapshot() for the copy not yet settled
         self.generation = -1
         self.world = 0
         self.rank = -1
@@ -222,9 +270,11 @@ class BuddyCopies:
         self.slots = [_Slot(), _Slot()]
         self.newest = 1
         self.retired: list[object] = []  # exchanges a failure interrupted: never waited for, never freed
+        self._copying: tuple[_Slot, int, Callable[[], None]] | None = None  # take()'s copy, until finish()
 
     def reset(self) -> None:
         """Forget every copy (the world changed: its shards are cut differently)."""
+        self.finish(check=False)
         for slot in self.slots:
             if slot.sends or slot.receives:
                 self.retired.append(slot)  # an exchange may be in flight: its buffers must outlive it
@@ -234,12 +284,37 @@ class BuddyCopies:
     def taken(self) -> bool:
         return self.generation >= 0
 
+    def snapshot(self, engine: Engine, generation: int, node: int, step: int,
+                 positions: list[tuple[int, int, int]]) -> None:  # fmt: skip
+        """Snapshot ``engine``'s shard at the committed ``step`` (see :meth:`take`); :meth:`settle` before anything
+        writes the state again."""
+        started = time.perf_counter()
+        partition, tensors = engine.shard()
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+        nbytes = self.take(generation, node, step, partition, tensors, positions, hyper,
+                           engine.scheduler and engine.scheduler.state_dict())  # fmt: skip
+        self._launched_s = time.perf_counter() - started
+        if self._metrics is not None:
+            self._metrics.snapshot_bytes.inc(nbytes)
+
+    def settle(self) -> None:
+        """Wait for the last :meth:`snapshot`'s copy, if it is still running (raises if its send to the buddy could
+        not start: a peer failed), and report how long the snapshot held the training thread in all."""
+        if self._copying is None:
+            return
+        started = time.perf_counter()
+        self.finish()
+        if self._metrics is not None:
+            self._metrics.snapshot_seconds.observe(self._launched_s + time.perf_counter() - started)
+
     def take(self, generation: int, node: int, step: int, partition: list[int], tensors: Sequence[torch.Tensor],
              positions: list[tuple[int, int, int]], hyper: list[dict[str, object]],
              scheduler: dict[str, object] | None = None) -> int:  # fmt: skip
         """Snapshot this rank's shard at ``step`` (committed) and start the exchange with the buddies (collective on
-        the first snapshot of a world; raises when a peer failed during the previous exchange). Returns the bytes
-        copied."""
+        the first snapshot of a world; raises when a peer failed during the previous exchange). The copy and the send
+        run in the background until :meth:`finish`, which must come before anything writes ``tensors``. Returns the
+        bytes copied."""
+        self.finish()
         if generation != self.generation:
             self._meet(generation, node, packed_size(tensors))
         previous = self.slots[self.newest]
@@ -248,18 +323,39 @@ class BuddyCopies:
         previous.sends, previous.receives = [], []
         previous.received = True
         slot = self.slots[1 - self.newest]
-        slot.own = pack(tensors, slot.own)
-        slot.step, slot.positions, slot.rng, slot.hyper = step, positions, torch.get_rng_state(), hyper
+        slot.step = -1  # until its new copy is whole
+        slot.positions, slot.rng, slot.hyper = positions, torch.get_rng_state(), hyper
         slot.scheduler = copy.deepcopy(scheduler)
         self.partition = partition
         for ward, size in ((w, self.sizes[w]) for w in self.wards):
             if slot.wards.get(ward) is None or slot.wards[ward].numel() != size:
                 slot.wards[ward] = torch.empty(size, dtype=torch.uint8)
-        slot.received = False
-        slot.sends = [dist.isend(slot.own, self.buddy, group=self.group)] if self.buddy != self.rank else []
+        slot.received, slot.sends, slot.send_failed = False, [], None
         slot.receives = [dist.irecv(slot.wards[w], w, group=self.group) for w in self.wards]
+
+        def send(own: torch.Tensor) -> None:  # on the copy's thread, once the copy is done
+            try:
+                slot.sends = [dist.isend(own, self.buddy, group=self.group)] if self.buddy != self.rank else []
+            except RuntimeError as exc:
+                slot.send_failed = exc
+
+        slot.own, wait = pack_later(tensors, slot.own, send)
+        self._copying = (slot, step, wait)
         self.newest = 1 - self.newest
         return slot.own.numel()
+
+    def finish(self, check: bool = True) -> None:
+        """Wait for the copy :meth:`take` started (its send to the buddy is then under way). ``check``: raise if
+        that send could not start (a peer failed); False on the failure paths, where the copy still counts as this
+        rank's own."""
+        if self._copying is None:
+            return
+        slot, step, wait = self._copying
+        self._copying = None
+        wait()
+        slot.step = step
+        if check and slot.send_failed is not None:
+            raise slot.send_failed
 
     def _meet(self, generation: int, node: int, size: int) -> None:
         """The first snapshot of a world: open the copies' group and learn every rank's node and shard size."""
@@ -278,6 +374,7 @@ class BuddyCopies:
 
     def held(self) -> Held:
         """What this rank holds (for :func:`choose_rollback`)."""
+        self.finish(check=False)
         if not self.taken:
             return Held(-1)
         own = tuple(s.step for s in self.slots if s.step >= 0)
@@ -290,6 +387,7 @@ class BuddyCopies:
         Raises:
             RollbackError: it has none.
         """
+        self.finish(check=False)
         for slot in self.slots:
             if slot.step == step:
                 return slot

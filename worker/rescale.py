@@ -143,7 +143,7 @@ class Protocol:
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
-        self.copies = BuddyCopies(session.tracked)  # a sharded engine's snapshots (pliant.worker.buddy)
+        self.copies = BuddyCopies(session.tracked, session.metrics)  # a sharded engine's snapshots (worker.buddy)
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
         nccl, fds = session.backend == "nccl", lambda: session.group_fds  # a step that a dead or cut-off peer blocks
@@ -242,14 +242,15 @@ class Protocol:
                 self.guard.check()  # the step's collectives completed on every rank, or raise
                 failure = "the vote"
                 asked = self._counted(vote, batch.step) if vote is not None else False
+                failure = "the buddy copies"
+                self.copies.settle()  # the last snapshot's copy and send, which ran while this step computed
                 failure = "the update"  # ZeRO's step broadcasts the updated parameters
                 engine.settle()  # an async checkpoint's copy of the state, overlapped with the forward and backward
                 engine.apply_update()
                 self.steps_done = batch.step + 1
                 failure = "the buddy copies"
-                every = self.session.env.snapshot_every
-                if engine.sharded and engine is self.sharded and (self.steps_done % every == 0
-                                                                  or not self.copies.taken):  # fmt: skip
+                if engine is self.sharded and (self.steps_done % self.session.env.snapshot_every == 0
+                                               or not self.copies.taken):  # fmt: skip
                     self._snapshot(engine, [loader.position() for loader in self.loaders])
                 failure = ""
             except RuntimeError as exc:
@@ -289,14 +290,9 @@ class Protocol:
             self.guard.end()
 
     def _snapshot(self, engine: Engine, positions: list[tuple[int, int, int]]) -> None:
-        """Copy this rank's shard at the step just committed and start sending it to its buddy."""
-        started = time.perf_counter()
-        partition, tensors = engine.shard()
-        hyper = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
-        nbytes = self.copies.take(self.session.env.generation, self.session.env.node_rank, self.steps_done, partition,
-                                  tensors, positions, hyper, engine.scheduler and engine.scheduler.state_dict())
-        self.session.metrics.snapshot_seconds.observe(time.perf_counter() - started)
-        self.session.metrics.snapshot_bytes.inc(nbytes)
+        """Copy this rank's shard at the step just committed and send it to its buddy, in the background."""
+        env = self.session.env
+        self.copies.snapshot(engine, env.generation, env.node_rank, self.steps_done, positions)
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
         """Start the commit vote: one integer all-reduce (max) that every rank must reach, carrying "my agent asked for
@@ -432,6 +428,7 @@ class Protocol:
         Raises:
             RescaleError: any step failed (the worker exits; its agent takes the restart path).
         """
+        self.copies.finish(check=False)  # a snapshot's copy still running: done before the state changes
         started = time.perf_counter()
         old = self.session.env
         env = WorkerEnv.from_env({**os.environ, **directive.env})

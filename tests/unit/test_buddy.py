@@ -13,6 +13,7 @@ from pliant.worker.buddy import (
     decode,
     encode,
     pack,
+    pack_later,
     packed_size,
     unpack,
 )
@@ -70,3 +71,26 @@ def test_a_shard_packs_into_one_reusable_byte_buffer() -> None:
     for a, b in zip(tensors, out, strict=True):
         assert torch.equal(a, b)
     assert pack([]).numel() == 0
+
+
+def test_a_copy_in_the_background_is_whole_when_waited_for_and_then_sends() -> None:
+    """A snapshot's copy runs while the next step computes: the wait returns once the buffer holds every tensor, and
+    ``then`` (the send to the buddy) has run after the copy, on the copy's thread."""
+    tensors = [torch.randn(1000, 100), torch.arange(7)]
+    order: list[str] = []
+    buffer, wait = pack_later(tensors, None, lambda sent: order.append("sent" if sent.numel() else "empty"))
+    wait()
+    assert order == ["sent"]
+    assert torch.equal(buffer, pack(tensors))
+    again, wait = pack_later(tensors, buffer)
+    wait()
+    assert again is buffer
+
+
+def test_a_background_copy_that_failed_raises_when_waited_for() -> None:
+    def refuse(_buffer: torch.Tensor) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    _buffer, wait = pack_later([torch.ones(3)], None, refuse)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        wait()
