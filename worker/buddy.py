@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from pliant.worker.contract import Engine, WorkerError
 
 __all__ = [
+    "BACKGROUND_NICE",
     "SNAPSHOT_EVERY",
     "BuddyCopies",
     "Held",
@@ -59,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT_EVERY = 8  # the default K: committed steps between snapshots (at most K steps run again after a death)
 RECEIVE_WAIT_S = 1.0  # at a failure, how long a ward's copy still in flight may take to arrive
+BACKGROUND_NICE = 10  # the threads that send the copies (gloo's, for their group) yield the CPU to the training's
 _ALIGN = 16  # every tensor starts at a multiple of this many bytes in a packed buffer (any dtype can view it)
 
 
@@ -202,6 +205,29 @@ def pack_later(
             raise failed[0]
 
     return out, joined
+
+
+def _on_lowered_thread(make: Callable[[], Any]) -> Any:
+    """``make()`` on a thread at :data:`BACKGROUND_NICE`, waited for: a gloo group made there runs its threads at
+    that priority (they inherit it), so on a host whose cores the training keeps busy (gloo on CPU) the sends and
+    receives of the copies take its idle time instead of slowing its steps. (The copy itself keeps the normal
+    priority: the next optimizer step waits for it.)"""
+    made: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            made.append(make())
+        except BaseException as exc:  # raised again below, on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="pliant-buddy-group", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -361,7 +387,7 @@ class BuddyCopies:
         """The first snapshot of a world: open the copies' group and learn every rank's node and shard size."""
         self.reset()
         self.generation, self.rank, self.world = generation, dist.get_rank(), dist.get_world_size()
-        self.group = self._track(lambda: dist.new_group(backend="gloo"))  # type: ignore[assignment]
+        self.group = self._track(lambda: _on_lowered_thread(lambda: dist.new_group(backend="gloo")))  # type: ignore[assignment]
         mine = torch.tensor([node, size], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(rows, mine, group=self.group)
