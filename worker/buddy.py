@@ -7,7 +7,7 @@ below, its shard of the parameters). Every K committed steps (``pliant run --sna
 1. copies its shard (the parameters it owns, their optimizer state, and on rank 0 the module's buffers) into a host
    buffer it reuses (on CUDA a pinned one, by non-blocking copies; on CPU a memcpy on a thread), with the step, its
    loaders' positions and its RNG state. The copy runs while the next step computes, and that step waits for it only
-   before its optimizer step (:meth:`BuddyCopies.finish`), the first moment the state changes;
+   before its optimizer step (:meth:`BuddyCopies.settle`), the first moment the state changes;
 2. sends that buffer to its *buddy* (:func:`buddies`: the next rank on another node) as soon as it is copied, and
    receives its wards' buffers, on a process group of its own, in the background: the training collectives never
    queue behind a snapshot, and the sends are waited for only at the next snapshot.
@@ -176,7 +176,7 @@ def pack_later(
     cuda = any(t.is_cuda for t in tensors)
     if out is None or out.numel() != size:
         out = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-    buffer, failed = out, []
+    buffer = out
 
     def copy() -> None:
         for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
@@ -189,22 +189,35 @@ def pack_later(
         copy = event.synchronize
 
     def run() -> None:
+        copy()
+        if then is not None:
+            then(buffer)
+
+    return out, _on_thread(run, "pliant-snapshot")
+
+
+def _on_thread(work: Callable[[], Any], name: str) -> Callable[[], Any]:
+    """Start ``work`` on a daemon thread; returns a function that waits for it and returns what it returned, or
+    raises what it raised, on the caller's thread."""
+    made: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
         try:
-            copy()
-            if then is not None:
-                then(buffer)
-        except BaseException as exc:  # raised again by the wait, on the caller's thread
+            made.append(work())
+        except BaseException as exc:
             failed.append(exc)
 
-    thread = threading.Thread(target=run, name="pliant-snapshot", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
 
-    def joined() -> None:
+    def wait() -> Any:
         thread.join()
         if failed:
             raise failed[0]
+        return made[0]
 
-    return out, joined
+    return wait
 
 
 def _on_lowered_thread(make: Callable[[], Any]) -> Any:
@@ -212,22 +225,12 @@ def _on_lowered_thread(make: Callable[[], Any]) -> Any:
     that priority (they inherit it), so on a host whose cores the training keeps busy (gloo on CPU) the sends and
     receives of the copies take its idle time instead of slowing its steps. (The copy itself keeps the normal
     priority: the next optimizer step waits for it.)"""
-    made: list[Any] = []
-    failed: list[BaseException] = []
 
-    def run() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-            made.append(make())
-        except BaseException as exc:  # raised again below, on the caller's thread
-            failed.append(exc)
+    def lowered() -> Any:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        return make()
 
-    thread = threading.Thread(target=run, name="pliant-buddy-group", daemon=True)
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return made[0]
+    return _on_thread(lowered, "pliant-buddy-group")()
 
 
 def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -260,8 +263,6 @@ class _Slot:
         """Every ward's copy arrived (a failed receive counts as not). gloo reports a receive done only to
         ``wait``: one in flight from a live peer gets :data:`RECEIVE_WAIT_S` to finish (one from a dead peer fails
         at once)."""
-        if self.step < 0:
-            return False
         if not self.received:
             try:
                 for work in self.receives:

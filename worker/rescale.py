@@ -295,9 +295,10 @@ class Protocol:
         self.copies.snapshot(engine, env.generation, env.node_rank, self.steps_done, positions)
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
-        """Start the commit vote: one integer all-reduce (max) that every rank must reach, carrying "my agent asked for
-        a rescale". It is issued before the step's forward, so on gloo it completes while the step computes, ahead of
-        the gradient all-reduce; :meth:`_counted` waits for it before the optimizer step."""
+        """Start the commit vote: one all-reduce (max) of two integers that every rank must reach, carrying "my agent
+        asked for a rescale" and this rank's last step time. It is issued before the step's forward, so on gloo it
+        completes while the step computes, ahead of the gradient all-reduce; :meth:`_counted` waits for it before the
+        optimizer step."""
         if self.asked:  # the agent writes the directive before it signals; a signal with none newer is stale
             env = self.session.env
             directive = read_directive(env.progress_file) if env.progress_file else None
