@@ -104,17 +104,17 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
 WARM, WINDOW = 16, 64  # steady-state steps/s over steps WARM..WARM+WINDOW
 
 
-def steady(mode: str, width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool = False) -> dict:
-    """Steady-state steps/s of 2 ZeRO ranks on one node (``mode``: in-place keeps buddy copies every ``every``
-    steps, restart none); with ``kill``, then a kill -9 of rank 1 and the in-place recovery."""
-    work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-{mode}-"))
+def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool = False) -> dict:
+    """Steady-state steps/s of 2 ZeRO ranks on one node under ``--rescale in-place``, with a buddy snapshot every
+    ``every`` steps; with ``kill``, then a kill -9 of rank 1 and the in-place recovery."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-every{every}-"))
     events, metrics_port = work / "events.jsonl", free_port()
     warm, window = WARM, WINDOW
     script = [str(SCRIPT), "--engine", "zero", "--width", str(width), "--samples", "4096", "--global-batch", "8",
               "--micro-batch", "4", "--steps", "1000000", "--events", str(events)]  # fmt: skip
-    cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--rescale", mode, "--max-restarts", "3",
-           "--metrics-port", str(metrics_port), "--start-timeout", "600", "--snapshot-every", str(every),
-           *script]  # fmt: skip
+    cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--rescale", "in-place",
+           "--max-restarts", "3", "--metrics-port", str(metrics_port), "--start-timeout", "600",
+           "--snapshot-every", str(every), *script]  # fmt: skip
     with open(work / "a.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -144,7 +144,7 @@ def steady(mode: str, width: int, timeout_s: float, every: int = SNAPSHOT_EVERY,
         return out
     finally:
         _kill(proc)
-        print(f"buddy copies ({mode}): logs in {work}", flush=True)
+        print(f"buddy copies (every {every} steps): logs in {work}", flush=True)
 
 
 def main() -> None:
@@ -182,8 +182,8 @@ def buddy(width: int, timeout_s: float, pairs: int) -> None:
     print(f"\nZeRO, 2 ranks on one node, steady state over steps {WARM}..{WARM + WINDOW}, snapshot every "
           f"{SNAPSHOT_EVERY} steps, {pairs} alternating pairs of runs:")  # fmt: skip
     for i in range(pairs):
-        without = steady("in-place", width, timeout_s, 10**6)
-        run = steady("in-place", width, timeout_s, SNAPSHOT_EVERY, kill=i == pairs - 1)
+        without = steady(width, timeout_s, 10**6)
+        run = steady(width, timeout_s, SNAPSHOT_EVERY, kill=i == pairs - 1)
         costs.append(1 - run["steps_s"] / without["steps_s"])
         stalls.append(run["stall"] * run["steps_s"] / SNAPSHOT_EVERY)
         print(f"  pair {i + 1}: without copies {without['steps_s']:.3f} steps/s, with {run['steps_s']:.3f}: cost "

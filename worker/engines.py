@@ -129,7 +129,7 @@ class DDPEngine(Engine):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         kwargs = self._ddp_kwargs if init_sync else {**self._ddp_kwargs, "init_sync": False}
         # The old world's DDP goes first: its reducer's buckets (the size of the gradients) are freed before the new
-        # one allocates its own, instead of both being held while it does (0.35 s less per re-form at 540 MB).
+        # one allocates its own, instead of both being held while it does.
         self.model = None  # type: ignore[assignment]
         self.model = DistributedDataParallel(module, device_ids=device_ids, process_group=self.group, **kwargs)
         # torch's DDP times the all-reduce of every SAMPLE_RATE-th iteration; the metrics extrapolate from those.
