@@ -33,7 +33,8 @@ def main() -> None:
                         "a constant learning rate)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=0, help="periodic checkpoints (with a checkpoint dir)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
-    parser.add_argument("--events", default="", help="append one JSON line per rank and step (samples consumed)")
+    parser.add_argument("--events", default="", help="append one JSON line per rank and step (samples consumed, the "
+                        "global loss)")  # fmt: skip
     parser.add_argument("--out", default="", help="rank 0 writes the final loss and world size here as JSON")
     parser.add_argument("--params-out", default="", help="rank 0 saves the final parameters here (torch.save)")
     parser.add_argument("--float64", action="store_true", help="train in double precision (long exactness checks)")
@@ -74,7 +75,7 @@ def main() -> None:
             seen = [int(i) for micro in batch.micro_batches for i in micro[2]]
             events.write(json.dumps({"generation": session.env.generation, "step": batch.step, "rank": session.rank,
                                      "world": session.world_size, "epoch": batch.plan.epoch, "samples": seen,
-                                     "pid": os.getpid(), "time": time.time()}) + "\n")  # fmt: skip
+                                     "pid": os.getpid(), "time": time.time(), "loss": loss}) + "\n")  # fmt: skip
             events.flush()
         if session.rank == 0 and batch.step % 10 == 0:
             print(f"step {batch.step} world {session.world_size} loss {loss:.4f}", flush=True)

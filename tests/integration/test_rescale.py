@@ -19,6 +19,7 @@ from tests.conftest import wait_for
 from tests.integration.harness import (
     ELASTIC,
     SAMPLES,
+    TOLERANCE,
     assert_all_gone,
     counted_samples,
     descendants,
@@ -74,7 +75,7 @@ def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent,
 
     diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
     print(f"rescaled 4 -> 2 -> 3: max |param diff| vs a static run = {diff:.2e}")
-    assert diff <= 1e-5
+    assert diff <= TOLERANCE
 
 
 def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordinator, spawn_agent, tmp_path: Path,
