@@ -19,7 +19,8 @@ own ``pliant_worker_snapshot_stall_seconds`` gives the time the snapshots held t
 of one ZeRO rank under in-place: the survivors roll back to the last snapshot, rebuilt from the buddies' copies (time
 to all ranks stepping, steps redone).
 
-Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300] [--only join|buddy] [--pairs 3]``
+Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300] [--only join|buddy] [--pairs 3]
+[--snapshot-every 8]``
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
 WARM, WINDOW = 16, 64  # steady-state steps/s over steps WARM..WARM+WINDOW
 
 
-def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool = False) -> dict:
+def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool = False,
+           period: int = SNAPSHOT_EVERY) -> dict:  # fmt: skip
     """Steady-state steps/s of 2 ZeRO ranks on one node under ``--rescale in-place``, with a buddy snapshot every
-    ``every`` steps; with ``kill``, then a kill -9 of rank 1 and the in-place recovery."""
+    ``every`` steps (``period``: the interval the in-run estimate groups steps by); with ``kill``, then a kill -9 of
+    rank 1 and the in-place recovery."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-every{every}-"))
     events, metrics_port = work / "events.jsonl", free_port()
     warm, window = WARM, WINDOW
@@ -126,7 +129,7 @@ def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool
         _wait(lambda: len(rank0()) > warm + window, timeout_s, f"{warm + window} steps")
         times = {e["step"]: e["time"] for e in rank0()}
         out = {"steps_s": window / (times[warm + window] - times[warm]),
-               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), SNAPSHOT_EVERY)}  # fmt: skip
+               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), period)}  # fmt: skip
         m = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
         count = m.get("pliant_worker_snapshot_stall_seconds_count", 0.0)
         out["stall"] = m.get("pliant_worker_snapshot_stall_seconds_sum", 0.0) / count if count else 0.0
@@ -170,13 +173,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--only", choices=["join", "buddy"], default="", help="run one part")
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs without and with buddy copies")
+    parser.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY, help="K of the runs with copies")
     args = parser.parse_args()
     w = args.width
     params = 16 * w + w + w * w + w + w + 1
     state_gb = 2 * params * 4 / 1e9  # parameters and SGD momentum, fp32
     print(f"model + optimizer state: {state_gb:.2f} GB ({params / 1e6:.0f}M parameters)", flush=True)
     if args.only != "join":
-        buddy(w, args.timeout, args.pairs)
+        buddy(w, args.timeout, args.pairs, args.snapshot_every)
     if args.only == "buddy":
         return
     results = {mode: measure(mode, w, args.timeout) for mode in ("in-place", "restart")}
@@ -194,15 +198,15 @@ def main() -> None:
 
 
 
-def buddy(width: int, timeout_s: float, pairs: int) -> None:
+def buddy(width: int, timeout_s: float, pairs: int, every: int = SNAPSHOT_EVERY) -> None:
     costs, stalls, in_run = [], [], []
     print(f"\nZeRO, 2 ranks on one node, steady state over steps {WARM}..{WARM + WINDOW}, snapshot every "
-          f"{SNAPSHOT_EVERY} steps, {pairs} alternating pairs of runs:")  # fmt: skip
+          f"{every} steps, {pairs} alternating pairs of runs:")  # fmt: skip
     for i in range(pairs):
-        without = steady(width, timeout_s, 10**6)
-        run = steady(width, timeout_s, SNAPSHOT_EVERY, kill=i == pairs - 1)
+        without = steady(width, timeout_s, 10**6, period=every)
+        run = steady(width, timeout_s, every, kill=i == pairs - 1, period=every)
         costs.append(1 - run["steps_s"] / without["steps_s"])
-        stalls.append(run["stall"] * run["steps_s"] / SNAPSHOT_EVERY)
+        stalls.append(run["stall"] * run["steps_s"] / every)
         in_run.append(run["in_run"])
         print(f"  pair {i + 1}: without copies {without['steps_s']:.3f} steps/s, with {run['steps_s']:.3f}: cost "
               f"{100 * costs[-1]:.1f} %; inside the run with copies {100 * run['in_run']:.1f} % (the same estimate "

@@ -65,6 +65,11 @@ def test_workers_get_one_openmp_thread_when_sharing_a_node() -> None:
     assert worker_base_env(4, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3", "the user's choice wins"
 
 
+def test_workers_get_huge_pages_for_large_host_tensors_unless_the_user_chose() -> None:
+    assert worker_base_env(1, {})["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert worker_base_env(2, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
 def test_the_printed_join_command_keeps_the_shared_checkpoint_dir() -> None:
     from pliant.agent.launcher import _join_command
 
