@@ -7,12 +7,13 @@ import itertools
 import json
 import os
 import re
+import statistics
 import threading
 import time
 from pathlib import Path
 
-__all__ = ["batches_counted", "counted_samples", "join_flags", "longest_pause", "max_param_diff", "read_jsonl",
-           "scrape"]
+__all__ = ["batches_counted", "counted_samples", "in_run_cost", "join_flags", "longest_pause", "max_param_diff",
+           "read_jsonl", "scrape"]
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -127,3 +128,18 @@ def batches_counted(events: list[dict], samples: int, global_batch: int,
 def max_param_diff(a: dict, b: dict) -> float:
     """The largest absolute difference between two state dicts' tensors (``b``'s keys)."""
     return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def in_run_cost(times: dict[int, float], steps: range, every: int) -> float:
+    """A cost paid every ``every`` steps (the buddy copies'), measured inside one run, free of the spread between
+    runs. ``times``: step -> when it ended; ``steps``: the steps whose durations count. The durations are grouped by
+    their place after a snapshot (offset 0 is the step after the snapshot of step ``k * every``, which the copy and
+    the send run during); the mean of the last half of the offsets, which no copy reaches, is the base; the cost is
+    the excess time of all offsets over ``every`` base steps, as a share of their time. A run without copies gives
+    the noise of this estimate."""
+    by_offset: dict[int, list[float]] = {}
+    for step in steps:
+        by_offset.setdefault(step % every, []).append(times[step] - times[step - 1])
+    means = [statistics.mean(by_offset[j]) for j in range(every)]
+    base = statistics.mean(means[every // 2 :])
+    return (sum(means) - every * base) / sum(means)

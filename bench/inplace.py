@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from common import join_flags, longest_pause, read_jsonl, scrape
+from common import in_run_cost, join_flags, longest_pause, read_jsonl, scrape
 
 from pliant.net import free_port
 from pliant.worker.buddy import SNAPSHOT_EVERY
@@ -151,20 +151,6 @@ def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool
     finally:
         _kill(proc)
         print(f"buddy copies (every {every} steps): logs in {work}", flush=True)
-
-
-def in_run_cost(times: dict[int, float], steps: range, every: int) -> float:
-    """The copies' cost measured inside one run, free of the spread between runs: rank 0's step durations grouped by
-    their place after a snapshot (the copy and the send run during the steps right after one: offset 0 is the step
-    after the snapshot of step ``k * every``). The last half of the offsets, which no copy reaches, is the base; the
-    cost is the excess time of all offsets over ``every`` base steps, as a share of their time. A run without copies
-    gives the noise of this estimate."""
-    by_offset: dict[int, list[float]] = {}
-    for step in steps:
-        by_offset.setdefault(step % every, []).append(times[step] - times[step - 1])
-    means = [statistics.mean(by_offset[j]) for j in range(every)]
-    base = statistics.mean(means[every // 2 :])
-    return (sum(means) - every * base) / sum(means)
 
 
 def main() -> None:
