@@ -179,8 +179,11 @@ def pack_later(
     buffer = out
 
     def copy() -> None:
-        for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
+        spans = _spans(tensors)
+        ends = [offset for offset, _n in spans[1:]] + [size][: len(spans)]
+        for t, (offset, n), end in zip(tensors, spans, ends, strict=True):
             buffer[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
+            buffer[offset + n : end].zero_()  # the alignment padding: the same bytes in every copy
 
     if cuda:
         copy()

@@ -73,6 +73,13 @@ def test_a_shard_packs_into_one_reusable_byte_buffer() -> None:
     assert pack([]).numel() == 0
 
 
+def test_a_packed_buffer_is_the_same_bytes_whatever_the_reused_buffer_held() -> None:
+    """The alignment padding is written too, so two copies of the same tensors compare equal byte for byte."""
+    tensors = [torch.randn(3), torch.arange(7)]  # 12 and 56 bytes: both padded
+    dirty = torch.full((packed_size(tensors),), 104, dtype=torch.uint8)
+    assert torch.equal(pack(tensors, dirty), pack(tensors, torch.zeros_like(dirty)))
+
+
 def test_a_copy_in_the_background_is_whole_when_waited_for_and_then_sends() -> None:
     """A snapshot's copy runs while the next step computes: the wait returns once the buffer holds every tensor, and
     ``then`` (the send to the buddy) has run after the copy, on the copy's thread."""
