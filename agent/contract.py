@@ -69,7 +69,8 @@ class AgentConfig:
             failing.
         rescale: ``in-place`` (groups that can re-form keep their processes and state across generations) or
             ``restart`` (every new generation stops the group after a checkpoint).
-        snapshot_every: committed steps between a sharded engine's buddy copies (exported to workers).
+        snapshot_every: committed steps between a sharded engine's buddy copies, or None (``auto``) to choose them
+            from their measured cost (exported to workers; :mod:`pliant.worker.cadence`).
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
@@ -97,7 +98,7 @@ class AgentConfig:
     start_timeout_s: float = 600.0
     allow_fresh_start: bool = False
     rescale: str = "in-place"
-    snapshot_every: int = 8
+    snapshot_every: int | None = None
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None
@@ -125,9 +126,9 @@ class AgentConfig:
                               f"timeout)")  # fmt: skip
         if self.rescale not in RESCALE_MODES:
             raise ConfigError(f"--rescale {self.rescale!r} must be one of: {', '.join(RESCALE_MODES)}")
-        if self.snapshot_every < 1:
-            raise ConfigError(f"--snapshot-every {self.snapshot_every} must be at least 1 (committed steps between a "
-                              f"sharded engine's buddy copies)")  # fmt: skip
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ConfigError(f"--snapshot-every {self.snapshot_every} must be 'auto' or at least 1 (committed steps "
+                              f"between a sharded engine's buddy copies)")  # fmt: skip
         if self.start_timeout_s < 0:
             raise ConfigError(f"--start-timeout {self.start_timeout_s:g} must be >= 0 seconds (0: never)")
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.coordinator.contract import JobSpec
+from pliant.env import AUTO, parse_every
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
 from pliant.net import parse_host_port
@@ -148,11 +149,11 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     )
     parser.add_argument(
         "--snapshot-every",
-        type=int,
-        default=8,
-        help="with --rescale in-place, a sharded engine (zero) copies each rank's shard to a buddy rank on another "
-        "node every this many steps; after a rank's death the survivors roll back to that copy, so at most this "
-        "many steps run again (default 8)",
+        default=AUTO,
+        help="with --rescale in-place, a sharded engine (zero, fsdp) copies each rank's shard to a buddy rank on "
+        "another node every this many steps; after a rank's death the survivors roll back to that copy, so at most "
+        "this many steps run again. Default auto: from the copies' measured cost, the fewest steps (4 to 64) that "
+        "keep them within 1.5%% of the training's time",
     )
     parser.add_argument(
         "--hang-timeout",
@@ -315,7 +316,7 @@ def config_from_args(
         start_timeout_s=args.start_timeout,
         allow_fresh_start=args.allow_fresh_start,
         rescale=args.rescale,
-        snapshot_every=args.snapshot_every,
+        snapshot_every=parse_every(args.snapshot_every, "--snapshot-every"),
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,

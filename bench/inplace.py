@@ -8,19 +8,21 @@ parameters and the optimizer state over the new process group; DDP's own broadca
 checkpoints at the step boundary (sync DCP save), exits and restores in new processes. The bandwidth comes from the
 survivor's own log line (the bytes broadcast over the re-formation's seconds, set-up included).
 
-Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval: one node with 2 ZeRO
-ranks trains the same model under ``--rescale in-place`` with a snapshot every SNAPSHOT_EVERY steps (copied and sent
+Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval (``auto``: the workers
+choose K from the copies' measured cost, pliant.worker.cadence; the K in force is their ``pliant_worker_snapshot_every``
+gauge): one node with 2 ZeRO ranks trains the same model under ``--rescale in-place`` with snapshots (copied and sent
 to the buddy in the background) and without copies in the window (``--snapshot-every`` 10**6: the one snapshot after
 the first step comes before it), steady-state steps/s over the same step window,
 in ``--pairs`` alternating pairs of runs (the spread between two runs of the same job on a small machine exceeds the
 copies' cost: the median of the pairs' costs is reported). Inside each run the cost is also estimated from rank 0's
-step durations by their place after a snapshot (``in_run_cost``; a run without copies gives its noise); the workers'
-own ``pliant_worker_snapshot_stall_seconds`` gives the time the snapshots held the training thread. Last, a kill -9
+step durations by their place after a snapshot (``in_run_cost``, with the K in force, which must not have changed in
+the window; a run without copies gives its noise); the workers' own ``pliant_worker_snapshot_stall_seconds`` gives the
+time the snapshots held the training thread. Last, a kill -9
 of one ZeRO rank under in-place: the survivors roll back to the last snapshot, rebuilt from the buddies' copies (time
 to all ranks stepping, steps redone).
 
 Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300] [--only join|buddy] [--pairs 3]
-[--snapshot-every 8]``
+[--snapshot-every auto|K]``
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ import psutil
 from common import in_run_cost, join_flags, longest_pause, read_jsonl, scrape
 
 from pliant.net import free_port
-from pliant.worker.buddy import SNAPSHOT_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 _REFORM = re.compile(r"rescale in place \(boundary\).* ([0-9.]+)s, (\d+) state bytes")
+_EVERY = re.compile(r"buddy snapshots every (\d+) steps from step (\d+)")  # pliant.worker.cadence's automatic K
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -107,11 +109,11 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
 WARM, WINDOW = 16, 64  # steady-state steps/s over steps WARM..WARM+WINDOW
 
 
-def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool = False,
-           period: int = SNAPSHOT_EVERY) -> dict:  # fmt: skip
+def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False, period: int = 0) -> dict:
     """Steady-state steps/s of 2 ZeRO ranks on one node under ``--rescale in-place``, with a buddy snapshot every
-    ``every`` steps (``period``: the interval the in-run estimate groups steps by); with ``kill``, then a kill -9 of
-    rank 1 and the in-place recovery."""
+    ``every`` steps (``auto``: the workers' choice); ``period``: the interval the in-run estimate groups steps by (0:
+    the K in force, ``every`` in the result, and ``moved`` says whether it changed in the window); with ``kill``,
+    then a kill -9 of rank 1 and the in-place recovery."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-every{every}-"))
     events, metrics_port = work / "events.jsonl", free_port()
     warm, window = WARM, WINDOW
@@ -119,7 +121,7 @@ def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool
               "--micro-batch", "4", "--steps", "1000000", "--events", str(events)]  # fmt: skip
     cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--rescale", "in-place",
            "--max-restarts", "3", "--metrics-port", str(metrics_port), "--start-timeout", "600",
-           "--snapshot-every", str(every), *script]  # fmt: skip
+           "--snapshot-every", every, *script]  # fmt: skip
     with open(work / "a.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -128,9 +130,12 @@ def steady(width: int, timeout_s: float, every: int = SNAPSHOT_EVERY, kill: bool
 
         _wait(lambda: len(rank0()) > warm + window, timeout_s, f"{warm + window} steps")
         times = {e["step"]: e["time"] for e in rank0()}
-        out = {"steps_s": window / (times[warm + window] - times[warm]),
-               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), period)}  # fmt: skip
         m = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        changes = [(int(k), int(step)) for k, step in _EVERY.findall((work / "a.log").read_text(errors="replace"))]
+        k = int(m.get("pliant_worker_snapshot_every", 0)) or (int(every) if every.isdigit() else 0)
+        out = {"steps_s": window / (times[warm + window] - times[warm]), "every": k,
+               "moved": any(warm <= step <= warm + window for _k, step in changes),
+               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), period or k)}  # fmt: skip
         count = m.get("pliant_worker_snapshot_stall_seconds_count", 0.0)
         out["stall"] = m.get("pliant_worker_snapshot_stall_seconds_sum", 0.0) / count if count else 0.0
         out["snap_bytes"] = m.get("pliant_worker_snapshot_bytes_total", 0.0) / count if count else 0.0
@@ -159,7 +164,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--only", choices=["join", "buddy"], default="", help="run one part")
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs without and with buddy copies")
-    parser.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY, help="K of the runs with copies")
+    parser.add_argument("--snapshot-every", default="auto", help="K of the runs with copies (default auto)")
     args = parser.parse_args()
     w = args.width
     params = 16 * w + w + w * w + w + w + 1
@@ -184,21 +189,22 @@ def main() -> None:
 
 
 
-def buddy(width: int, timeout_s: float, pairs: int, every: int = SNAPSHOT_EVERY) -> None:
+def buddy(width: int, timeout_s: float, pairs: int, every: str = "auto") -> None:
     costs, stalls, in_run = [], [], []
     print(f"\nZeRO, 2 ranks on one node, steady state over steps {WARM}..{WARM + WINDOW}, snapshot every "
           f"{every} steps, {pairs} alternating pairs of runs:")  # fmt: skip
     for i in range(pairs):
-        without = steady(width, timeout_s, 10**6, period=every)
-        run = steady(width, timeout_s, every, kill=i == pairs - 1, period=every)
+        run = steady(width, timeout_s, every, kill=i == pairs - 1)
+        without = steady(width, timeout_s, str(10**6), period=run["every"])
         costs.append(1 - run["steps_s"] / without["steps_s"])
-        stalls.append(run["stall"] * run["steps_s"] / every)
+        stalls.append(run["stall"] * run["steps_s"] / run["every"])
         in_run.append(run["in_run"])
-        print(f"  pair {i + 1}: without copies {without['steps_s']:.3f} steps/s, with {run['steps_s']:.3f}: cost "
-              f"{100 * costs[-1]:.1f} %; inside the run with copies {100 * run['in_run']:.1f} % (the same estimate "
-              f"without copies: {100 * without['in_run']:.1f} %); each snapshot copied {run['snap_bytes'] / 1e6:.0f} "
-              f"MB per rank and held the training thread {run['stall']:.3f}s ({100 * stalls[-1]:.2f} % of the "
-              f"time)")  # fmt: skip
+        moved = " (K changed in the window: the in-run estimate is rough)" if run["moved"] else ""
+        print(f"  pair {i + 1}: K = {run['every']}{moved}; with copies {run['steps_s']:.3f} steps/s, without "
+              f"{without['steps_s']:.3f}: cost {100 * costs[-1]:.1f} %; inside the run with copies "
+              f"{100 * run['in_run']:.1f} % (the same estimate without copies: {100 * without['in_run']:.1f} %); each "
+              f"snapshot copied {run['snap_bytes'] / 1e6:.0f} MB per rank and held the training thread "
+              f"{run['stall']:.3f}s ({100 * stalls[-1]:.2f} % of the time)")  # fmt: skip
     print(f"  median throughput cost {100 * statistics.median(costs):.1f} % between runs, "
           f"{100 * statistics.median(in_run):.1f} % inside the runs (goal <= 2 %), median stall "
           f"{100 * statistics.median(stalls):.2f} % of the time")  # fmt: skip

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from pliant.errors import ConfigError
 
-__all__ = ["RESCALE_EXIT_CODE", "RESCALE_MODES", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv"]
+__all__ = ["AUTO", "RESCALE_EXIT_CODE", "RESCALE_MODES", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv", "parse_every"]
 
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
 # coming, after writing each worker's directive (pliant.progress). pliant.worker agrees on a step boundary across
@@ -24,9 +24,24 @@ __all__ = ["RESCALE_EXIT_CODE", "RESCALE_MODES", "RESCALE_SIGNAL", "STACKS_SIGNA
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
 RESCALE_MODES = ("in-place", "restart")
+AUTO = "auto"  # --snapshot-every auto / PLIANT_SNAPSHOT_EVERY=auto: K from the snapshots' measured cost
 # The agent sends STACKS_SIGNAL to a hung worker before it stops it: the worker's faulthandler (registered by the zygote
 # and by pliant.worker) writes every thread's Python stack to its output, which the agent logs.
 STACKS_SIGNAL = signal.SIGUSR2
+
+
+def parse_every(text: str, name: str) -> int | None:
+    """``--snapshot-every`` / ``PLIANT_SNAPSHOT_EVERY``: ``auto`` (or empty) is None, else a whole number of steps.
+
+    Raises:
+        ConfigError: ``text`` is neither (its range is checked where it is used).
+    """
+    if text.strip().lower() in ("", AUTO):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name} {text!r} must be 'auto' or a whole number of steps between buddy copies") from None
 
 
 @dataclass(frozen=True)
@@ -56,8 +71,9 @@ class WorkerEnv:
             (:mod:`pliant.progress`; "" when no agent watches).
         rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
             checkpoint and exit on a rescale); the agent's ``--rescale``.
-        snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.buddy`); the
-            agent's ``--snapshot-every``.
+        snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.buddy`), or
+            None to choose them from their measured cost (:mod:`pliant.worker.cadence`); the agent's
+            ``--snapshot-every`` (``auto``: None).
     """
 
     rank: int = 0
@@ -79,14 +95,14 @@ class WorkerEnv:
     progress_file: str = ""
     allow_fresh_start: bool = False
     rescale: str = "restart"
-    snapshot_every: int = 8
+    snapshot_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.rescale not in RESCALE_MODES:
             raise ConfigError(f"PLIANT_RESCALE={self.rescale!r} must be one of {', '.join(RESCALE_MODES)}")
-        if self.snapshot_every < 1:
-            raise ConfigError(f"PLIANT_SNAPSHOT_EVERY={self.snapshot_every} must be at least 1 (steps between "
-                              f"buddy copies; --snapshot-every)")  # fmt: skip
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ConfigError(f"PLIANT_SNAPSHOT_EVERY={self.snapshot_every} must be 'auto' or at least 1 (steps "
+                              f"between buddy copies; --snapshot-every)")  # fmt: skip
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
@@ -125,7 +141,7 @@ class WorkerEnv:
             "PLIANT_JOB_EPOCH": str(self.job_epoch),
             "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
             "PLIANT_RESCALE": self.rescale,
-            "PLIANT_SNAPSHOT_EVERY": str(self.snapshot_every),
+            "PLIANT_SNAPSHOT_EVERY": AUTO if self.snapshot_every is None else str(self.snapshot_every),
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -176,5 +192,5 @@ class WorkerEnv:
             job_epoch=integer("PLIANT_JOB_EPOCH", 0),
             allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
             rescale=env.get("PLIANT_RESCALE") or defaults["rescale"],
-            snapshot_every=integer("PLIANT_SNAPSHOT_EVERY", defaults["snapshot_every"]),
+            snapshot_every=parse_every(env.get("PLIANT_SNAPSHOT_EVERY", ""), "PLIANT_SNAPSHOT_EVERY"),
         )

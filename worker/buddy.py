@@ -1,8 +1,9 @@
 """In-memory redundancy for sharded state: each rank keeps host copies of its own shard and of a buddy's.
 
 A sharded engine (ZeRO) holds state that only one rank has: its shard of the optimizer state (and, for the rollback
-below, its shard of the parameters). Every K committed steps (``pliant run --snapshot-every``, default
-:data:`SNAPSHOT_EVERY`), once after the first step and once right after each (re-)formation of the world, every rank:
+below, its shard of the parameters). Every K committed steps (``pliant run --snapshot-every``; by default K comes
+from the snapshots' measured cost, :mod:`pliant.worker.cadence`), once after the first step and once right after each
+(re-)formation of the world, every rank:
 
 1. copies its shard (the parameters it owns, their optimizer state, and on rank 0 the module's buffers) into a host
    buffer it reuses (on CUDA a pinned one, by non-blocking copies; on CPU a memcpy on a thread), with the step, its
@@ -21,7 +22,7 @@ shard and its buddy died together, re-forming fails and the restart path takes o
 
 The cost: host memory of two copies of the own shard and of each ward's, a memcpy of the own shard every K steps,
 and the background sends, which on a machine whose collectives are CPU-bound (gloo) compete with the step's own
-traffic: ``bench/inplace.py`` measures it. Only tensors cross ranks.
+traffic: the automatic K keeps it within a budget, and ``bench/inplace.py`` measures it. Only tensors cross ranks.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from pliant.worker.contract import Engine, WorkerError
 
 __all__ = [
     "BACKGROUND_NICE",
-    "SNAPSHOT_EVERY",
     "BuddyCopies",
     "Held",
     "Rollback",
@@ -59,7 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_EVERY = 8  # the default K: committed steps between snapshots (at most K steps run again after a death)
 RECEIVE_WAIT_S = 1.0  # at a failure, how long a ward's copy still in flight may take to arrive
 BACKGROUND_NICE = 10  # the threads that send the copies (gloo's, for their group) yield the CPU to the training's
 _ALIGN = 16  # every tensor starts at a multiple of this many bytes in a packed buffer (any dtype can view it)

@@ -159,6 +159,12 @@ class WorkerMetrics:
         self.snapshot_bytes = Counter(
             "pliant_worker_snapshot_bytes", "Bytes of this rank's shard copied and sent to its buddy.", registry=r
         )
+        self.snapshot_every = Gauge(
+            "pliant_worker_snapshot_every",
+            "Committed steps between a sharded engine's buddy snapshots (K: the most steps a peer's death runs again).",
+            multiprocess_mode="livemax",
+            registry=r,
+        )
         self.steps_redone = Counter(
             "pliant_worker_steps_redone",
             "Committed steps run again after a peer's death (a sharded engine rolls back to its last snapshot).",

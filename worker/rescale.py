@@ -16,11 +16,11 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
    optimizer step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every
    rank's contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my
    agent asked for a rescale" in one more all-reduce of two integers, issued asynchronously before the forward and
-   waited for before the optimizer step. Its second integer is the rank's last step time: from the slowest, every
-   rank computes the same number of steps to the next vote, so that one comes about every :data:`VOTE_WITHIN_S`
-   (every step for long steps, at most every :data:`MAX_VOTE_EVERY` steps; the first step of a job or of a new world
-   votes). A rescale then starts within about that time, or two steps. (One such all-reduce per step cost 5 % of a
-   7 ms DDP step on gloo; every 4th, 1.5 %; every 14th, as now, 0.5 %.)
+   waited for before the optimizer step. Its other integers are the rank's last step time and its buddy snapshots'
+   measured cost: from the largest, every rank computes the same step for the next vote (about every
+   :data:`~pliant.worker.cadence.VOTE_WITHIN_S`, and in the first step of a job or of a new world) and the same
+   number of steps between snapshots (:mod:`pliant.worker.cadence`). A rescale then starts within about that time, or
+   two steps. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo; every 4th, 1.5 %; every 14th, 0.5 %.)
 3. **Commit**: the optimizer step.
 
 **A peer dies** during 2 or 3: the collective raises on every survivor (gloo at once). The survivor drops the step's
@@ -63,6 +63,7 @@ import torch.distributed as dist
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
+from pliant.worker.cadence import Cadence
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
 from pliant.worker.engines import sync_scheduler
 from pliant.worker.groups import RendezvousWatch, announce_arrival, retire_groups, sever
@@ -75,28 +76,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIRECTIVE_WAIT_S",
-    "MAX_VOTE_EVERY",
     "MEET_S",
-    "VOTE_WITHIN_S",
     "Protocol",
     "RescaleError",
     "RescaleExit",
     "is_peer_failure",
-    "votes_apart",
 ]
 
 logger = logging.getLogger(__name__)
 
 DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
 MEET_S = 30.0  # survivors re-forming in place meet within this; see Protocol.form_group
-VOTE_WITHIN_S = 0.1  # a vote carrying the rescale flag about this often, or every step (see the module docstring) ...
-MAX_VOTE_EVERY = 32  # ... but at least every this many steps
-
-
-def votes_apart(slowest_s: float) -> int:
-    """Steps from one vote to the next when the slowest rank's last step took ``slowest_s`` (0: none yet)."""
-    return min(MAX_VOTE_EVERY, max(1, int(VOTE_WITHIN_S / slowest_s))) if slowest_s > 0 else 1
-
 
 class RescaleError(WorkerError):
     """Re-forming in place failed; the worker exits and its agent takes the restart path."""
@@ -138,8 +128,7 @@ class Protocol:
         self.boundary_due = False
         self.pending_sync = False
         self.steps_done = 0
-        self._next_vote = 0  # the step of the next vote: the same on every rank (see the module docstring)
-        self._last_step_s = 0.0
+        self.cadence = Cadence(session.env.snapshot_every)  # the steps of the votes and of the buddy snapshots
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
@@ -223,6 +212,7 @@ class Protocol:
 
     def step(self, engine: Engine, batch: GlobalBatch, loss_fn: LossFn) -> float:
         """One engine step under the protocol (see the module docstring)."""
+        self.cadence.tick(batch.step, time.perf_counter(), time.process_time())
         self.sync_pending()
         if self.failed_between:  # a collective between steps failed: re-form before this step, as if it broke
             logger.warning("rank %d: a peer failed before step %d (%s); waiting for the next generation",
@@ -237,7 +227,7 @@ class Protocol:
             failure = ""
             self.guard.begin(self.session.env.generation)
             try:
-                vote = self._vote() if batch.step >= self._next_vote else None  # in flight while the step computes
+                vote = self._vote() if batch.step >= self.cadence.next_vote else None  # runs while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
                 self.guard.check()  # the step's collectives completed on every rank, or raise
                 failure = "the vote"
@@ -249,8 +239,7 @@ class Protocol:
                 engine.apply_update()
                 self.steps_done = batch.step + 1
                 failure = "the buddy copies"
-                if engine is self.sharded and (self.steps_done % self.session.env.snapshot_every == 0
-                                               or not self.copies.taken):  # fmt: skip
+                if engine is self.sharded and (self.cadence.snapshot_due(self.steps_done) or not self.copies.taken):
                     self._snapshot(engine, [loader.position() for loader in self.loaders])
                 failure = ""
             except RuntimeError as exc:
@@ -266,7 +255,6 @@ class Protocol:
                     return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
                 continue
             engine.observe(batch, started)
-            self._last_step_s = time.perf_counter() - started
             self.boundary_due = asked
             return loss
 
@@ -289,32 +277,36 @@ class Protocol:
         finally:
             self.guard.end()
 
-    def _snapshot(self, engine: Engine, positions: list[tuple[int, int, int]]) -> None:
-        """Copy this rank's shard at the step just committed and send it to its buddy, in the background."""
+    def _snapshot(self, engine: Engine, positions: list[tuple[int, int, int]], by_step: bool = True) -> None:
+        """Copy this rank's shard at the step just committed and send it to its buddy, in the background (in a step,
+        or at a re-formation: ``by_step`` False)."""
         env = self.session.env
         self.copies.snapshot(engine, env.generation, env.node_rank, self.steps_done, positions)
+        self.cadence.took(self.steps_done, by_step)
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
-        """Start the commit vote: one all-reduce (max) of two integers that every rank must reach, carrying "my agent
-        asked for a rescale" and this rank's last step time. It is issued before the step's forward, so on gloo it
+        """Start the commit vote: one all-reduce (max) of three integers that every rank must reach, carrying "my agent
+        asked for a rescale", this rank's last step time and its snapshots' cost (:meth:`Cadence.ballot`). It is
+        issued before the step's forward, so on gloo it
         completes while the step computes, ahead of the gradient all-reduce; :meth:`_counted` waits for it before the
         optimizer step."""
         if self.asked:  # the agent writes the directive before it signals; a signal with none newer is stale
             env = self.session.env
             directive = read_directive(env.progress_file) if env.progress_file else None
             self.asked = directive is not None and directive.generation > env.generation
-        micros = min(int(self._last_step_s * 1e6), 2**31 - 1)
-        flag = torch.tensor([int(self.asked), micros], dtype=torch.int32)  # on NCCL too: gloo, off the GPU's stream
+        flag = torch.tensor([int(self.asked), *self.cadence.ballot()], dtype=torch.int32)  # on NCCL too: gloo
         return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag  # type: ignore[return-value]
 
     def _counted(self, vote: tuple[dist.Work, torch.Tensor], step: int) -> bool:
-        """Wait for the commit vote of ``step`` and set the next one's step; returns "a rescale was asked" (raises when
-        a peer failed)."""
+        """Wait for the commit vote of ``step`` and set the next vote's step and K; returns "a rescale was asked"
+        (raises when a peer failed)."""
         started = time.perf_counter()
         work, flag = vote
         work.wait()
         self.session.metrics.observe_collective("control", time.perf_counter() - started)
-        self._next_vote = step + votes_apart(int(flag[1]) / 1e6)  # all-reduced: the same on every rank
+        self.cadence.agreed(step, int(flag[1]), int(flag[2]))  # all-reduced: the same on every rank
+        if self.sharded is not None:
+            self.session.metrics.snapshot_every.set(self.cadence.every)
         return bool(flag[0])
 
     # -- the step boundary ---------------------------------------------------------------------------------------------
@@ -381,10 +373,10 @@ class Protocol:
             loader.rewind(batch)
         committed = self.steps_done
         behind, ahead = self._reform(directive, "failure")
-        if self.steps_done < batch.step:
+        if self.steps_done < committed:
             self.session.metrics.steps_redone.inc(committed - self.steps_done)
-            logger.info("rank %d: rolled back to the snapshot of step %d; steps %d-%d run again", self.session.env.rank,
-                        self.steps_done, self.steps_done, committed - 1)  # fmt: skip
+            logger.info("rank %d: committed steps %d-%d run again", self.session.env.rank, self.steps_done,
+                        committed - 1)  # fmt: skip
         if behind:
             logger.info("rank %d: step %d was committed by peers; taking their state", self.session.env.rank,
                         batch.step)  # fmt: skip
@@ -545,10 +537,11 @@ class Protocol:
             self._place(loader)
         behind = holds_state and mine < newest
         self.steps_done = newest
-        self._next_vote = newest  # every rank of the new world votes in its first step
+        self.cadence.reformed(newest)  # every rank of the new world votes in its first step
         sharded = self.sharded
         if sharded is not None:  # the new world's first copies, before its first step
-            self._snapshot(sharded, [tuple(p) for p in self._positions][: len(self.loaders)])  # type: ignore[misc]
+            positions = [tuple(p) for p in self._positions][: len(self.loaders)]
+            self._snapshot(sharded, positions, by_step=False)  # type: ignore[arg-type]
         return nbytes, behind, holds_state and oldest < newest and not behind
 
     def _roll_back(self, holds_state: bool, old_world: int) -> int:
@@ -592,4 +585,6 @@ class Protocol:
             assert slot.rng is not None
             torch.set_rng_state(slot.rng)
             self.steps_done = plan.step
+        logger.info("rank %d: rolled back to the snapshot of step %d (the old ranks' shards from new ranks %s)", me,
+                    plan.step, sorted(set(plan.holders.values())))  # fmt: skip
         return nbytes

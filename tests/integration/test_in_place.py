@@ -7,6 +7,7 @@ per failure."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from pliant.net import free_port
-from pliant.worker.buddy import SNAPSHOT_EVERY
+from pliant.worker.cadence import MIN_SNAPSHOT_EVERY
 from tests.conftest import wait_for
 from tests.integration.harness import (
     GLOBAL_BATCH,
@@ -112,13 +113,20 @@ def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
     return before, resumed
 
 
-def _check_redone(engine: str, events: list[dict], killed_at: float) -> tuple[int, int]:
-    """(the last step committed before the kill, the first run after it), asserting what may run again."""
+def snapshot_intervals(output: str) -> list[int]:
+    """The automatic snapshot intervals (K) the workers logged (pliant.worker.cadence), the first one included."""
+    return [MIN_SNAPSHOT_EVERY] + [int(k) for k in re.findall(r"buddy snapshots every (\d+) steps", output)]
+
+
+def _check_redone(engine: str, events: list[dict], killed_at: float, output: str) -> tuple[int, int]:
+    """(the last step committed before the kill, the first run after it), asserting what may run again: the step in
+    flight, and for the sharded engines the steps since the last snapshot (at most K, the largest K the workers chose
+    automatically)."""
     before, resumed = _redone(events, killed_at)
     if engine == "ddp":
         assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
     else:  # the survivors roll back to the newest snapshot that the buddies' copies complete
-        assert 0 <= before + 1 - resumed <= SNAPSHOT_EVERY + 1, (before, resumed)
+        assert 0 <= before + 1 - resumed <= max(snapshot_intervals(output)) + 1, (before, resumed)
     return before, resumed
 
 
@@ -141,7 +149,7 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 120, "every rank of world 4 stepping")
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     formed = max(e["generation"] for e in _events(tmp_path) if e["world"] == 4)
-    wait_for(lambda: _stepping(tmp_path, 4, first + 11), 60, "world 4 past its first snapshots")
+    wait_for(lambda: _stepping(tmp_path, 4, first + 13), 60, "world 4 past its first snapshots")
 
     world4 = _pids(_events(tmp_path), 4)
     on_b = {rank: pid for rank, pid in world4.items() if pid in descendants(b.pid)}
@@ -161,11 +169,13 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] >= 1, rescales  # its surviving worker
     assert metrics["pliant_worker_state_sync_bytes_total"] > 0  # ... and the new one's state from peers
     assert metrics['pliant_agent_worker_exits_total{code="-9"}'] == 1
+    if engine != "ddp":  # the automatic interval in force (pliant.worker.cadence)
+        assert metrics["pliant_worker_snapshot_every"] in snapshot_intervals(a.output()), metrics
     after = _pids([e for e in events if e["generation"] > formed], 4)
     assert {r: after[r] for r in survivors} == survivors, "the survivors kept their processes"
-    worker_redone = _check_redone(engine, events, worker_killed)
+    worker_redone = _check_redone(engine, events, worker_killed, a.output())
 
-    wait_for(lambda: _stepping(tmp_path, 4, max(e["step"] for e in events) + 11, generation=formed + 1), 60,
+    wait_for(lambda: _stepping(tmp_path, 4, max(e["step"] for e in events) + 13, generation=formed + 1), 60,
              "world 4 past its next snapshots")  # fmt: skip
     node_killed = time.time()
     b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
@@ -177,7 +187,7 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     alone = [e for e in events if e["generation"] >= formed + 2 and e["world"] == 2]
     node_back = min(e["time"] for e in alone)
     assert set(_pids(alone, 2).values()) == set(on_a.values()), "node a's workers kept their processes throughout"
-    node_redone = _check_redone(engine, events, node_killed)
+    node_redone = _check_redone(engine, events, node_killed, a.output())
     diff = _check_exact(tmp_path, steps, engine, kills=2)  # a worker, then node b's
     for what, (before, resumed), back, killed in (("worker", worker_redone, worker_back, worker_killed),
                                                   ("node", node_redone, node_back, node_killed)):  # fmt: skip

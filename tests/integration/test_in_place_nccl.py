@@ -43,7 +43,7 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     joined = time.time() - joined_at
     pause = longest_pause(_events(tmp_path), joined_at)
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 2)
-    wait_for(lambda: _stepping(tmp_path, 2, first + 11), 60, "world 2 past its first snapshots")
+    wait_for(lambda: _stepping(tmp_path, 2, first + 13), 60, "world 2 past its first snapshots")
 
     world2 = _pids(_events(tmp_path), 2)
     worker_killed = time.time()
@@ -52,9 +52,9 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     events = _events(tmp_path)
     worker_back = max(min(e["time"] for e in events if e["generation"] == 3 and e["rank"] == r) for r in range(2))
     assert _pids([e for e in events if e["generation"] == 3], 2)[0] == world2[0], "node a's worker lived on"
-    worker_redone = _check_redone(engine, events, worker_killed)
+    worker_redone = _check_redone(engine, events, worker_killed, a.output())
 
-    wait_for(lambda: _stepping(tmp_path, 2, max(e["step"] for e in events) + 11, generation=3), 60,
+    wait_for(lambda: _stepping(tmp_path, 2, max(e["step"] for e in events) + 13, generation=3), 60,
              "world 2 past its next snapshots")  # fmt: skip
     node_killed = time.time()
     b.kill(signal.SIGKILL)
@@ -65,7 +65,7 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     events = _events(tmp_path)
     node_back = min(e["time"] for e in events if e["generation"] == 4)
     assert {e["pid"] for e in events if e["rank"] == 0} == {world2[0]}, "node a's worker kept its process throughout"
-    node_redone = _check_redone(engine, events, node_killed)
+    node_redone = _check_redone(engine, events, node_killed, a.output())
     diff = _check_exact(tmp_path, steps, engine)
     print(f"{engine} on NCCL: join -> 2 ranks stepping {joined:.2f}s (node a's longest pause {pause:.2f}s)")
     for what, (before, resumed), back, killed in (("worker", worker_redone, worker_back, worker_killed),

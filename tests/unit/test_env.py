@@ -34,6 +34,13 @@ def test_under_torchrun_without_pliant_variables() -> None:
 def test_a_single_process_needs_no_variables() -> None:
     env = WorkerEnv.from_env({})
     assert (env.rank, env.world_size, env.local_rank, env.generation) == (0, 1, 0, 1)
+    assert env.snapshot_every is None  # automatic: from the snapshots' measured cost
+
+
+def test_the_automatic_snapshot_interval_round_trips() -> None:
+    env = WorkerEnv()
+    assert env.to_env()["PLIANT_SNAPSHOT_EVERY"] == "auto"
+    assert WorkerEnv.from_env(env.to_env()) == env
 
 
 @pytest.mark.parametrize(
@@ -42,7 +49,8 @@ def test_a_single_process_needs_no_variables() -> None:
         ({"RANK": "x"}, "RANK='x' is not an integer"),
         ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is outside WORLD_SIZE=4"),
         ({"WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is outside"),
-        ({"PLIANT_SNAPSHOT_EVERY": "0"}, "PLIANT_SNAPSHOT_EVERY=0 must be at least 1"),
+        ({"PLIANT_SNAPSHOT_EVERY": "0"}, "PLIANT_SNAPSHOT_EVERY=0 must be 'auto' or at least 1"),
+        ({"PLIANT_SNAPSHOT_EVERY": "often"}, "PLIANT_SNAPSHOT_EVERY 'often' must be 'auto' or a whole number"),
     ],
 )
 def test_bad_values_are_named(variables: dict[str, str], needle: str) -> None:

@@ -44,6 +44,12 @@ def test_host_defaults_to_loopback_with_the_embedded_control_plane() -> None:
     assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).host == "127.0.0.1"
 
 
+def test_the_snapshot_interval_is_automatic_unless_fixed() -> None:
+    assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).snapshot_every is None
+    fixed = config_from_args(parse("run", "--snapshot-every", "16", SCRIPT), ["h:1"], embedded=True)
+    assert fixed.snapshot_every == 16
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -51,7 +57,8 @@ def test_host_defaults_to_loopback_with_the_embedded_control_plane() -> None:
         (("--nnodes", "2:x"), "--nnodes '2:x' must be N or MIN:MAX"),
         (("--nproc-per-node", "many"), "--nproc-per-node 'many'"),
         (("--metrics-port", "70000"), "--metrics-port 70000 must be in 0..65535"),
-        (("--snapshot-every", "0"), "--snapshot-every 0 must be at least 1"),
+        (("--snapshot-every", "0"), "--snapshot-every 0 must be 'auto' or at least 1"),
+        (("--snapshot-every", "often"), "--snapshot-every 'often' must be 'auto' or a whole number"),
     ],
 )
 def test_bad_values(argv: tuple[str, ...], needle: str) -> None:

@@ -1,0 +1,142 @@
+"""The protocol's cadence (pliant.worker.cadence): when every rank votes and when it takes a buddy snapshot, from the
+integers the vote all-reduces, so every rank computes the same steps."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pliant.worker.cadence import (
+    MAX_SNAPSHOT_EVERY,
+    MIN_SNAPSHOT_EVERY,
+    SNAPSHOT_BUDGET,
+    VOTE_WITHIN_S,
+    Cadence,
+    snapshots_apart,
+    votes_apart,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize(("slowest_s", "apart"), [
+    (0.0, 1),  # no step measured yet (a job's or a new world's first): vote again at once
+    (2.0, 1),  # long steps: every step, so a rescale waits one step, not several
+    (0.1, 1),
+    (0.05, 2),
+    (0.007, 14),  # the 7 ms DDP step of bench/engine.py: the vote's all-reduce is about 0.5 % of the time
+    (0.0001, 32),  # bounded
+])  # fmt: skip
+def test_votes_come_about_every_tenth_of_a_second_or_every_step(slowest_s: float, apart: int) -> None:
+    assert votes_apart(slowest_s) == apart
+    assert votes_apart(slowest_s) * slowest_s <= max(VOTE_WITHIN_S, slowest_s)
+
+
+@pytest.mark.parametrize(("cost", "every"), [
+    (0.0, MIN_SNAPSHOT_EVERY),  # not measured yet, or free: as often as the base allows
+    (0.03, MIN_SNAPSHOT_EVERY),
+    (0.25, 17),  # 539 MB per ZeRO rank on 2 busy cores: 0.28 s over a 1.1 s step
+    (0.24, 16),
+    (50.0, MAX_SNAPSHOT_EVERY),  # bounded: at most this many steps run again after a death
+])  # fmt: skip
+def test_snapshots_are_as_frequent_as_the_budget_allows(cost: float, every: int) -> None:
+    assert snapshots_apart(cost) == every
+    if MIN_SNAPSHOT_EVERY < every < MAX_SNAPSHOT_EVERY:
+        assert cost / every <= SNAPSHOT_BUDGET < cost / (every - 1)
+
+
+class Clock:
+    """A rank's monotonic and CPU clocks, moved by the steps the test runs."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+
+def run(cadence: Cadence, steps: range, step_s: float, excess_s: float, cpu_excess_s: float | None = None,
+        clock: Clock | None = None) -> list[int]:  # fmt: skip
+    """Steps as the protocol runs them, with every step voting: a step takes ``step_s`` (half of it CPU time), and the
+    one that takes a snapshot and the next one ``excess_s`` more between them (``cpu_excess_s`` more CPU time, by
+    default as much). Returns the committed steps at each snapshot."""
+    clock = clock or Clock()
+    cpu_excess_s = excess_s if cpu_excess_s is None else cpu_excess_s
+    taken: list[int] = []
+    for step in steps:
+        cadence.tick(step, clock.wall, clock.cpu)
+        if step >= cadence.next_vote:  # one rank: the all-reduce is its own ballot
+            last_us, ppm = cadence.ballot()
+            cadence.agreed(step, last_us, ppm)
+        share = 0.0
+        if cadence.last_snapshot is not None and step == cadence.last_snapshot:
+            share += 0.5  # the step after a snapshot: the copy ran
+        if cadence.snapshot_due(step + 1):
+            cadence.took(step + 1)
+            taken.append(step + 1)
+            share += 0.5
+        clock.wall += step_s + share * excess_s
+        clock.cpu += step_s / 2 + share * cpu_excess_s
+    return taken
+
+
+def test_the_automatic_interval_follows_the_measured_cost() -> None:
+    cadence = Cadence()
+    taken = run(cadence, range(200), step_s=1.0, excess_s=0.25)
+    assert cadence.cost == pytest.approx(0.25)
+    assert cadence.every == 17
+    assert taken[:3] == [1, 4, 17]  # the first step, MIN_SNAPSHOT_EVERY steps while the cost is measured, then K
+    gaps = [b - a for a, b in itertools.pairwise(taken)]
+    assert max(gaps) <= 17 and gaps[-3:] == [17, 17, 17]
+    assert all(t % 17 == 0 for t in taken[-5:])  # at the multiples of K once it holds still
+
+
+def test_cheap_snapshots_stay_frequent_and_a_fixed_interval_stays_fixed() -> None:
+    cheap = Cadence()
+    run(cheap, range(100), step_s=1.0, excess_s=0.01)
+    assert cheap.every == MIN_SNAPSHOT_EVERY
+    fixed = Cadence(snapshot_every=8)
+    taken = run(fixed, range(100), step_s=1.0, excess_s=0.9)
+    assert fixed.every == 8 and fixed.ballot()[1] == 0  # its cost does not move anyone's K
+    assert taken == [1, *range(8, 101, 8)]
+
+
+def test_the_smaller_of_the_wall_clock_and_the_cpu_cost_counts() -> None:
+    idle_cores = Cadence()  # a GPU's host: the copies' CPU work does not slow the steps
+    run(idle_cores, range(100), step_s=1.0, excess_s=0.0, cpu_excess_s=2.0)
+    assert idle_cores.every == MIN_SNAPSHOT_EVERY
+    noisy = Cadence()  # other processes share the cores: the wall clock swings, the CPU time does not
+    clock = Clock()
+    for start in range(0, 100, 10):
+        run(noisy, range(start, start + 10), step_s=1.0, excess_s=0.0, cpu_excess_s=0.0, clock=clock)
+        clock.wall += 0.8  # a step held up by a neighbour, wherever it falls
+    assert noisy.every == MIN_SNAPSHOT_EVERY
+
+
+def test_a_newcomer_agrees_with_the_survivors_at_its_first_vote() -> None:
+    survivor, newcomer = Cadence(), Cadence()
+    run(survivor, range(60), step_s=1.0, excess_s=0.25)
+    for cadence in (survivor, newcomer):
+        cadence.reformed(60)
+        cadence.took(60, by_step=False)
+    ballots = [survivor.ballot(), newcomer.ballot()]
+    assert newcomer.ballot()[1] == 0  # it has measured nothing
+    agreed = [max(b[0] for b in ballots), max(b[1] for b in ballots)]
+    for cadence in (survivor, newcomer):
+        assert cadence.next_vote == 60
+        cadence.agreed(60, *agreed)
+    assert survivor.every == newcomer.every == 17
+    assert [c.snapshot_due(s) for c in (survivor, newcomer) for s in (61, 68, 77)] == [False, True, True] * 2
+
+
+def test_a_re_formation_snapshot_and_the_new_world_first_step_are_not_measured() -> None:
+    cadence, clock = Cadence(), Clock()
+    run(cadence, range(40), step_s=1.0, excess_s=0.25, clock=clock)
+    cost = cadence.cost
+    cadence.reformed(40)
+    cadence.took(40, by_step=False)
+    clock.wall += 30.0  # the re-formation
+    cadence.tick(40, clock.wall, clock.cpu)
+    clock.wall += 5.0  # the new world's first step: slow for its own reasons
+    cadence.tick(41, clock.wall, clock.cpu)
+    assert cadence.cost == cost
+    run(cadence, range(41, 80), step_s=2.0, excess_s=0.5, clock=clock)  # a smaller world: longer steps, same cost
+    assert cadence.cost == pytest.approx(0.25)

@@ -1,0 +1,162 @@
+"""How often the rescale protocol votes and a sharded engine takes its buddy snapshots: pure decisions.
+
+Nothing here does I/O or reads a clock: :class:`Cadence` is given each committed step's duration and the commit
+vote's all-reduced integers, and every rank derives the same steps from the same integers.
+
+**Votes** (:func:`votes_apart`). The commit vote that carries "my agent asked for a rescale" comes about every
+:data:`VOTE_WITHIN_S` (every step for long steps, at most every :data:`MAX_VOTE_EVERY` steps), from the slowest
+rank's last step time, which the vote itself carries. The first step of a job or of a new world votes.
+
+**Buddy snapshots** (:mod:`pliant.worker.buddy`; ``pliant run --snapshot-every auto``, the default). A snapshot costs
+the training the copy of the rank's shard, its send to the buddy and the receipt of the wards' copies, all while the
+step after it computes. What that costs depends on the machine: on a GPU the copy is a DMA on its own engine; on two
+busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, the committed steps between snapshots
+(and the most steps a peer's death makes the survivors run again), is chosen from the cost measured here, as CheckFreq
+(FAST '21) chooses its checkpoints' frequency:
+
+1. every rank measures its *snapshot cost*: by how much the step that took a snapshot and the next one (each from
+   its start to the next step's start: the script's work between steps is in the steps' time) exceed an unaffected
+   step (the running mean of the steps after them), in wall-clock time and in the process's CPU time,
+   each a running mean over snapshots; the smaller of the two, as a fraction of an unaffected step's wall-clock
+   time. A snapshot cannot cost the training more time than it adds to the steps, nor, where the cores are what the
+   training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier measure where
+   other processes share the cores (the wall-clock time then swings by tens of percent from step to step), and the
+   wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host). Snapshots at a
+   re-formation are not measured (the new world's first step has other costs);
+2. the vote carries it, as parts per million, all-reduced with max;
+3. every rank computes the same K from the largest (:func:`snapshots_apart`): the smallest K in
+   [:data:`MIN_SNAPSHOT_EVERY`, :data:`MAX_SNAPSHOT_EVERY`] with cost / K <= :data:`SNAPSHOT_BUDGET`.
+
+K is a function of the all-reduced integer alone, so a newcomer (which has measured nothing) agrees with the
+survivors from its first vote, the new world's first step, before that step's snapshot is due. A snapshot is due at
+a multiple of K committed steps, or K steps after the last one (which every rank of a world took at the same step),
+whichever comes first: at most K steps apart while K changes, and at the multiples of K once it holds still.
+``--snapshot-every K`` fixes K.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+__all__ = [
+    "MAX_SNAPSHOT_EVERY",
+    "MAX_VOTE_EVERY",
+    "MIN_SNAPSHOT_EVERY",
+    "SNAPSHOT_BUDGET",
+    "VOTE_WITHIN_S",
+    "Cadence",
+    "snapshots_apart",
+    "votes_apart",
+]
+
+logger = logging.getLogger(__name__)
+
+VOTE_WITHIN_S = 0.1  # a vote carrying the rescale flag about this often, or every step (see the module docstring) ...
+MAX_VOTE_EVERY = 32  # ... but at least every this many steps
+SNAPSHOT_BUDGET = 0.015  # automatic K: the snapshots may take this fraction of the training's time ...
+MIN_SNAPSHOT_EVERY = 4  # ... with K at least this (the steps between snapshots give the cost's base) ...
+MAX_SNAPSHOT_EVERY = 64  # ... and at most this many steps (run again, at most, after a peer's death)
+_BASE_WEIGHT = 0.25  # the running means' weights of a new sample: an unaffected step's times ...
+_COST_WEIGHT = 0.3  # ... and a snapshot's cost
+_MAX_PPM = 2**31 - 1  # the vote's integers are int32
+
+
+def votes_apart(slowest_s: float) -> int:
+    """Steps from one vote to the next when the slowest rank's last step took ``slowest_s`` (0: none yet)."""
+    return min(MAX_VOTE_EVERY, max(1, int(VOTE_WITHIN_S / slowest_s))) if slowest_s > 0 else 1
+
+
+def snapshots_apart(cost: float, budget: float = SNAPSHOT_BUDGET) -> int:
+    """Automatic K for a snapshot that costs ``cost`` of a step's time (0: not measured yet): the smallest K within
+    [MIN_SNAPSHOT_EVERY, MAX_SNAPSHOT_EVERY] that keeps ``cost / K`` within ``budget``."""
+    wanted = math.ceil(cost / budget - 1e-9) if cost > 0 else 0
+    return min(MAX_SNAPSHOT_EVERY, max(MIN_SNAPSHOT_EVERY, wanted))
+
+
+class Cadence:
+    """One rank's votes and snapshots (see the module docstring). Owned by the rescale protocol.
+
+    Args:
+        snapshot_every: a fixed K (``--snapshot-every K``), or None for the automatic one.
+
+    Attributes:
+        every: K now (the same on every rank of a world).
+        next_vote: the step of the next vote (the same on every rank).
+        last_snapshot: the committed steps at this world's last snapshot (None: none yet).
+        cost: this rank's measured snapshot cost, a fraction of a step (None: not measured yet).
+    """
+
+    def __init__(self, snapshot_every: int | None = None) -> None:
+        self.fixed = snapshot_every
+        self.every = snapshot_every or MIN_SNAPSHOT_EVERY
+        self.next_vote = 0
+        self.last_snapshot: int | None = None
+        self.last_step_s = 0.0
+        self._measured = False  # the last snapshot was taken by a step (not at a re-formation)
+        self._base: tuple[float, float] | None = None  # running means of an unaffected step's (wall, CPU) seconds
+        self._excess = (0.0, 0.0)  # the affected steps' (wall, CPU) seconds over the base, since the last snapshot
+        self._cost: tuple[float, float] | None = None  # running means of a snapshot's (wall, CPU) cost
+        self._tick: tuple[int, float, float] | None = None  # the last step's start: (step, wall, CPU)
+
+    @property
+    def cost(self) -> float | None:
+        """This rank's measured snapshot cost, a fraction of an unaffected step (None: not measured yet)."""
+        return None if self._cost is None else max(0.0, min(self._cost))
+
+    def snapshot_due(self, steps_done: int) -> bool:
+        """Whether the step that brought the committed steps to ``steps_done`` takes a snapshot."""
+        if self.last_snapshot is None:
+            return True
+        return steps_done % self.every == 0 or steps_done - self.last_snapshot >= self.every
+
+    def took(self, steps_done: int, by_step: bool = True) -> None:
+        """A snapshot was taken at ``steps_done``: by a step (measured), or at a re-formation (``by_step`` False)."""
+        self.last_snapshot, self._measured, self._excess = steps_done, by_step, (0.0, 0.0)
+
+    def reformed(self, steps_done: int) -> None:
+        """A new world starts at ``steps_done``: it votes in its first step, and its steps have a new base."""
+        self.next_vote, self._base, self._measured, self._tick = steps_done, None, False, None
+
+    def tick(self, step: int, wall_s: float, cpu_s: float) -> None:
+        """Step ``step`` (0-based) starts at ``wall_s`` on a monotonic clock, when the process (every thread) had used
+        ``cpu_s`` of CPU time. The time from the previous step's start, when that was step ``step - 1`` of this world,
+        is that step's: its snapshot, if it took one, and the script's own work between steps included."""
+        last, self._tick = self._tick, (step, wall_s, cpu_s)
+        if last is None or last[0] != step - 1:
+            return
+        seconds, cpu_seconds = wall_s - last[1], cpu_s - last[2]
+        self.last_step_s = seconds
+        if self.last_snapshot is None:
+            return
+        place = step - self.last_snapshot  # of step - 1: 0 took the snapshot; 1 is the next one (the copy ran)
+        sample = (seconds, cpu_seconds)
+        if place >= 2:
+            self._base = sample if self._base is None else _mean(self._base, sample, _BASE_WEIGHT)
+        elif place >= 0 and self._measured and self._base is not None:
+            self._excess = (self._excess[0] + seconds - self._base[0], self._excess[1] + cpu_seconds - self._base[1])
+            if place == 1:  # noise either way: the cost is clamped only when it is used
+                cost = (self._excess[0] / self._base[0], self._excess[1] / self._base[0])
+                self._cost = cost if self._cost is None else _mean(self._cost, cost, _COST_WEIGHT)
+
+    def ballot(self) -> tuple[int, int]:
+        """This rank's two integers for the vote: its last step time (µs) and its snapshot cost (parts per million,
+        0 when not measured or K is fixed)."""
+        cost = self.cost
+        ppm = int(cost * 1e6) if cost is not None and self.fixed is None else 0
+        return min(int(self.last_step_s * 1e6), _MAX_PPM), min(ppm, _MAX_PPM)
+
+    def agreed(self, step: int, slowest_us: int, cost_ppm: int) -> None:
+        """The vote of ``step`` gave the slowest rank's last step time and the largest snapshot cost: set the next
+        vote's step and K."""
+        self.next_vote = step + votes_apart(slowest_us / 1e6)
+        if self.fixed is None:
+            every = snapshots_apart(cost_ppm / 1e6)
+            if every != self.every:
+                logger.info("buddy snapshots every %d steps from step %d (a snapshot costs %.1f%% of a step; "
+                            "budget %.1f%%)", every, step, cost_ppm / 1e4, SNAPSHOT_BUDGET * 100)  # fmt: skip
+            self.every = every
+
+
+def _mean(mean: tuple[float, float], sample: tuple[float, float], weight: float) -> tuple[float, float]:
+    return (mean[0] + weight * (sample[0] - mean[0]), mean[1] + weight * (sample[1] - mean[1]))
