@@ -16,16 +16,19 @@ busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, th
 
 1. every rank measures its *snapshot cost*: by how much the step that took a snapshot and the next one (each from
    its start to the next step's start: the script's work between steps is in the steps' time) exceed an unaffected
-   step (the running mean of the steps after them), in wall-clock time and in the process's CPU time,
-   each a running mean over snapshots; the smaller of the two, as a fraction of an unaffected step's wall-clock
-   time. A snapshot cannot cost the training more time than it adds to the steps, nor, where the cores are what the
-   training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier measure where
-   other processes share the cores (the wall-clock time then swings by tens of percent from step to step), and the
-   wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host). Snapshots at a
-   re-formation are not measured (the new world's first step has other costs);
-2. the vote carries it, as parts per million, all-reduced with max;
-3. every rank computes the same K from the largest (:func:`snapshots_apart`): the smallest K in
-   [:data:`MIN_SNAPSHOT_EVERY`, :data:`MAX_SNAPSHOT_EVERY`] with cost / K <= :data:`SNAPSHOT_BUDGET`.
+   step (the running mean of the steps after them, once it has :data:`_MIN_BASE` of them), in wall-clock time and in
+   the process's CPU time, each the median of the last :data:`_SAMPLES` snapshots (a step that another process held
+   up counts as one sample, not as a trend); the smaller of the two, as a fraction of an unaffected step's
+   wall-clock time. A snapshot cannot cost the training more time than it adds to the steps, nor, where the cores
+   are what the training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier
+   measure where other processes share the cores (the wall-clock time then swings by tens of percent from step to
+   step), and the wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host).
+   Snapshots at a re-formation are not measured (the new world's first step has other costs);
+2. the vote carries it, as parts per million plus one (0: not measured yet), all-reduced with max;
+3. every rank computes the same K from the largest (:func:`snapshots_apart`): :data:`FIRST_SNAPSHOT_EVERY` while no
+   rank has measured (far enough apart that the steps between two snapshots give a clean base, past a job's first
+   steps, which are slower), then the smallest K in [:data:`MIN_SNAPSHOT_EVERY`, :data:`MAX_SNAPSHOT_EVERY`] with
+   cost / K <= :data:`SNAPSHOT_BUDGET`.
 
 K is a function of the all-reduced integer alone, so a newcomer (which has measured nothing) agrees with the
 survivors from its first vote, the new world's first step, before that step's snapshot is due. A snapshot is due at
@@ -38,8 +41,11 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+from collections import deque
 
 __all__ = [
+    "FIRST_SNAPSHOT_EVERY",
     "MAX_SNAPSHOT_EVERY",
     "MAX_VOTE_EVERY",
     "MIN_SNAPSHOT_EVERY",
@@ -56,9 +62,11 @@ VOTE_WITHIN_S = 0.1  # a vote carrying the rescale flag about this often, or eve
 MAX_VOTE_EVERY = 32  # ... but at least every this many steps
 SNAPSHOT_BUDGET = 0.015  # automatic K: the snapshots may take this fraction of the training's time ...
 MIN_SNAPSHOT_EVERY = 4  # ... with K at least this (the steps between snapshots give the cost's base) ...
-MAX_SNAPSHOT_EVERY = 64  # ... and at most this many steps (run again, at most, after a peer's death)
-_BASE_WEIGHT = 0.25  # the running means' weights of a new sample: an unaffected step's times ...
-_COST_WEIGHT = 0.3  # ... and a snapshot's cost
+MAX_SNAPSHOT_EVERY = 64  # ... and at most this many steps (run again, at most, after a peer's death) ...
+FIRST_SNAPSHOT_EVERY = 16  # ... and this many until some rank has measured the cost
+_BASE_WEIGHT = 0.25  # the running mean's weight of a new unaffected step's times
+_MIN_BASE = 4  # unaffected steps in the running mean before a snapshot's cost is measured against it
+_SAMPLES = 5  # a rank's snapshot cost: the median of its last this many snapshots'
 _MAX_PPM = 2**31 - 1  # the vote's integers are int32
 
 
@@ -67,11 +75,12 @@ def votes_apart(slowest_s: float) -> int:
     return min(MAX_VOTE_EVERY, max(1, int(VOTE_WITHIN_S / slowest_s))) if slowest_s > 0 else 1
 
 
-def snapshots_apart(cost: float, budget: float = SNAPSHOT_BUDGET) -> int:
-    """Automatic K for a snapshot that costs ``cost`` of a step's time (0: not measured yet): the smallest K within
-    [MIN_SNAPSHOT_EVERY, MAX_SNAPSHOT_EVERY] that keeps ``cost / K`` within ``budget``."""
-    wanted = math.ceil(cost / budget - 1e-9) if cost > 0 else 0
-    return min(MAX_SNAPSHOT_EVERY, max(MIN_SNAPSHOT_EVERY, wanted))
+def snapshots_apart(cost: float | None, budget: float = SNAPSHOT_BUDGET) -> int:
+    """Automatic K for a snapshot that costs ``cost`` of a step's time (None: no rank has measured it yet): the
+    smallest K within [MIN_SNAPSHOT_EVERY, MAX_SNAPSHOT_EVERY] that keeps ``cost / K`` within ``budget``."""
+    if cost is None:
+        return FIRST_SNAPSHOT_EVERY
+    return min(MAX_SNAPSHOT_EVERY, max(MIN_SNAPSHOT_EVERY, math.ceil(cost / budget - 1e-9)))
 
 
 class Cadence:
@@ -89,20 +98,23 @@ class Cadence:
 
     def __init__(self, snapshot_every: int | None = None) -> None:
         self.fixed = snapshot_every
-        self.every = snapshot_every or MIN_SNAPSHOT_EVERY
+        self.every = snapshot_every or FIRST_SNAPSHOT_EVERY
         self.next_vote = 0
         self.last_snapshot: int | None = None
         self.last_step_s = 0.0
         self._measured = False  # the last snapshot was taken by a step (not at a re-formation)
         self._base: tuple[float, float] | None = None  # running means of an unaffected step's (wall, CPU) seconds
+        self._based = 0  # ... over this many steps of this world
         self._excess = (0.0, 0.0)  # the affected steps' (wall, CPU) seconds over the base, since the last snapshot
-        self._cost: tuple[float, float] | None = None  # running means of a snapshot's (wall, CPU) cost
+        self._costs: deque[tuple[float, float]] = deque(maxlen=_SAMPLES)  # the last snapshots' (wall, CPU) costs
         self._tick: tuple[int, float, float] | None = None  # the last step's start: (step, wall, CPU)
 
     @property
     def cost(self) -> float | None:
         """This rank's measured snapshot cost, a fraction of an unaffected step (None: not measured yet)."""
-        return None if self._cost is None else max(0.0, min(self._cost))
+        if not self._costs:
+            return None
+        return max(0.0, min(statistics.median(c[0] for c in self._costs), statistics.median(c[1] for c in self._costs)))
 
     def snapshot_due(self, steps_done: int) -> bool:
         """Whether the step that brought the committed steps to ``steps_done`` takes a snapshot."""
@@ -116,7 +128,7 @@ class Cadence:
 
     def reformed(self, steps_done: int) -> None:
         """A new world starts at ``steps_done``: it votes in its first step, and its steps have a new base."""
-        self.next_vote, self._base, self._measured, self._tick = steps_done, None, False, None
+        self.next_vote, self._base, self._based, self._measured, self._tick = steps_done, None, 0, False, None
 
     def tick(self, step: int, wall_s: float, cpu_s: float) -> None:
         """Step ``step`` (0-based) starts at ``wall_s`` on a monotonic clock, when the process (every thread) had used
@@ -132,18 +144,18 @@ class Cadence:
         place = step - self.last_snapshot  # of step - 1: 0 took the snapshot; 1 is the next one (the copy ran)
         sample = (seconds, cpu_seconds)
         if place >= 2:
+            self._based += 1
             self._base = sample if self._base is None else _mean(self._base, sample, _BASE_WEIGHT)
-        elif place >= 0 and self._measured and self._base is not None:
+        elif place >= 0 and self._measured and self._base is not None and self._based >= _MIN_BASE:
             self._excess = (self._excess[0] + seconds - self._base[0], self._excess[1] + cpu_seconds - self._base[1])
             if place == 1:  # noise either way: the cost is clamped only when it is used
-                cost = (self._excess[0] / self._base[0], self._excess[1] / self._base[0])
-                self._cost = cost if self._cost is None else _mean(self._cost, cost, _COST_WEIGHT)
+                self._costs.append((self._excess[0] / self._base[0], self._excess[1] / self._base[0]))
 
     def ballot(self) -> tuple[int, int]:
-        """This rank's two integers for the vote: its last step time (µs) and its snapshot cost (parts per million,
-        0 when not measured or K is fixed)."""
+        """This rank's two integers for the vote: its last step time (µs) and its snapshot cost (parts per million
+        plus one; 0 when not measured or K is fixed)."""
         cost = self.cost
-        ppm = int(cost * 1e6) if cost is not None and self.fixed is None else 0
+        ppm = int(cost * 1e6) + 1 if cost is not None and self.fixed is None else 0
         return min(int(self.last_step_s * 1e6), _MAX_PPM), min(ppm, _MAX_PPM)
 
     def agreed(self, step: int, slowest_us: int, cost_ppm: int) -> None:
@@ -151,10 +163,11 @@ class Cadence:
         vote's step and K."""
         self.next_vote = step + votes_apart(slowest_us / 1e6)
         if self.fixed is None:
-            every = snapshots_apart(cost_ppm / 1e6)
+            every = snapshots_apart((cost_ppm - 1) / 1e6 if cost_ppm else None)
             if every != self.every:
                 logger.info("buddy snapshots every %d steps from step %d (a snapshot costs %.1f%% of a step; "
-                            "budget %.1f%%)", every, step, cost_ppm / 1e4, SNAPSHOT_BUDGET * 100)  # fmt: skip
+                            "budget %.1f%%)", every, step, max(0, cost_ppm - 1) / 1e4,
+                            SNAPSHOT_BUDGET * 100)  # fmt: skip
             self.every = every
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pliant.net import free_port
-from pliant.worker.cadence import MIN_SNAPSHOT_EVERY
+from pliant.worker.cadence import FIRST_SNAPSHOT_EVERY
 from tests.conftest import wait_for
 from tests.integration.harness import (
     GLOBAL_BATCH,
@@ -115,7 +115,7 @@ def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
 
 def snapshot_intervals(output: str) -> list[int]:
     """The automatic snapshot intervals (K) the workers logged (pliant.worker.cadence), the first one included."""
-    return [MIN_SNAPSHOT_EVERY] + [int(k) for k in re.findall(r"buddy snapshots every (\d+) steps", output)]
+    return [FIRST_SNAPSHOT_EVERY] + [int(k) for k in re.findall(r"buddy snapshots every (\d+) steps", output)]
 
 
 def _check_redone(engine: str, events: list[dict], killed_at: float, output: str) -> tuple[int, int]:
@@ -149,7 +149,7 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 120, "every rank of world 4 stepping")
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     formed = max(e["generation"] for e in _events(tmp_path) if e["world"] == 4)
-    wait_for(lambda: _stepping(tmp_path, 4, first + 13), 60, "world 4 past its first snapshots")
+    wait_for(lambda: _stepping(tmp_path, 4, first + 18), 60, "world 4 past its first snapshots")
 
     world4 = _pids(_events(tmp_path), 4)
     on_b = {rank: pid for rank, pid in world4.items() if pid in descendants(b.pid)}

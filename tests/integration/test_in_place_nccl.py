@@ -43,7 +43,7 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     joined = time.time() - joined_at
     pause = longest_pause(_events(tmp_path), joined_at)
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 2)
-    wait_for(lambda: _stepping(tmp_path, 2, first + 13), 60, "world 2 past its first snapshots")
+    wait_for(lambda: _stepping(tmp_path, 2, first + 18), 60, "world 2 past its first snapshots")
 
     world2 = _pids(_events(tmp_path), 2)
     worker_killed = time.time()

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from pliant.worker.cadence import (
+    FIRST_SNAPSHOT_EVERY,
     MAX_SNAPSHOT_EVERY,
     MIN_SNAPSHOT_EVERY,
     SNAPSHOT_BUDGET,
@@ -34,15 +35,16 @@ def test_votes_come_about_every_tenth_of_a_second_or_every_step(slowest_s: float
 
 
 @pytest.mark.parametrize(("cost", "every"), [
-    (0.0, MIN_SNAPSHOT_EVERY),  # not measured yet, or free: as often as the base allows
+    (None, FIRST_SNAPSHOT_EVERY),  # not measured yet: far enough apart for a clean base
+    (0.0, MIN_SNAPSHOT_EVERY),  # free: as often as the base allows
     (0.03, MIN_SNAPSHOT_EVERY),
     (0.25, 17),  # 539 MB per ZeRO rank on 2 busy cores: 0.28 s over a 1.1 s step
     (0.24, 16),
     (50.0, MAX_SNAPSHOT_EVERY),  # bounded: at most this many steps run again after a death
 ])  # fmt: skip
-def test_snapshots_are_as_frequent_as_the_budget_allows(cost: float, every: int) -> None:
+def test_snapshots_are_as_frequent_as_the_budget_allows(cost: float | None, every: int) -> None:
     assert snapshots_apart(cost) == every
-    if MIN_SNAPSHOT_EVERY < every < MAX_SNAPSHOT_EVERY:
+    if cost is not None and MIN_SNAPSHOT_EVERY < every < MAX_SNAPSHOT_EVERY:
         assert cost / every <= SNAPSHOT_BUDGET < cost / (every - 1)
 
 
@@ -54,10 +56,10 @@ class Clock:
 
 
 def run(cadence: Cadence, steps: range, step_s: float, excess_s: float, cpu_excess_s: float | None = None,
-        clock: Clock | None = None) -> list[int]:  # fmt: skip
+        clock: Clock | None = None, held: dict[int, float] | None = None) -> list[int]:  # fmt: skip
     """Steps as the protocol runs them, with every step voting: a step takes ``step_s`` (half of it CPU time), and the
     one that takes a snapshot and the next one ``excess_s`` more between them (``cpu_excess_s`` more CPU time, by
-    default as much). Returns the committed steps at each snapshot."""
+    default as much); ``held``: step -> seconds more of both. Returns the committed steps at each snapshot."""
     clock = clock or Clock()
     cpu_excess_s = excess_s if cpu_excess_s is None else cpu_excess_s
     taken: list[int] = []
@@ -73,8 +75,8 @@ def run(cadence: Cadence, steps: range, step_s: float, excess_s: float, cpu_exce
             cadence.took(step + 1)
             taken.append(step + 1)
             share += 0.5
-        clock.wall += step_s + share * excess_s
-        clock.cpu += step_s / 2 + share * cpu_excess_s
+        clock.wall += step_s + share * excess_s + (held or {}).get(step, 0.0)
+        clock.cpu += step_s / 2 + share * cpu_excess_s + (held or {}).get(step, 0.0)
     return taken
 
 
@@ -83,7 +85,7 @@ def test_the_automatic_interval_follows_the_measured_cost() -> None:
     taken = run(cadence, range(200), step_s=1.0, excess_s=0.25)
     assert cadence.cost == pytest.approx(0.25)
     assert cadence.every == 17
-    assert taken[:3] == [1, 4, 17]  # the first step, MIN_SNAPSHOT_EVERY steps while the cost is measured, then K
+    assert taken[:3] == [1, 16, 33]  # the first step, FIRST_SNAPSHOT_EVERY while the cost is measured, then K
     gaps = [b - a for a, b in itertools.pairwise(taken)]
     assert max(gaps) <= 17 and gaps[-3:] == [17, 17, 17]
     assert all(t % 17 == 0 for t in taken[-5:])  # at the multiples of K once it holds still
@@ -97,6 +99,18 @@ def test_cheap_snapshots_stay_frequent_and_a_fixed_interval_stays_fixed() -> Non
     taken = run(fixed, range(100), step_s=1.0, excess_s=0.9)
     assert fixed.every == 8 and fixed.ballot()[1] == 0  # its cost does not move anyone's K
     assert taken == [1, *range(8, 101, 8)]
+
+
+def test_one_held_up_step_is_not_a_trend_and_the_first_steps_are_not_measured() -> None:
+    cadence, clock = Cadence(), Clock()
+    clock.wall += 30.0  # a job's first steps are slow: warm-up, page faults
+    run(cadence, range(3), step_s=3.0, excess_s=0.0, clock=clock)
+    run(cadence, range(3, 100), step_s=1.0, excess_s=0.25, clock=clock)
+    assert cadence.every == 17 and cadence.last_snapshot == 85
+    # Another process holds up the step after the snapshot of step 102, once (on both clocks, so the min keeps it).
+    run(cadence, range(100, 120), step_s=1.0, excess_s=0.25, clock=clock, held={102: 5.0})
+    assert cadence.last_snapshot == 119
+    assert cadence.every == 17 and cadence.cost == pytest.approx(0.25, rel=1e-3)
 
 
 def test_the_smaller_of_the_wall_clock_and_the_cpu_cost_counts() -> None:
