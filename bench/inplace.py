@@ -106,7 +106,7 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
         print(f"{mode}: logs in {work}", flush=True)
 
 
-WARM, WINDOW = 16, 64  # steady-state steps/s over steps WARM..WARM+WINDOW
+WARM, WINDOW = 40, 64  # steady-state steps/s over steps WARM..WARM+WINDOW (the automatic K is set by step 34)
 
 
 def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False, period: int = 0) -> dict:

@@ -300,6 +300,7 @@ class BuddyCopies:
         self.newest = 1
         self.retired: list[object] = []  # exchanges a failure interrupted: never waited for, never freed
         self._copying: tuple[_Slot, int, Callable[[], None]] | None = None  # take()'s copy, until finish()
+        self.fresh = False  # the last snapshot allocated a buffer (the first two of a world do)
 
     def reset(self) -> None:
         """Forget every copy (the world changed: its shards are cut differently)."""
@@ -356,9 +357,11 @@ class BuddyCopies:
         slot.positions, slot.rng, slot.hyper = positions, torch.get_rng_state(), hyper
         slot.scheduler = copy.deepcopy(scheduler)
         self.partition = partition
+        self.fresh = slot.own is None or slot.own.numel() != packed_size(tensors)  # its first touch costs more
         for ward, size in ((w, self.sizes[w]) for w in self.wards):
             if slot.wards.get(ward) is None or slot.wards[ward].numel() != size:
                 slot.wards[ward] = torch.empty(size, dtype=torch.uint8)
+                self.fresh = True
         slot.received, slot.sends, slot.send_failed = False, [], None
         slot.receives = [dist.irecv(slot.wards[w], w, group=self.group) for w in self.wards]
 

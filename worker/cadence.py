@@ -23,7 +23,9 @@ busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, th
    are what the training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier
    measure where other processes share the cores (the wall-clock time then swings by tens of percent from step to
    step), and the wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host).
-   Snapshots at a re-formation are not measured (the new world's first step has other costs);
+   Snapshots at a re-formation are not measured (the new world's first step has other costs), nor those that
+   allocate their buffers (the first two of a world: with a 1 GB model, the first touch of fresh pages made one
+   cost 104 % of a step, against 17-23 % for a copy into a reused buffer);
 2. the vote carries it, as parts per million plus one (0: not measured yet), all-reduced with max;
 3. every rank computes the same K from the largest (:func:`snapshots_apart`): :data:`FIRST_SNAPSHOT_EVERY` while no
    rank has measured (far enough apart that the steps between two snapshots give a clean base, past a job's first
@@ -123,7 +125,8 @@ class Cadence:
         return steps_done % self.every == 0 or steps_done - self.last_snapshot >= self.every
 
     def took(self, steps_done: int, by_step: bool = True) -> None:
-        """A snapshot was taken at ``steps_done``: by a step (measured), or at a re-formation (``by_step`` False)."""
+        """A snapshot was taken at ``steps_done``: by a step (``by_step``: its cost is measured), or at a
+        re-formation or into new buffers (False)."""
         self.last_snapshot, self._measured, self._excess = steps_done, by_step, (0.0, 0.0)
 
     def reformed(self, steps_done: int) -> None:

@@ -282,7 +282,7 @@ class Protocol:
         or at a re-formation: ``by_step`` False)."""
         env = self.session.env
         self.copies.snapshot(engine, env.generation, env.node_rank, self.steps_done, positions)
-        self.cadence.took(self.steps_done, by_step)
+        self.cadence.took(self.steps_done, by_step and not self.copies.fresh)  # measured: a step's, buffers reused
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
         """Start the commit vote: one all-reduce (max) of three integers that every rank must reach, carrying "my agent
