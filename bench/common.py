@@ -130,16 +130,43 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def in_run_cost(times: dict[int, float], steps: range, every: int) -> float:
-    """A cost paid every ``every`` steps (the buddy copies'), measured inside one run, free of the spread between
-    runs. ``times``: step -> when it ended; ``steps``: the steps whose durations count. The durations are grouped by
-    their place after a snapshot (offset 0 is the step after the snapshot of step ``k * every``, which the copy and
-    the send run during); the mean of the last half of the offsets, which no copy reaches, is the base; the cost is
-    the excess time of all offsets over ``every`` base steps, as a share of their time. A run without copies gives
-    the noise of this estimate."""
-    by_offset: dict[int, list[float]] = {}
-    for step in steps:
-        by_offset.setdefault(step % every, []).append(times[step] - times[step - 1])
-    means = [statistics.mean(by_offset[j]) for j in range(every)]
-    base = statistics.mean(means[every // 2 :])
-    return (sum(means) - every * base) / sum(means)
+def in_run_cost(times: dict[int, float], steps: range, snapshots: list[int], horizon: int = 4) -> float:
+    """A cost paid at each snapshot (the buddy copies'), measured inside one run, free of the spread between runs.
+
+    Args:
+        times: step -> when it ended (step ``s`` took a snapshot when ``s + 1`` is in ``snapshots``).
+        steps: the steps whose durations count.
+        snapshots: the committed steps at each snapshot, in order (:func:`snapshot_steps`).
+        horizon: steps from a snapshot's on that no copy reaches: their mean duration is the base.
+
+    Returns:
+        The excess time of the steps nearer a snapshot than ``horizon`` over the base, as a share of all the steps'
+        time. Given a run without copies and the schedule of one with them, it gives the estimate's noise.
+    """
+    durations = {step: times[step] - times[step - 1] for step in steps}
+
+    def place(step: int) -> int:
+        before = [s for s in snapshots if s <= step + 1]
+        return step + 1 - before[-1] if before else horizon
+
+    near = [d for step, d in durations.items() if place(step) < horizon]
+    base = statistics.mean(d for step, d in durations.items() if place(step) >= horizon)
+    return sum(d - base for d in near) / sum(durations.values())
+
+
+def snapshot_steps(changes: list[tuple[int, int]], until: int, first_every: int) -> list[int]:
+    """The committed steps at which an automatic interval's snapshots were taken, up to step ``until``, from the K
+    changes the workers logged (``changes``: (K, the vote's step) in order) and the first K, with the protocol's own
+    rule (:class:`pliant.worker.cadence.Cadence`); re-formations not included."""
+    from pliant.worker.cadence import Cadence
+
+    cadence, taken = Cadence(), []
+    cadence.every = first_every
+    for step in range(until):
+        for every, at in changes:
+            if at == step:
+                cadence.every = every
+        if cadence.snapshot_due(step + 1):
+            cadence.took(step + 1)
+            taken.append(step + 1)
+    return taken

@@ -15,11 +15,11 @@ to the buddy in the background) and without copies in the window (``--snapshot-e
 the first step comes before it), steady-state steps/s over the same step window,
 in ``--pairs`` alternating pairs of runs (the spread between two runs of the same job on a small machine exceeds the
 copies' cost: the median of the pairs' costs is reported). Inside each run the cost is also estimated from rank 0's
-step durations by their place after a snapshot (``in_run_cost``, with the K in force, which must not have changed in
-the window; a run without copies gives its noise); the workers' own ``pliant_worker_snapshot_stall_seconds`` gives the
-time the snapshots held the training thread. Last, a kill -9
-of one ZeRO rank under in-place: the survivors roll back to the last snapshot, rebuilt from the buddies' copies (time
-to all ranks stepping, steps redone).
+step durations by their place after a snapshot (``in_run_cost``; the snapshots' steps follow from the K changes the
+workers logged, ``snapshot_steps``; a run without copies, given the same steps, gives the estimate's noise); the
+workers' own ``pliant_worker_snapshot_stall_seconds`` gives the time the snapshots held the training thread. Last, a
+kill -9 of one ZeRO rank under in-place: the survivors roll back to the last snapshot, rebuilt from the buddies'
+copies (time to all ranks stepping, steps redone).
 
 Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300] [--only join|buddy] [--pairs 3]
 [--snapshot-every auto|K]``
@@ -40,14 +40,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from common import in_run_cost, join_flags, longest_pause, read_jsonl, scrape
+from common import in_run_cost, join_flags, longest_pause, read_jsonl, scrape, snapshot_steps
 
 from pliant.net import free_port
+from pliant.worker.cadence import FIRST_SNAPSHOT_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 _REFORM = re.compile(r"rescale in place \(boundary\).* ([0-9.]+)s, (\d+) state bytes")
-_EVERY = re.compile(r"buddy snapshots every (\d+) steps from step (\d+)")  # pliant.worker.cadence's automatic K
+_EVERY = re.compile(r"^\[0\]:.*buddy snapshots every (\d+) steps from step (\d+)", re.M)  # rank 0's changes of K
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -109,11 +110,12 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
 WARM, WINDOW = 40, 64  # steady-state steps/s over steps WARM..WARM+WINDOW (the automatic K is set by step 34)
 
 
-def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False, period: int = 0) -> dict:
+def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False,
+           schedule: list[int] | None = None) -> dict:  # fmt: skip
     """Steady-state steps/s of 2 ZeRO ranks on one node under ``--rescale in-place``, with a buddy snapshot every
-    ``every`` steps (``auto``: the workers' choice); ``period``: the interval the in-run estimate groups steps by (0:
-    the K in force, ``every`` in the result, and ``moved`` says whether it changed in the window); with ``kill``,
-    then a kill -9 of rank 1 and the in-place recovery."""
+    ``every`` steps (``auto``: the workers' choice; the result's ``every`` is the K in force at the end and
+    ``schedule`` the committed steps at each snapshot); the in-run estimate uses ``schedule`` if given (a run without
+    copies: its noise); with ``kill``, then a kill -9 of rank 1 and the in-place recovery."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-every{every}-"))
     events, metrics_port = work / "events.jsonl", free_port()
     warm, window = WARM, WINDOW
@@ -132,10 +134,11 @@ def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False
         times = {e["step"]: e["time"] for e in rank0()}
         m = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
         changes = [(int(k), int(step)) for k, step in _EVERY.findall((work / "a.log").read_text(errors="replace"))]
-        k = int(m.get("pliant_worker_snapshot_every", 0)) or (int(every) if every.isdigit() else 0)
-        out = {"steps_s": window / (times[warm + window] - times[warm]), "every": k,
-               "moved": any(warm <= step <= warm + window for _k, step in changes),
-               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), period or k)}  # fmt: skip
+        fixed = int(every) if every.isdigit() else 0
+        mine = snapshot_steps(changes, warm + window + 1, fixed or FIRST_SNAPSHOT_EVERY)
+        out = {"steps_s": window / (times[warm + window] - times[warm]), "schedule": mine,
+               "every": int(m.get("pliant_worker_snapshot_every", 0)) or fixed,
+               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), schedule or mine)}  # fmt: skip
         count = m.get("pliant_worker_snapshot_stall_seconds_count", 0.0)
         out["stall"] = m.get("pliant_worker_snapshot_stall_seconds_sum", 0.0) / count if count else 0.0
         out["snap_bytes"] = m.get("pliant_worker_snapshot_bytes_total", 0.0) / count if count else 0.0
@@ -195,12 +198,13 @@ def buddy(width: int, timeout_s: float, pairs: int, every: str = "auto") -> None
           f"{every} steps, {pairs} alternating pairs of runs:")  # fmt: skip
     for i in range(pairs):
         run = steady(width, timeout_s, every, kill=i == pairs - 1)
-        without = steady(width, timeout_s, str(10**6), period=run["every"])
+        without = steady(width, timeout_s, str(10**6), schedule=run["schedule"])
         costs.append(1 - run["steps_s"] / without["steps_s"])
-        stalls.append(run["stall"] * run["steps_s"] / run["every"])
+        in_window = [s for s in run["schedule"] if WARM < s <= WARM + WINDOW]
+        stalls.append(run["stall"] * len(in_window) / WINDOW * run["steps_s"])
         in_run.append(run["in_run"])
-        moved = " (K changed in the window: the in-run estimate is rough)" if run["moved"] else ""
-        print(f"  pair {i + 1}: K = {run['every']}{moved}; with copies {run['steps_s']:.3f} steps/s, without "
+        print(f"  pair {i + 1}: K = {run['every']} at the end, snapshots after steps {in_window}; with copies "
+              f"{run['steps_s']:.3f} steps/s, without "
               f"{without['steps_s']:.3f}: cost {100 * costs[-1]:.1f} %; inside the run with copies "
               f"{100 * run['in_run']:.1f} % (the same estimate without copies: {100 * without['in_run']:.1f} %); each "
               f"snapshot copied {run['snap_bytes'] / 1e6:.0f} MB per rank and held the training thread "
