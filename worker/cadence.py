@@ -16,27 +16,27 @@ busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, th
 
 1. every rank measures its *snapshot cost*: by how much the step that took a snapshot and the next one (each from
    its start to the next step's start: the script's work between steps is in the steps' time) exceed an unaffected
-   step (the running mean of the steps after them, once it has :data:`_MIN_BASE` of them), in wall-clock time and in
-   the process's CPU time, each the median of the last :data:`_SAMPLES` snapshots (a step that another process held
-   up counts as one sample, not as a trend); the smaller of the two, as a fraction of an unaffected step's
-   wall-clock time. A snapshot cannot cost the training more time than it adds to the steps, nor, where the cores
-   are what the training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier
-   measure where other processes share the cores (the wall-clock time then swings by tens of percent from step to
-   step), and the wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host).
-   Snapshots at a re-formation are not measured (the new world's first step has other costs), nor those that
-   allocate their buffers (the first two of a world: with a 1 GB model, the first touch of fresh pages made one
-   cost 104 % of a step, against 17-23 % for a copy into a reused buffer);
-2. the vote carries it, as parts per million plus one (0: not measured yet), all-reduced with max;
-3. every rank computes the same K from the largest (:func:`snapshots_apart`): :data:`FIRST_SNAPSHOT_EVERY` while no
-   rank has measured (far enough apart that the steps between two snapshots give a clean base, past a job's first
-   steps, which are slower), then the smallest K in [:data:`MIN_SNAPSHOT_EVERY`, :data:`MAX_SNAPSHOT_EVERY`] with
-   cost / K <= :data:`SNAPSHOT_BUDGET`.
+   step (the median of this world's last :data:`_BASE_STEPS`, once it has :data:`_MIN_BASE`), in wall-clock time and
+   in the process's CPU time, each the median of the last :data:`_SAMPLES` snapshots (a step that another process
+   held up counts once, not as a trend); the smaller of the two, as a fraction of an unaffected step's wall-clock
+   time. A snapshot cannot cost the training more time than it adds to the steps, nor, where the cores are what the
+   training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier measure where
+   other processes share the cores (the wall-clock time then swings by tens of percent from step to step), and the
+   wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host). Snapshots at a
+   re-formation are not measured (the new world's first step has other costs), nor those that allocate their
+   buffers (the first two of a world: with a 1 GB model, the first touch of fresh pages made one cost 104 % of a
+   step, against 17-23 % for a copy into a reused buffer);
+2. from it, the rank asks for a K (:meth:`Cadence.wanted`): the smallest in [:data:`MIN_SNAPSHOT_EVERY`,
+   :data:`MAX_SNAPSHOT_EVERY`] with cost / K <= :data:`SNAPSHOT_BUDGET` (:func:`snapshots_apart`), or K as it is
+   while that is enough and at most half again as many steps; 0 before it has measured;
+3. the vote carries it, all-reduced with max, and every rank takes the largest as K (:data:`FIRST_SNAPSHOT_EVERY`
+   while no rank has measured: far enough apart that the steps between two snapshots give a clean base, past a
+   job's first steps, which are slower). A fixed ``--snapshot-every K`` asks for K, so ranks started with different
+   settings still agree.
 
 K is a function of the all-reduced integer alone, so a newcomer (which has measured nothing) agrees with the
-survivors from its first vote, the new world's first step, before that step's snapshot is due. A snapshot is due at
-a multiple of K committed steps, or K steps after the last one (which every rank of a world took at the same step),
-whichever comes first: at most K steps apart while K changes, and at the multiples of K once it holds still.
-``--snapshot-every K`` fixes K.
+survivors from its first vote, the new world's first step, before that step's snapshot is due. A snapshot is due K
+steps after the last one, which every rank of a world took at the same step.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ SNAPSHOT_BUDGET = 0.015  # automatic K: the snapshots may take this fraction of 
 MIN_SNAPSHOT_EVERY = 4  # ... with K at least this (the steps between snapshots give the cost's base) ...
 MAX_SNAPSHOT_EVERY = 64  # ... and at most this many steps (run again, at most, after a peer's death) ...
 FIRST_SNAPSHOT_EVERY = 16  # ... and this many until some rank has measured the cost
-_BASE_WEIGHT = 0.25  # the running mean's weight of a new unaffected step's times
-_MIN_BASE = 4  # unaffected steps in the running mean before a snapshot's cost is measured against it
+_BASE_STEPS = 9  # an unaffected step's time: the median of this world's last this many
+_MIN_BASE = 4  # ... once it has at least this many
+_KEEP_WITHIN = 1.5  # K stays while it is at least what the cost needs and at most this many times it
 _SAMPLES = 5  # a rank's snapshot cost: the median of its last this many snapshots'
-_MAX_PPM = 2**31 - 1  # the vote's integers are int32
+_MAX_INT = 2**31 - 1  # the vote's integers are int32
 
 
 def votes_apart(slowest_s: float) -> int:
@@ -105,8 +106,7 @@ class Cadence:
         self.last_snapshot: int | None = None
         self.last_step_s = 0.0
         self._measured = False  # the last snapshot was taken by a step (not at a re-formation)
-        self._base: tuple[float, float] | None = None  # running means of an unaffected step's (wall, CPU) seconds
-        self._based = 0  # ... over this many steps of this world
+        self._base: deque[tuple[float, float]] = deque(maxlen=_BASE_STEPS)  # this world's last unaffected steps'
         self._excess = (0.0, 0.0)  # the affected steps' (wall, CPU) seconds over the base, since the last snapshot
         self._costs: deque[tuple[float, float]] = deque(maxlen=_SAMPLES)  # the last snapshots' (wall, CPU) costs
         self._tick: tuple[int, float, float] | None = None  # the last step's start: (step, wall, CPU)
@@ -114,15 +114,11 @@ class Cadence:
     @property
     def cost(self) -> float | None:
         """This rank's measured snapshot cost, a fraction of an unaffected step (None: not measured yet)."""
-        if not self._costs:
-            return None
-        return max(0.0, min(statistics.median(c[0] for c in self._costs), statistics.median(c[1] for c in self._costs)))
+        return max(0.0, min(_medians(self._costs))) if self._costs else None
 
     def snapshot_due(self, steps_done: int) -> bool:
         """Whether the step that brought the committed steps to ``steps_done`` takes a snapshot."""
-        if self.last_snapshot is None:
-            return True
-        return steps_done % self.every == 0 or steps_done - self.last_snapshot >= self.every
+        return self.last_snapshot is None or steps_done - self.last_snapshot >= self.every
 
     def took(self, steps_done: int, by_step: bool = True) -> None:
         """A snapshot was taken at ``steps_done``: by a step (``by_step``: its cost is measured), or at a
@@ -131,7 +127,8 @@ class Cadence:
 
     def reformed(self, steps_done: int) -> None:
         """A new world starts at ``steps_done``: it votes in its first step, and its steps have a new base."""
-        self.next_vote, self._base, self._based, self._measured, self._tick = steps_done, None, 0, False, None
+        self.next_vote, self._measured, self._tick = steps_done, False, None
+        self._base.clear()
 
     def tick(self, step: int, wall_s: float, cpu_s: float) -> None:
         """Step ``step`` (0-based) starts at ``wall_s`` on a monotonic clock, when the process (every thread) had used
@@ -147,32 +144,41 @@ class Cadence:
         place = step - self.last_snapshot  # of step - 1: 0 took the snapshot; 1 is the next one (the copy ran)
         sample = (seconds, cpu_seconds)
         if place >= 2:
-            self._based += 1
-            self._base = sample if self._base is None else _mean(self._base, sample, _BASE_WEIGHT)
-        elif place >= 0 and self._measured and self._base is not None and self._based >= _MIN_BASE:
-            self._excess = (self._excess[0] + seconds - self._base[0], self._excess[1] + cpu_seconds - self._base[1])
+            self._base.append(sample)
+        elif place >= 0 and self._measured and len(self._base) >= _MIN_BASE:
+            base = _medians(self._base)
+            self._excess = (self._excess[0] + seconds - base[0], self._excess[1] + cpu_seconds - base[1])
             if place == 1:  # noise either way: the cost is clamped only when it is used
-                self._costs.append((self._excess[0] / self._base[0], self._excess[1] / self._base[0]))
+                self._costs.append((self._excess[0] / base[0], self._excess[1] / base[0]))
+
+    def wanted(self) -> int:
+        """The K this rank asks for: the fixed one; 0 (no opinion) before it measured; else what its cost needs,
+        or K as it is while that is enough and not more than :data:`_KEEP_WITHIN` times as many steps (a cost that
+        wavers around a boundary does not move K back and forth)."""
+        if self.fixed is not None:
+            return self.fixed
+        cost = self.cost
+        if cost is None:
+            return 0
+        needed = snapshots_apart(cost)
+        return self.every if needed <= self.every <= max(needed * _KEEP_WITHIN, MIN_SNAPSHOT_EVERY) else needed
 
     def ballot(self) -> tuple[int, int]:
-        """This rank's two integers for the vote: its last step time (µs) and its snapshot cost (parts per million
-        plus one; 0 when not measured or K is fixed)."""
-        cost = self.cost
-        ppm = int(cost * 1e6) + 1 if cost is not None and self.fixed is None else 0
-        return min(int(self.last_step_s * 1e6), _MAX_PPM), min(ppm, _MAX_PPM)
+        """This rank's two integers for the vote: its last step time (µs) and the K it asks for (:meth:`wanted`)."""
+        return min(int(self.last_step_s * 1e6), _MAX_INT), self.wanted()
 
-    def agreed(self, step: int, slowest_us: int, cost_ppm: int) -> None:
-        """The vote of ``step`` gave the slowest rank's last step time and the largest snapshot cost: set the next
-        vote's step and K."""
+    def agreed(self, step: int, slowest_us: int, every: int) -> None:
+        """The vote of ``step`` gave the slowest rank's last step time and the largest K asked for (0: no rank has
+        measured): set the next vote's step and K."""
         self.next_vote = step + votes_apart(slowest_us / 1e6)
-        if self.fixed is None:
-            every = snapshots_apart((cost_ppm - 1) / 1e6 if cost_ppm else None)
-            if every != self.every:
-                logger.info("buddy snapshots every %d steps from step %d (a snapshot costs %.1f%% of a step; "
-                            "budget %.1f%%)", every, step, max(0, cost_ppm - 1) / 1e4,
-                            SNAPSHOT_BUDGET * 100)  # fmt: skip
-            self.every = every
+        every = every or FIRST_SNAPSHOT_EVERY
+        if every != self.every:
+            cost = self.cost
+            logger.info("buddy snapshots every %d steps from step %d (here a snapshot costs %s of a step; budget "
+                        "%.1f%%)", every, step, "?" if cost is None else f"{100 * cost:.1f}%",
+                        100 * SNAPSHOT_BUDGET)  # fmt: skip
+        self.every = every
 
 
-def _mean(mean: tuple[float, float], sample: tuple[float, float], weight: float) -> tuple[float, float]:
-    return (mean[0] + weight * (sample[0] - mean[0]), mean[1] + weight * (sample[1] - mean[1]))
+def _medians(samples: deque[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)

@@ -16,8 +16,9 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
    optimizer step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every
    rank's contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my
    agent asked for a rescale" in one more all-reduce of two integers, issued asynchronously before the forward and
-   waited for before the optimizer step. Its other integers are the rank's last step time and its buddy snapshots'
-   measured cost: from the largest, every rank computes the same step for the next vote (about every
+   waited for before the optimizer step. Its other integers are the rank's last step time and the interval between
+   buddy snapshots that their measured cost asks for: from the largest, every rank computes the same step for the
+   next vote (about every
    :data:`~pliant.worker.cadence.VOTE_WITHIN_S`, and in the first step of a job or of a new world) and the same
    number of steps between snapshots (:mod:`pliant.worker.cadence`). A rescale then starts within about that time, or
    two steps. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo; every 4th, 1.5 %; every 14th, 0.5 %.)
@@ -286,9 +287,9 @@ class Protocol:
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
         """Start the commit vote: one all-reduce (max) of three integers that every rank must reach, carrying "my agent
-        asked for a rescale", this rank's last step time and its snapshots' cost (:meth:`Cadence.ballot`). It is
-        issued before the step's forward, so on gloo it
-        completes while the step computes, ahead of the gradient all-reduce; :meth:`_counted` waits for it before the
+        asked for a rescale", this rank's last step time and the snapshot interval it asks for
+        (:meth:`Cadence.ballot`). It is issued before the step's forward, so on gloo it completes while the step
+        computes, ahead of the gradient all-reduce; :meth:`_counted` waits for it before the
         optimizer step."""
         if self.asked:  # the agent writes the directive before it signals; a signal with none newer is stale
             env = self.session.env

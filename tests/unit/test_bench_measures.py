@@ -27,6 +27,6 @@ def test_steps_of_one_length_cost_nothing() -> None:
 
 
 def test_the_snapshot_schedule_follows_the_logged_intervals() -> None:
-    # K = 16 at first; the vote of step 33 set 18 (due at the next multiple, 36), that of step 55 set 17.
-    assert snapshot_steps([(18, 33), (17, 55)], 110, FIRST_SNAPSHOT_EVERY) == [1, 16, 32, 36, 54, 68, 85, 102]
-    assert snapshot_steps([], 40, 8) == [1, 8, 16, 24, 32, 40]
+    # K = 16 at first; the vote of step 33 set 18, that of step 55 set 17.
+    assert snapshot_steps([(18, 33), (17, 55)], 110, FIRST_SNAPSHOT_EVERY) == [1, 17, 33, 51, 68, 85, 102]
+    assert snapshot_steps([], 40, 8) == [1, 9, 17, 25, 33]
