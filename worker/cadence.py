@@ -17,12 +17,13 @@ busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, th
 1. every rank measures its *snapshot cost*: by how much the step that took a snapshot and the next one (each from
    its start to the next step's start: the script's work between steps is in the steps' time) exceed an unaffected
    step (the median of this world's last :data:`_BASE_STEPS`, once it has :data:`_MIN_BASE`), in wall-clock time and
-   in the process's CPU time, each the median of the last :data:`_SAMPLES` snapshots (a step that another process
-   held up counts once, not as a trend); the smaller of the two, as a fraction of an unaffected step's wall-clock
-   time. A snapshot cannot cost the training more time than it adds to the steps, nor, where the cores are what the
-   training waits for, more than the CPU its copy, send and receive use; the CPU time is the steadier measure where
-   other processes share the cores (the wall-clock time then swings by tens of percent from step to step), and the
-   wall-clock time is the truer one where the copies use cores that would be idle (a GPU's host). Snapshots at a
+   in the process's CPU time, each the median of the last :data:`_SAMPLES` snapshots, once there are
+   :data:`_MIN_SAMPLES` (a step held up by another process or by the kernel counts once, not as a trend); the
+   smaller of the two, as a fraction of an unaffected step's wall-clock time. A snapshot cannot cost the training
+   more time than it adds to the steps, nor, where the cores are what the training waits for, more than the CPU its
+   copy, send and receive use; the CPU time is the steadier measure where other processes share the cores (the
+   wall-clock time then swings by tens of percent from step to step), and the wall-clock time is the truer one where
+   the copies use cores that would be idle (a GPU's host). Snapshots at a
    re-formation are not measured (the new world's first step has other costs), nor those that allocate their
    buffers (the first two of a world: with a 1 GB model, the first touch of fresh pages made one cost 104 % of a
    step, against 17-23 % for a copy into a reused buffer);
@@ -69,7 +70,8 @@ FIRST_SNAPSHOT_EVERY = 16  # ... and this many until some rank has measured the 
 _BASE_STEPS = 9  # an unaffected step's time: the median of this world's last this many
 _MIN_BASE = 4  # ... once it has at least this many
 _KEEP_WITHIN = 1.5  # K stays while it is at least what the cost needs and at most this many times it
-_SAMPLES = 5  # a rank's snapshot cost: the median of its last this many snapshots'
+_SAMPLES = 5  # a rank's snapshot cost: the median of its last this many snapshots' ...
+_MIN_SAMPLES = 3  # ... once it has measured this many (one held-up step among them is then outvoted)
 _MAX_INT = 2**31 - 1  # the vote's integers are int32
 
 
@@ -114,7 +116,7 @@ class Cadence:
     @property
     def cost(self) -> float | None:
         """This rank's measured snapshot cost, a fraction of an unaffected step (None: not measured yet)."""
-        return max(0.0, min(_medians(self._costs))) if self._costs else None
+        return max(0.0, min(_medians(self._costs))) if len(self._costs) >= _MIN_SAMPLES else None
 
     def snapshot_due(self, steps_done: int) -> bool:
         """Whether the step that brought the committed steps to ``steps_done`` takes a snapshot."""
