@@ -137,7 +137,7 @@ def in_run_cost(times: dict[int, float], steps: range, snapshots: list[int], hor
         times: step -> when it ended (step ``s`` took a snapshot when ``s + 1`` is in ``snapshots``).
         steps: the steps whose durations count.
         snapshots: the committed steps at each snapshot, in order (:func:`snapshot_steps`).
-        horizon: steps from a snapshot's on that no copy reaches: their mean duration is the base.
+        horizon: the place after a snapshot from which no copy reaches a step: those steps' mean is the base.
 
     Returns:
         The excess time of the steps nearer a snapshot than ``horizon`` over the base, as a share of all the steps'
@@ -160,8 +160,7 @@ def snapshot_steps(changes: list[tuple[int, int]], until: int, first_every: int)
     rule (:class:`pliant.worker.cadence.Cadence`); re-formations not included."""
     from pliant.worker.cadence import Cadence
 
-    cadence, taken = Cadence(), []
-    cadence.every = first_every
+    cadence, taken = Cadence(first_every), []
     for step in range(until):
         for every, at in changes:
             if at == step:

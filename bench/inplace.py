@@ -204,8 +204,8 @@ def buddy(width: int, timeout_s: float, pairs: int, every: str = "auto") -> None
         stalls.append(run["stall"] * len(in_window) / WINDOW * run["steps_s"])
         in_run.append(run["in_run"])
         print(f"  pair {i + 1}: K = {run['every']} at the end, snapshots after steps {in_window}; with copies "
-              f"{run['steps_s']:.3f} steps/s, without "
-              f"{without['steps_s']:.3f}: cost {100 * costs[-1]:.1f} %; inside the run with copies "
+              f"{run['steps_s']:.3f} steps/s, without {without['steps_s']:.3f}: cost {100 * costs[-1]:.1f} %; "
+              f"inside the run with copies "
               f"{100 * run['in_run']:.1f} % (the same estimate without copies: {100 * without['in_run']:.1f} %); each "
               f"snapshot copied {run['snap_bytes'] / 1e6:.0f} MB per rank and held the training thread "
               f"{run['stall']:.3f}s ({100 * stalls[-1]:.2f} % of the time)")  # fmt: skip

@@ -15,13 +15,13 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
 2. **Vote and compute**: the engine's forward and backward with their gradient collectives, then, before the
    optimizer step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every
    rank's contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my
-   agent asked for a rescale" in one more all-reduce of two integers, issued asynchronously before the forward and
-   waited for before the optimizer step. Its other integers are the rank's last step time and the interval between
-   buddy snapshots that their measured cost asks for: from the largest, every rank computes the same step for the
-   next vote (about every
-   :data:`~pliant.worker.cadence.VOTE_WITHIN_S`, and in the first step of a job or of a new world) and the same
-   number of steps between snapshots (:mod:`pliant.worker.cadence`). A rescale then starts within about that time, or
-   two steps. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo; every 4th, 1.5 %; every 14th, 0.5 %.)
+   agent asked for a rescale" in one more all-reduce of three integers, issued asynchronously before the forward
+   and waited for before the optimizer step. Its other integers are the rank's last step time and the interval
+   between buddy snapshots that their measured cost asks for: from the largest, every rank computes the same step
+   for the next vote (about every :data:`~pliant.worker.cadence.VOTE_WITHIN_S`, and in the first step of a job or
+   of a new world) and the same number of steps between snapshots (:mod:`pliant.worker.cadence`). A rescale then
+   starts within about that time, or two steps. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo;
+   every 4th, 1.5 %; every 14th, 0.5 %.)
 3. **Commit**: the optimizer step.
 
 **A peer dies** during 2 or 3: the collective raises on every survivor (gloo at once). The survivor drops the step's
