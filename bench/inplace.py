@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import itertools
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,7 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
     finally:
         for proc in procs:
             _kill(proc)
+        shutil.rmtree(work / "ckpt", ignore_errors=True)  # the restart path's checkpoints: a GB each
         print(f"{mode}: logs in {work}", flush=True)
 
 

@@ -198,7 +198,9 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
         args = [*argv[:at], "--tls-dir", tls_dir, "--join-token", TEST_JOIN_TOKEN, *argv[at:]]
         # Every agent is a host of its own to NCCL, which refuses two ranks of one communicator on one GPU of one
         # host: on a one-GPU machine the nodes' ranks share it (over NCCL's network transport). Ignored on CPU.
-        env = {"NCCL_HOSTID": f"pliant-test-{config.node_id}", **(env or {})}
+        # And these nodes share this machine's cores (two tests at a time): one torch thread per worker, where a real
+        # node with one worker would use all of its cores (the agent sets 1 only for several workers per node).
+        env = {"NCCL_HOSTID": f"pliant-test-{config.node_id}", "OMP_NUM_THREADS": "1", **(env or {})}
         if node is not None:
             args = ["ip", "netns", "exec", node.netns, *args]  # type: ignore[attr-defined]
             env = {**env, "GLOO_SOCKET_IFNAME": node.ifname}  # type: ignore[attr-defined]
