@@ -19,7 +19,7 @@ FAULTS, SEED = 11, 3656  # this seed draws every kind of fault (bench/chaos.py K
 
 
 def test_a_short_chaos_soak_loses_nothing() -> None:
-    report = chaos.run(faults=FAULTS, seed=SEED, steps=700, prefix="plq", net=11)  # the faults end near step 330-520
+    report = chaos.run(faults=FAULTS, seed=SEED, steps=900, prefix="plq", net=11)  # the faults end near step 660
     print("\n" + report.table())
     assert report.faults == FAULTS, "the job outlasted the schedule"
     assert not report.failed, f"faults not recovered from: {dict(report.failed)}"
