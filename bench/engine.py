@@ -2,8 +2,10 @@
 data, and the cost of a shadow step (a rank with no micro-batch) relative to a real step, for DDP and FSDP2.
 
 - throughput: global batch 2 x 64, one micro-batch of 64 per rank per step; plain DDP uses the same DataLoader batches
-  and a mean loss. Reported as steps/s and the ratio pliant / plain (goal >= 0.99), without and with the rescale
-  protocol's commit vote (one int32 all-reduce per step, as every step under ``pliant run`` runs).
+  and a mean loss. Reported as the median step and the ratio pliant / plain (goal >= 0.99), without and with the
+  rescale protocol's commit vote (three int32 all-reduced, spaced as under ``pliant run``: about every 0.1 s). On a
+  2-core host the ratio of one chunk of 25 steps moves by 20 % and that of a run of 600 steps by a few percent: use
+  ``--steps 2000`` or more for a figure to 1-2 %.
 - shadow: global batch 64 (one micro-batch: rank 1 is idle every step, so it shadows) against global batch 128 (both
   ranks real). Reported as the idle rank's step time / a real step time.
 
