@@ -85,7 +85,7 @@ class DDPEngine(Engine):
         group: the process group (default: the world).
         init_sync: DDP broadcasts rank 0's parameters as it wraps (False: a rank joining a running world in place,
             whose state then comes from the rank that holds it, :meth:`sync_state`; rank 0 may be a newcomer).
-        ddp_kwargs: passed to ``DistributedDataParallel``.
+        ddp_kwargs: passed to ``DistributedDataParallel`` (``gradient_as_bucket_view`` is True unless given).
     """
 
     def __init__(
@@ -101,7 +101,10 @@ class DDPEngine(Engine):
     ) -> None:
         self.device = device
         self.group = group
-        self._ddp_kwargs = ddp_kwargs
+        # Gradients as views of DDP's buckets: no separate gradient memory to allocate and copy from each step (the
+        # size of the model), so a re-formed world's first step touches half as much fresh memory. A script that
+        # calls ``detach_()`` on a gradient passes ``gradient_as_bucket_view=False``.
+        self._ddp_kwargs = {"gradient_as_bucket_view": True, **ddp_kwargs}
         self._wrap(model.to(device), init_sync)
         self._optimizer_args = (optimizer_class, optimizer_kwargs)
         self.optimizer = prepared if prepared is not None else self._optimizer(optimizer_class, optimizer_kwargs)
