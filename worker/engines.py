@@ -101,9 +101,9 @@ class DDPEngine(Engine):
     ) -> None:
         self.device = device
         self.group = group
-        # Gradients as views of DDP's buckets: no separate gradient memory to allocate and copy from each step (the
-        # size of the model), so a re-formed world's first step touches half as much fresh memory. A script that
-        # calls ``detach_()`` on a gradient passes ``gradient_as_bucket_view=False``.
+        # Gradients as views of DDP's buckets: no separate gradients (the size of the model) to allocate and copy
+        # from each step, so a re-formed world's first step touches less fresh memory. A gradient is then a view,
+        # which ``detach_()`` refuses: code that needs that builds the engine with ``gradient_as_bucket_view=False``.
         self._ddp_kwargs = {"gradient_as_bucket_view": True, **ddp_kwargs}
         self._wrap(model.to(device), init_sync)
         self._optimizer_args = (optimizer_class, optimizer_kwargs)
