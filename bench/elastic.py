@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from common import join_flags, longest_pause, read_jsonl
+from common import join_flags, longest_pause, read_jsonl, stop_tree
 
 from pliant.net import free_port
 
@@ -182,7 +182,7 @@ def measure(name: str, timeout_s: float) -> Result:
         result.notes.append(str(exc))
     finally:
         for proc in procs:
-            kill_tree(proc)
+            stop_tree(proc)
         result.notes.append(f"logs in {workdir}")
     return result
 

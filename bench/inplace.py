@@ -28,7 +28,6 @@ Usage: ``.venv/bin/python bench/inplace.py [--width 11600] [--timeout 300] [--on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import re
 import shutil
@@ -41,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from common import in_run_cost, join_flags, longest_pause, read_jsonl, scrape, snapshot_steps
+from common import in_run_cost, join_flags, longest_pause, read_jsonl, scrape, snapshot_steps, stop_tree
 
 from pliant.net import free_port
 from pliant.worker.cadence import FIRST_SNAPSHOT_EVERY
@@ -50,14 +49,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 _REFORM = re.compile(r"rescale in place \(boundary\).* ([0-9.]+)s, (\d+) state bytes")
 _EVERY = re.compile(r"^\[0\]:.*buddy snapshots every (\d+) steps from step (\d+)", re.M)  # rank 0's changes of K
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-    proc.wait(10)
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -104,7 +95,7 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
         return out
     finally:
         for proc in procs:
-            _kill(proc)
+            stop_tree(proc)
         shutil.rmtree(work / "ckpt", ignore_errors=True)  # the restart path's checkpoints: a GB each
         print(f"{mode}: logs in {work}", flush=True)
 
@@ -159,7 +150,7 @@ def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False
             out["rolled_back"] = float("rolled back to the snapshot" in log)
         return out
     finally:
-        _kill(proc)
+        stop_tree(proc)
         print(f"buddy copies (every {every} steps): logs in {work}", flush=True)
 
 
