@@ -124,7 +124,9 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path) ->
     cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--max-restarts", "0",
            "--checkpoint-dir", str(ckpt), str(SCRIPT), "--steps", "60", "--save-every", "1", "--width", "1024",
            "--samples", "200", "--events", str(events)]  # fmt: skip
-    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # TMPDIR: the embedded etcd's temporary data, which a kill -9 leaves, goes where the test's files go.
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                           env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
     try:
         wait_for(lambda: len([e for e in _events(tmp_path) if e["rank"] == 0]) >= 8, 90, "8 steps")
         time.sleep(0.15)  # a save (17 MB per checkpoint) is in flight nearly all the time
