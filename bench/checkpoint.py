@@ -2,13 +2,14 @@
 
 - save and load throughput of a pliant (DCP) checkpoint of a DDP model + SGD momentum, 2 ranks forked on gloo,
   against ``dd`` write (fdatasync) and read bandwidth of the same directory;
-- the training stall of an async save against a sync save: what ``save()`` blocks for, plus how much longer than a
-  typical step the next step takes (an async save copies the state to host memory in the background, and the next
-  optimizer step waits for that copy);
+- the training stall of an async save against a sync save: what ``save()`` blocks for, plus how much longer than
+  typical the steps take until the save is on disk (an async save copies the state to host memory in the background,
+  the next optimizer step waits for that copy, and the write then runs beside the following steps), plus any wait
+  for it after 30 steps. Each rank trains with one thread, as ``pliant run`` gives two workers on two cores;
 - the rescale pause: last step of generation n -> every rank stepping in generation n+1, when a second node joins a
   ``pliant run`` job (examples/train_elastic.py with --checkpoint-dir).
 
-Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 256]``
+Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 512]``
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def dd(directory: Path, mb: int) -> tuple[float, float]:
 def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    torch.set_num_threads(1)
     session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                                        master_port=port))  # fmt: skip
-    width = int((mb * 2**20 / 4 / 2) ** 0.5)  # two square layers: parameters = mb / 2, momentum the other half
+    width = int((mb * 2**20 / 4 / 4) ** 0.5)  # two square layers: parameters = mb / 2, momentum the other half
     model = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
     engine = session.engine(model, "ddp", torch.optim.SGD, lr=0.01, momentum=0.9)
     data = TensorDataset(torch.randn(4096, width))
@@ -72,27 +74,41 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: 
         engine.step(next(batches), loss_fn)
         return time.perf_counter() - t0
 
+    def pending(ckpt: CheckpointManager) -> bool:
+        flag = torch.tensor([int(ckpt.pending)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank runs the same steps
+        return bool(flag.item())
+
     results: dict[str, float] = {}
+    done = 0
     for mode in ("sync", "async"):
         ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode == "async", keep=1)
-        plain, stalls, totals = [], [], []
-        for i in range(1, 16):
-            dist.barrier()
-            if i % 5:
+        plain, stalls, totals, spans = [], [], [], []
+        for _ in range(3):
+            for _ in range(4):
+                dist.barrier()
                 plain.append(step())
-                continue
+            done += 1
             t0 = time.perf_counter()
-            blocked = ckpt.save(i)
-            after = step()  # the optimizer step waits for an async save's copy of the state
-            stalls.append((blocked, after))
+            ckpt.save(done)
+            during = [step()]  # the optimizer step waits for an async save's copy of the state
+            blocked = ckpt.stalled_s
+            while pending(ckpt) and len(during) < 30:
+                during.append(step())  # the write goes on beside these
+            waited = time.perf_counter()
             ckpt.wait()
+            waited = time.perf_counter() - waited
             dist.barrier()
-            totals.append(time.perf_counter() - t0 - after)
+            stalls.append((blocked, during, waited))
+            totals.append(time.perf_counter() - t0 - sum(during))
+            spans.append(len(during))
         typical = statistics.median(plain)
-        # The stall: what save() blocked, plus how much longer than a typical step the step after it took.
-        results[f"{mode} stall"] = statistics.median(b + max(0.0, a - typical) for b, a in stalls)
-        results[f"{mode} blocked"] = statistics.median(b for b, _ in stalls)
+        # The stall: what save() blocked, plus the time the steps until the save was on disk took beyond typical
+        # ones, plus any wait for it after them.
+        results[f"{mode} stall"] = statistics.median(max(0.0, b + sum(d) - typical * len(d) + w) for b, d, w in stalls)
+        results[f"{mode} blocked"] = statistics.median(b for b, _, _ in stalls)
         results[f"{mode} total"] = statistics.median(totals)
+        results[f"{mode} steps"] = statistics.median(spans)
         results["step"] = typical
     subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], capture_output=True)
     loads = []
@@ -163,18 +179,20 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="", help="directory on the disk to measure (default: a temporary one)")
-    parser.add_argument("--mb", type=int, default=256, help="checkpoint size (parameters + momentum), MB")
+    parser.add_argument("--mb", type=int, default=512, help="checkpoint size (parameters + momentum), MB")
+    parser.add_argument("--ranks", type=int, default=2, help="training processes (one thread each)")
+    parser.add_argument("--no-rescale", action="store_true", help="skip the rescale pause")
     args = parser.parse_args()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="pliant-ckpt-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     write_bw, read_bw = dd(directory, args.mb)
     queue = mp.get_context("fork").Queue()
-    mp.start_processes(rank_main, args=(2, _free_port(), str(directory), args.mb, queue), nprocs=2,
+    mp.start_processes(rank_main, args=(args.ranks, _free_port(), str(directory), args.mb, queue), nprocs=args.ranks,
                        start_method="fork")  # fmt: skip
     r = queue.get()
     mb = r["bytes"] / 2**20
-    pause = rescale_pause(directory / "rescale")
-    print(f"\ncheckpoint of {mb:.0f} MB (2 ranks, gloo) in {directory}")
+    pause = 0.0 if args.no_rescale else rescale_pause(directory / "rescale")
+    print(f"\ncheckpoint of {mb:.0f} MB ({args.ranks} ranks, gloo) in {directory}")
     print(f"  dd write (fdatasync)   {write_bw:8.0f} MB/s")
     print(f"  pliant sync save       {mb / r['sync total']:8.0f} MB/s   ({r['sync total']:.2f} s; "
           f"{mb / r['sync total'] / write_bw:.2f}x dd)")  # fmt: skip
@@ -183,13 +201,15 @@ def main() -> None:
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
     print(f"  training stall: sync save {r['sync stall']:.3f} s, async save {r['async stall']:.3f} s "
-          f"({r['async stall'] / r['sync stall']:.2f}x; async total {r['async total']:.2f} s; a step "
-          f"{r['step']:.3f} s)")  # fmt: skip
-    print(f"  of which save() blocked: sync {r['sync blocked']:.3f} s, async {r['async blocked']:.3f} s "
-          f"({r['async blocked'] / r['sync blocked']:.2f}x); the rest is the next step slowed by the background "
-          f"copy and write")  # fmt: skip
-    print(f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
-          f"{pause:.2f} s")  # fmt: skip
+          f"({r['async stall'] / r['sync stall']:.2f}x; an async save was on disk after {r['async steps']:.0f} "
+          f"steps; a step {r['step']:.3f} s)")  # fmt: skip
+    waited = r["async blocked"] / r["sync blocked"]
+    print(f"  of which the training thread waited (save(), and the optimizer step for the copy): sync "
+          f"{r['sync blocked']:.3f} s, async {r['async blocked']:.3f} s ({waited:.2f}x); the rest is the steps "
+          f"slowed by the background copy and write")  # fmt: skip
+    if not args.no_rescale:
+        print(f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
+              f"{pause:.2f} s")  # fmt: skip
     shutil.rmtree(directory, ignore_errors=True)
 
 

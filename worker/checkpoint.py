@@ -36,7 +36,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,10 +48,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.progress import FENCE, read_fence
+from pliant.worker.buddy import BACKGROUND_NICE
 from pliant.worker.contract import Engine, WorkerError
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "split_replicas"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,11 @@ class _TrainState(Stateful):
     optimizer state (the optimizer step waits for the copy).
     """
 
-    def __init__(self, engine: Engine, freeze_buffers: bool = False, scheduler: bool = True) -> None:
+    def __init__(self, engine: Engine, freeze_buffers: bool = False, scheduler: bool = True,
+                 split: bool = False) -> None:  # fmt: skip
         self.engine = engine
         self.freeze_buffers = freeze_buffers
+        self.split = split  # saving: hand DCP only this rank's share of the replicated sections (split_replicas)
         self.scheduler = scheduler and engine.scheduler is not None
         self.unscheduled = not scheduler and engine.scheduler is not None  # loading a checkpoint saved without one
         self.nbytes = 0  # tensor bytes of the last state handed to or received from DCP (this rank's shards)
@@ -104,6 +107,8 @@ class _TrainState(Stateful):
         if self.freeze_buffers:
             buffers = {b.data_ptr() for b in self.engine.module.buffers() if b.numel()}
             state = _clone_where(state, buffers)
+        if self.split:
+            state = split_replicas(state, self.engine.replicated, dist.get_rank(), dist.get_world_size())
         self.nbytes = tensor_bytes(state)
         if self.scheduler:
             state["scheduler"] = copy.deepcopy(self.engine.scheduler.state_dict())
@@ -120,6 +125,49 @@ class _TrainState(Stateful):
         if self.unscheduled:  # the groups loaded may have dropped it: put back what the scheduler set
             for group, base in zip(self.engine.optimizer.param_groups, self.engine.scheduler.base_lrs, strict=False):
                 group.setdefault("initial_lr", base)
+
+
+class _BackgroundWriter(dcp.FileSystemWriter):
+    """DCP's file writer, writing at :data:`pliant.worker.buddy.BACKGROUND_NICE` (an async save's thread): where
+    the training keeps the cores busy (gloo on CPU), the write takes their idle time instead of slowing the steps."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        return super().write_data(plan, planner)
+
+
+def split_replicas(state: dict[str, Any], sections: Sequence[str], rank: int, world: int) -> dict[str, Any]:
+    """``state`` with only rank ``rank``'s share of the tensors under ``sections``, which every rank holds alike:
+    they are dealt largest first, each to the rank with the fewest bytes so far (ties: the lower rank), so every rank
+    computes the same split and each tensor is saved by one rank. Other tensors (DTensors included) and non-tensor
+    values stay (DCP drops duplicate non-tensor values itself). Pure: no collective."""
+    leaves = sorted(((path, t.numel() * t.element_size()) for name in sections if name in state
+                     for path, t in _plain_tensors(state[name], (name,))), key=lambda x: (-x[1], x[0]))  # fmt: skip
+    loads, owner = [0] * world, {}
+    for path, nbytes in leaves:
+        chosen = min(range(world), key=lambda r: (loads[r], r))
+        owner[path] = chosen
+        loads[chosen] += nbytes
+    return _keep(state, (), lambda path: owner.get(path, rank) == rank)
+
+
+def _plain_tensors(tree: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """(path, tensor) of the tensors that are values of ``tree``'s nested dicts, DTensors excepted."""
+    out = []
+    for key, value in tree.items() if isinstance(tree, dict) else ():
+        if isinstance(value, dict):
+            out += _plain_tensors(value, (*path, str(key)))
+        elif isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
+            out.append(((*path, str(key)), value))
+    return out
+
+
+def _keep(tree: Any, path: tuple[str, ...], keep: Callable[[tuple[str, ...]], bool]) -> Any:
+    """``tree``'s nested dicts without the tensors whose path ``keep`` refuses."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _keep(v, (*path, str(k)), keep) for k, v in tree.items()
+            if not isinstance(v, torch.Tensor) or keep((*path, str(k)))}  # fmt: skip
 
 
 class CheckpointManager:
@@ -170,6 +218,8 @@ class CheckpointManager:
         self._committed = threading.Event()  # the in-flight save's completion callback has run (commit or error)
         self._in_flight_path: Path | None = None
         self._commit_error: Exception | None = None
+        self.stalled_s = 0.0  # the last save's stall: save() blocked, plus the optimizer step's wait for an async copy
+        self._stager: Any = None  # async saves' DCP stager: its host copies of the state are reused from save to save
         if dist.get_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._raise_fence()
@@ -179,9 +229,21 @@ class CheckpointManager:
         in the order the script made its managers) and raise the fence."""
         self.group = dist.new_group(backend="gloo")
         self.generation = generation
+        self.close()  # this rank's share of the state is cut anew in this world
         if dist.get_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._raise_fence()
+
+    def close(self) -> None:
+        """Free the host copies that async saves reuse (the next async save makes them again)."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
+
+    @property
+    def pending(self) -> bool:
+        """An async save is still being copied or written (:meth:`wait` finishes it)."""
+        return self._in_flight is not None and not self._in_flight.done()
 
     def abandon(self) -> None:
         """Forget the save in flight (a peer died: it cannot complete); it is never committed."""
@@ -211,8 +273,9 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------------------------
 
-    def _state(self, step: int, freeze_buffers: bool = False, scheduler: bool = True) -> dict[str, Any]:
-        state: dict[str, Any] = {"train": _TrainState(self.engine, freeze_buffers, scheduler), "step": step}
+    def _state(self, step: int, freeze_buffers: bool = False, scheduler: bool = True,
+               split: bool = False) -> dict[str, Any]:  # fmt: skip
+        state: dict[str, Any] = {"train": _TrainState(self.engine, freeze_buffers, scheduler, split), "step": step}
         if self.loader is not None:
             state["data"] = dict(self.loader.state_dict())
         if self.extras:
@@ -227,7 +290,7 @@ class CheckpointManager:
         if (path / COMMIT).exists():
             return time.perf_counter() - started
         background = self.async_save and not sync
-        state = self._state(step, freeze_buffers=background)
+        state = self._state(step, freeze_buffers=background, split=True)
         train = state["train"]
         saving = self.metrics.progress.saving() if self.metrics is not None else contextlib.nullcontext()
         with saving:  # the agent's hang detection gives a save the start timeout, not the step one
@@ -239,7 +302,7 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=str(path), process_group=self.group)
                 self._saved(path, step, started, train)
-        stall = time.perf_counter() - started
+        stall = self.stalled_s = time.perf_counter() - started
         if self.metrics is not None and not background:
             self.metrics.observe_save(stall)
         return stall
@@ -247,16 +310,20 @@ class CheckpointManager:
     def _save_in_background(self, state: dict[str, Any], path: Path) -> Future[Any]:
         """DCP's async save with its copy to host memory in the background too (``DefaultStager`` with async
         staging): the training loop goes on at once, and the engine's next optimizer step waits for the copy
-        (:meth:`Engine.settle`), so the copy overlaps the next forward and backward. Returns the upload's future."""
+        (:meth:`Engine.settle`), so the copy overlaps the next forward and backward. The stager is kept from save to
+        save, so the copy goes into host memory it already touched (on CUDA, pinned); the write runs at a lowered
+        priority (:class:`_BackgroundWriter`). Returns the upload's future."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         cuda = any(t.is_cuda for t in self.engine.module.parameters())
-        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                              use_non_blocking_copy=cuda))  # fmt: skip
+        if self._stager is None:
+            options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                     use_non_blocking_copy=cuda)  # fmt: skip
+            self._stager = DefaultStager(options)
         blocked = time.perf_counter()
-        response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=stager)
+        response = dcp.async_save(state, storage_writer=_BackgroundWriter(str(path)), process_group=self.group,
+                                  async_stager=self._stager)  # fmt: skip
         if isinstance(response, Future):  # a torch whose stager copies in the caller
-            stager.close()
             return response
         blocked = time.perf_counter() - blocked
         staged, upload = response.staging_completion, response.upload_completion
@@ -264,11 +331,12 @@ class CheckpointManager:
         def settle() -> None:
             waited = time.perf_counter()
             staged.result()
+            waited = time.perf_counter() - waited
+            self.stalled_s += waited
             if self.metrics is not None:  # the stall: the call, plus the optimizer step's wait for the copy
-                self.metrics.observe_save(blocked + time.perf_counter() - waited)
+                self.metrics.observe_save(blocked + waited)
 
         self.engine.staging = settle
-        upload.add_done_callback(lambda _: stager.close())
         return upload
 
     def _async_done(self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState,

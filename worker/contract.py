@@ -99,6 +99,10 @@ class Engine(abc.ABC):
     """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state, FSDP2's rows).
     Under the in-place protocol such an engine survives a peer's death through buddy copies
     (:mod:`pliant.worker.buddy`): :meth:`shard` and :meth:`rebuild`."""
+    replicated: tuple[str, ...] = ()
+    """The sections of :meth:`state_dict` that every rank holds alike (DDP's model and optimizer; ZeRO's model). An
+    async checkpoint copies and writes each of their tensors on one rank only (the ranks split them by size), where
+    DCP would copy everything on every rank and then drop the duplicates."""
     staging: Callable[[], None] | None = None
     """Set by an async checkpoint save whose copy of the state to host memory runs in the background: waits for it
     (:meth:`settle`, before the next optimizer step changes the state)."""

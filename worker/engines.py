@@ -144,6 +144,7 @@ class DDPEngine(Engine):
         return cls(self.model.parameters(), **kwargs)
 
     in_place = True
+    replicated = ("model", "optim")
     survives_peer_loss = True
 
     def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
@@ -203,6 +204,7 @@ class ZeroEngine(DDPEngine):
     in_place = True  # at a step boundary: the shards are gathered, then cut again for the new world
     survives_peer_loss = False  # a dead rank's shard is not on the survivors ...
     sharded = True  # ... but in its buddy's copy (pliant.worker.buddy), from which the survivors roll back
+    replicated = ("model",)  # its "zero_shard" is this rank's own
     MEMORY_SHARE = 0.8  # moving in place needs the whole optimizer state on every rank; at most this much free RAM
 
     @classmethod
