@@ -13,6 +13,10 @@ from the snapshots' measured cost, :mod:`pliant.worker.cadence`), once after the
    receives its wards' buffers, on a process group of its own, in the background: the training collectives never
    queue behind a snapshot, and the sends are waited for only at the next snapshot.
 
+The module buffers in a shard are cloned at once (the next forward may write them). An async checkpoint of a step
+with a snapshot writes from that snapshot's own copy (:meth:`BuddyCopies.staged`, :mod:`pliant.worker.staging`),
+which is then not overwritten until the write is done.
+
 Two generations of copies are kept (the newest may still be in flight when a peer dies). When a peer dies, the
 survivors roll back together to the newest snapshot step at which every old rank's shard is held by a survivor,
 its owner's own copy or a buddy's (:func:`choose_rollback`, pure); each shard is broadcast from its holder, every
@@ -33,6 +37,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -40,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pliant.worker.contract import Engine, WorkerError
+from pliant.worker.contract import Engine, Staged, WorkerError
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -260,6 +266,9 @@ class _Slot:
     receives: list[dist.Work] = field(default_factory=list)
     received: bool = False
     send_failed: BaseException | None = None  # starting the send to the buddy failed (a peer went away)
+    index: dict[tuple[object, ...], int] = field(default_factory=dict)  # a shard tensor -> its offset in ``own``
+    copy_wait: Callable[[], None] | None = None  # waits for the copy into ``own`` (any thread, any number of times)
+    readers: list[Future[Any]] = field(default_factory=list)  # checkpoint writes from ``own``, not to be overwritten
 
     def ward_complete(self) -> bool:
         """Every ward's copy arrived (a failed receive counts as not). gloo reports a receive done only to
@@ -320,6 +329,8 @@ class BuddyCopies:
         writes the state again."""
         started = time.perf_counter()
         partition, tensors = engine.shard()
+        buffers = {b.data_ptr() for b in engine.module.buffers() if b.numel()}  # the next forward may write them:
+        tensors = [t.clone() if t.numel() and t.data_ptr() in buffers else t for t in tensors]  # copied at once
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
         nbytes = self.take(generation, node, step, partition, tensors, positions, hyper,
                            engine.scheduler and engine.scheduler.state_dict())  # fmt: skip
@@ -353,6 +364,8 @@ class BuddyCopies:
         previous.sends, previous.receives = [], []
         previous.received = True
         slot = self.slots[1 - self.newest]
+        wait_all(slot.readers)  # a checkpoint still writing from this copy (written long ago, as a rule)
+        slot.readers = []
         slot.step = -1  # until its new copy is whole
         slot.positions, slot.rng, slot.hyper = positions, torch.get_rng_state(), hyper
         slot.scheduler = copy.deepcopy(scheduler)
@@ -372,6 +385,8 @@ class BuddyCopies:
                 slot.send_failed = exc
 
         slot.own, wait = pack_later(tensors, slot.own, send)
+        slot.index = {_key(t): offset for t, (offset, _n) in zip(tensors, _spans(tensors), strict=True)}
+        slot.copy_wait = wait
         self._copying = (slot, step, wait)
         self.newest = 1 - self.newest
         return slot.own.numel()
@@ -388,6 +403,26 @@ class BuddyCopies:
         slot.step = step
         if check and slot.send_failed is not None:
             raise slot.send_failed
+
+    def staged(self, step: int) -> Staged | None:
+        """This rank's own copy of ``step`` (being made or whole) as a checkpoint's source
+        (:func:`pliant.worker.staging.from_snapshot`), or None when there is none."""
+        if self._copying is not None and self._copying[1] == step:
+            slot: _Slot | None = self._copying[0]
+        else:
+            slot = next((s for s in self.slots if s.step == step), None)
+        if slot is None or slot.own is None or slot.copy_wait is None:
+            return None
+        buffer, index = slot.own, slot.index
+
+        def lookup(tensor: torch.Tensor) -> torch.Tensor | None:
+            offset = index.get(_key(tensor))
+            if offset is None:
+                return None
+            view = buffer[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+            return view.view(tensor.shape)
+
+        return Staged(lookup, slot.copy_wait, slot.readers.append)
 
     def _meet(self, generation: int, node: int, size: int) -> None:
         """The first snapshot of a world: open the copies' group and learn every rank's node and shard size."""
@@ -431,6 +466,11 @@ class BuddyCopies:
         buf = slot.own if old == self.rank else slot.wards[old]
         assert buf is not None
         return buf
+
+
+def _key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """What identifies a tensor of the live state: its memory, type and layout."""
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
 
 
 def encode(held: Held, old_world: int) -> torch.Tensor:

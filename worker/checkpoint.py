@@ -36,7 +36,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,11 +48,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.progress import FENCE, read_fence
-from pliant.worker.buddy import BACKGROUND_NICE
-from pliant.worker.contract import Engine, WorkerError
+from pliant.worker.contract import Engine, Staged, WorkerError
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
+from pliant.worker.staging import BackgroundWriter, from_snapshot, split_replicas, stager, write_in_background
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "split_replicas"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class _TrainState(Stateful):
             buffers = {b.data_ptr() for b in self.engine.module.buffers() if b.numel()}
             state = _clone_where(state, buffers)
         if self.split:
-            state = split_replicas(state, self.engine.replicated, dist.get_rank(), dist.get_world_size())
+            state = split_replicas(state, self.engine.replicated, dist.get_rank(), dist.get_world_size(),
+                                   self.engine.saved_by())  # fmt: skip
         self.nbytes = tensor_bytes(state)
         if self.scheduler:
             state["scheduler"] = copy.deepcopy(self.engine.scheduler.state_dict())
@@ -125,49 +126,6 @@ class _TrainState(Stateful):
         if self.unscheduled:  # the groups loaded may have dropped it: put back what the scheduler set
             for group, base in zip(self.engine.optimizer.param_groups, self.engine.scheduler.base_lrs, strict=False):
                 group.setdefault("initial_lr", base)
-
-
-class _BackgroundWriter(dcp.FileSystemWriter):
-    """DCP's file writer, writing at :data:`pliant.worker.buddy.BACKGROUND_NICE` (an async save's thread): where
-    the training keeps the cores busy (gloo on CPU), the write takes their idle time instead of slowing the steps."""
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-        return super().write_data(plan, planner)
-
-
-def split_replicas(state: dict[str, Any], sections: Sequence[str], rank: int, world: int) -> dict[str, Any]:
-    """``state`` with only rank ``rank``'s share of the tensors under ``sections``, which every rank holds alike:
-    they are dealt largest first, each to the rank with the fewest bytes so far (ties: the lower rank), so every rank
-    computes the same split and each tensor is saved by one rank. Other tensors (DTensors included) and non-tensor
-    values stay (DCP drops duplicate non-tensor values itself). Pure: no collective."""
-    leaves = sorted(((path, t.numel() * t.element_size()) for name in sections if name in state
-                     for path, t in _plain_tensors(state[name], (name,))), key=lambda x: (-x[1], x[0]))  # fmt: skip
-    loads, owner = [0] * world, {}
-    for path, nbytes in leaves:
-        chosen = min(range(world), key=lambda r: (loads[r], r))
-        owner[path] = chosen
-        loads[chosen] += nbytes
-    return _keep(state, (), lambda path: owner.get(path, rank) == rank)
-
-
-def _plain_tensors(tree: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], torch.Tensor]]:
-    """(path, tensor) of the tensors that are values of ``tree``'s nested dicts, DTensors excepted."""
-    out = []
-    for key, value in tree.items() if isinstance(tree, dict) else ():
-        if isinstance(value, dict):
-            out += _plain_tensors(value, (*path, str(key)))
-        elif isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
-            out.append(((*path, str(key)), value))
-    return out
-
-
-def _keep(tree: Any, path: tuple[str, ...], keep: Callable[[tuple[str, ...]], bool]) -> Any:
-    """``tree``'s nested dicts without the tensors whose path ``keep`` refuses."""
-    if not isinstance(tree, dict):
-        return tree
-    return {k: _keep(v, (*path, str(k)), keep) for k, v in tree.items()
-            if not isinstance(v, torch.Tensor) or keep((*path, str(k)))}  # fmt: skip
 
 
 class CheckpointManager:
@@ -214,6 +172,7 @@ class CheckpointManager:
         self.allow_fresh_start = allow_fresh_start
         self.epoch = epoch
         self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
+        self.from_snapshot: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
         self._in_flight: Future[Any] | None = None
         self._committed = threading.Event()  # the in-flight save's completion callback has run (commit or error)
         self._in_flight_path: Path | None = None
@@ -295,7 +254,7 @@ class CheckpointManager:
         saving = self.metrics.progress.saving() if self.metrics is not None else contextlib.nullcontext()
         with saving:  # the agent's hang detection gives a save the start timeout, not the step one
             if background:
-                future = self._save_in_background(state, path)
+                future = self._save_from_snapshot(state, path, step) or self._save_in_background(state, path)
                 committed = self._committed = threading.Event()
                 future.add_done_callback(lambda f: self._async_done(f, path, step, started, train, committed))
                 self._in_flight, self._in_flight_path = future, path
@@ -312,16 +271,11 @@ class CheckpointManager:
         staging): the training loop goes on at once, and the engine's next optimizer step waits for the copy
         (:meth:`Engine.settle`), so the copy overlaps the next forward and backward. The stager is kept from save to
         save, so the copy goes into host memory it already touched (on CUDA, pinned); the write runs at a lowered
-        priority (:class:`_BackgroundWriter`). Returns the upload's future."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        cuda = any(t.is_cuda for t in self.engine.module.parameters())
+        priority (:class:`pliant.worker.staging.BackgroundWriter`). Returns the upload's future."""
         if self._stager is None:
-            options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                     use_non_blocking_copy=cuda)  # fmt: skip
-            self._stager = DefaultStager(options)
+            self._stager = stager(cuda=any(t.is_cuda for t in self.engine.module.parameters()))
         blocked = time.perf_counter()
-        response = dcp.async_save(state, storage_writer=_BackgroundWriter(str(path)), process_group=self.group,
+        response = dcp.async_save(state, storage_writer=BackgroundWriter(str(path)), process_group=self.group,
                                   async_stager=self._stager)  # fmt: skip
         if isinstance(response, Future):  # a torch whose stager copies in the caller
             return response
@@ -338,6 +292,23 @@ class CheckpointManager:
 
         self.engine.staging = settle
         return upload
+
+    def _save_from_snapshot(self, state: dict[str, Any], path: Path, step: int) -> Future[Any] | None:
+        """Write ``step`` from the buddy snapshot of that step (:mod:`pliant.worker.staging`), which the protocol
+        takes now if its cadence did not: the copy is the snapshot's (the next optimizer step waits for it, as for
+        every snapshot), and the state is not copied a second time. None: no snapshot can feed this save."""
+        staged = self.from_snapshot(self.engine, step) if self.from_snapshot is not None else None
+        if staged is None:
+            return None
+        resolved = from_snapshot(state, staged.lookup)
+        if resolved is None:
+            return None
+        state["train"].nbytes = tensor_bytes(resolved["train"])
+        future = write_in_background(resolved, str(path), self.group, staged.ready)
+        staged.pin(future)
+        logger.info("rank %d: checkpoint of step %d is written from the buddy snapshot of that step", dist.get_rank(),
+                    step)  # fmt: skip
+        return future
 
     def _async_done(self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState,
                     committed: threading.Event) -> None:  # fmt: skip

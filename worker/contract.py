@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 from pliant.errors import PliantError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from pliant.worker.metrics import WorkerMetrics
     from pliant.worker.plan import StepPlan
 
-__all__ = ["DataError", "Engine", "EngineError", "EngineKind", "GlobalBatch", "LossFn", "WorkerError"]
+__all__ = ["DataError", "Engine", "EngineError", "EngineKind", "GlobalBatch", "LossFn", "Staged", "WorkerError"]
 
 
 class WorkerError(PliantError):
@@ -76,6 +78,22 @@ class GlobalBatch:
         return len(self.micro_batches)
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A host copy of this rank's state at a step (a buddy snapshot, :mod:`pliant.worker.buddy`) that an async
+    checkpoint of that step writes from (:mod:`pliant.worker.staging`).
+
+    Attributes:
+        lookup: a tensor of the live state -> its copy (a view of the host buffer), or None when the copy lacks it.
+        ready: waits until the copy is complete (raises what failed); any thread may call it.
+        pin: keeps the copy from being overwritten until the given write is done.
+    """
+
+    lookup: Callable[[torch.Tensor], torch.Tensor | None]
+    ready: Callable[[], None]
+    pin: Callable[[Future[Any]], None]
+
+
 class Engine(abc.ABC):
     """A parallel wrapper of a model and its optimizer that runs one global step at a time.
 
@@ -127,6 +145,12 @@ class Engine(abc.ABC):
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
+
+    def saved_by(self) -> dict[tuple[str, ...], int]:
+        """Which rank saves given tensors of the :attr:`replicated` sections (path: the keys from the top of
+        :meth:`state_dict`); the rest are dealt by size (:func:`pliant.worker.staging.split_replicas`). A sharded
+        engine names its shard's, so that what a rank saves is what its buddy snapshot holds. Local."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (as DCP filled it in, at this world size)."""

@@ -308,6 +308,12 @@ class ZeroEngine(DDPEngine):
         self._full = full
         return nbytes
 
+    def saved_by(self) -> dict[tuple[str, ...], int]:
+        """Each parameter by the rank that owns it, the buffers by rank 0: as :meth:`shard` cuts the state."""
+        owner = self.optimizer._param_to_rank
+        out = {("model", name): owner[param] for name, param in self.module.named_parameters()}
+        return out | {("model", name): 0 for name, _ in self.module.named_buffers()}
+
     def state_dict(self) -> dict[str, Any]:
         _materialize_zero_state(self.optimizer)
         return {"model": self.module.state_dict(), "zero_shard": _zero_local_state(self.optimizer, self.module)}

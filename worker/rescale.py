@@ -28,20 +28,19 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
 gradients, writes ``wait`` to its progress file (its agent reports the failure, so the coordinator publishes the next
 generation at once, evicting a node whose agent is unreachable), waits for its directive and re-forms. The survivors
 then agree on the newest committed step: all-reduce of the steps done; the lowest rank that has the most sends its
-state. A survivor whose vote failed while another's completed (the peer died inside the vote) takes the newer state,
-and its step counts as done; the ranks that were ahead skip one loop iteration (their loader yields that step again),
-so every rank's training loop stays in step with the others' collectives. Everyone else redoes the broken step in
-the new world on the same global batch: at most one step is redone per failure.
+state. A survivor whose vote failed while another's completed (the peer died inside the vote) takes the newer state, and
+its step counts as done; the ranks that were ahead skip one loop iteration (their loader yields that step again), so
+every rank's training loop stays in step with the others' collectives. Everyone else redoes the broken step in the new
+world on the same global batch: at most one step is redone per failure.
 
 **Re-forming** (:meth:`Protocol._reform`), the same sequence on survivors and on newcomers (fresh processes, whose
-session starts in the new world): the process group is re-initialised on the new generation's store; every rank
-says whether it holds state (one all-reduce; a newcomer's session does it in ``init``); each engine is wrapped again
-(without DDP's broadcast of rank 0's parameters: rank 0 may be a newcomer, as when a node that held rank 0 comes back)
-and each checkpoint manager opens its group again, in the order the script made them; then the state is sent from the
-source rank: the step, each loader's cursor, the parameters, the optimizer's state and hyperparameters, and the RNG
-state. Only tensors cross ranks. A newcomer
-takes part from ``CheckpointManager.restore`` or the start of the loader's iteration, whichever comes first, so a
-script's setup between ``init`` and its loop must not run collectives of its own.
+session starts in the new world): the process group is re-initialised on the new generation's store; every rank says
+whether it holds state (one all-reduce; a newcomer's session does it in ``init``); each engine is wrapped again (without
+DDP's broadcast of rank 0's parameters: rank 0 may be a newcomer, as when a node that held rank 0 comes back) and each
+checkpoint manager opens its group again, in the order the script made them; then the state is sent from the source
+rank: the step, each loader's cursor, the parameters, the optimizer's state and hyperparameters, and the RNG state. Only
+tensors cross ranks. A newcomer takes part from ``CheckpointManager.restore`` or the start of the loader's iteration,
+whichever comes first, so a script's setup between ``init`` and its loop must not run collectives of its own.
 
 Anything that fails while re-forming raises, so the worker exits with an error; its agent reports it and the next
 generation starts fresh workers that restore from disk. That is the way back.
@@ -65,7 +64,7 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
 from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
 from pliant.worker.cadence import Cadence
-from pliant.worker.contract import Engine, GlobalBatch, LossFn, WorkerError
+from pliant.worker.contract import Engine, GlobalBatch, LossFn, Staged, WorkerError
 from pliant.worker.engines import sync_scheduler
 from pliant.worker.groups import RendezvousWatch, announce_arrival, retire_groups, sever
 from pliant.worker.guard import Guard, NoGuard
@@ -284,6 +283,19 @@ class Protocol:
         env = self.session.env
         self.copies.snapshot(engine, env.generation, env.node_rank, self.steps_done, positions)
         self.cadence.took(self.steps_done, by_step and not self.copies.fresh)  # measured: a step's, buffers reused
+
+    def snapshot_for_save(self, engine: Engine, step: int) -> Staged | None:
+        """The sharded engine's buddy snapshot of the committed ``step`` for a checkpoint to write from, taken now
+        if the cadence took none then (every rank saves the same step); None: DCP's own copy applies."""
+        if engine is not self.sharded or step != self.steps_done:
+            return None
+        try:
+            if self.copies.staged(step) is None:
+                self._snapshot(engine, [loader.position() for loader in self.loaders], by_step=False)
+        except RuntimeError as exc:  # a peer failed: the next step re-forms
+            logger.warning("rank %d: no snapshot for the checkpoint of step %d (%s)", dist.get_rank(), step, exc)
+            return None
+        return self.copies.staged(step)
 
     def _vote(self) -> tuple[dist.Work, torch.Tensor]:
         """Start the commit vote: one all-reduce (max) of three integers that every rank must reach, carrying "my agent

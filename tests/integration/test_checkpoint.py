@@ -12,6 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import wait_for
+from tests.integration.harness import (
+    ELASTIC,
+    EXACT,
+    GLOBAL_BATCH,
+    SAMPLES,
+    TOLERANCE,
+    elastic_agent,
+    max_param_diff,
+    static_params,
+)
+
 JOB = Path(__file__).with_name("engine_job.py")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -133,8 +145,6 @@ def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warni
     them loads, the scheduler starting afresh, and the next checkpoint holds it."""
     import torch.distributed.checkpoint as dcp
 
-    from tests.integration.harness import ELASTIC
-
     env = {**os.environ, "PLIANT_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PLIANT_JOB_ID": "job"}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -149,3 +159,34 @@ def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warni
     keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "step-000000000010")).read_metadata().state_dict_metadata
     assert {"train.scheduler.last_epoch", "train.scheduler.T_cur"} <= set(keys)
     assert "holds no learning-rate" not in run("--steps", "15").stderr
+
+
+def test_a_zero_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(make_coordinator, spawn_agent,
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    """A ZeRO job in place (an agent, 2 workers) saves every 5 steps: each async save writes from the buddy snapshot
+    of its step (the protocol takes one when the cadence did not), not from a second copy. A plain process resumes the
+    newest at world 1 and ends where a static run of all the steps does."""
+    steps, resumed_steps = 20, 26
+    server = make_coordinator()
+    script = ("--engine", "zero", "--save-every", "5")
+    agent = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, script=script),
+                        name="agent-a")  # fmt: skip
+    wait_for(lambda: agent.proc.poll() is not None, 180, "the job to finish")
+    assert agent.proc.returncode == 0, agent.output()[-3000:]
+    for step in (5, 10, 15, 20):
+        for rank in (0, 1):
+            assert f"rank {rank}: checkpoint of step {step} is written from the buddy snapshot" in agent.output()
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{s:012d}" for s in (10, 15, 20)]
+
+    env = {**os.environ, "PLIANT_CHECKPOINT_DIR": str(ckpt), "PLIANT_JOB_ID": "job"}
+    out = tmp_path / "resumed.pt"
+    result = subprocess.run([sys.executable, str(ELASTIC), "--steps", str(resumed_steps), "--samples", str(SAMPLES),
+                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--engine", "zero",
+                             "--params-out", str(out), *EXACT], capture_output=True, text=True, timeout=120,
+                            env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.startswith("step 20 world 1"), result.stdout  # it resumed at step 20 (it prints every 10th)
+    diff = max_param_diff(torch.load(out), static_params(tmp_path, resumed_steps, "zero"))
+    print(f"zero: checkpoints from buddy snapshots (world 2), resumed at world 1: max |param diff| {diff:.2e}")
+    assert diff <= TOLERANCE

@@ -1,11 +1,12 @@
-"""The split of replicated state between ranks for async checkpoints (pure: no process group)."""
+"""How an async checkpoint's state is staged (pure: no process group): the split of the replicated state between
+ranks, and a save's state taken from a buddy snapshot's host copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pliant.worker.checkpoint import split_replicas
+from pliant.worker.staging import UNMATCHED_MIN, from_snapshot, split_replicas
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,3 +58,33 @@ def test_every_rank_computes_the_same_split_and_the_input_is_left_whole() -> Non
 
 def test_no_replicated_sections_keeps_everything() -> None:
     assert _leaves(split_replicas(_state(), (), 0, 4)).keys() == _leaves(_state()).keys()
+
+
+def test_a_rank_saves_what_the_engine_says_it_saves_and_the_rest_is_dealt_by_size() -> None:
+    state = _state()
+    named = {("model", f"layer{i}.weight"): 2 for i in range(7)}  # e.g. ZeRO: the parameters rank 2 owns
+    parts = [_leaves(split_replicas(state, ("model",), rank, 3, named)) for rank in range(3)]
+    assert all(("model", f"layer{i}.weight") in parts[2] for i in range(7))
+    assert ("model", "scale") in parts[0] and ("model", "scale") not in parts[2], "dealt to the least loaded"
+
+
+def test_a_save_from_a_snapshot_takes_its_views_and_copies_the_rest_at_once() -> None:
+    live = {"w": torch.arange(6.0).reshape(2, 3), "m": torch.ones(4), "small": torch.zeros(2)}
+    host = torch.zeros(64, dtype=torch.uint8)
+    views = {id(live["w"]): host[:24].view(torch.float32).view(2, 3), id(live["m"]): host[32:48].view(torch.float32)}
+    state = {"train": {"model": {"w": live["w"]}, "optim": {"m": live["m"], "small": live["small"], "lr": [0.1]}},
+             "step": 7}  # fmt: skip
+    saved = from_snapshot(state, lambda t: views.get(id(t)))
+    assert saved is not None
+    assert saved["train"]["model"]["w"] is views[id(live["w"])] and saved["train"]["optim"]["m"] is views[id(live["m"])]
+    small = saved["train"]["optim"]["small"]
+    assert torch.equal(small, live["small"]) and small.data_ptr() != live["small"].data_ptr(), "cloned now"
+    live["small"].add_(1)
+    state["train"]["optim"]["lr"].append(0.2)  # the training goes on: the save keeps what it saw
+    assert saved["train"]["optim"]["lr"] == [0.1] and saved["step"] == 7 and not small.any()
+
+
+def test_a_snapshot_that_lacks_much_of_the_state_feeds_no_save() -> None:
+    big = torch.zeros(UNMATCHED_MIN // 4 + 1)  # just over 1 MiB, and nothing matched
+    assert from_snapshot({"train": {"model": {"big": big}}}, lambda t: None) is None
+    assert from_snapshot({"train": {"model": {"small": torch.zeros(8)}}}, lambda t: None) is not None

@@ -1,0 +1,158 @@
+"""How an async checkpoint's state gets to host memory and to disk without holding up the training.
+
+Two routes, both ending in DCP's files (any world size loads them):
+
+- **DCP's stager** (:func:`stager`): DCP's ``DefaultStager`` with async staging, kept from save to save so its host
+  copies (cached by source storage; on CUDA pinned) are reused: each save copies into memory it already touched.
+- **The buddy snapshot** (:func:`from_snapshot`): a sharded engine under the in-place protocol already copies its
+  shard to host memory every K steps (:mod:`pliant.worker.buddy`). A save of a step that has such a copy (the protocol
+  takes one for it if the cadence did not) writes from that copy: no second copy of the state, no second host buffer.
+
+Either way each rank copies and writes only its share of the state that every rank holds alike
+(:func:`split_replicas`, by the engine's :attr:`~pliant.worker.contract.Engine.replicated` sections and
+:meth:`~pliant.worker.contract.Engine.saved_by`; DCP's own deduplication would choose the writer only after every
+rank copied everything), and the write runs at a lowered priority (:class:`BackgroundWriter`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from pliant.worker.buddy import BACKGROUND_NICE
+
+__all__ = ["BackgroundWriter", "from_snapshot", "split_replicas", "stager", "write_in_background"]
+
+Path = tuple[str, ...]
+Lookup = Callable[[torch.Tensor], torch.Tensor | None]
+UNMATCHED_SHARE = 16  # a snapshot feeds a save when what it lacks is at most 1/16 of the bytes (copied at once) ...
+UNMATCHED_MIN = 1 << 20  # ... or at most 1 MiB
+
+
+class BackgroundWriter(dcp.FileSystemWriter):
+    """DCP's file writer, writing at :data:`pliant.worker.buddy.BACKGROUND_NICE` (an async save's thread): where
+    the training keeps the cores busy (gloo on CPU), the write takes their idle time first."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        return super().write_data(plan, planner)
+
+
+def stager(cuda: bool) -> Any:
+    """DCP's stager for async saves (copies in the background; on CUDA pinned, by non-blocking copies)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=cuda))  # fmt: skip
+
+
+# -- who saves what (pure) -------------------------------------------------------------------------------------------
+
+
+def split_replicas(state: dict[str, Any], sections: Sequence[str], rank: int, world: int,
+                   saved_by: Mapping[Path, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``state`` with only rank ``rank``'s share of the tensors under ``sections``, which every rank holds alike.
+    A tensor whose path (its keys from the top of ``state``) is in ``saved_by`` goes to that rank; the others are
+    dealt largest first, each to the rank with the fewest bytes so far (ties: the lower rank). Every rank computes
+    the same split, and each tensor is saved by one rank. Other tensors (DTensors included) and non-tensor values
+    stay (DCP drops duplicate non-tensor values itself). Pure: no collective."""
+    saved_by = saved_by or {}
+    leaves = [(path, t.numel() * t.element_size()) for name in sections if name in state
+              for path, t in _plain_tensors(state[name], (name,))]  # fmt: skip
+    loads, owner = [0] * world, {}
+    for path, nbytes in leaves:
+        if 0 <= saved_by.get(path, -1) < world:
+            owner[path] = saved_by[path]
+            loads[owner[path]] += nbytes
+    for path, nbytes in sorted((x for x in leaves if x[0] not in owner), key=lambda x: (-x[1], x[0])):
+        chosen = min(range(world), key=lambda r: (loads[r], r))
+        owner[path] = chosen
+        loads[chosen] += nbytes
+    return _keep(state, (), lambda path: owner.get(path, rank) == rank)
+
+
+def _plain_tensors(tree: Any, path: Path) -> list[tuple[Path, torch.Tensor]]:
+    """(path, tensor) of the tensors that are values of ``tree``'s nested dicts, DTensors excepted."""
+    out = []
+    for key, value in tree.items() if isinstance(tree, dict) else ():
+        if isinstance(value, dict):
+            out += _plain_tensors(value, (*path, str(key)))
+        elif isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
+            out.append(((*path, str(key)), value))
+    return out
+
+
+def _keep(tree: Any, path: Path, keep: Callable[[Path], bool]) -> Any:
+    """``tree``'s nested dicts without the tensors whose path ``keep`` refuses."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _keep(v, (*path, str(k)), keep) for k, v in tree.items()
+            if not isinstance(v, torch.Tensor) or keep((*path, str(k)))}  # fmt: skip
+
+
+# -- the buddy snapshot's route ---------------------------------------------------------------------------------------
+
+
+def from_snapshot(state: dict[str, Any], lookup: Lookup) -> dict[str, Any] | None:
+    """``state`` (Stateful values resolved now) with each tensor replaced by its copy in a snapshot (``lookup``) and
+    the rest copied at once: the few tensors the snapshot lacks (cloned) and every non-tensor value (deep-copied),
+    so nothing the training changes afterwards reaches the file. None when the snapshot lacks more than a small
+    share (:data:`UNMATCHED_SHARE`, :data:`UNMATCHED_MIN`), DTensors included: DCP's stager then applies."""
+    resolved = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+    found: dict[int, torch.Tensor] = {}
+    matched = unmatched = 0
+    for tensor in _tensors(resolved):
+        view = None if hasattr(tensor, "to_local") else lookup(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        if view is None:
+            unmatched += nbytes
+        else:
+            matched += nbytes
+            found[id(tensor)] = view
+    if unmatched > max(UNMATCHED_MIN, matched // UNMATCHED_SHARE):
+        return None
+    return _rebuild(resolved, found)  # type: ignore[no-any-return]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, list):
+        return [t for v in tree for t in _tensors(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def _rebuild(tree: Any, found: dict[int, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        return {k: _rebuild(v, found) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_rebuild(v, found) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return found[id(tree)] if id(tree) in found else tree.detach().to("cpu", copy=True)
+    return copy.deepcopy(tree)
+
+
+def write_in_background(state: dict[str, Any], path: str, group: dist.ProcessGroup,
+                        ready: Callable[[], None]) -> Future[Any]:  # fmt: skip
+    """``dcp.save`` of ``state`` (host tensors) on a thread of its own at a lowered priority, once ``ready()``
+    returned (the snapshot's copy is complete). Returns the write's future."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            ready()
+            future.set_result(dcp.save(state, storage_writer=BackgroundWriter(path), process_group=group))
+        except BaseException as exc:  # DCP's CheckpointException is one: reported to whoever waits for the save
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="pliant-checkpoint-write", daemon=True).start()
+    return future
