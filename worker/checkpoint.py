@@ -50,7 +50,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from pliant.progress import FENCE, read_fence
 from pliant.worker.contract import Engine, Staged, WorkerError
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
-from pliant.worker.staging import BackgroundWriter, from_snapshot, split_replicas, stager, write_in_background
+from pliant.worker.staging import (
+    BackgroundWriter,
+    from_snapshot,
+    holds_dtensors,
+    resolve,
+    split_replicas,
+    stager,
+    write_in_background,
+)
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -296,15 +304,16 @@ class CheckpointManager:
     def _save_from_snapshot(self, state: dict[str, Any], path: Path, step: int) -> Future[Any] | None:
         """Write ``step`` from the buddy snapshot of that step (:mod:`pliant.worker.staging`), which the protocol
         takes now if its cadence did not: the copy is the snapshot's (the next optimizer step waits for it, as for
-        every snapshot), and the state is not copied a second time. None: no snapshot can feed this save."""
-        staged = self.from_snapshot(self.engine, step) if self.from_snapshot is not None else None
+        every snapshot), and the state is not copied a second time. None: no snapshot can feed this save (``state``
+        is then resolved for DCP's stager)."""
+        if self.from_snapshot is None:
+            return None
+        state.update(resolve(state))
+        staged = None if holds_dtensors(state) else self.from_snapshot(self.engine, step)
         if staged is None:
             return None
-        resolved = from_snapshot(state, staged.lookup)
-        if resolved is None:
-            return None
-        state["train"].nbytes = tensor_bytes(resolved["train"])
-        future = write_in_background(resolved, str(path), self.group, staged.ready)
+        saved = from_snapshot(state, staged.lookup)
+        future = write_in_background(saved, str(path), self.group, staged.ready)
         staged.pin(future)
         logger.info("rank %d: checkpoint of step %d is written from the buddy snapshot of that step", dist.get_rank(),
                     step)  # fmt: skip

@@ -30,12 +30,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.worker.buddy import BACKGROUND_NICE
 
-__all__ = ["BackgroundWriter", "from_snapshot", "split_replicas", "stager", "write_in_background"]
+__all__ = [
+    "BackgroundWriter",
+    "from_snapshot",
+    "holds_dtensors",
+    "resolve",
+    "split_replicas",
+    "stager",
+    "write_in_background",
+]
 
 Path = tuple[str, ...]
 Lookup = Callable[[torch.Tensor], torch.Tensor | None]
-UNMATCHED_SHARE = 16  # a snapshot feeds a save when what it lacks is at most 1/16 of the bytes (copied at once) ...
-UNMATCHED_MIN = 1 << 20  # ... or at most 1 MiB
 
 
 class BackgroundWriter(dcp.FileSystemWriter):
@@ -102,25 +108,24 @@ def _keep(tree: Any, path: Path, keep: Callable[[Path], bool]) -> Any:
 # -- the buddy snapshot's route ---------------------------------------------------------------------------------------
 
 
-def from_snapshot(state: dict[str, Any], lookup: Lookup) -> dict[str, Any] | None:
-    """``state`` (Stateful values resolved now) with each tensor replaced by its copy in a snapshot (``lookup``) and
-    the rest copied at once: the few tensors the snapshot lacks (cloned) and every non-tensor value (deep-copied),
-    so nothing the training changes afterwards reaches the file. None when the snapshot lacks more than a small
-    share (:data:`UNMATCHED_SHARE`, :data:`UNMATCHED_MIN`), DTensors included: DCP's stager then applies."""
-    resolved = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    found: dict[int, torch.Tensor] = {}
-    matched = unmatched = 0
-    for tensor in _tensors(resolved):
-        view = None if hasattr(tensor, "to_local") else lookup(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        if view is None:
-            unmatched += nbytes
-        else:
-            matched += nbytes
-            found[id(tensor)] = view
-    if unmatched > max(UNMATCHED_MIN, matched // UNMATCHED_SHARE):
-        return None
-    return _rebuild(resolved, found)  # type: ignore[no-any-return]
+def resolve(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its Stateful values replaced by their state dicts (as DCP would ask for them at save time)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def holds_dtensors(state: dict[str, Any]) -> bool:
+    """Whether ``state`` holds DTensors (FSDP2): views of a snapshot would have to become DTensors, so such a state
+    takes DCP's stager. It depends on the engine only, so every rank decides alike."""
+    return any(hasattr(t, "to_local") for t in _tensors(state))
+
+
+def from_snapshot(state: dict[str, Any], lookup: Lookup) -> dict[str, Any]:
+    """``state`` (:func:`resolve`-d, without DTensors) with each tensor replaced by its copy in a snapshot
+    (``lookup``) and the rest copied at once: the tensors the snapshot lacks (the module buffers, cloned before the
+    snapshot's copy; anything else) and every non-tensor value (deep-copied), so nothing the training changes
+    afterwards reaches the file."""
+    found = {id(t): view for t in _tensors(state) if (view := lookup(t)) is not None}
+    return _rebuild(state, found)  # type: ignore[no-any-return]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -161,32 +161,34 @@ def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warni
     assert "holds no learning-rate" not in run("--steps", "15").stderr
 
 
-def test_a_zero_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(make_coordinator, spawn_agent,
-                                                                             tmp_path: Path) -> None:  # fmt: skip
+@pytest.mark.parametrize("engine", ["zero", "fsdp"])
+def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
+        make_coordinator, spawn_agent, tmp_path: Path, engine: str) -> None:  # fmt: skip
     """A ZeRO job in place (an agent, 2 workers) saves every 5 steps: each async save writes from the buddy snapshot
-    of its step (the protocol takes one when the cadence did not), not from a second copy. A plain process resumes the
-    newest at world 1 and ends where a static run of all the steps does."""
+    of its step (the protocol takes one when the cadence did not), not from a second copy; FSDP2's DTensors take
+    DCP's stager. A plain process resumes the newest at world 1 and ends where a static run of all the steps does."""
     steps, resumed_steps = 20, 26
     server = make_coordinator()
-    script = ("--engine", "zero", "--save-every", "5")
+    script = ("--engine", engine, "--save-every", "5")
     agent = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, script=script),
                         name="agent-a")  # fmt: skip
     wait_for(lambda: agent.proc.poll() is not None, 180, "the job to finish")
     assert agent.proc.returncode == 0, agent.output()[-3000:]
     for step in (5, 10, 15, 20):
         for rank in (0, 1):
-            assert f"rank {rank}: checkpoint of step {step} is written from the buddy snapshot" in agent.output()
+            line = f"rank {rank}: checkpoint of step {step} is written from the buddy snapshot"
+            assert (line in agent.output()) == (engine == "zero"), line
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{s:012d}" for s in (10, 15, 20)]
 
     env = {**os.environ, "PLIANT_CHECKPOINT_DIR": str(ckpt), "PLIANT_JOB_ID": "job"}
     out = tmp_path / "resumed.pt"
     result = subprocess.run([sys.executable, str(ELASTIC), "--steps", str(resumed_steps), "--samples", str(SAMPLES),
-                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--engine", "zero",
+                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--engine", engine,
                              "--params-out", str(out), *EXACT], capture_output=True, text=True, timeout=120,
                             env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.startswith("step 20 world 1"), result.stdout  # it resumed at step 20 (it prints every 10th)
-    diff = max_param_diff(torch.load(out), static_params(tmp_path, resumed_steps, "zero"))
-    print(f"zero: checkpoints from buddy snapshots (world 2), resumed at world 1: max |param diff| {diff:.2e}")
+    diff = max_param_diff(torch.load(out), static_params(tmp_path, resumed_steps, engine))
+    print(f"{engine}: checkpoints saved in place at world 2, resumed at world 1: max |param diff| {diff:.2e}")
     assert diff <= TOLERANCE
