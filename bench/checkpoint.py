@@ -3,13 +3,16 @@
 - save and load throughput of a pliant (DCP) checkpoint of a DDP model + SGD momentum, 2 ranks forked on gloo,
   against ``dd`` write (fdatasync) and read bandwidth of the same directory;
 - the training stall of an async save against a sync save: what ``save()`` blocks for, plus how much longer than
-  typical the steps take until the save is on disk (an async save copies the state to host memory in the background,
-  the next optimizer step waits for that copy, and the write then runs beside the following steps), plus any wait
-  for it after 30 steps. Each rank trains with one thread, as ``pliant run`` gives two workers on two cores;
+  typical the steps take until the save is on disk, 6 at least (an async save copies the state to host memory in the
+  background, the next optimizer step waits for that copy, and the write then runs beside the following steps), plus
+  any wait for it after 30 steps. Each rank trains with one thread, as ``pliant run`` gives two workers on two cores.
+  With ``--engine zero``, also async saves written from a buddy snapshot of the step (pliant.worker.staging), taken as
+  the rescale protocol takes one for a save, and sent to the buddy rank as every snapshot is; and such snapshots
+  alone, so that the difference is what a save costs at a step whose snapshot the cadence took anyway;
 - the rescale pause: last step of generation n -> every rank stepping in generation n+1, when a second node joins a
   ``pliant run`` job (examples/train_elastic.py with --checkpoint-dir).
 
-Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 512]``
+Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 512] [--ranks 2] [--engine ddp|zero] [--no-rescale]``
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ from torch.utils.data import TensorDataset
 
 import pliant.worker as pw
 from pliant.env import WorkerEnv
+from pliant.worker.buddy import BuddyCopies
 from pliant.worker.checkpoint import CheckpointManager
+from pliant.worker.contract import Engine, Staged
 
 ROOT = Path(__file__).resolve().parent.parent
+WINDOW = 6  # steps after a save whose excess time counts, at least (more while the save is still being written)
 
 
 def dd(directory: Path, mb: int) -> tuple[float, float]:
@@ -53,7 +59,7 @@ def dd(directory: Path, mb: int) -> tuple[float, float]:
     return write, read
 
 
-def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: mp.Queue) -> None:
+def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: str, queue: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     torch.set_num_threads(1)
@@ -61,7 +67,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: 
                                        master_port=port))  # fmt: skip
     width = int((mb * 2**20 / 4 / 4) ** 0.5)  # two square layers: parameters = mb / 2, momentum the other half
     model = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
-    engine = session.engine(model, "ddp", torch.optim.SGD, lr=0.01, momentum=0.9)
+    engine = session.engine(model, kind, torch.optim.SGD, lr=0.01, momentum=0.9)
     data = TensorDataset(torch.randn(4096, width))
     loader = session.loader(data, global_batch=16, micro_batch=8)
     batches = iter(loader)
@@ -79,10 +85,31 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: 
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank runs the same steps
         return bool(flag.item())
 
+    settled: list[float] = []
+
+    def settle() -> None:
+        started = time.perf_counter()
+        copies.settle()
+        settled.append(time.perf_counter() - started)
+
+    def snapshot_of(engine: Engine, step: int) -> Staged | None:
+        """What the rescale protocol does for a sharded engine's save when its cadence took no snapshot then."""
+        started = time.perf_counter()
+        copies.snapshot(engine, 1, rank, step, [])  # each rank a node of its own: the buddy is the other rank
+        settled.append(time.perf_counter() - started)
+        engine.staging = settle  # the next optimizer step waits for the copy
+        return copies.staged(step)
+
+    copies = BuddyCopies(lambda make: make())
     results: dict[str, float] = {}
     done = 0
-    for mode in ("sync", "async"):
-        ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode == "async", keep=1)
+    for _ in range(2 if kind == "zero" else 0):  # the snapshots' two buffers, touched once (a job's first K steps)
+        step()  # the first creates the optimizer state, which a snapshot holds
+        snapshot_of(engine, done)
+    for mode in ("sync", "async", "snapshot", "exchange") if kind == "zero" else ("sync", "async"):
+        ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode != "sync", keep=1)
+        if mode == "snapshot":
+            ckpt.snapshot_of = snapshot_of
         plain, stalls, totals, spans = [], [], [], []
         for _ in range(3):
             for _ in range(4):
@@ -90,11 +117,15 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: 
                 plain.append(step())
             done += 1
             t0 = time.perf_counter()
-            ckpt.save(done)
+            settled.clear()
+            if mode == "exchange":  # a snapshot alone, as the cadence takes them
+                snapshot_of(engine, done)
+            else:
+                ckpt.save(done)
             during = [step()]  # the optimizer step waits for an async save's copy of the state
-            blocked = ckpt.stalled_s
-            while pending(ckpt) and len(during) < 30:
-                during.append(step())  # the write goes on beside these
+            blocked = (ckpt.stalled_s if mode != "exchange" else 0.0) + sum(settled)
+            while (pending(ckpt) or len(during) < WINDOW) and len(during) < 30:
+                during.append(step())  # the write (and a snapshot's exchange) goes on beside these
             waited = time.perf_counter()
             ckpt.wait()
             waited = time.perf_counter() - waited
@@ -103,8 +134,8 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, queue: 
             totals.append(time.perf_counter() - t0 - sum(during))
             spans.append(len(during))
         typical = statistics.median(plain)
-        # The stall: what save() blocked, plus the time the steps until the save was on disk took beyond typical
-        # ones, plus any wait for it after them.
+        # The stall: what save() blocked, plus the time the steps until the save was on disk (at least WINDOW)
+        # took beyond typical ones, plus any wait for it after them.
         results[f"{mode} stall"] = statistics.median(max(0.0, b + sum(d) - typical * len(d) + w) for b, d, w in stalls)
         results[f"{mode} blocked"] = statistics.median(b for b, _, _ in stalls)
         results[f"{mode} total"] = statistics.median(totals)
@@ -182,17 +213,19 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=512, help="checkpoint size (parameters + momentum), MB")
     parser.add_argument("--ranks", type=int, default=2, help="training processes (one thread each)")
     parser.add_argument("--no-rescale", action="store_true", help="skip the rescale pause")
+    parser.add_argument("--engine", choices=["ddp", "zero"], default="ddp",
+                        help="zero: also async saves written from a buddy snapshot (pliant.worker.staging)")
     args = parser.parse_args()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="pliant-ckpt-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     write_bw, read_bw = dd(directory, args.mb)
     queue = mp.get_context("fork").Queue()
-    mp.start_processes(rank_main, args=(args.ranks, _free_port(), str(directory), args.mb, queue), nprocs=args.ranks,
-                       start_method="fork")  # fmt: skip
+    mp.start_processes(rank_main, args=(args.ranks, _free_port(), str(directory), args.mb, args.engine, queue),
+                       nprocs=args.ranks, start_method="fork")  # fmt: skip
     r = queue.get()
     mb = r["bytes"] / 2**20
     pause = 0.0 if args.no_rescale else rescale_pause(directory / "rescale")
-    print(f"\ncheckpoint of {mb:.0f} MB ({args.ranks} ranks, gloo) in {directory}")
+    print(f"\ncheckpoint of {mb:.0f} MB ({args.engine}, {args.ranks} ranks, gloo) in {directory}")
     print(f"  dd write (fdatasync)   {write_bw:8.0f} MB/s")
     print(f"  pliant sync save       {mb / r['sync total']:8.0f} MB/s   ({r['sync total']:.2f} s; "
           f"{mb / r['sync total'] / write_bw:.2f}x dd)")  # fmt: skip
@@ -200,13 +233,19 @@ def main() -> None:
     print(
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
-    print(f"  training stall: sync save {r['sync stall']:.3f} s, async save {r['async stall']:.3f} s "
-          f"({r['async stall'] / r['sync stall']:.2f}x; an async save was on disk after {r['async steps']:.0f} "
-          f"steps; a step {r['step']:.3f} s)")  # fmt: skip
-    waited = r["async blocked"] / r["sync blocked"]
-    print(f"  of which the training thread waited (save(), and the optimizer step for the copy): sync "
-          f"{r['sync blocked']:.3f} s, async {r['async blocked']:.3f} s ({waited:.2f}x); the rest is the steps "
-          f"slowed by the background copy and write")  # fmt: skip
+    print(f"  a step {r['step']:.3f} s; training stall of a sync save {r['sync stall']:.3f} s, of which the training "
+          f"thread waited {r['sync blocked']:.3f} s")  # fmt: skip
+    for mode, what in (("async", "async save"), ("snapshot", "async save from a buddy snapshot taken for it"),
+                       ("exchange", "that buddy snapshot alone (copy, and exchange with the buddy)")):
+        if f"{mode} stall" in r:
+            print(f"  {what}: stall {r[f'{mode} stall']:.3f} s ({r[f'{mode} stall'] / r['sync stall']:.2f}x), "
+                  f"counting the steps slowed until it was on disk ({r[f'{mode} steps']:.0f} steps); the training "
+                  f"thread waited {r[f'{mode} blocked']:.3f} s ({r[f'{mode} blocked'] / r['sync blocked']:.2f}x: "
+                  f"save(), and the optimizer step for the copy)")  # fmt: skip
+    if "exchange stall" in r:
+        extra = r["snapshot stall"] - r["exchange stall"]
+        print(f"  so a save at a step whose snapshot the cadence took anyway stalls {extra:.3f} s "
+              f"({extra / r['sync stall']:.2f}x), against {r['async stall']:.3f} s through DCP's own copy")  # fmt: skip
     if not args.no_rescale:
         print(f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
               f"{pause:.2f} s")  # fmt: skip

@@ -413,14 +413,16 @@ class BuddyCopies:
             slot = next((s for s in self.slots if s.step == step), None)
         if slot is None or slot.own is None or slot.copy_wait is None:
             return None
-        buffer, index = slot.own, slot.index
+        host, index = slot.own.numpy(), slot.index  # the array keeps the buffer alive
 
         def lookup(tensor: torch.Tensor) -> torch.Tensor | None:
             offset = index.get(_key(tensor))
             if offset is None:
                 return None
-            view = buffer[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-            return view.view(tensor.shape)
+            # A tensor whose storage is its own bytes of the buffer (shared): DCP's writer copies a tensor whose
+            # storage is larger than it (torch.save would write all of it), which a view of the buffer would be.
+            mine = torch.from_numpy(host[offset : offset + tensor.numel() * tensor.element_size()])
+            return mine.view(tensor.dtype).view(tensor.shape)
 
         return Staged(lookup, slot.copy_wait, slot.readers.append)
 

@@ -122,6 +122,12 @@ class Cadence:
         """Whether the step that brought the committed steps to ``steps_done`` takes a snapshot."""
         return self.last_snapshot is None or steps_done - self.last_snapshot >= self.every
 
+    def save_may_snapshot(self, steps_done: int) -> bool:
+        """Whether a checkpoint of ``steps_done`` may take a snapshot the cadence did not (to write from it): at
+        least half an interval after the last one, so it stands in for the next, which then comes an interval after
+        it. The saves then add few exchanges with the buddies (a save sooner takes DCP's own copy)."""
+        return self.last_snapshot is None or 2 * (steps_done - self.last_snapshot) >= self.every
+
     def took(self, steps_done: int, by_step: bool = True) -> None:
         """A snapshot was taken at ``steps_done``: by a step (``by_step``: its cost is measured), or at a
         re-formation or into new buffers (False)."""

@@ -180,7 +180,7 @@ class CheckpointManager:
         self.allow_fresh_start = allow_fresh_start
         self.epoch = epoch
         self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
-        self.from_snapshot: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
+        self.snapshot_of: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
         self._in_flight: Future[Any] | None = None
         self._committed = threading.Event()  # the in-flight save's completion callback has run (commit or error)
         self._in_flight_path: Path | None = None
@@ -260,9 +260,12 @@ class CheckpointManager:
         state = self._state(step, freeze_buffers=background, split=True)
         train = state["train"]
         saving = self.metrics.progress.saving() if self.metrics is not None else contextlib.nullcontext()
+        snapshot_fed = False  # written from a buddy snapshot, whose copy's wait counts as the snapshot's stall
         with saving:  # the agent's hang detection gives a save the start timeout, not the step one
             if background:
-                future = self._save_from_snapshot(state, path, step) or self._save_in_background(state, path)
+                future = self._save_from_snapshot(state, path, step)
+                snapshot_fed = future is not None
+                future = future or self._save_in_background(state, path)
                 committed = self._committed = threading.Event()
                 future.add_done_callback(lambda f: self._async_done(f, path, step, started, train, committed))
                 self._in_flight, self._in_flight_path = future, path
@@ -270,7 +273,7 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=str(path), process_group=self.group)
                 self._saved(path, step, started, train)
         stall = self.stalled_s = time.perf_counter() - started
-        if self.metrics is not None and not background:
+        if self.metrics is not None and (not background or snapshot_fed):  # else at the optimizer step's wait
             self.metrics.observe_save(stall)
         return stall
 
@@ -306,10 +309,10 @@ class CheckpointManager:
         takes now if its cadence did not: the copy is the snapshot's (the next optimizer step waits for it, as for
         every snapshot), and the state is not copied a second time. None: no snapshot can feed this save (``state``
         is then resolved for DCP's stager)."""
-        if self.from_snapshot is None:
+        if self.snapshot_of is None:
             return None
         state.update(resolve(state))
-        staged = None if holds_dtensors(state) else self.from_snapshot(self.engine, step)
+        staged = None if holds_dtensors(state) else self.snapshot_of(self.engine, step)
         if staged is None:
             return None
         saved = from_snapshot(state, staged.lookup)

@@ -286,11 +286,11 @@ class Protocol:
 
     def snapshot_for_save(self, engine: Engine, step: int) -> Staged | None:
         """The sharded engine's buddy snapshot of the committed ``step`` for a checkpoint to write from, taken now
-        if the cadence took none then (every rank saves the same step); None: DCP's own copy applies."""
+        if the cadence took none then and allows one (every rank saves the same step); None: DCP's copy applies."""
         if engine is not self.sharded or step != self.steps_done:
             return None
         try:
-            if self.copies.staged(step) is None:
+            if self.copies.staged(step) is None and self.cadence.save_may_snapshot(step):
                 self._snapshot(engine, [loader.position() for loader in self.loaders], by_step=False)
         except RuntimeError as exc:  # a peer failed: the next step re-forms
             logger.warning("rank %d: no snapshot for the checkpoint of step %d (%s)", dist.get_rank(), step, exc)

@@ -281,7 +281,7 @@ class Session:
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
             self.protocol.parts.append(manager)
             manager.from_peers = self.protocol.sync_pending
-            manager.from_snapshot = self.protocol.snapshot_for_save
+            manager.snapshot_of = self.protocol.snapshot_for_save
         return manager
 
     def all_reduce_sum(self, value: float) -> float:

@@ -164,14 +164,15 @@ def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warni
 @pytest.mark.parametrize("engine", ["zero", "fsdp"])
 def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
         make_coordinator, spawn_agent, tmp_path: Path, engine: str) -> None:  # fmt: skip
-    """A ZeRO job in place (an agent, 2 workers) saves every 5 steps: each async save writes from the buddy snapshot
-    of its step (the protocol takes one when the cadence did not), not from a second copy; FSDP2's DTensors take
-    DCP's stager. A plain process resumes the newest at world 1 and ends where a static run of all the steps does."""
+    """A ZeRO job in place (an agent, 2 workers, a snapshot every 5 steps) saves every 5 steps: each async save
+    writes from the buddy snapshot of its step, not from a second copy (the first save's is taken for it, 4 steps
+    after the one of the first step; from then on the cadence's fall on the saves); FSDP2's DTensors take DCP's
+    stager. A plain process resumes the newest at world 1 and ends where a static run of all the steps does."""
     steps, resumed_steps = 20, 26
     server = make_coordinator()
     script = ("--engine", engine, "--save-every", "5")
-    agent = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, script=script),
-                        name="agent-a")  # fmt: skip
+    agent = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, script=script,
+                                              extra=("--snapshot-every", "5")), name="agent-a")  # fmt: skip
     wait_for(lambda: agent.proc.poll() is not None, 180, "the job to finish")
     assert agent.proc.returncode == 0, agent.output()[-3000:]
     for step in (5, 10, 15, 20):

@@ -171,3 +171,13 @@ def test_ranks_set_differently_take_the_larger_interval() -> None:
     for cadence in (fixed, auto):
         cadence.agreed(100, max(b[0] for b in ballots), max(b[1] for b in ballots))
     assert fixed.every == auto.every == 32
+
+
+def test_a_checkpoint_takes_a_snapshot_only_half_an_interval_after_the_last() -> None:
+    cadence = Cadence(20)
+    assert cadence.save_may_snapshot(5), "no snapshot yet in this world"
+    cadence.took(100)
+    assert not cadence.save_may_snapshot(109), "the cadence's own is 11 steps away: the save copies the state itself"
+    assert cadence.save_may_snapshot(110)
+    cadence.took(110, by_step=False)  # the save's snapshot stands in for the next: that one comes 20 steps later
+    assert not cadence.snapshot_due(129) and cadence.snapshot_due(130)
