@@ -60,11 +60,11 @@ def test_saved_at_world_2_resumed_at_world_3_matches_a_static_run(engine: str, t
     assert sum(len(s) for s in seen) == 37 - 30 + 37, "the resumed run saw the rest of the data, not all of it"
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero"])
-def test_async_saves_that_reuse_their_host_copies_each_hold_their_own_step(engine: str, tmp_path: Path) -> None:
+def test_async_saves_that_reuse_their_host_copies_each_hold_their_own_step(tmp_path: Path) -> None:
     """Async saves at steps 2, 4, 5 and 6 copy into the same host memory (each rank its share of the replicated
     state), each while the next step trains: the last three are kept, and the newest, resumed at world 3, matches a
-    static run."""
+    static run. (ZeRO's saves through DCP's stager: the FSDP2 job in place below, which saves four times.)"""
+    engine = "ddp"
     ckpt, static, resumed = tmp_path / "ckpt", tmp_path / "static", tmp_path / "resumed"
     static.mkdir()
     resumed.mkdir()
