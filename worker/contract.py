@@ -84,7 +84,8 @@ class Staged:
     checkpoint of that step writes from (:mod:`pliant.worker.staging`).
 
     Attributes:
-        lookup: a tensor of the live state -> its copy (a view of the host buffer), or None when the copy lacks it.
+        lookup: a tensor of the live state -> its copy (sharing the host buffer's memory), or None when the copy
+            lacks it.
         ready: waits until the copy is complete (raises what failed); any thread may call it.
         pin: keeps the copy from being overwritten until the given write is done.
     """
@@ -118,9 +119,9 @@ class Engine(abc.ABC):
     Under the in-place protocol such an engine survives a peer's death through buddy copies
     (:mod:`pliant.worker.buddy`): :meth:`shard` and :meth:`rebuild`."""
     replicated: tuple[str, ...] = ()
-    """The sections of :meth:`state_dict` that every rank holds alike (DDP's model and optimizer; ZeRO's model). An
-    async checkpoint copies and writes each of their tensors on one rank only (the ranks split them by size), where
-    DCP would copy everything on every rank and then drop the duplicates."""
+    """The sections of :meth:`state_dict` that every rank holds alike (DDP's model and optimizer; ZeRO's model). A
+    checkpoint copies and writes each of their tensors on one rank only (by size, or as :meth:`saved_by` says),
+    where DCP's async save would copy everything on every rank and then drop the duplicates."""
     staging: Callable[[], None] | None = None
     """Set by an async checkpoint save whose copy of the state to host memory runs in the background: waits for it
     (:meth:`settle`, before the next optimizer step changes the state)."""

@@ -12,16 +12,14 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step`, in th
      DDP replica holds nothing the others lack) and a late ``restart`` raise :class:`RescaleExit` at once (a fresh
      worker takes the rank's place and gets its state from the others); ``in-place`` re-forms
      (:meth:`Protocol._reform` below), then the step's batch is cut again for the new world.
-2. **Vote and compute**: the engine's forward and backward with their gradient collectives, then, before the
-   optimizer step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every
-   rank's contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my
-   agent asked for a rescale" in one more all-reduce of three integers, issued asynchronously before the forward
-   and waited for before the optimizer step. Its other integers are the rank's last step time and the interval
-   between buddy snapshots that their measured cost asks for: from the largest, every rank computes the same step
-   for the next vote (about every :data:`~pliant.worker.cadence.VOTE_WITHIN_S`, and in the first step of a job or
-   of a new world) and the same number of steps between snapshots (:mod:`pliant.worker.cadence`). A rescale then
-   starts within about that time, or two steps. (One such all-reduce per step cost 5 % of a 7 ms DDP step on gloo;
-   every 4th, 1.5 %; every 14th, 0.5 %.)
+2. **Vote and compute**: the engine's forward and backward with their gradient collectives, then, before the optimizer
+   step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every rank's
+   contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my agent asked
+   for a rescale" in one more all-reduce of three integers, issued before the forward and waited for before the
+   optimizer step. Its other integers are the rank's last step time and the interval between buddy snapshots that their
+   measured cost asks for: from the largest, every rank computes the same step for the next vote (about every
+   :data:`~pliant.worker.cadence.VOTE_WITHIN_S`, and in the first step of a job or of a new world) and the same number
+   of steps between snapshots (:mod:`pliant.worker.cadence`). A rescale starts within about that time or two steps.
 3. **Commit**: the optimizer step.
 
 **A peer dies** during 2 or 3: the collective raises on every survivor (gloo at once). The survivor drops the step's
@@ -278,15 +276,14 @@ class Protocol:
             self.guard.end()
 
     def _snapshot(self, engine: Engine, positions: list[tuple[int, int, int]], by_step: bool = True) -> None:
-        """Copy this rank's shard at the step just committed and send it to its buddy, in the background (in a step,
-        or at a re-formation: ``by_step`` False)."""
+        """Copy this rank's shard at the step just committed and send it to its buddy, in the background."""
         env = self.session.env
         self.copies.snapshot(engine, env.generation, env.node_rank, self.steps_done, positions)
         self.cadence.took(self.steps_done, by_step and not self.copies.fresh)  # measured: a step's, buffers reused
 
     def snapshot_for_save(self, engine: Engine, step: int) -> Staged | None:
-        """The sharded engine's buddy snapshot of the committed ``step`` for a checkpoint to write from, taken now
-        if the cadence took none then and allows one (every rank saves the same step); None: DCP's copy applies."""
+        """The buddy snapshot of the committed ``step`` for a checkpoint, taken now if the cadence took none then
+        and allows one (every rank saves the same step); None: DCP's own copy applies."""
         if engine is not self.sharded or step != self.steps_done:
             return None
         try:
