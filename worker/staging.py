@@ -6,7 +6,8 @@ Two routes, both ending in DCP's files (any world size loads them):
   copies (cached by source storage; on CUDA pinned) are reused: each save copies into memory it already touched.
 - **The buddy snapshot** (:func:`from_snapshot`): a sharded engine under the in-place protocol already copies its
   shard to host memory every K steps (:mod:`pliant.worker.buddy`). A save of a step that has such a copy (the protocol
-  takes one for it if the cadence did not) writes from that copy: no second copy of the state, no second host buffer.
+  takes one for it if the cadence did not, half an interval or more after the last) writes from that copy: no second
+  copy of the state, no second host buffer.
 
 Either way each rank copies and writes only its share of the state that every rank holds alike
 (:func:`split_replicas`, by the engine's :attr:`~pliant.worker.contract.Engine.replicated` sections and
