@@ -94,9 +94,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
 
     def snapshot_of(engine: Engine, step: int) -> Staged | None:
         """What the rescale protocol does for a sharded engine's save when its cadence took no snapshot then."""
-        started = time.perf_counter()
         copies.snapshot(engine, 1, rank, step, [])  # each rank a node of its own: the buddy is the other rank
-        settled.append(time.perf_counter() - started)
         engine.staging = settle  # the next optimizer step waits for the copy
         return copies.staged(step)
 
@@ -120,10 +118,11 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
             settled.clear()
             if mode == "exchange":  # a snapshot alone, as the cadence takes them
                 snapshot_of(engine, done)
+                launched = time.perf_counter() - t0
             else:
-                ckpt.save(done)
+                ckpt.save(done)  # save() times itself (a snapshot it takes included): ckpt.stalled_s
             during = [step()]  # the optimizer step waits for an async save's copy of the state
-            blocked = (ckpt.stalled_s if mode != "exchange" else 0.0) + sum(settled)
+            blocked = (launched if mode == "exchange" else ckpt.stalled_s) + sum(settled)
             while (pending(ckpt) or len(during) < WINDOW) and len(during) < 30:
                 during.append(step())  # the write (and a snapshot's exchange) goes on beside these
             waited = time.perf_counter()
