@@ -22,8 +22,9 @@ run):
   counts the generations r2 published during the cuts (from its log; must be 0) beside r1's.
 
 After each fault the soak waits until every node's worker has stepped again in one generation, and records the time
-to recover: from the end of the fault (the kill; the heal; the SIGCONT; the restart) to that moment. Then the job
-runs to its last step and the table is printed: faults and recoveries by kind, p50/p99 time to recover, committed
+to recover: from the end of the fault (the kill; the heal; the SIGCONT; the restart) to that moment. Once the
+schedule is done the job is told to end 30 steps later (``train_elastic.py --stop-file``; ``--steps`` is only its
+bound), and the table is printed: faults and recoveries by kind, p50/p99 time to recover, committed
 steps redone, samples duplicated or missed among the updates that count (per-step sample ids), checkpoints loaded that
 were partial (must be 0), the final parameters against a static run on the same global batches (both in float64:
 over thousands of steps float32 rounding alone drifts by about 1e-4 between world sizes, which would hide a lost or
@@ -140,7 +141,7 @@ class Soak:
                 "--log-dir", str(self.work / "logs"), str(SCRIPT), "--steps", str(self.steps), "--samples",
                 str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--step-time", str(STEP_S),
                 "--save-every", "50", "--float64", "--events", str(self.events), "--params-out",
-                str(self.work / "final.pt")]  # fmt: skip
+                str(self.work / "final.pt"), "--stop-file", str(self.work / "stop")]  # fmt: skip
         self.agents[node.name] = node.spawn(argv, self.work / f"agent-{node.name}.log")
 
     # -- what the job is doing ---------------------------------------------------------------------------------------
@@ -172,6 +173,14 @@ class Soak:
                 continue
             out[name] = sorted(recent & kids)
         return out
+
+    def stop_soon(self, margin: int = 30) -> int:
+        """Have the job end ``margin`` steps after the newest step any rank logged (its ranks are within a step of
+        each other); returns the job's step count now."""
+        steps = min(self.steps, self.last_step() + 1 + margin)
+        (self.work / "stop.part").write_text(str(steps))
+        os.replace(self.work / "stop.part", self.work / "stop")  # whole or absent to a rank that reads it
+        return steps
 
     def finished(self) -> bool:
         return all(a.poll() is not None for a in self.agents.values())
@@ -387,7 +396,8 @@ class Report:
 def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...] = KINDS,
         recover_timeout: float = 120.0, steps: int = 0, prefix: str = "plc", net: int = 9,
         log: Callable[[str], None] = print) -> Report:  # fmt: skip
-    """Run one soak (see the module docstring); ``steps`` 0: 400 + 100 per fault. Needs root (network namespaces)."""
+    """Run one soak (see the module docstring). ``steps``: the job's steps at most (0: 400 + 100 per fault); it ends
+    30 steps after the schedule does. Needs root (network namespaces)."""
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
@@ -426,6 +436,8 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
                 failed[kind] += 1
                 log(f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s")
             time.sleep(rng.uniform(0.5, 2.0))
+        steps = soak.stop_soon()  # the schedule is done: so is the job, a few steps on
+        log(f"the schedule is done: the job ends at step {steps}")
         while not soak.finished():
             time.sleep(0.5)
             if time.time() - started > 7200:
@@ -462,7 +474,8 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=0, help="training steps (default: 400 + 100 per fault)")
+    parser.add_argument("--steps", type=int, default=0, help="training steps at most (default: 400 + 100 per "
+                        "fault); the job ends 30 steps after the last fault's recovery")  # fmt: skip
     parser.add_argument("--recover-timeout", type=float, default=120.0)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from")
     args = parser.parse_args()

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--out", default="", help="rank 0 writes the final loss and world size here as JSON")
     parser.add_argument("--params-out", default="", help="rank 0 saves the final parameters here (torch.save)")
     parser.add_argument("--float64", action="store_true", help="train in double precision (long exactness checks)")
+    parser.add_argument("--stop-file", default="", help="once this file exists, end at the step it names (a soak "
+                        "ends its job when its faults are done; that many --steps make its static twin)")  # fmt: skip
     args = parser.parse_args()
     if args.float64:
         torch.set_default_dtype(torch.float64)
@@ -66,6 +68,12 @@ def main() -> None:
     def loss_fn(model: torch.nn.Module, micro: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.functional.mse_loss(model(micro[0]), micro[1])
 
+    def stop_early() -> None:  # every rank reads the file before the step it names: all stop at that step
+        if args.stop_file and os.path.exists(args.stop_file):
+            with open(args.stop_file) as named:
+                loader.max_steps = min(loader.max_steps, int(named.read()))
+
+    stop_early()
     events = open(args.events, "a") if args.events else None  # noqa: SIM115
     loss = float("nan")
     for batch in loader:
@@ -83,6 +91,7 @@ def main() -> None:
             time.sleep(args.step_time)
         if ckpt is not None:
             ckpt.after_step(batch.step + 1)  # pliant: periodic saves, and the rescale protocol
+        stop_early()
     if ckpt is not None:
         ckpt.wait()
     live = engine.module  # pliant: the live model (an fsdp engine builds it again when the world changes in place)
