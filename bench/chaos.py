@@ -62,10 +62,10 @@ from pliant.net import free_port
 from pliant.tls import LocalCA, Role
 
 if __package__:  # imported as bench.chaos (the suite's short soak, tests/integration/test_chaos.py)
-    from bench.common import batches_counted, max_param_diff, read_jsonl
+    from bench.common import batches_counted, end_soon, max_param_diff, read_jsonl
     from bench.netns import Fabric, Node, unavailable
 else:  # python bench/chaos.py
-    from common import batches_counted, max_param_diff, read_jsonl
+    from common import batches_counted, end_soon, max_param_diff, read_jsonl
     from netns import Fabric, Node, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,14 +173,6 @@ class Soak:
                 continue
             out[name] = sorted(recent & kids)
         return out
-
-    def stop_soon(self, margin: int = 30) -> int:
-        """Have the job end ``margin`` steps after the newest step any rank logged (its ranks are within a step of
-        each other); returns the job's step count now."""
-        steps = min(self.steps, self.last_step() + 1 + margin)
-        (self.work / "stop.part").write_text(str(steps))
-        os.replace(self.work / "stop.part", self.work / "stop")  # whole or absent to a rank that reads it
-        return steps
 
     def finished(self) -> bool:
         return all(a.poll() is not None for a in self.agents.values())
@@ -436,7 +428,7 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
                 failed[kind] += 1
                 log(f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s")
             time.sleep(rng.uniform(0.5, 2.0))
-        steps = soak.stop_soon()  # the schedule is done: so is the job, a few steps on
+        steps = end_soon(soak.events, work / "stop", steps, margin=30)  # the schedule is done: so is the job
         log(f"the schedule is done: the job ends at step {steps}")
         while not soak.finished():
             time.sleep(0.5)

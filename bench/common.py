@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["batches_counted", "counted_samples", "in_run_cost", "join_flags", "longest_pause", "max_param_diff",
-           "read_jsonl", "scrape"]
+__all__ = ["batches_counted", "counted_samples", "end_soon", "in_run_cost", "join_flags", "longest_pause",
+           "max_param_diff", "read_jsonl", "scrape"]
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -49,6 +49,17 @@ def read_jsonl(path: Path) -> list[dict]:
                 return list(items)
     except FileNotFoundError:
         return []
+
+
+def end_soon(events: Path, stop: Path, steps: int, margin: int) -> int:
+    """Have a job of ``examples/train_elastic.py --events events --stop-file stop`` end ``margin`` steps after the
+    newest step a rank logged (its ranks step within one of each other; each reads the file after every step), once
+    a test or a soak has seen what it waits for. Returns the job's step count now (its static twin's)."""
+    now = min(steps, max((e["step"] for e in read_jsonl(events)), default=-1) + 1 + margin)
+    part = stop.with_name(stop.name + ".part")
+    part.write_text(str(now))
+    os.replace(part, stop)  # whole or absent to a rank that reads it
+    return now
 
 
 def longest_pause(events: list[dict], since: float) -> float:

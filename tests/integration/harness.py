@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench import common
 from bench.common import batches_counted, counted_samples, longest_pause, max_param_diff, read_jsonl, scrape
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
@@ -26,6 +27,7 @@ __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with
     "counted_samples",
     "descendants",
     "elastic_agent",
+    "end_soon",
     "longest_pause",
     "max_param_diff",
     "read_jsonl",
@@ -146,8 +148,14 @@ def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int
         *ckpt, "--log-dir", str(tmp / "logs"), *extra,
         str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
         "--micro-batch", "8", "--step-time", str(step_time), "--events", str(tmp / "events.jsonl"),
-        "--params-out", str(tmp / "final.pt"), *EXACT, *script,
+        "--params-out", str(tmp / "final.pt"), "--stop-file", str(tmp / "stop"), *EXACT, *script,
     ]  # fmt: skip
+
+
+def end_soon(tmp: Path, steps: int, margin: int = 10) -> int:
+    """Have the job of :func:`elastic_agent` under ``tmp`` end ``margin`` steps after its newest logged step, once a
+    test has seen what it waits for; returns its step count now (the static run's): :func:`bench.common.end_soon`."""
+    return common.end_soon(tmp / "events.jsonl", tmp / "stop", steps, margin)
 
 
 def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:

@@ -25,6 +25,7 @@ from tests.integration.harness import (
     batches_counted,
     descendants,
     elastic_agent,
+    end_soon,
     longest_pause,
     max_param_diff,
     read_jsonl,
@@ -90,6 +91,7 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn
     wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
     assert b.proc.returncode == 0, b.output()[-3000:]
     wait_for(lambda: _stepping(tmp_path, 2, generation=3), 60, "world 2 stepping again")
+    steps = end_soon(tmp_path, steps)
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-3000:]
 
@@ -183,6 +185,7 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     node_killed = time.time()
     b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
     wait_for(lambda: _stepping(tmp_path, 2, generation=formed + 2), 60, "the survivors stepping")
+    steps = end_soon(tmp_path, steps)
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-3000:]
 

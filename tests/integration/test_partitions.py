@@ -24,6 +24,7 @@ from tests.integration.harness import (
     counted_samples,
     descendants,
     elastic_agent,
+    end_soon,
     max_param_diff,
     read_jsonl,
     static_params,
@@ -90,6 +91,7 @@ def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_c
     events = _events(tmp_path)
     back = min(e["time"] for e in events if e["world"] == 2 and e["time"] > cut)
     last = max(e["step"] for e in events if e["rank"] == 0 and e["time"] < cut)
+    steps = end_soon(tmp_path, steps)
     wait_for(lambda: agent_a.proc.poll() is not None, 120, "the job to finish")
     assert agent_a.proc.returncode == 0, agent_a.output()[-3000:]
     agent_b.kill()
@@ -139,6 +141,7 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
     healed = time.time()
     wait_for(lambda: any(e["world"] == 4 and e["time"] > healed for e in _events(tmp_path)), 90, "node b back")
     rejoined = min(e["time"] for e in _events(tmp_path) if e["world"] == 4 and e["time"] > healed)
+    steps = end_soon(tmp_path, steps)
     wait_for(lambda: agent_a.proc.poll() is not None and agent_b.proc.poll() is not None, 120, "the job to finish")
     assert (agent_a.proc.returncode, agent_b.proc.returncode) == (0, 0), agent_b.output()[-3000:]
 

@@ -24,6 +24,7 @@ from tests.integration.harness import (
     counted_samples,
     descendants,
     elastic_agent,
+    end_soon,
     max_param_diff,
     read_jsonl,
     static_params,
@@ -61,6 +62,7 @@ def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent,
     wait_for(lambda: _stepping(tmp_path, 2), 60, "world 2 stepping")
     c = spawn_agent(server, _agent(server.address, "node-c", 1, tmp_path, steps), name="agent-c")
     wait_for(lambda: _stepping(tmp_path, 3), 90, "world 3 stepping")
+    steps = end_soon(tmp_path, steps)
     wait_for(lambda: a.proc.poll() is not None and c.proc.poll() is not None, 120, "the job to finish")
     assert (a.proc.returncode, c.proc.returncode) == (0, 0), a.output()[-3000:] + c.output()[-3000:]
 
