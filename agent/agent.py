@@ -27,7 +27,7 @@ from pliant.agent import core
 from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.storehost import StoreHost
-from pliant.agent.stores import NodeStore, reachable
+from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import (
@@ -42,7 +42,6 @@ from pliant.coordinator.contract import (
 )
 from pliant.env import WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
-from pliant.net import free_port
 from pliant.progress import read_directive, read_fence, read_record
 from pliant.tls import Role
 
@@ -115,7 +114,8 @@ class Agent:
                 self.zygote = Zygote(self.base_env)  # imports torch while the agent joins
             # The stores run in the store host (the zygote forks it once torch is imported): never torch in here.
             self._stores = self.zygote.stores if self.zygote is not None else StoreHost.standalone()
-            port = self.config.store_port or free_port(self.config.host)
+            listening = reserve(self.config.host, self.config.store_port)  # the address joined with stays ours
+            port = int(listening.getsockname()[1])
             self.address = f"{self.config.host}:{port}"
             if self.config.metrics_port is not None:
                 self.metrics_server = serve_metrics(self.metrics.registry,
@@ -129,7 +129,7 @@ class Agent:
                                  (self._report_loop, "reporter")):  # fmt: skip
                 threading.Thread(target=target, name=name, daemon=True).start()
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
-            self.store = NodeStore(self._stores, self.config.host, port)
+            self.store = NodeStore(self._stores, self.config.host, listening)
             return self._loop()
         except (CoordinatorError, AgentError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)

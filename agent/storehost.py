@@ -9,7 +9,9 @@ zygote could fork the first worker anyway.
 The agent talks to its store host over a SOCK_SEQPACKET Unix socket; messages are JSON, one request or reply each:
 
 - ``{"id": N, "op": "serve", "host": H, "port": P}`` starts a TCPStore server listening on ``H:P`` only (P 0: a free
-  port); reply ``{"id": N, "value": PORT}``. ``{"op": "close", "port": P}`` stops it.
+  port); reply ``{"id": N, "value": PORT}``. A listening socket sent with the request (SCM_RIGHTS) is served
+  instead: the agent binds its long-lived store's port before it joins, so the address it announces stays its own
+  while the host is still importing torch. ``{"op": "close", "port": P}`` stops it.
 - ``{"op": "set" | "get" | "add", "address": "H:P", "key": K, ...}`` on the store at that address: one this host
   serves, or any other node's (as a client, within ``timeout`` seconds). ``get`` with ``check`` answers null at once
   for a key that is not set; ``add`` adds ``amount`` and answers the sum; ``keep`` keeps the client for the next
@@ -42,7 +44,7 @@ from pliant.env import STACKS_SIGNAL
 from pliant.net import parse_host_port
 from pliant.spawn import die_with_parent
 
-__all__ = ["PROCESS_NAME", "StoreHost", "StoreHostError", "serve"]
+__all__ = ["PROCESS_NAME", "StoreHost", "StoreHostError", "listen", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +60,20 @@ class StoreHostError(AgentError):
     """The store host failed a request, did not answer in time, or is gone."""
 
 
-def _receive(sock: socket.socket) -> bytes:
-    """The next message on ``sock``; empty once the other end closed (or the socket failed)."""
+def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The next message on ``sock`` and the descriptors sent with it; empty once the other end closed (or the socket
+    failed)."""
     try:
-        return sock.recv(_MAX_MESSAGE)
+        data, fds, _flags, _address = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+        return data, fds
     except OSError:
-        return b""
+        return b"", []
 
 
 # -- the host ----------------------------------------------------------------------------------------------------------
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     """A TCP socket listening on ``host:port`` only (port 0: a free one). torch's TCPStore server would listen on every
     interface; this one is handed over with ``master_listen_fd``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -97,24 +101,28 @@ class _Host:
 
     def run(self) -> None:
         while True:
-            data = _receive(self._sock)
+            data, fds = _receive(self._sock)
             if not data:  # the agent is gone
                 return
-            threading.Thread(target=self._answer, args=(json.loads(data),), daemon=True).start()
+            threading.Thread(target=self._answer, args=(json.loads(data), fds), daemon=True).start()
 
-    def _answer(self, request: dict[str, Any]) -> None:
+    def _answer(self, request: dict[str, Any], fds: list[int]) -> None:
         try:
-            reply = {"value": self._do(request)}
+            reply = {"value": self._do(request, fds)}
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
+        finally:
+            for fd in fds:  # a socket served is detached from the list; any other is closed
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         reply["id"] = request.get("id")
         with self._send_lock, contextlib.suppress(OSError):
             self._sock.send(json.dumps(reply).encode())
 
-    def _do(self, request: dict[str, Any]) -> Any:
+    def _do(self, request: dict[str, Any], fds: list[int]) -> Any:
         op = request.get("op")
         if op == "serve":
-            return self._serve(str(request["host"]), int(request["port"]))
+            return self._serve(str(request["host"]), int(request["port"]), fds.pop() if fds else None)
         if op == "close":
             with self._lock:
                 self._servers.pop(int(request["port"]), None)  # the server closes its socket as it is freed
@@ -137,8 +145,8 @@ class _Host:
                 self._clients.pop(address, None)
             raise
 
-    def _serve(self, host: str, port: int) -> int:
-        sock = _listen(host, port)
+    def _serve(self, host: str, port: int, listening: int | None) -> int:
+        sock = listen(host, port) if listening is None else socket.socket(fileno=listening)
         bound = int(sock.getsockname()[1])
         fd = sock.detach()
         try:
@@ -231,7 +239,7 @@ class StoreHost:
 
     def _read(self) -> None:
         while True:
-            data = _receive(self._sock)
+            data, _fds = _receive(self._sock)
             with self._changed:
                 if not data:
                     self._closed = True
@@ -247,8 +255,9 @@ class StoreHost:
         """The host's end closed: it exited (or was killed), and its stores with it."""
         return self._closed
 
-    def request(self, op: str, wait_s: float, **fields: Any) -> Any:
-        """Send one request and return its reply's value.
+    def request(self, op: str, wait_s: float, fds: tuple[int, ...] = (), **fields: Any) -> Any:
+        """Send one request (with the descriptors ``fds``, which the host receives as its own) and return its reply's
+        value.
 
         Raises:
             StoreHostError: the host answered with an error, did not answer within ``wait_s``, or is gone.
@@ -259,7 +268,11 @@ class StoreHost:
             self._replies[ident] = None
         try:
             try:
-                self._sock.send(json.dumps({"id": ident, "op": op, **fields}).encode())
+                message = json.dumps({"id": ident, "op": op, **fields}).encode()
+                if fds:
+                    socket.send_fds(self._sock, [message], list(fds))
+                else:
+                    self._sock.send(message)
             except OSError as exc:
                 raise StoreHostError(f"the store host is gone ({exc})") from exc
             with self._changed:

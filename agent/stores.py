@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 
 from pliant.agent.contract import AgentError
-from pliant.agent.storehost import REPLY_MARGIN_S, START_TIMEOUT_S, StoreHost, StoreHostError
+from pliant.agent.storehost import REPLY_MARGIN_S, START_TIMEOUT_S, StoreHost, StoreHostError, listen
 from pliant.net import parse_host_port
 
-__all__ = ["ARRIVED_KEY", "NodeStore", "reachable"]
+__all__ = ["ARRIVED_KEY", "NodeStore", "reachable", "reserve"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +48,43 @@ def reachable(address: str, timeout_s: float = 0.5) -> bool:
         return False
 
 
+def reserve(host: str, port: int = 0) -> socket.socket:
+    """The long-lived store's listening socket on ``host:port`` (0: a free port), bound by the agent before it joins:
+    the port it announces is then its own, whatever else on the machine binds or connects while its store host still
+    imports torch (a free port picked and bound later was taken in between once, by another process's connection).
+    Peers that connect early wait in its backlog.
+
+    Raises:
+        AgentError: the port is taken, or ``host`` is not this machine's.
+    """
+    try:
+        return listen(host, port)
+    except OSError as exc:
+        raise AgentError(f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port, or a "
+                         f"--host that is one of this machine's addresses") from exc  # fmt: skip
+
+
 class NodeStore:
     """The agent's stores, run by its store host (:mod:`pliant.agent.storehost`).
 
     Args:
         stores: the store host.
         host: the address other nodes reach this node on.
-        port: the long-lived store's port (0: a free one).
+        port: the long-lived store's listening socket (:func:`reserve`; handed to the host and closed here), or its
+            port (0: a free one).
     """
 
-    def __init__(self, stores: StoreHost, host: str, port: int = 0) -> None:
+    def __init__(self, stores: StoreHost, host: str, port: int | socket.socket = 0) -> None:
         self.stores = stores
         self.host = host
+        listening = reserve(host, port) if isinstance(port, int) else port
+        wanted = int(listening.getsockname()[1])
         try:
-            bound = int(stores.request("serve", START_TIMEOUT_S, host=host, port=port))
+            bound = int(stores.request("serve", START_TIMEOUT_S, fds=(listening.fileno(),), host=host, port=wanted))
         except StoreHostError as exc:
-            raise AgentError(
-                f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port, or a --host "
-                f"that is one of this machine's addresses"
-            ) from exc
+            raise AgentError(f"cannot start the agent store on {host}:{wanted} ({exc})") from exc
+        finally:
+            listening.close()  # the host holds its own descriptor of it
         self.address = f"{host}:{bound}"
         self._generation_ports: dict[int, int] = {}
 

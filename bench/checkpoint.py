@@ -6,13 +6,15 @@
   typical the steps take until the save is on disk, 6 at least (an async save copies the state to host memory in the
   background, the next optimizer step waits for that copy, and the write then runs beside the following steps), plus
   any wait for it after 30 steps. Each rank trains with one thread, as ``pliant run`` gives two workers on two cores.
-  With ``--engine zero``, also async saves written from a buddy snapshot of the step (pliant.worker.staging), taken as
-  the rescale protocol takes one for a save, and sent to the buddy rank as every snapshot is; and such snapshots
-  alone, so that the difference is what a save costs at a step whose snapshot the cadence took anyway;
+  With ``--engine zero`` or ``fsdp``, also async saves written from a buddy snapshot of the step
+  (pliant.worker.staging), taken as the rescale protocol takes one for a save, and sent to the buddy rank as every
+  snapshot is; and such snapshots alone, so that the difference is what a save costs at a step whose snapshot the
+  cadence took anyway;
 - the rescale pause: last step of generation n -> every rank stepping in generation n+1, when a second node joins a
   ``pliant run`` job (examples/train_elastic.py with --checkpoint-dir).
 
-Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 512] [--ranks 2] [--engine ddp|zero] [--no-rescale]``
+Usage: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--mb 512] [--ranks 2] [--engine ddp|zero|fsdp]
+[--no-rescale]``
 """
 
 from __future__ import annotations
@@ -101,10 +103,10 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
     copies = BuddyCopies(lambda make: make())
     results: dict[str, float] = {}
     done = 0
-    for _ in range(2 if kind == "zero" else 0):  # the snapshots' two buffers, touched once (a job's first K steps)
+    for _ in range(2 if kind != "ddp" else 0):  # the snapshots' two buffers, touched once (a job's first K steps)
         step()  # the first creates the optimizer state, which a snapshot holds
         snapshot_of(engine, done)
-    for mode in ("sync", "async", "snapshot", "exchange") if kind == "zero" else ("sync", "async"):
+    for mode in ("sync", "async", "snapshot", "exchange") if kind != "ddp" else ("sync", "async"):
         ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode != "sync", keep=1)
         if mode == "snapshot":
             ckpt.snapshot_of = snapshot_of
@@ -212,8 +214,8 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=512, help="checkpoint size (parameters + momentum), MB")
     parser.add_argument("--ranks", type=int, default=2, help="training processes (one thread each)")
     parser.add_argument("--no-rescale", action="store_true", help="skip the rescale pause")
-    parser.add_argument("--engine", choices=["ddp", "zero"], default="ddp",
-                        help="zero: also async saves written from a buddy snapshot (pliant.worker.staging)")
+    parser.add_argument("--engine", choices=["ddp", "zero", "fsdp"], default="ddp",
+                        help="zero, fsdp: also async saves written from a buddy snapshot (pliant.worker.staging)")
     args = parser.parse_args()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="pliant-ckpt-bench-"))
     directory.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,6 @@ from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 from pliant.worker.staging import (
     BackgroundWriter,
     from_snapshot,
-    holds_dtensors,
     resolve,
     split_replicas,
     stager,
@@ -312,11 +311,11 @@ class CheckpointManager:
         if self.snapshot_of is None:
             return None
         state.update(resolve(state))
-        staged = None if holds_dtensors(state) else self.snapshot_of(self.engine, step)
+        staged = self.snapshot_of(self.engine, step)
         if staged is None:
             return None
-        saved = from_snapshot(state, staged.lookup)
-        future = write_in_background(saved, str(path), self.group, staged.ready)
+        saved, shards = from_snapshot(state, staged.lookup)
+        future = write_in_background(saved, str(path), self.group, staged.ready, shards)
         staged.pin(future)
         logger.info("rank %d: checkpoint of step %d is written from the buddy snapshot of that step", dist.get_rank(),
                     step)  # fmt: skip

@@ -7,7 +7,10 @@ Two routes, both ending in DCP's files (any world size loads them):
 - **The buddy snapshot** (:func:`from_snapshot`): a sharded engine under the in-place protocol already copies its
   shard to host memory every K steps (:mod:`pliant.worker.buddy`). A save of a step that has such a copy (the protocol
   takes one for it if the cadence did not, half an interval or more after the last) writes from that copy: no second
-  copy of the state, no second host buffer.
+  copy of the state, no second host buffer. ZeRO's state is plain tensors, which the copy's tensors replace. FSDP2's
+  is DTensors: they stay in the state, for DCP to plan their layout from (global shape, this rank's rows), and
+  :class:`SnapshotPlanner` hands DCP's writer the copy of their local shards instead of the live ones. No DTensor is
+  built on the host, so a CUDA mesh's state is written from host memory as a CPU one's.
 
 Either way each rank copies and writes only its share of the state that every rank holds alike
 (:func:`split_replicas`, by the engine's :attr:`~pliant.worker.contract.Engine.replicated` sections and
@@ -27,14 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.worker.buddy import BACKGROUND_NICE
 
 __all__ = [
     "BackgroundWriter",
+    "SnapshotPlanner",
     "from_snapshot",
-    "holds_dtensors",
     "resolve",
     "split_replicas",
     "stager",
@@ -114,19 +119,36 @@ def resolve(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
-def holds_dtensors(state: dict[str, Any]) -> bool:
-    """Whether ``state`` holds DTensors (FSDP2): views of a snapshot would have to become DTensors, so such a state
-    takes DCP's stager. It depends on the engine only, so every rank decides alike."""
-    return any(hasattr(t, "to_local") for t in _tensors(state))
+def from_snapshot(state: dict[str, Any], lookup: Lookup) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+    """``state`` (:func:`resolve`-d) as a snapshot (``lookup``) has it, and the host copies of its DTensors' local
+    shards by the DTensor's id (for :class:`SnapshotPlanner`; empty without DTensors). A plain tensor is replaced by
+    its copy in the snapshot; a DTensor stays (its layout), and its shard's copy is the snapshot's. The rest is
+    copied at once: the tensors the snapshot lacks (the module buffers, cloned before the snapshot's copy; anything
+    else) and every non-tensor value (deep-copied), so nothing the training changes afterwards reaches the file."""
+    found, shards = {}, {}
+    for tensor in _tensors(state):
+        if hasattr(tensor, "to_local"):  # a DTensor
+            local = tensor.to_local()
+            view = lookup(local)
+            shards[id(tensor)] = view if view is not None else local.detach().to("cpu", copy=True)
+            found[id(tensor)] = tensor
+        elif (view := lookup(tensor)) is not None:
+            found[id(tensor)] = view
+    return _rebuild(state, found), shards
 
 
-def from_snapshot(state: dict[str, Any], lookup: Lookup) -> dict[str, Any]:
-    """``state`` (:func:`resolve`-d, without DTensors) with each tensor replaced by its copy in a snapshot
-    (``lookup``) and the rest copied at once: the tensors the snapshot lacks (the module buffers, cloned before the
-    snapshot's copy; anything else) and every non-tensor value (deep-copied), so nothing the training changes
-    afterwards reaches the file."""
-    found = {id(t): view for t in _tensors(state) if (view := lookup(t)) is not None}
-    return _rebuild(state, found)  # type: ignore[no-any-return]
+class SnapshotPlanner(DefaultSavePlanner):
+    """DCP's save planner, with the bytes of given DTensors' local shards taken from host copies (``shards``: by the
+    id of the DTensor in the saved state; :func:`from_snapshot`). DCP plans from the DTensors themselves (their
+    global shape and this rank's rows, which the training does not change) and writes the copies."""
+
+    def __init__(self, shards: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.shards = shards
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        shard = self.shards.get(id(self.state_dict.get(index.fqn)))
+        return shard if shard is not None else super().lookup_object(index)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -147,16 +169,19 @@ def _rebuild(tree: Any, found: dict[int, torch.Tensor]) -> Any:
     return copy.deepcopy(tree)
 
 
-def write_in_background(state: dict[str, Any], path: str, group: dist.ProcessGroup,
-                        ready: Callable[[], None]) -> Future[Any]:  # fmt: skip
-    """``dcp.save`` of ``state`` (host tensors) on a thread of its own at a lowered priority, once ``ready()``
-    returned (the snapshot's copy is complete). Returns the write's future."""
+def write_in_background(state: dict[str, Any], path: str, group: dist.ProcessGroup, ready: Callable[[], None],
+                        shards: dict[int, torch.Tensor] | None = None) -> Future[Any]:  # fmt: skip
+    """``dcp.save`` of ``state`` (host tensors; DTensors whose shards' copies are ``shards``, see
+    :func:`from_snapshot`) on a thread of its own at a lowered priority, once ``ready()`` returned (the snapshot's copy
+    is complete). Returns the write's future."""
+    planner = SnapshotPlanner(shards) if shards else None
     future: Future[Any] = Future()
 
     def run() -> None:
         try:
             ready()
-            future.set_result(dcp.save(state, storage_writer=BackgroundWriter(path), process_group=group))
+            future.set_result(dcp.save(state, storage_writer=BackgroundWriter(path), planner=planner,
+                                       process_group=group))  # fmt: skip
         except BaseException as exc:  # DCP's CheckpointException is one: reported to whoever waits for the save
             future.set_exception(exc)
 

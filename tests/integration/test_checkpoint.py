@@ -142,14 +142,16 @@ def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warni
     assert "holds no learning-rate" not in run("--steps", "15").stderr
 
 
-def test_a_zero_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(make_coordinator, spawn_agent,
-                                                                             tmp_path: Path) -> None:  # fmt: skip
-    """A ZeRO job in place (an agent, 2 workers, a snapshot every 5 steps) saves every 5 steps: each async save
+@pytest.mark.parametrize("engine", ["zero", "fsdp"])
+def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
+    make_coordinator, spawn_agent, tmp_path: Path, engine: str
+) -> None:
+    """A sharded job in place (an agent, 2 workers, a snapshot every 5 steps) saves every 5 steps: each async save
     writes from the buddy snapshot of its step, not from a second copy (the first save's is taken for it, 4 steps
-    after the one of the first step; from then on the cadence's fall on the saves). A plain process resumes the
-    newest at world 1 and ends where a static run of all the steps does. (FSDP2's DTensors take DCP's stager:
-    ``holds_dtensors``, tests/unit/test_staging.py.)"""
-    engine = "zero"
+    after the one of the first step; from then on the cadence's fall on the saves). ZeRO's tensors are the
+    snapshot's; FSDP2's DTensors are written from the snapshot's copies of their shards
+    (:class:`pliant.worker.staging.SnapshotPlanner`). A plain process resumes the newest at world 1 and ends where a
+    static run of all the steps does."""
     steps, resumed_steps = 20, 26
     server = make_coordinator()
     script = ("--engine", engine, "--save-every", "5")

@@ -3,6 +3,7 @@ started on its own, reached by torch's own TCPStore clients as workers reach the
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from pliant.agent.contract import AgentError
 from pliant.agent.storehost import PROCESS_NAME, StoreHost, StoreHostError
-from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable
+from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable, reserve
 from pliant.agent.workers import Zygote
 from pliant.net import free_port
 from tests.conftest import wait_for
@@ -76,6 +77,26 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
     assert not reachable(address)
     with pytest.raises(StoreHostError, match="gone"):
         zygote.stores.request("get", 2.0, address=address, key="x")
+
+
+def test_the_agent_stores_port_is_its_own_from_before_it_joins() -> None:
+    """The agent binds its store's port before it joins with that address, and hands the socket to its store host
+    once the host is up: nothing else can take the port in between, and a peer that connects early is served."""
+    listening = reserve("127.0.0.1")
+    port = int(listening.getsockname()[1])
+    with socket.socket() as squatter, pytest.raises(OSError):
+        squatter.bind(("127.0.0.1", port))
+    early = socket.create_connection(("127.0.0.1", port), timeout=5)  # waits in the backlog meanwhile
+    host = StoreHost.standalone()  # imports torch: the seconds in which the port used to be unbound
+    try:
+        node = NodeStore(host, "127.0.0.1", listening)
+        assert node.address == f"127.0.0.1:{port}" and listening.fileno() == -1, "handed over, closed here"
+        node.set_renewing(7)
+        assert node.peer_renewing(node.address) == 7.0
+    finally:
+        early.close()
+        host.close()
+    assert not reachable(f"127.0.0.1:{port}")
 
 
 _HOLDER = """

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from pliant.worker.staging import from_snapshot, holds_dtensors, split_replicas
+from pliant.worker.staging import SnapshotPlanner, from_snapshot, split_replicas
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,7 +75,8 @@ def test_a_save_from_a_snapshot_takes_its_views_and_copies_the_rest_at_once() ->
     views = {id(live["w"]): host[:24].view(torch.float32).view(2, 3), id(live["m"]): host[32:48].view(torch.float32)}
     state = {"train": {"model": {"w": live["w"]}, "optim": {"m": live["m"], "small": live["small"], "lr": [0.1]}},
              "step": 7}  # fmt: skip
-    saved = from_snapshot(state, lambda t: views.get(id(t)))
+    saved, shards = from_snapshot(state, lambda t: views.get(id(t)))
+    assert shards == {}, "no DTensors"
     assert saved["train"]["model"]["w"] is views[id(live["w"])] and saved["train"]["optim"]["m"] is views[id(live["m"])]
     small = saved["train"]["optim"]["small"]
     assert torch.equal(small, live["small"]) and small.data_ptr() != live["small"].data_ptr(), "cloned now"
@@ -83,11 +85,34 @@ def test_a_save_from_a_snapshot_takes_its_views_and_copies_the_rest_at_once() ->
     assert saved["train"]["optim"]["lr"] == [0.1] and saved["step"] == 7 and not small.any()
 
 
-def test_a_state_with_dtensors_takes_dcps_stager_whatever_the_snapshot_holds() -> None:
-    class Sharded(torch.Tensor):  # stands for a DTensor: what the route looks for is ``to_local``
-        def to_local(self) -> torch.Tensor:
-            return self
+class _Sharded(torch.Tensor):  # stands for a DTensor: what the route looks for is ``to_local``
+    def to_local(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
 
-    rows = torch.zeros(4).as_subclass(Sharded)
-    assert holds_dtensors({"train": {"model": {"rows": rows}, "optim": {}}})
-    assert not holds_dtensors({"train": {"model": {"plain": torch.zeros(4)}}, "step": 3})
+
+def test_a_dtensor_stays_for_its_layout_and_its_shard_is_written_from_the_snapshot() -> None:
+    rows, other = torch.arange(4.0).as_subclass(_Sharded), torch.ones(3).as_subclass(_Sharded)
+    copy = torch.full((4,), 9.0)  # the snapshot's host copy of ``rows``' shard
+    state = {"train": {"model": {"rows": rows, "other": other}}, "step": 3}
+    saved, shards = from_snapshot(state, lambda t: copy if t.data_ptr() == rows.data_ptr() else None)
+    assert saved["train"]["model"]["rows"] is rows and saved["train"]["model"]["other"] is other, "their layouts"
+    assert shards[id(rows)] is copy
+    lacking = shards[id(other)]
+    assert torch.equal(lacking, torch.ones(3)) and lacking.data_ptr() != other.data_ptr(), "not in it: copied now"
+
+    # DCP's planner asks for each item's bytes by its flattened name: the copies answer for the DTensors.
+    plain = torch.zeros(2)
+    planner = SnapshotPlanner(shards)
+    planner.set_up_planner({"train": {"model": {"rows": rows, "plain": plain}}, "step": 3}, is_coordinator=True)
+    assert planner.lookup_object(MetadataIndex("train.model.rows")) is copy
+    assert planner.lookup_object(MetadataIndex("train.model.plain")) is plain
+
+
+def test_dcps_writer_gets_the_copy_for_each_item_the_plan_holds() -> None:
+    live, kept = torch.arange(6.0), torch.ones(2)
+    copy = live.clone()
+    planner = SnapshotPlanner({id(live): copy})
+    planner.set_up_planner({"model": {"w": live, "b": kept}}, is_coordinator=True)
+    items = {item.index.fqn: item for item in planner.create_local_plan().items}
+    live.add_(1)  # the training goes on
+    assert planner.resolve_data(items["model.w"]) is copy and planner.resolve_data(items["model.b"]) is kept
