@@ -29,9 +29,15 @@ __all__ = ["EtcdServer", "EtcdServerError", "find_etcd_binary"]
 
 logger = logging.getLogger(__name__)
 
+PICK_ATTEMPTS = 3  # starts on freshly picked ports when etcd exits at once on the ones picked before
+
 
 class EtcdServerError(CoordinatorError):
     """The local etcd server could not be found, started or reached."""
+
+
+class _Exited(Exception):
+    """etcd exited before it answered (its message says how)."""
 
 
 def find_etcd_binary() -> str:
@@ -59,7 +65,10 @@ class EtcdServer:
     Args:
         data_dir: where etcd keeps its data; a temporary directory (removed on :meth:`stop`) when None.
         host: the address to listen on.
-        client_port, peer_port: ports to use; free ones are picked when None. They are kept across restarts.
+        client_port, peer_port: ports to use; free ones are picked when None. They are kept across restarts. A
+            port is picked free but bound by etcd only later, so another process may take it in between: when etcd
+            exits at once on its first start, ports that were picked are picked again (up to
+            :data:`PICK_ATTEMPTS` starts).
         log_path: file for etcd's own output; discarded when None.
         die_with_parent: SIGKILL etcd when this process dies, even by kill -9 (the embedded etcd of ``pliant run``).
         tls: serve clients over TLS with this certificate (its names must include ``host``) and require client
@@ -80,8 +89,10 @@ class EtcdServer:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="pliant-etcd-")
         self.host = host
+        self._picked = (not client_port, not peer_port)
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
+        self._served = False  # it answered once: its ports are its own from then on
         self.log_path = log_path
         self.die_with_parent = die_with_parent
         self.tls = tls
@@ -98,6 +109,21 @@ class EtcdServer:
         Raises:
             EtcdServerError: it exited or did not answer within ``timeout_s``.
         """
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                self._start(timeout_s)
+                self._served = True
+                return self
+            except _Exited as exc:
+                if self._served or not any(self._picked) or attempts == PICK_ATTEMPTS:
+                    raise EtcdServerError(str(exc)) from None
+                logger.warning("%s; picking other free ports", exc)
+                self.client_port = free_port(self.host) if self._picked[0] else self.client_port
+                self.peer_port = free_port(self.host) if self._picked[1] else self.peer_port
+
+    def _start(self, timeout_s: float) -> None:
         peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
             self.binary,
@@ -130,14 +156,14 @@ class EtcdServer:
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise EtcdServerError(
+                    raise _Exited(
                         f"etcd ({self.binary}) exited with code {self.proc.returncode} on {self.endpoint}; "
                         f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
                     )
                 try:
                     client.status()
                     logger.info("etcd %s serving %s (data %s)", self.binary, self.endpoint, self.data_dir)
-                    return self
+                    return
                 except Exception:
                     time.sleep(0.05)
         finally:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import grpc
 import pytest
 
+from pliant.coordinator import etcd_server
 from pliant.coordinator.contract import JobSpec, JobState, NotFound, Unavailable
-from pliant.coordinator.etcd_server import EtcdServer
+from pliant.coordinator.etcd_server import EtcdServer, EtcdServerError
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -104,6 +106,28 @@ def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tm
             restart.join()  # its start() may still be checking etcd's health: the stop below would fail it
     finally:
         etcd.stop()
+
+
+def test_an_etcd_whose_picked_port_was_taken_meanwhile_starts_on_other_ports(tmp_path, monkeypatch) -> None:
+    """A free port is bound by etcd only later: another process may take it in between. A fresh etcd then starts on
+    ports picked again; one given the taken port reports it."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        real = etcd_server.free_port
+        monkeypatch.setattr(etcd_server, "free_port", lambda host: next(picks, None) or real(host))
+        etcd = EtcdServer(data_dir=str(tmp_path / "picked"))
+        assert etcd.client_port == taken
+        try:
+            etcd.start()
+            assert etcd.client_port != taken and etcd.proc is not None and etcd.proc.poll() is None
+        finally:
+            etcd.stop()
+        given = EtcdServer(data_dir=str(tmp_path / "given"), client_port=taken)
+        with pytest.raises(EtcdServerError, match=rf"exited with code \d+ on http://127\.0\.0\.1:{taken}; .*taken"):
+            given.start()
 
 
 def test_below_min_nodes_the_job_waits_then_fails_with_a_clear_reason(make_coordinator, fleet) -> None:
