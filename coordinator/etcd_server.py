@@ -36,8 +36,8 @@ class EtcdServerError(CoordinatorError):
     """The local etcd server could not be found, started or reached."""
 
 
-class _Exited(Exception):
-    """etcd exited before it answered (its message says how)."""
+class _Exited(EtcdServerError):
+    """etcd exited before it answered (its message says how); ``start`` may try other ports."""
 
 
 def find_etcd_binary() -> str:
