@@ -57,15 +57,14 @@ import psutil
 import torch
 
 from pliant.coordinator.etcd_server import EtcdServer
-from pliant.env import STACKS_SIGNAL
 from pliant.net import free_port
 from pliant.tls import LocalCA, Role
 
 if __package__:  # imported as bench.chaos (the suite's short soak, tests/integration/test_chaos.py)
-    from bench.common import batches_counted, end_soon, max_param_diff, read_jsonl
+    from bench.common import ask_for_stacks, batches_counted, end_soon, max_param_diff, read_jsonl
     from bench.netns import Fabric, Node, unavailable
 else:  # python bench/chaos.py
-    from common import batches_counted, end_soon, max_param_diff, read_jsonl
+    from common import ask_for_stacks, batches_counted, end_soon, max_param_diff, read_jsonl
     from netns import Fabric, Node, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,11 +180,7 @@ class Soak:
         """Ask every worker for its Python stacks (into its agent's log), as an agent does before it stops a hung
         one: the workers are the processes its zygote forked (or that it started itself, other than the zygote)."""
         for agent in self.agents.values():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for proc in psutil.Process(agent.pid).children(recursive=True):
-                    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                        if proc.ppid() != agent.pid or "pliant.agent.zygote" not in " ".join(proc.cmdline()):
-                            os.kill(proc.pid, STACKS_SIGNAL)  # the store host writes its stacks too
+            ask_for_stacks(agent.pid)  # the store host writes its stacks too
 
     # -- faults ------------------------------------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["batches_counted", "counted_samples", "end_soon", "in_run_cost", "join_flags", "longest_pause",
-           "max_param_diff", "read_jsonl", "scrape"]
+import psutil
+
+__all__ = ["ask_for_stacks", "batches_counted", "counted_samples", "end_soon", "in_run_cost", "join_flags",
+           "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -67,6 +69,27 @@ def longest_pause(events: list[dict], since: float) -> float:
     step events (``rank``, ``time``)."""
     times = sorted(e["time"] for e in events if e["rank"] == 0 and e["time"] >= since)
     return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def ask_for_stacks(root: int) -> int:
+    """Ask every Python process under ``root`` (an agent, a ``pliant run``) for its threads' stacks, as an agent does
+    before it stops a hung worker: workers and store hosts write them (faulthandler on
+    :data:`pliant.env.STACKS_SIGNAL`) to their output, which their agent logs. The zygote, ``root``'s child that the
+    workers are forked from (and share a command line with), is left out. Returns how many were asked."""
+    from pliant.env import STACKS_SIGNAL
+
+    asked = 0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for proc in psutil.Process(root).children(recursive=True):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                command = " ".join(proc.cmdline())
+                if "python" not in (proc.name() + command[:200]).lower():
+                    continue  # etcd, a shell
+                if proc.ppid() == root and "pliant.agent.zygote" in command:
+                    continue
+                os.kill(proc.pid, STACKS_SIGNAL)
+                asked += 1
+    return asked
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 20.0) -> None:

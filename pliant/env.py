@@ -14,7 +14,16 @@ from dataclasses import dataclass, fields
 
 from pliant.errors import ConfigError
 
-__all__ = ["AUTO", "RESCALE_EXIT_CODE", "RESCALE_MODES", "RESCALE_SIGNAL", "STACKS_SIGNAL", "WorkerEnv", "parse_every"]
+__all__ = [
+    "AUTO",
+    "GUARD_EXIT_CODE",
+    "RESCALE_EXIT_CODE",
+    "RESCALE_MODES",
+    "RESCALE_SIGNAL",
+    "STACKS_SIGNAL",
+    "WorkerEnv",
+    "parse_every",
+]
 
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
 # coming, after writing each worker's directive (pliant.progress). pliant.worker agrees on a step boundary across
@@ -24,6 +33,10 @@ __all__ = ["AUTO", "RESCALE_EXIT_CODE", "RESCALE_MODES", "RESCALE_SIGNAL", "STAC
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
 RESCALE_MODES = ("in-place", "restart")
+# An in-place worker whose step its step guard broke but which stayed blocked writes its stacks and exits with this
+# code (pliant.worker.guard): a failure, which its agent reports as it does any dead worker's (the survivors re-form in
+# place without it).
+GUARD_EXIT_CODE = 76
 AUTO = "auto"  # --snapshot-every auto / PLIANT_SNAPSHOT_EVERY=auto: K from the snapshots' measured cost
 # The agent sends STACKS_SIGNAL to a hung worker before it stops it: the worker's faulthandler (registered by the zygote
 # and by pliant.worker) writes every thread's Python stack to its output, which the agent logs.

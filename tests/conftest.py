@@ -139,9 +139,35 @@ class Spawned:
         return self.log.read_text(errors="replace")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the item (``item.failed_call``), so that fixtures can tell a failed test."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call" and report.failed:
+        item.failed_call = True  # type: ignore[attr-defined]
+
+
+def dump_stacks(children: list[Spawned], settle_s: float = 2.0, tail: int = 30000) -> None:
+    """Have the workers (and store hosts) under every live child write their threads' stacks
+    (:func:`bench.common.ask_for_stacks`; an agent relays its workers' output to its log), then print the tail of each
+    child's log."""
+    from bench.common import ask_for_stacks
+
+    asked = sum(ask_for_stacks(child.pid) for child in children if child.proc.poll() is None)
+    if asked:
+        time.sleep(settle_s)
+    for child in children:
+        text = child.output()
+        print(f"\n===== {child.log.name} (last {min(tail, len(text))} of {len(text)} chars; {asked} processes "
+              "asked for their stacks) =====")  # fmt: skip
+        print(text[-tail:])
+
+
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Spawned]]:
-    """Start child processes in their own process groups; SIGKILL every group at teardown."""
+def spawn(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
+    """Start child processes in their own process groups; SIGKILL every group at teardown, after a failed test has
+    had their workers dump their stacks (:func:`dump_stacks`)."""
     children: list[Spawned] = []
 
     def start(args: list[str], name: str = "proc", env: dict[str, str] | None = None) -> Spawned:
@@ -150,6 +176,8 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Spawned]]:
         return child
 
     yield start
+    if getattr(request.node, "failed_call", False):
+        dump_stacks(children)
     for child in children:
         child.kill()
 

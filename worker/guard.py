@@ -23,33 +23,54 @@ cases remain, and a guard thread (one per protocol) watches every step for them:
 After a break, :meth:`Guard.check` (before the optimizer step) raises a peer failure, so this rank never applies the
 step; :func:`pliant.worker.rescale.is_peer_failure` takes the error as one, and the failure path re-forms the world in
 the same process.
+
+**A break that releases nothing.** A suite run saw a rank whose break (its sockets shut down) did not end its step:
+it was blocked in something other than a collective on those sockets, and the survivors waited for it in the next
+generation's meeting until the test gave up. Where it waited was not established. So a step still blocked
+:data:`GIVE_UP_S` or three times the last step's time (whichever is longer) after its break (:func:`wedged`) ends the
+process: the guard writes every thread's Python stack to stderr (the agent logs it) and exits with
+:data:`pliant.env.GUARD_EXIT_CODE`. Its agent reports the failure like any dead worker's, the survivors re-form in
+place without it, and a fresh worker takes its rank with its state from them. The step was never applied here, so
+nothing is lost or applied twice; the cost is one process and the steps a worker's death costs.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from pliant.env import GUARD_EXIT_CODE
 from pliant.progress import read_directive
 from pliant.worker.groups import shut_down
 from pliant.worker.nccl import abort_nccl, nccl_backend, nccl_error
 
-__all__ = ["POLL_S", "STALL_S", "Guard", "NoGuard", "stalled"]
+__all__ = ["GIVE_UP_S", "POLL_S", "STALL_S", "Guard", "NoGuard", "stalled", "wedged"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often the guard looks at the step's time and the communicator's error state
 STALL_S = 2.0  # a step blocked this long (at least) while a newer generation is waiting is taken as broken
+GIVE_UP_S = 10.0  # a broken step still blocked this long (at least) after its break ends the process; see wedged
 
 
 def stalled(started: float | None, last_step_s: float, now: float) -> bool:
     """Whether a step that began at ``started`` (monotonic; None: no step running) has run long enough, at ``now``, to
     be broken if a newer generation waits: :data:`STALL_S` or three times the last step's time, whichever is longer."""
     return started is not None and now - started > max(STALL_S, 3 * last_step_s)
+
+
+def wedged(broken: float | None, last_step_s: float, now: float) -> bool:
+    """Whether a step broken at ``broken`` (monotonic; None: not broken) that is still running at ``now`` is beyond
+    release: :data:`GIVE_UP_S` or three times the last step's time after its break, whichever is longer (a slow
+    step's compute runs on until its next collective, which then fails)."""
+    return broken is not None and now - broken > max(GIVE_UP_S, 3 * last_step_s)
 
 
 class NoGuard:
@@ -82,6 +103,7 @@ class Guard:
         self._step_started: float | None = None
         self._last_step_s = 0.0
         self._why = ""
+        self._broken: float | None = None  # when the running step was broken (monotonic)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="pliant-step-guard", daemon=True)
         self._thread.start()
@@ -93,6 +115,7 @@ class Guard:
             self.generation = generation
             self._step_started = time.monotonic()
             self._why = ""
+            self._broken = None
 
     def end(self, committed: bool = True) -> None:
         """The step ended: ``committed``, or failed (its time, which includes the wait for the failure, is not the
@@ -124,8 +147,13 @@ class Guard:
             time.sleep(POLL_S)
             with self._lock:
                 started, last, generation = self._step_started, self._last_step_s, self.generation
-                if started is None or self._why:
+                broken, why = self._broken, self._why
+                if started is None:
                     continue
+            if why:
+                if wedged(broken, last, time.monotonic()):
+                    self._give_up(generation, broken)
+                continue
             backend = nccl_backend() if self.nccl else None
             if self.nccl and backend is None:
                 continue
@@ -143,9 +171,25 @@ class Guard:
             if self._step_started is None:  # the step ended meanwhile: the next one starts afresh
                 return
             self._why = why
+            self._broken = time.monotonic()
         if self.nccl:
             logger.warning("step guard: aborting the NCCL communicator of generation %s (%s)", generation, why)
             abort_nccl()
         else:
             logger.warning("step guard: shutting down the gloo connections of generation %s (%s)", generation, why)
             shut_down(self._sockets())
+
+    def _give_up(self, generation: int | None, broken: float | None) -> None:
+        """The broken step is still blocked (:func:`wedged`): write every thread's stack and end the process with
+        :data:`pliant.env.GUARD_EXIT_CODE`; the agent replaces this worker, the survivors re-form without it."""
+        with self._lock:
+            if self._step_started is None or self._broken != broken:  # released meanwhile
+                return
+        logger.error("step guard: the step of generation %s is still blocked %.1fs after its break; writing every "
+                     "thread's stack and exiting with code %d (the agent replaces this worker, its peers re-form "
+                     "without it)", generation, time.monotonic() - (broken or 0.0), GUARD_EXIT_CODE)  # fmt: skip
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(GUARD_EXIT_CODE)

@@ -130,3 +130,48 @@ def test_an_async_save_blocked_on_a_silent_peer_is_released_by_severing_the_sess
         for proc in ranks:
             proc.kill()
             proc.wait()
+
+
+# A rank whose step is blocked in something a break does not release (here a plain wait, on no socket), under the
+# step guard of generation 5 with a short give-up time. argv: progress file.
+_WEDGED = """
+import logging, sys, threading
+import pliant.worker.guard as guard
+logging.basicConfig(level=logging.INFO)
+guard.GIVE_UP_S = 1.0
+g = guard.Guard(sys.argv[1], nccl=False, sockets=lambda: set())
+g.begin(5)
+print("stepping", flush=True)
+def blocked_in_the_step():
+    threading.Event().wait(60)
+blocked_in_the_step()
+print("released", flush=True)
+"""
+
+
+def test_a_step_that_its_break_does_not_release_ends_the_process_with_its_stacks(tmp_path: Path) -> None:
+    """The guard gives up on a broken step still blocked after GIVE_UP_S: every thread's stack on stderr, and the
+    exit code the agent reports as a dead worker's (its peers re-form without it)."""
+    from pliant.env import GUARD_EXIT_CODE
+
+    progress = str(tmp_path / "progress-0")
+    proc = subprocess.Popen([sys.executable, "-c", _WEDGED, progress], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "stepping"
+        handed = time.monotonic()
+        write_directive(progress, Directive(6, "in-place"))
+        out, _ = proc.communicate(timeout=30)
+        ended = time.monotonic() - handed
+        assert proc.returncode == GUARD_EXIT_CODE, out
+        assert "released" not in out
+        assert "shutting down the gloo connections of generation 5" in out, out
+        assert "still blocked" in out and f"exiting with code {GUARD_EXIT_CODE}" in out, out
+        assert "in blocked_in_the_step" in out, out  # the main thread's stack, as faulthandler writes it
+        assert "pliant-step-guard" in out or "_give_up" in out, out  # and the guard's own thread
+        assert ended < 2 * STALL_S + 5, f"ended {ended:.1f}s after the newer generation came"
+        print(f"the wedged rank ended {ended:.2f}s after generation 6 was handed over (break at {STALL_S:g}s, "
+              f"give up 1s later)")  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,9 +1,10 @@
-"""The step guard's rule (pliant.worker.guard.stalled): when a step that a newer generation waits for is taken as
-broken. The guard on real gloo processes: tests/integration/test_guard.py."""
+"""The step guard's rules: when a step that a newer generation waits for is taken as broken (stalled), and when a
+broken step still blocked ends the process (wedged). The guard on real gloo processes: tests/integration/test_guard.py.
+"""
 
 from __future__ import annotations
 
-from pliant.worker.guard import STALL_S, stalled
+from pliant.worker.guard import GIVE_UP_S, STALL_S, stalled, wedged
 
 
 def test_no_step_running_is_never_stalled() -> None:
@@ -16,3 +17,15 @@ def test_a_step_is_stalled_after_the_floor_or_three_last_steps_whichever_is_long
     slow = 4.0  # a slow model's step: three of them before a blocked step is broken
     assert not stalled(100.0, slow, now=100.0 + 3 * slow - 0.1)
     assert stalled(100.0, slow, now=100.0 + 3 * slow + 0.1)
+
+
+def test_a_step_not_broken_is_never_given_up() -> None:
+    assert not wedged(None, 0.0, now=1e6)
+
+
+def test_a_broken_step_is_given_up_after_the_floor_or_three_last_steps_whichever_is_longer() -> None:
+    assert not wedged(100.0, 0.01, now=100.0 + GIVE_UP_S - 0.01)
+    assert wedged(100.0, 0.01, now=100.0 + GIVE_UP_S + 0.01)
+    slow = 5.0  # a slow step's compute runs on after the break until its next collective fails
+    assert not wedged(100.0, slow, now=100.0 + 3 * slow - 0.1)
+    assert wedged(100.0, slow, now=100.0 + 3 * slow + 0.1)
