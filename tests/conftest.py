@@ -141,7 +141,7 @@ class Spawned:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """Keep each phase's report on the item (``item.failed_call``), so that fixtures can tell a failed test."""
+    """Mark an item whose test body failed (``item.failed_call``), so that its fixtures can tell at teardown."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.when == "call" and report.failed:
