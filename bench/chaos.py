@@ -1,9 +1,9 @@
 """Chaos soak: one training job on network namespaces (bench/netns.py) through a seeded schedule of faults.
 
-The job: ``examples/train_elastic.py`` (DDP on pliant.worker, in place, with a checkpoint directory) on ``--nodes``
-agents of one worker each, each agent in its own namespace; etcd and coordinator replica r1 on the host's bridge
-address, replica r2 in the last node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays a
-run):
+The job: ``examples/train_elastic.py`` (DDP on pliant.worker, or ``--engine zero|fsdp``, whose shards the survivors
+rebuild from buddy copies; in place, with a checkpoint directory) on ``--nodes`` agents of one worker each, each
+agent in its own namespace; etcd and coordinator replica r1 on the host's bridge address, replica r2 in the last
+node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays a run):
 
 - ``kill-worker``: kill -9 one worker (its agent replaces it in place);
 - ``kill-agent``: kill -9 a node's agent alone (its zygote and workers die with it), then start it again;
@@ -30,7 +30,7 @@ were partial (must be 0), the final parameters against a static run on the same 
 over thousands of steps float32 rounding alone drifts by about 1e-4 between world sizes, which would hide a lost or
 doubled update), and the effective training time (useful steps x median step time / wall time).
 
-Usage (root): ``.venv/bin/python bench/chaos.py [--faults 100] [--seed 1] [--nodes 3]``
+Usage (root): ``.venv/bin/python bench/chaos.py [--faults 100] [--seed 1] [--nodes 3] [--engine ddp|zero|fsdp]``
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ TOKEN = "chaos-join-token"
 class Soak:
     """The job, its processes, and the faults (see the module docstring)."""
 
-    def __init__(self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9) -> None:
-        self.work, self.steps = work, steps
+    def __init__(self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9,
+                 engine: str = "ddp") -> None:  # fmt: skip
+        self.work, self.steps, self.engine = work, steps, engine
         self.events = work / "events.jsonl"
         self.fabric = Fabric(prefix=prefix, net=net)
         self.nodes = [self.fabric.node(f"n{i}") for i in range(nodes)]
@@ -139,8 +140,8 @@ class Soak:
                 "--checkpoint-dir", str(self.work / "ckpt"), "--stop-grace", "2", "--rescale-grace", "30",
                 "--log-dir", str(self.work / "logs"), str(SCRIPT), "--steps", str(self.steps), "--samples",
                 str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--step-time", str(STEP_S),
-                "--save-every", "50", "--float64", "--events", str(self.events), "--params-out",
-                str(self.work / "final.pt"), "--stop-file", str(self.work / "stop")]  # fmt: skip
+                "--save-every", "50", "--float64", "--engine", self.engine, "--events", str(self.events),
+                "--params-out", str(self.work / "final.pt"), "--stop-file", str(self.work / "stop")]  # fmt: skip
         self.agents[node.name] = node.spawn(argv, self.work / f"agent-{node.name}.log")
 
     # -- what the job is doing ---------------------------------------------------------------------------------------
@@ -298,11 +299,11 @@ class Soak:
         self.etcd.stop()
 
 
-def static_params(work: Path, steps: int) -> dict:
+def static_params(work: Path, steps: int, engine: str = "ddp") -> dict:
     out = work / "static.pt"
     subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch",
-                    str(GLOBAL_BATCH), "--micro-batch", "8", "--float64", "--params-out", str(out)], check=True,
-                   capture_output=True, timeout=1800)  # fmt: skip
+                    str(GLOBAL_BATCH), "--micro-batch", "8", "--float64", "--engine", engine, "--params-out", str(out)],
+                   check=True, capture_output=True, timeout=1800)  # fmt: skip
     return torch.load(out)
 
 
@@ -346,6 +347,7 @@ class Report:
     unlogged: int = 0  # steps that lack a rank's line: it was killed between its commit and its log line
     minority_published: int = 0  # generations replica r2 published while its side was cut off (must be 0)
     majority_published: int = 0  # ... and r1, on the majority side, meanwhile
+    engine: str = "ddp"
     work: str = ""  # the run's directory: logs, events, checkpoints (the suite's short soak removes it if it passed)
 
     @property
@@ -357,8 +359,9 @@ class Report:
         return self.steps_run * self.step_s / self.wall_s if self.wall_s else 0.0
 
     def table(self) -> str:
-        lines = [f"chaos soak, seed {self.seed}: {self.faults} faults, wall {self.wall_s:.0f}s, agents' exit codes "
-                 f"{self.codes}", f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}"]
+        lines = [f"chaos soak ({self.engine}), seed {self.seed}: {self.faults} faults, wall {self.wall_s:.0f}s, "
+                 f"agents' exit codes {self.codes}",
+                 f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}"]
         for kind in KINDS:
             done = self.recoveries.get(kind, [])
             total = len(done) + self.failed.get(kind, 0)
@@ -382,7 +385,7 @@ class Report:
 
 def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...] = KINDS,
         recover_timeout: float = 120.0, steps: int = 0, prefix: str = "plc", net: int = 9,
-        log: Callable[[str], None] = print) -> Report:  # fmt: skip
+        log: Callable[[str], None] = print, engine: str = "ddp") -> Report:  # fmt: skip
     """Run one soak (see the module docstring). ``steps``: the job's steps at most (0: 400 + 100 per fault); it ends
     30 steps after the schedule does. Needs root (network namespaces)."""
     unknown = set(kinds) - set(KINDS)
@@ -392,9 +395,9 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
     schedule = [rng.choice(kinds) for _ in range(faults)]
     steps = steps or 400 + 100 * faults
     work = Path(tempfile.mkdtemp(prefix="pliant-chaos-"))
-    log(f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes, {steps} steps; work in {work}")
+    log(f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes, {engine}, {steps} steps; work in {work}")
     started = time.time()
-    soak = Soak(work, nodes, steps, prefix, net)
+    soak = Soak(work, nodes, steps, prefix, net, engine)
     recoveries: dict[str, list[float]] = defaultdict(list)
     failed: Counter[str] = Counter()
     try:
@@ -433,7 +436,7 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
         codes = {name: agent.returncode for name, agent in soak.agents.items()}
     finally:
         soak.close()
-    report = Report(seed, steps, wall, codes, dict(recoveries), failed, work=str(work))
+    report = Report(seed, steps, wall, codes, dict(recoveries), failed, engine=engine, work=str(work))
     report.minority_published = sum(soak.during_cut(when) for when, _ in soak.published("r2"))
     report.majority_published = sum(soak.during_cut(when) for when, _ in soak.published("r1"))
     measure(work, report)
@@ -453,7 +456,7 @@ def measure(work: Path, report: Report) -> None:
     report.restored, report.partial = partial_loads(work)
     times = sorted(e["time"] for e in events if e["rank"] == 0)
     report.step_s = statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
-    report.param_diff = max_param_diff(torch.load(work / "final.pt"), static_params(work, report.steps))
+    report.param_diff = max_param_diff(torch.load(work / "final.pt"), static_params(work, report.steps, report.engine))
 
 
 def main() -> None:
@@ -465,6 +468,7 @@ def main() -> None:
                         "fault); the job ends 30 steps after the last fault's recovery")  # fmt: skip
     parser.add_argument("--recover-timeout", type=float, default=120.0)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from")
+    parser.add_argument("--engine", choices=("ddp", "zero", "fsdp"), default="ddp")
     args = parser.parse_args()
     why = unavailable()
     if why:
@@ -475,7 +479,7 @@ def main() -> None:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up (run's finally)
     report = run(args.faults, args.seed, args.nodes, kinds, args.recover_timeout, args.steps,
-                 log=lambda line: print(line, flush=True))  # fmt: skip
+                 log=lambda line: print(line, flush=True), engine=args.engine)  # fmt: skip
     print("\n" + report.table())
 
 

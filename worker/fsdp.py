@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
@@ -101,6 +102,9 @@ class FSDPJoinable(Joinable):
         return self.engine.group or dist.group.WORLD
 
 
+_MESHES = itertools.count()  # the number in each mesh's name: see FSDPEngine._build
+
+
 def _default_shard(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Shard each direct child that holds parameters, then the root (FSDP2's usual recipe)."""
     return [m for m in model.children() if any(True for _ in m.parameters())]
@@ -137,10 +141,18 @@ class FSDPEngine(Engine):
         self._build(model.to(device))
 
     def _build(self, model: torch.nn.Module) -> None:
-        """Shard ``model`` over the current world and build its optimizer."""
+        """Shard ``model`` over the current world and build its optimizer.
+
+        The mesh is named anew for every world this process shards over (:data:`_MESHES`): torch's DTensor caches
+        compare meshes by their ranks, layout and names, not by this process's place in them, so a later world of the
+        same size, in which this process holds another rank (a node before it left), would get DTensors on the
+        earlier mesh back, whose coordinate cuts another rank's rows (found by the chaos soak: loading the state
+        failed on uneven rows, and would have loaded another rank's even ones)."""
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),),
+                                mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",))  # fmt: skip
         for module in self._shard(model):
-            fully_shard(module)
-        fully_shard(model)
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         self.model = model
         # FSDP2 averages reduce-scattered gradients over the world (a premultiplied sum gloo cannot do otherwise);
         # losses are weighted by the world size to undo it, so gradients are sums as in the DDP engines.

@@ -1,0 +1,77 @@
+"""One FSDP2 engine re-formed in place with its ranks renumbered (tests/integration/test_fsdp_reform.py): every
+process meets a gloo world, trains a step, gathers the full state (``before_move``), then meets a second world of the
+same size in which process p is rank ``perm[p]``, shards the model again (``rewrap``) and loads rank 0's state
+(``sync_state``). Each process writes, as JSON: its full state before and after, and whether its local rows are the
+ones its new rank owns.
+
+Usage: ``python fsdp_reform_job.py PERM OUT``, PERM as ``1,2,0``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from pliant.net import free_port
+from pliant.worker.fsdp import FSDPEngine, _rows
+from pliant.worker.groups import retire_groups
+
+
+def _full(engine: FSDPEngine) -> dict[str, list]:
+    """The full model and optimizer state (collective), as lists of floats by name."""
+    options = StateDictOptions(full_state_dict=True)
+    model = get_model_state_dict(engine.model, options=options)
+    optim = get_optimizer_state_dict(engine.model, engine.optimizer, options=options)["state"]
+    out = {name: value.flatten().tolist() for name, value in model.items()}
+    out.update({f"{name}.{key}": value.flatten().tolist() for name, state in optim.items()
+                for key, value in state.items() if isinstance(value, torch.Tensor)})  # fmt: skip
+    return out
+
+
+def run(process: int, ports: tuple[int, int], perm: list[int], out: str) -> None:
+    world = len(perm)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 1))  # 32 and 1 rows: uneven over 3 ranks (11, 11, 10; 1, 0, 0)
+    store = dist.TCPStore("127.0.0.1", ports[0], world, is_master=process == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=process, world_size=world)
+    engine = FSDPEngine(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, torch.device("cpu"))
+    torch.manual_seed(process)
+    engine.model(torch.randn(4, 16)).sum().backward()  # FSDP2 averages the gradients: the same step everywhere
+    engine.optimizer.step()
+    before = _full(engine)
+    engine.before_move()
+    retire_groups()
+    rank = perm[process]
+    store = dist.TCPStore("127.0.0.1", ports[1], world, is_master=rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    engine.rewrap()
+    error = ""
+    try:
+        engine.sync_state(0)
+    except RuntimeError as exc:
+        error = str(exc).splitlines()[0]
+    after = _full(engine) if not error else {}
+    full = {name: torch.tensor(values) for name, values in after.items()}
+    params = dict(engine.model.named_parameters())
+    rows_ok = not error and all(
+        torch.equal(param.to_local().flatten(), _rows(full[name].view(param.shape), rank, world).flatten())
+        for name, param in params.items()
+    )
+    coordinates = sorted({tuple(p.device_mesh.get_coordinate() or ()) for p in params.values()})
+    Path(out, f"process-{process}.json").write_text(json.dumps(
+        {"rank": rank, "before": before, "after": after, "error": error, "rows_ok": rows_ok,
+         "coordinates": coordinates}))  # fmt: skip
+    retire_groups()
+
+
+if __name__ == "__main__":
+    perm = [int(r) for r in sys.argv[1].split(",")]
+    mp.spawn(run, args=((free_port(), free_port()), perm, sys.argv[2]), nprocs=len(perm))
