@@ -4,7 +4,8 @@ same size in which process p is rank ``perm[p]``, shards the model again (``rewr
 (``sync_state``). Each process writes, as JSON: its full state before and after, and whether its local rows are the
 ones its new rank owns.
 
-Usage: ``python fsdp_reform_job.py PERM OUT``, PERM as ``1,2,0``.
+Usage: ``python fsdp_reform_job.py PERM OUT [OUTPUTS]``, PERM as ``1,2,0``; OUTPUTS: the last layer's (1: its rows are
+uneven over any world > 1).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def _full(engine: FSDPEngine) -> dict[str, list]:
     return out
 
 
-def run(process: int, ports: tuple[int, int], perm: list[int], out: str) -> None:
+def run(process: int, ports: tuple[int, int], perm: list[int], out: str, outputs: int) -> None:
     world = len(perm)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 1))  # 32 and 1 rows: uneven over 3 ranks (11, 11, 10; 1, 0, 0)
+                                torch.nn.Linear(32, outputs))  # 32 rows: uneven over 3 ranks (11, 11, 10)
     store = dist.TCPStore("127.0.0.1", ports[0], world, is_master=process == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=process, world_size=world)
     engine = FSDPEngine(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, torch.device("cpu"))
@@ -74,4 +75,5 @@ def run(process: int, ports: tuple[int, int], perm: list[int], out: str) -> None
 
 if __name__ == "__main__":
     perm = [int(r) for r in sys.argv[1].split(",")]
-    mp.spawn(run, args=((free_port(), free_port()), perm, sys.argv[2]), nprocs=len(perm))
+    outputs = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    mp.spawn(run, args=((free_port(), free_port()), perm, sys.argv[2], outputs), nprocs=len(perm))
