@@ -146,8 +146,8 @@ class FSDPEngine(Engine):
         The mesh is named anew for every world this process shards over (:data:`_MESHES`): torch's DTensor caches
         compare meshes by their ranks, layout and names, not by this process's place in them, so a later world of the
         same size, in which this process holds another rank (a node before it left), would get DTensors on the
-        earlier mesh back, whose coordinate cuts another rank's rows (found by the chaos soak: loading the state
-        failed on uneven rows, and would have loaded another rank's even ones)."""
+        earlier mesh back, whose coordinate is this process's old rank (found by the chaos soak: loading the state
+        cut another rank's share and failed on uneven rows; and DCP takes each shard's global offset from it)."""
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),),
                                 mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",))  # fmt: skip
         for module in self._shard(model):
