@@ -1,15 +1,16 @@
 """Checkpoint benchmark, in one run on this machine's disk:
 
 - save and load throughput of a pliant (DCP) checkpoint of a DDP model + SGD momentum, 2 ranks forked on gloo,
-  against ``dd`` write (fdatasync) and read bandwidth of the same directory;
+  against ``dd`` write (fdatasync) and read bandwidth of the same directory; pliant writes its files around the page
+  cache (``O_DIRECT``, pliant.worker.directio), and the same saves through it (DCP's own files) are measured too;
 - the training stall of an async save against a sync save: what ``save()`` blocks for, plus how much longer than
   typical the steps take until the save is on disk, 6 at least (an async save copies the state to host memory in the
   background, the next optimizer step waits for that copy, and the write then runs beside the following steps), plus
   any wait for it after 30 steps. Each rank trains with one thread, as ``pliant run`` gives two workers on two cores.
   With ``--engine zero`` or ``fsdp``, also async saves written from a buddy snapshot of the step
   (pliant.worker.staging), taken as the rescale protocol takes one for a save, and sent to the buddy rank as every
-  snapshot is; and such snapshots alone, so that the difference is what a save costs at a step whose snapshot the
-  cadence took anyway;
+  snapshot is (also through the page cache); and such snapshots alone, so that the difference is what a save costs at
+  a step whose snapshot the cadence took anyway;
 - the rescale pause: last step of generation n -> every rank stepping in generation n+1, when a second node joins a
   ``pliant run`` job (examples/train_elastic.py with --checkpoint-dir).
 
@@ -46,6 +47,8 @@ from pliant.worker.contract import Engine, Staged
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 6  # steps after a save whose excess time counts, at least (more while the save is still being written)
+# "-buffered": the files written through the page cache, as DCP's own writer does (CheckpointManager(direct_io=False))
+MODES = ("sync", "sync-buffered", "async", "snapshot", "snapshot-buffered", "exchange")
 
 
 def dd(directory: Path, mb: int) -> tuple[float, float]:
@@ -106,9 +109,10 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
     for _ in range(2 if kind != "ddp" else 0):  # the snapshots' two buffers, touched once (a job's first K steps)
         step()  # the first creates the optimizer state, which a snapshot holds
         snapshot_of(engine, done)
-    for mode in ("sync", "async", "snapshot", "exchange") if kind != "ddp" else ("sync", "async"):
-        ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=mode != "sync", keep=1)
-        if mode == "snapshot":
+    for mode in MODES if kind != "ddp" else MODES[:3]:
+        ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=not mode.startswith("sync"), keep=1,
+                                 direct_io=not mode.endswith("-buffered"))  # fmt: skip
+        if mode.startswith("snapshot"):
             ckpt.snapshot_of = snapshot_of
         plain, stalls, totals, spans = [], [], [], []
         for _ in range(3):
@@ -229,14 +233,18 @@ def main() -> None:
     print(f"\ncheckpoint of {mb:.0f} MB ({args.engine}, {args.ranks} ranks, gloo) in {directory}")
     print(f"  dd write (fdatasync)   {write_bw:8.0f} MB/s")
     print(f"  pliant sync save       {mb / r['sync total']:8.0f} MB/s   ({r['sync total']:.2f} s; "
-          f"{mb / r['sync total'] / write_bw:.2f}x dd)")  # fmt: skip
+          f"{mb / r['sync total'] / write_bw:.2f}x dd; O_DIRECT)")  # fmt: skip
+    print(f"    through the page cache {mb / r['sync-buffered total']:6.0f} MB/s   ({r['sync-buffered total']:.2f} s; "
+          f"{mb / r['sync-buffered total'] / write_bw:.2f}x dd; DCP's own files)")  # fmt: skip
     print(f"  dd read                {read_bw:8.0f} MB/s")
     print(
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
     print(f"  a step {r['step']:.3f} s; training stall of a sync save {r['sync stall']:.3f} s, of which the training "
-          f"thread waited {r['sync blocked']:.3f} s")  # fmt: skip
+          f"thread waited {r['sync blocked']:.3f} s; through the page cache {r['sync-buffered stall']:.3f} s and "
+          f"{r['sync-buffered blocked']:.3f} s")  # fmt: skip
     for mode, what in (("async", "async save"), ("snapshot", "async save from a buddy snapshot taken for it"),
+                       ("snapshot-buffered", "the same, its files through the page cache"),
                        ("exchange", "that buddy snapshot alone (copy, and exchange with the buddy)")):
         if f"{mode} stall" in r:
             print(f"  {what}: stall {r[f'{mode} stall']:.3f} s ({r[f'{mode} stall'] / r['sync stall']:.2f}x), "
@@ -244,9 +252,10 @@ def main() -> None:
                   f"thread waited {r[f'{mode} blocked']:.3f} s ({r[f'{mode} blocked'] / r['sync blocked']:.2f}x: "
                   f"save(), and the optimizer step for the copy)")  # fmt: skip
     if "exchange stall" in r:
-        extra = r["snapshot stall"] - r["exchange stall"]
+        extra, buffered = (r[f"{mode} stall"] - r["exchange stall"] for mode in ("snapshot", "snapshot-buffered"))
         print(f"  so a save at a step whose snapshot the cadence took anyway stalls {extra:.3f} s "
-              f"({extra / r['sync stall']:.2f}x), against {r['async stall']:.3f} s through DCP's own copy")  # fmt: skip
+              f"({extra / r['sync stall']:.2f}x; {buffered:.3f} s through the page cache), against "
+              f"{r['async stall']:.3f} s through DCP's own copy")  # fmt: skip
     if not args.no_rescale:
         print(f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
               f"{pause:.2f} s")  # fmt: skip

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.progress import FENCE, read_fence
 from pliant.worker.contract import Engine, Staged, WorkerError
+from pliant.worker.directio import DirectWriter
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 from pliant.worker.staging import (
     BackgroundWriter,
@@ -149,6 +150,8 @@ class CheckpointManager:
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
         metrics: where save/load times and bytes are reported (the session's), or None.
         allow_fresh_start: when checkpoints exist but none loads, start from step 0 instead of raising.
+        direct_io: write the files around the page cache (``O_DIRECT``, :mod:`pliant.worker.directio`) where the file
+            system takes it; False: through it, as DCP's own writer does.
     """
 
     def __init__(
@@ -164,13 +167,14 @@ class CheckpointManager:
         metrics: WorkerMetrics | None = None,
         allow_fresh_start: bool = False,
         epoch: int = 0,
+        direct_io: bool = True,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
         self.directory = Path(directory)
         self.engine, self.loader = engine, loader
         self.job_id, self.generation, self.keep, self.async_save = job_id, generation, keep, async_save
-        self.every_steps, self.metrics = every_steps, metrics
+        self.every_steps, self.metrics, self.direct_io = every_steps, metrics, direct_io
         self.fingerprint = _fingerprint(engine)
         # Async saves finish with collectives on a background thread: they need a group of their own, or they
         # interleave with the training loop's collectives differently on each rank and hang.
@@ -269,7 +273,7 @@ class CheckpointManager:
                 future.add_done_callback(lambda f: self._async_done(f, path, step, started, train, committed))
                 self._in_flight, self._in_flight_path = future, path
             else:
-                dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+                dcp.save(state, storage_writer=DirectWriter(str(path), self.direct_io), process_group=self.group)
                 self._saved(path, step, started, train)
         stall = self.stalled_s = time.perf_counter() - started
         if self.metrics is not None and (not background or snapshot_fed):  # else at the optimizer step's wait
@@ -285,8 +289,8 @@ class CheckpointManager:
         if self._stager is None:
             self._stager = stager(cuda=any(t.is_cuda for t in self.engine.module.parameters()))
         blocked = time.perf_counter()
-        response = dcp.async_save(state, storage_writer=BackgroundWriter(str(path)), process_group=self.group,
-                                  async_stager=self._stager)  # fmt: skip
+        response = dcp.async_save(state, storage_writer=BackgroundWriter(str(path), self.direct_io),
+                                  process_group=self.group, async_stager=self._stager)  # fmt: skip
         if isinstance(response, Future):  # a torch whose stager copies in the caller
             return response
         blocked = time.perf_counter() - blocked
@@ -315,7 +319,7 @@ class CheckpointManager:
         if staged is None:
             return None
         saved, shards = from_snapshot(state, staged.lookup)
-        future = write_in_background(saved, str(path), self.group, staged.ready, shards)
+        future = write_in_background(saved, str(path), self.group, staged.ready, shards, self.direct_io)
         staged.pin(future)
         logger.info("rank %d: checkpoint of step %d is written from the buddy snapshot of that step", dist.get_rank(),
                     step)  # fmt: skip

@@ -256,6 +256,7 @@ class Session:
         keep: int = 3,
         async_save: bool = True,
         allow_fresh_start: bool | None = None,
+        direct_io: bool = True,
     ) -> CheckpointManager:
         """A checkpoint manager for this job (see :mod:`pliant.worker.checkpoint`).
 
@@ -263,8 +264,8 @@ class Session:
             engine, loader: what to save.
             directory: default: the agent's ``--checkpoint-dir`` (PLIANT_CHECKPOINT_DIR).
             every_steps: periodic saves (0: only on rescale).
-            keep, async_save, allow_fresh_start: see :class:`CheckpointManager` (``allow_fresh_start`` default: the
-                agent's ``--allow-fresh-start``).
+            keep, async_save, allow_fresh_start, direct_io: see :class:`CheckpointManager` (``allow_fresh_start``
+                default: the agent's ``--allow-fresh-start``).
 
         Raises:
             CheckpointError: no directory.
@@ -277,7 +278,8 @@ class Session:
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
         manager = self.tracked(lambda: CheckpointManager(
             directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep, async_save=async_save,
-            every_steps=every_steps, metrics=self.metrics, allow_fresh_start=fresh, epoch=env.job_epoch))  # fmt: skip
+            every_steps=every_steps, metrics=self.metrics, allow_fresh_start=fresh, epoch=env.job_epoch,
+            direct_io=direct_io))  # fmt: skip
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
             self.protocol.parts.append(manager)
             manager.from_peers = self.protocol.sync_pending

@@ -15,7 +15,7 @@ Two routes, both ending in DCP's files (any world size loads them):
 Either way each rank copies and writes only its share of the state that every rank holds alike
 (:func:`split_replicas`, by the engine's :attr:`~pliant.worker.contract.Engine.replicated` sections and
 :meth:`~pliant.worker.contract.Engine.saved_by`; DCP's own deduplication would choose the writer only after every
-rank copied everything), and the write runs at a lowered priority (:class:`BackgroundWriter`).
+rank copied everything), and the write runs at a lowered priority and around the page cache (:class:`BackgroundWriter`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.worker.buddy import BACKGROUND_NICE
+from pliant.worker.directio import DirectWriter
 
 __all__ = [
     "BackgroundWriter",
@@ -50,9 +51,10 @@ Path = tuple[str, ...]
 Lookup = Callable[[torch.Tensor], torch.Tensor | None]
 
 
-class BackgroundWriter(dcp.FileSystemWriter):
-    """DCP's file writer, writing at :data:`pliant.worker.buddy.BACKGROUND_NICE` (an async save's thread): where
-    the training keeps the cores busy (gloo on CPU), the write takes their idle time first."""
+class BackgroundWriter(DirectWriter):
+    """DCP's file writer around the page cache (:class:`pliant.worker.directio.DirectWriter`), writing at
+    :data:`pliant.worker.buddy.BACKGROUND_NICE` (an async save's thread): where the training keeps the cores busy
+    (gloo on CPU), the write takes their idle time first."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
@@ -170,17 +172,17 @@ def _rebuild(tree: Any, found: dict[int, torch.Tensor]) -> Any:
 
 
 def write_in_background(state: dict[str, Any], path: str, group: dist.ProcessGroup, ready: Callable[[], None],
-                        shards: dict[int, torch.Tensor] | None = None) -> Future[Any]:  # fmt: skip
+                        shards: dict[int, torch.Tensor] | None = None, direct: bool = True) -> Future[Any]:  # fmt: skip
     """``dcp.save`` of ``state`` (host tensors; DTensors whose shards' copies are ``shards``, see
     :func:`from_snapshot`) on a thread of its own at a lowered priority, once ``ready()`` returned (the snapshot's copy
-    is complete). Returns the write's future."""
+    is complete); ``direct``: around the page cache (:class:`BackgroundWriter`). Returns the write's future."""
     planner = SnapshotPlanner(shards) if shards else None
     future: Future[Any] = Future()
 
     def run() -> None:
         try:
             ready()
-            future.set_result(dcp.save(state, storage_writer=BackgroundWriter(path), planner=planner,
+            future.set_result(dcp.save(state, storage_writer=BackgroundWriter(path, direct), planner=planner,
                                        process_group=group))  # fmt: skip
         except BaseException as exc:  # DCP's CheckpointException is one: reported to whoever waits for the save
             future.set_exception(exc)
