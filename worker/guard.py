@@ -14,11 +14,11 @@ cases remain, and a guard thread (one per protocol) watches every step for them:
   released it (why is not established), and the rank sat in DDP's gradient all-reduce until the agent's hang detection
   replaced it a minute later, while the survivors had long re-formed without it. So when a newer generation's
   directive waits (:mod:`pliant.progress`) and the step has run for :data:`STALL_S` or three times the last step's
-  time, whichever is longer (:func:`stalled`), the guard breaks the step: on NCCL it aborts the communicator; on gloo
-  it shuts down the group's connections (:func:`pliant.worker.groups.shut_down`), which fails the collective waiting
-  on any of them (and the peers' waiting on this rank). A healthy step that merely outlasts the rule is redone in the
-  new world (DDP: that step; ZeRO and FSDP2: the steps since their last buddy snapshot); no sample is lost or
-  repeated.
+  time, whichever is longer, in a world of more than one rank (:func:`stalled`), the guard breaks the step: on NCCL
+  it aborts the communicator; on gloo it shuts down the group's connections (:func:`pliant.worker.groups.shut_down`),
+  which fails the collective waiting on any of them (and the peers' waiting on this rank). A healthy step that
+  merely outlasts the rule is redone in the new world (DDP: that step; ZeRO and FSDP2: the steps since their last
+  buddy snapshot); no sample is lost or repeated.
 
 After a break, :meth:`Guard.check` (before the optimizer step) raises a peer failure, so this rank never applies the
 step; :func:`pliant.worker.rescale.is_peer_failure` takes the error as one, and the failure path re-forms the world in
@@ -60,10 +60,13 @@ STALL_S = 2.0  # a step blocked this long (at least) while a newer generation is
 GIVE_UP_S = 10.0  # a broken step still blocked this long (at least) after its break ends the process; see wedged
 
 
-def stalled(started: float | None, last_step_s: float, now: float) -> bool:
+def stalled(started: float | None, last_step_s: float, now: float, peers: bool = True) -> bool:
     """Whether a step that began at ``started`` (monotonic; None: no step running) has run long enough, at ``now``, to
-    be broken if a newer generation waits: :data:`STALL_S` or three times the last step's time, whichever is longer."""
-    return started is not None and now - started > max(STALL_S, 3 * last_step_s)
+    be broken if a newer generation waits: :data:`STALL_S` or three times the last step's time, whichever is longer.
+    Never without ``peers`` (a world of one rank): no peer can block that step, so it is only slow, and a lone
+    survivor's step slowed by a newcomer starting on its machine was broken and redone (a join's pause of 3.3 s
+    instead of 1 s with 1 GB of state)."""
+    return peers and started is not None and now - started > max(STALL_S, 3 * last_step_s)
 
 
 def wedged(broken: float | None, last_step_s: float, now: float) -> bool:
@@ -101,6 +104,7 @@ class Guard:
         self._sockets = sockets
         self.generation: int | None = 0
         self._step_started: float | None = None
+        self._peers = True  # the running step's world has other ranks
         self._last_step_s = 0.0
         self._why = ""
         self._broken: float | None = None  # when the running step was broken (monotonic)
@@ -108,11 +112,13 @@ class Guard:
         self._thread = threading.Thread(target=self._watch, name="pliant-step-guard", daemon=True)
         self._thread.start()
 
-    def begin(self, generation: int | None) -> None:
+    def begin(self, generation: int | None, peers: bool = True) -> None:
         """A step (or a collective between steps) starts in ``generation``; None: only NCCL's own errors count (the
-        step boundary, during which the next generation's directive is expected)."""
+        step boundary, during which the next generation's directive is expected). ``peers``: the world has other
+        ranks (see :func:`stalled`)."""
         with self._lock:
             self.generation = generation
+            self._peers = peers
             self._step_started = time.monotonic()
             self._why = ""
             self._broken = None
@@ -146,7 +152,7 @@ class Guard:
         while True:
             time.sleep(POLL_S)
             with self._lock:
-                started, last, generation = self._step_started, self._last_step_s, self.generation
+                started, last, generation, peers = self._step_started, self._last_step_s, self.generation, self._peers
                 broken, why = self._broken, self._why
                 if started is None:
                     continue
@@ -159,7 +165,7 @@ class Guard:
                 continue
             why = nccl_error(backend) if backend is not None else ""
             now = time.monotonic()
-            if not why and generation is not None and stalled(started, last, now):
+            if not why and generation is not None and stalled(started, last, now, peers):
                 directive = read_directive(self.progress_file) if self.progress_file else None
                 if directive is not None and directive.generation > generation:
                     why = f"the step has run {now - started:.1f}s while generation {directive.generation} waits"

@@ -223,7 +223,7 @@ class Protocol:
         while True:
             started = time.perf_counter()
             failure = ""
-            self.guard.begin(self.session.env.generation)
+            self.guard.begin(self.session.env.generation, peers=self.session.env.world_size > 1)
             try:
                 vote = self._vote() if batch.step >= self.cadence.next_vote else None  # runs while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
@@ -268,7 +268,7 @@ class Protocol:
 
     def guarded(self, collective: Callable[[], object]) -> None:
         """Run a collective of the session's between steps under the step guard."""
-        self.guard.begin(self.session.env.generation)
+        self.guard.begin(self.session.env.generation, peers=self.session.env.world_size > 1)
         try:
             collective()
             self.guard.check()
@@ -443,7 +443,7 @@ class Protocol:
                 self.session.env = env
                 self.form_group(survivor=True)
                 env = self.session.env  # a newer generation's, if the agent handed one over while the ranks met
-                self.guard.begin(env.generation)  # the new world's communicator (the old one failed, or was freed)
+                self.guard.begin(env.generation, peers=env.world_size > 1)  # the new world's communicator
                 try:
                     self.exchange(holds_state=True)
                     for part in self.parts:

@@ -79,6 +79,27 @@ def test_a_step_blocked_on_a_silent_peer_breaks_once_a_newer_generation_waits(tm
             proc.wait()
 
 
+def test_a_slow_step_of_a_lone_rank_is_not_broken_when_a_newer_generation_waits(tmp_path: Path) -> None:
+    """A world of one rank: nothing can block its step, so a step slowed past the rule (a newcomer starting on the
+    same machine) runs to its end, and the rank re-forms at the boundary; with peers the same step is broken."""
+    from pliant.worker.guard import Guard
+
+    progress = str(tmp_path / "progress-0")
+    write_directive(progress, Directive(6, "in-place"))  # the newer generation waits from the start
+    for peers in (False, True):
+        guard = Guard(progress, nccl=False, sockets=set)  # no step before this one: the rule's floor, STALL_S
+        guard.begin(5, peers=peers)
+        time.sleep(STALL_S + 0.5)  # a slow step, past the rule
+        try:
+            if peers:
+                with pytest.raises(RuntimeError, match="the step guard broke the step"):
+                    guard.check()
+            else:
+                guard.check()  # not broken
+        finally:
+            guard.end()
+
+
 # One rank of a three-rank session (collective timeout 60 s) with an async-saving checkpoint manager. Rank 2 goes
 # silent once the manager's group is made; ranks 0 and 1 start a save, whose collectives on that group then wait for
 # rank 2 in DCP's thread. Then they sever the session's sockets (as a peer failure or the step guard does) and exit,

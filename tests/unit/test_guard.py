@@ -29,3 +29,9 @@ def test_a_broken_step_is_given_up_after_the_floor_or_three_last_steps_whichever
     slow = 5.0  # a slow step's compute runs on after the break until its next collective fails
     assert not wedged(100.0, slow, now=100.0 + 3 * slow - 0.1)
     assert wedged(100.0, slow, now=100.0 + 3 * slow + 0.1)
+
+
+def test_a_step_of_a_world_of_one_rank_is_never_stalled() -> None:
+    """No peer can block it: it is only slow (a newcomer starting on the lone survivor's machine slowed it)."""
+    assert not stalled(100.0, 0.01, now=100.0 + 1e6, peers=False)
+    assert stalled(100.0, 0.01, now=100.0 + 1e6, peers=True)
