@@ -79,7 +79,7 @@ def wedged(broken: float | None, last_step_s: float, now: float) -> bool:
 class NoGuard:
     """The guard of a worker that does not re-form in place (the restart path takes every failure): watches nothing."""
 
-    def begin(self, generation: int | None) -> None:
+    def begin(self, generation: int | None, peers: bool = True) -> None:
         """See :meth:`Guard.begin`."""
 
     def end(self, committed: bool = True) -> None:
