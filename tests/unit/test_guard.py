@@ -35,3 +35,14 @@ def test_a_step_of_a_world_of_one_rank_is_never_stalled() -> None:
     """No peer can block it: it is only slow (a newcomer starting on the lone survivor's machine slowed it)."""
     assert not stalled(100.0, 0.01, now=100.0 + 1e6, peers=False)
     assert stalled(100.0, 0.01, now=100.0 + 1e6, peers=True)
+
+
+def test_the_restart_path_s_guard_takes_every_call_the_step_guard_takes() -> None:
+    """The protocol calls either one: their methods must agree (a parameter added to one only broke the restart
+    path's every step)."""
+    import inspect
+
+    from pliant.worker.guard import Guard, NoGuard
+
+    for name in ("begin", "end", "check"):
+        assert inspect.signature(getattr(NoGuard, name)) == inspect.signature(getattr(Guard, name)), name
