@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ask_for_stacks", "batches_counted", "counted_samples", "end_soon", "in_run_cost", "join_flags",
-           "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
+__all__ = ["ask_for_stacks", "batches_counted", "change_gap", "counted_samples", "end_soon", "in_run_cost",
+           "join_flags", "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -69,6 +69,15 @@ def longest_pause(events: list[dict], since: float) -> float:
     step events (``rank``, ``time``)."""
     times = sorted(e["time"] for e in events if e["rank"] == 0 and e["time"] >= since)
     return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def change_gap(events: list[dict], old_world: int, new_world: int) -> float:
+    """Rank 0's last step at world ``old_world`` to its first at ``new_world`` (wall seconds) in a training script's
+    step events (``rank``, ``world``, ``time``): the gap across the world change alone, without the steps before it
+    that a newcomer starting on the same machine slows."""
+    mine = [e for e in events if e["rank"] == 0]
+    last = max(e["time"] for e in mine if e["world"] == old_world)
+    return min(e["time"] for e in mine if e["world"] == new_world and e["time"] > last) - last
 
 
 def ask_for_stacks(root: int) -> int:
