@@ -8,8 +8,8 @@ first at world 2, minus the same), without the world-1 steps that the newcomer's
 (building 1 GB of model and optimizer state took one such step from 0.5 s to 5.4 s). ``in-place`` runs without a
 checkpoint directory (pliant broadcasts the parameters and the optimizer state over the new process group; DDP's own
 broadcast at wrap time is off); ``restart`` checkpoints at the step boundary (sync DCP save), exits and restores in
-new processes. The bandwidth comes from the
-survivor's own log line (the bytes broadcast over the re-formation's seconds, set-up included).
+new processes. The bandwidth comes from the survivor's own log line (the bytes broadcast over the re-formation's
+seconds, set-up included).
 
 Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval (``auto``: the workers
 choose K from the copies' measured cost, pliant.worker.cadence; the K in force is their ``pliant_worker_snapshot_every``

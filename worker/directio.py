@@ -172,6 +172,8 @@ def _open_direct(path: Path) -> int | None:
 
 
 def _buffered_in(directory: Path, why: str) -> None:
+    """Log, once per checkpoint directory (``directory`` is one checkpoint's), that its files go through the page
+    cache, and ``why``."""
     key = str(directory.parent)  # one line per checkpoint directory, not per checkpoint
     if key not in _told:
         _told.add(key)
