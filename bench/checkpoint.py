@@ -6,7 +6,9 @@
 - the training stall of an async save against a sync save: what ``save()`` blocks for, plus how much longer than
   typical the steps take until the save is on disk, 6 at least (an async save copies the state to host memory in the
   background, the next optimizer step waits for that copy, and the write then runs beside the following steps), plus
-  any wait for it after 30 steps. Each rank trains with one thread, as ``pliant run`` gives two workers on two cores.
+  any wait for it after 30 steps, minus how much longer than typical as many steps right after with no save take
+  (the pair shares the drift, and a sum of steps minus as many medians is above zero by itself); median of 5 saves.
+  Each rank trains with one thread, as ``pliant run`` gives two workers on two cores.
   With ``--engine zero`` or ``fsdp``, also async saves written from a buddy snapshot of the step
   (pliant.worker.staging), taken as the rescale protocol takes one for a save, and sent to the buddy rank as every
   snapshot is (also through the page cache); and such snapshots alone, so that the difference is what a save costs at
@@ -47,6 +49,7 @@ from pliant.worker.contract import Engine, Staged
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 6  # steps after a save whose excess time counts, at least (more while the save is still being written)
+REPEATS = 5  # saves per mode; the figures are their medians
 # "-buffered": the files written through the page cache, as DCP's own writer does (CheckpointManager(direct_io=False))
 MODES = ("sync", "sync-buffered", "async", "snapshot", "snapshot-buffered", "exchange")
 
@@ -115,7 +118,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
         if mode.startswith("snapshot"):
             ckpt.snapshot_of = snapshot_of
         plain, stalls, totals, spans = [], [], [], []
-        for _ in range(3):
+        for _ in range(REPEATS):
             for _ in range(4):
                 dist.barrier()
                 plain.append(step())
@@ -135,14 +138,20 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
             ckpt.wait()
             waited = time.perf_counter() - waited
             dist.barrier()
-            stalls.append((blocked, during, waited))
             totals.append(time.perf_counter() - t0 - sum(during))
+            control = []  # as many steps again with no save, paired with the save's (the same drift and skew)
+            while len(control) < len(during):
+                pending(ckpt)
+                control.append(step())
+            stalls.append((blocked, during, waited, control))
             spans.append(len(during))
         typical = statistics.median(plain)
-        # The stall: what save() blocked, plus the time the steps until the save was on disk (at least WINDOW)
-        # took beyond typical ones, plus any wait for it after them.
-        results[f"{mode} stall"] = statistics.median(max(0.0, b + sum(d) - typical * len(d) + w) for b, d, w in stalls)
-        results[f"{mode} blocked"] = statistics.median(b for b, _, _ in stalls)
+        # The stall: what save() blocked, plus the time the steps until the save was on disk (at least WINDOW) took
+        # beyond typical ones, plus any wait for it after them, minus what as many steps with no save took beyond
+        # typical ones right after (a sum of steps minus as many medians is above zero on average by itself).
+        results[f"{mode} stall"] = statistics.median(b + sum(d) - sum(c) + w for b, d, w, c in stalls)
+        results[f"{mode} blocked"] = statistics.median(b for b, _, _, _ in stalls)
+        results[f"{mode} noise"] = statistics.median(sum(c) - typical * len(c) for _, _, _, c in stalls)
         results[f"{mode} total"] = statistics.median(totals)
         results[f"{mode} steps"] = statistics.median(spans)
         results["step"] = typical
@@ -240,14 +249,17 @@ def main() -> None:
     print(
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
-    print(f"  a step {r['step']:.3f} s; training stall of a sync save {r['sync stall']:.3f} s, of which the training "
+    print(f"  a step {r['step']:.3f} s; the same steps with no save took {r['sync noise']:+.3f} s longer than "
+          f"typical ones (the noise that the stalls below subtract)")
+    print(f"  training stall of a sync save {r['sync stall']:.3f} s, of which the training "
           f"thread waited {r['sync blocked']:.3f} s; through the page cache {r['sync-buffered stall']:.3f} s and "
           f"{r['sync-buffered blocked']:.3f} s")  # fmt: skip
     for mode, what in (("async", "async save"), ("snapshot", "async save from a buddy snapshot taken for it"),
                        ("snapshot-buffered", "the same, its files through the page cache"),
                        ("exchange", "that buddy snapshot alone (copy, and exchange with the buddy)")):
         if f"{mode} stall" in r:
-            print(f"  {what}: stall {r[f'{mode} stall']:.3f} s ({r[f'{mode} stall'] / r['sync stall']:.2f}x), "
+            print(f"  {what}: stall {r[f'{mode} stall']:.3f} s ({r[f'{mode} stall'] / r['sync stall']:.2f}x; "
+                  f"{r[f'{mode} stall'] / r['sync blocked']:.2f}x of the sync save's wait), "
                   f"counting the steps slowed until it was on disk ({r[f'{mode} steps']:.0f} steps); the training "
                   f"thread waited {r[f'{mode} blocked']:.3f} s ({r[f'{mode} blocked'] / r['sync blocked']:.2f}x: "
                   f"save(), and the optimizer step for the copy)")  # fmt: skip

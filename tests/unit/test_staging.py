@@ -1,13 +1,19 @@
 """How an async checkpoint's state is staged (pure: no process group): the split of the replicated state between
-ranks, and a save's state taken from a buddy snapshot's host copy."""
+ranks, a save's state taken from a buddy snapshot's host copy, and the write's priority."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from pliant.worker.staging import SnapshotPlanner, from_snapshot, split_replicas
+from pliant.worker.buddy import BACKGROUND_NICE
+from pliant.worker.directio import DirectWriter
+from pliant.worker.staging import BackgroundWriter, SnapshotPlanner, from_snapshot, idle_priority, split_replicas
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -116,3 +122,41 @@ def test_dcps_writer_gets_the_copy_for_each_item_the_plan_holds() -> None:
     items = {item.index.fqn: item for item in planner.create_local_plan().items}
     live.add_(1)  # the training goes on
     assert planner.resolve_data(items["model.w"]) is copy and planner.resolve_data(items["model.b"]) is kept
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_an_async_saves_write_runs_on_idle_cpu_time_and_loads_back(tmp_path, monkeypatch) -> None:
+    policies: list[int] = []
+    write = DirectWriter.write_data
+
+    def recorded(self, plan, planner):
+        policies.append(os.sched_getscheduler(threading.get_native_id()))
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(DirectWriter, "write_data", recorded)
+    state = {"w": torch.arange(1000.0)}
+    thread = threading.Thread(target=dcp.save, args=(state,), kwargs={
+        "storage_writer": BackgroundWriter(str(tmp_path)), "no_dist": True})  # fmt: skip
+    thread.start()
+    thread.join()
+    loaded = {"w": torch.zeros(1000)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    assert policies == [os.SCHED_IDLE]
+    assert torch.equal(loaded["w"], state["w"])
+
+
+def test_where_sched_idle_is_refused_the_write_runs_at_nice_10(monkeypatch) -> None:
+    def refuse(*_args) -> None:
+        raise PermissionError("sched_setscheduler refused")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse, raising=False)
+    seen: list[int] = []
+
+    def lowered() -> None:
+        idle_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join()
+    assert seen == [BACKGROUND_NICE]
