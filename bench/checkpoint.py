@@ -7,7 +7,7 @@
   typical the steps take until the save is on disk, 6 at least (an async save copies the state to host memory in the
   background, the next optimizer step waits for that copy, and the write then runs beside the following steps), plus
   any wait for it after 30 steps, minus how much longer than typical as many steps right after with no save take
-  (the pair shares the drift, and a sum of steps minus as many medians is above zero by itself); median of 5 saves.
+  (the pair shares the drift, and a sum of steps minus as many medians is not zero by itself); median of 5 saves.
   Each rank trains with one thread, as ``pliant run`` gives two workers on two cores.
   With ``--engine zero`` or ``fsdp``, also async saves written from a buddy snapshot of the step
   (pliant.worker.staging), taken as the rescale protocol takes one for a save, and sent to the buddy rank as every
@@ -148,7 +148,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
         typical = statistics.median(plain)
         # The stall: what save() blocked, plus the time the steps until the save was on disk (at least WINDOW) took
         # beyond typical ones, plus any wait for it after them, minus what as many steps with no save took beyond
-        # typical ones right after (a sum of steps minus as many medians is above zero on average by itself).
+        # typical ones right after (a sum of steps minus as many medians is not zero by itself: -0.25 to +0.39 s here).
         results[f"{mode} stall"] = statistics.median(b + sum(d) - sum(c) + w for b, d, w, c in stalls)
         results[f"{mode} blocked"] = statistics.median(b for b, _, _, _ in stalls)
         results[f"{mode} noise"] = statistics.median(sum(c) - typical * len(c) for _, _, _, c in stalls)
