@@ -249,8 +249,9 @@ def main() -> None:
     print(
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
-    print(f"  a step {r['step']:.3f} s; the same steps with no save took {r['sync noise']:+.3f} s longer than "
-          f"typical ones (the noise that the stalls below subtract)")
+    noise = [r[f"{mode} noise"] for mode in MODES if f"{mode} noise" in r]
+    print(f"  a step {r['step']:.3f} s; the same steps with no save took {min(noise):+.3f} to {max(noise):+.3f} s "
+          f"longer than typical ones (medians per mode: the noise that the stalls below subtract)")
     print(f"  training stall of a sync save {r['sync stall']:.3f} s, of which the training "
           f"thread waited {r['sync blocked']:.3f} s; through the page cache {r['sync-buffered stall']:.3f} s and "
           f"{r['sync-buffered blocked']:.3f} s")  # fmt: skip

@@ -63,13 +63,13 @@ class BackgroundWriter(DirectWriter):
 
 def idle_priority() -> None:
     """Run the calling thread only on CPU time the host's other threads leave idle: Linux's ``SCHED_IDLE``, which
-    any thread may take for itself. A training thread that wakes (from a collective's wait, say) takes the core from
-    it at once, where a thread at nice 10 holds it for the rest of its time slice and keeps a tenth of a busy core.
+    any thread may take for itself. Any normal thread that wakes (a training thread, from a collective's wait) takes
+    the core from it; a thread at nice 10 keeps about a tenth of a busy core, and a waking thread need not preempt it.
     Where the policy is refused (not Linux), nice :data:`pliant.worker.buddy.BACKGROUND_NICE`.
 
     Nothing that waits for the write starves: the waiter blocks and leaves its core idle. The buddy copies' sends keep
-    nice 10: deferred past the two steps that measure a snapshot's cost (:mod:`pliant.worker.cadence`), they made the
-    cadence take a snapshot every 6-7 steps instead of 16-30, and cost 12 % of the throughput."""
+    nice 10: lowered this way, they made the cadence (:mod:`pliant.worker.cadence`) take a snapshot every 6-7 steps in
+    two of three benchmark runs, at a 12 % throughput cost (docs/architecture.md)."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
