@@ -35,6 +35,7 @@ from pliant.coordinator.contract import (
     CoordinatorError,
     FailedPrecondition,
     Generation,
+    GenerationMember,
     NotFound,
     PermissionDenied,
     Unauthenticated,
@@ -99,7 +100,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
-        self._handover: tuple[Generation, list[WorkerEnv], int, float] | None = None
+        self._handover: tuple[Generation, list[WorkerEnv], list[GenerationMember], float] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
@@ -444,7 +445,10 @@ class Agent:
     def _reconfigure(self, gen: Generation) -> None:
         """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`). When new nodes join, the
         hand-over waits (at most the rescale grace) until their workers counted themselves in the generation's store:
-        the survivors train on while the newcomers start."""
+        the survivors train on while the newcomers start. A newcomer that has not counted in by then and whose agent
+        this node cannot reach (a cut between them) is reported instead of handed over to: the coordinator evicts it
+        (:func:`pliant.coordinator.policy.evictions`), and the survivors, which trained on meanwhile, re-form in the
+        next generation without it, instead of waiting for it in a meeting that cannot happen."""
         assert self.group is not None
         try:
             envs = self._envs(gen)
@@ -454,19 +458,19 @@ class Agent:
             return
         old = self._generations.get(self.group.generation)
         known = {m.node_id for m in old.members} if old else {m.node_id for m in gen.members}
-        needed = sum(m.nproc for m in gen.members if m.node_id not in known)
-        self._handover = (gen, envs, needed, time.monotonic() + self.config.rescale_grace_s)
+        newcomers = [m for m in gen.members if m.node_id not in known]
+        self._handover = (gen, envs, newcomers, time.monotonic() + self.config.rescale_grace_s)
         self._hand_over()
 
     def _hand_over(self) -> None:
         """Finish a pending in-place hand-over once the newcomers arrived (or the rescale grace ran out)."""
         if self._handover is None:
             return
-        gen, envs, needed, deadline = self._handover
+        gen, envs, newcomers, deadline = self._handover
         if self.group is None or self.state.group != gen.number:
             self._handover = None  # superseded
             return
-        arrived = 0
+        arrived, needed = 0, sum(m.nproc for m in newcomers)
         if needed:
             try:
                 assert self.store is not None
@@ -474,6 +478,14 @@ class Agent:
             except Exception as exc:  # the store is not reachable yet: next tick
                 logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
             if arrived < needed and time.monotonic() < deadline:
+                return
+            cut = [m.node_id for m in newcomers if not reachable(m.address)] if arrived < needed else []
+            if cut:
+                self._handover = None  # the workers train on in their generation; the report brings the next one
+                message = (f"newcomers {', '.join(cut)} did not arrive within the rescale grace "
+                           f"({self.config.rescale_grace_s:g}s) and their agents are unreachable from this node")
+                logger.warning("agent %s: generation %d not handed over: %s", self.config.node_id, gen.number, message)
+                self._reports.put(core.Report("failure", gen.number, -1, message))
                 return
         self._handover = None
         kept, started = self.group.reconfigure(gen.number, envs)

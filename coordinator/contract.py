@@ -47,6 +47,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "Strike",
     "Unauthenticated",
     "Unavailable",
     "WaitUntil",
@@ -402,13 +403,15 @@ class MemberProgress:
 
 @dataclass(frozen=True)
 class GenerationMember:
-    """One node's place in a generation: node rank, first global rank, and process count."""
+    """One node's place in a generation: node rank, first global rank, process count, and ``since``: the generation
+    from which the node has trained in this world without a break (kept in etcd, not sent to agents)."""
 
     node_id: str
     node_rank: int
     rank_offset: int
     nproc: int
     address: str
+    since: int = 0
 
 
 @dataclass(frozen=True)
@@ -469,6 +472,19 @@ class FailureReport:
 
 
 @dataclass(frozen=True)
+class Strike:
+    """A node evicted because peers could not reach it, ``count`` times since its strikes last lapsed (etcd expires
+    them :data:`pliant.coordinator.policy.STRIKE_WINDOW_S` after the last); ``seen_at``: when the leader first saw
+    the latest (its clock), ``revision`` names that record."""
+
+    node_id: str
+    address: str
+    count: int
+    revision: int = 0
+    seen_at: float = 0.0
+
+
+@dataclass(frozen=True)
 class JobSnapshot:
     """Everything the planner needs about one job, read from etcd at a single revision.
 
@@ -482,6 +498,7 @@ class JobSnapshot:
         generation_mod_revision: mod revision of the current-generation key (0 if absent): the fence of the next write.
         status_mod_revision: mod revision of the state key (0 if absent).
         epoch: create revision of the spec key: the job's incarnation (a job re-created under its id has a higher one).
+        strikes: nodes evicted as unreachable by their peers, recently (held back from rejoining for a while).
     """
 
     spec: JobSpec
@@ -493,6 +510,7 @@ class JobSnapshot:
     generation_mod_revision: int = 0
     status_mod_revision: int = 0
     epoch: int = 0
+    strikes: tuple[Strike, ...] = ()
 
 
 @dataclass(frozen=True)

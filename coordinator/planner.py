@@ -12,6 +12,11 @@ Rules (see docs/architecture.md):
   so that world can never form.
 - Below ``min_nodes`` the job waits: if it was running, an empty generation stops every worker; after
   ``min_nodes_timeout_s`` in that state the job fails with a reason naming the nodes it has.
+- A node evicted because its peers could not reach it, back at the same address, waits as a spare while its strikes
+  hold it back (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs
+  the world a failed meeting per backoff, not one a minute. Each member records the generation since which it has
+  trained in the world without a break (``since``), which decides who steps back when a newcomer cannot reach it
+  (:func:`pliant.coordinator.policy.evictions`).
 - A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
   events never do. With the budget spent, the next failure fails the job. Failures in a generation that also lost a
   node are attributed to that loss and spend nothing.
@@ -22,6 +27,7 @@ failed).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from pliant.coordinator.contract import (
@@ -38,6 +44,7 @@ from pliant.coordinator.contract import (
     NewGeneration,
     WaitUntil,
 )
+from pliant.coordinator.policy import held_back
 
 __all__ = ["assign_ranks", "plan"]
 
@@ -69,7 +76,9 @@ def _admit(spec: JobSpec, survivors: Sequence[Member], newcomers: Sequence[Membe
 
 def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float) -> NewGeneration:
     number = (snap.generation.number if snap.generation else 0) + 1
-    members = assign_ranks(snap.spec, nodes)
+    since = {m.node_id: m.since for m in snap.generation.members} if snap.generation else {}
+    members = tuple(dataclasses.replace(m, since=since.get(m.node_id) or number)
+                    for m in assign_ranks(snap.spec, nodes))  # fmt: skip
     generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.epoch)
     return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
 
@@ -86,6 +95,18 @@ def _waiting_or_fail(snap: JobSnapshot, have: Sequence[Member], now: float) -> D
             f"min_nodes_timeout_s"
         )
     return WaitUntil(deadline, f"{len(have)} of min {spec.min_nodes} nodes", JobState.WAITING)
+
+
+def _held(decision: Decision, held: dict[str, float]) -> Decision:
+    """``decision``, or a wait until the first hold ends when nodes are held back (the job is then planned again)."""
+    if not held or isinstance(decision, FailJob):
+        return decision
+    until = min(held.values())
+    if isinstance(decision, WaitUntil) and decision.deadline <= until:
+        return decision
+    state = decision.state if isinstance(decision, WaitUntil) else JobState.RUNNING
+    names = ", ".join(sorted(held))
+    return WaitUntil(until, f"holding back {names}: evicted as unreachable by peers (strikes)", state)
 
 
 def plan(snap: JobSnapshot, now: float) -> Decision:
@@ -111,7 +132,8 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     survivors = [live_by_id[n] for n in current_ids if n in live_by_id and live_by_id[n].address == placed[n]]
     kept = {m.node_id for m in survivors}
     removed = [n for n in current_ids if n not in kept]
-    newcomers = [m for m in live if m.node_id not in kept]
+    held = held_back(snap.strikes, [m for m in live if m.node_id not in kept], now)  # never a member of the world
+    newcomers = [m for m in live if m.node_id not in kept and m.node_id not in held]
     admitted = _admit(spec, survivors, newcomers)
     target = survivors + admitted
     running = bool(gen and gen.members)
@@ -134,10 +156,10 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
         return _publish(snap, target if len(target) >= spec.min_nodes else (), "restart", restarts + 1, now)
 
     if len(target) < spec.min_nodes:
-        return _waiting_or_fail(snap, target, now)
+        return _held(_waiting_or_fail(snap, target, now), held)
 
     if running and not admitted:
-        return Keep()
+        return _held(Keep(), held)
 
     # A first world, a world after waiting, or a scale-up: batch joiners that arrive within the grace window.
     fresh = admitted if running else target
@@ -145,4 +167,4 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     if len(target) >= spec.max_nodes or now >= deadline:
         return _publish(snap, target, "join" if gen else "start", restarts, now)
     state = JobState.RUNNING if running else JobState.WAITING
-    return WaitUntil(deadline, f"batching joins of {', '.join(m.node_id for m in fresh)}", state)
+    return _held(WaitUntil(deadline, f"batching joins of {', '.join(m.node_id for m in fresh)}", state), held)

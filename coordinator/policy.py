@@ -10,6 +10,21 @@ everyone for a full TTL: after it won the election and after etcd answered again
 (shorter than the lease) therefore evicts nobody who kept trying; a node that died is evicted one TTL after the
 control plane came back.
 
+**Unreachable peers** (:func:`evictions`, :func:`held_back`). An agent whose workers failed names the peers whose
+agents it cannot reach, and the coordinator evicts them with the report. Two rules keep a cut between two nodes that
+both still reach the control plane from tearing the world down or flapping it forever:
+
+- a report evicts only while its reporter is a live member: when both sides of a cut report each other in one
+  generation, the first report evicts the other side and the second, from an evicted node, evicts nobody (both were
+  evicted before, and the world stopped); and a node that joined the world later than a peer it cannot reach is the
+  one that steps back (it, not the peer that holds the training state, is evicted);
+- every node evicted this way gets a *strike* (kept in etcd, lapsing :data:`STRIKE_WINDOW_S` after the last). A
+  node that comes back at the same address is held back as a spare for :func:`backoff_s` of its strikes (none for
+  the first, so a cut that healed costs nothing more; then :data:`BACKOFF_BASE_S`, doubling up to
+  :data:`BACKOFF_MAX_S`), as Kubernetes backs off a crash-looping container: a cut that does not heal costs the
+  world one failed meeting per backoff instead of one every minute. A node back at another address (its agent was
+  restarted, or it was replaced) starts clean.
+
 **One clock**: deadlines (join batching, the min-nodes timeout, the finished-job TTL) are measured on the leader's
 monotonic clock, from when the leader first saw the record that starts them (identified by its etcd revision), never
 from times another replica wrote. A new leader starts those clocks again: it may wait up to one grace longer, never
@@ -19,11 +34,25 @@ shorter.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from pliant.coordinator.contract import JobSnapshot, JobStatus
+from pliant.coordinator.contract import Generation, JobSnapshot, JobStatus, Member, Strike
 
-__all__ = ["LeaderClock", "may_overwrite", "overdue_members"]
+__all__ = [
+    "BACKOFF_BASE_S",
+    "BACKOFF_MAX_S",
+    "STRIKE_WINDOW_S",
+    "LeaderClock",
+    "backoff_s",
+    "evictions",
+    "held_back",
+    "may_overwrite",
+    "overdue_members",
+]
+
+STRIKE_WINDOW_S = 600  # a node's strikes lapse this long after its last (etcd's lease on them)
+BACKOFF_BASE_S = 10.0  # the hold after a second strike; doubled for each strike after it ...
+BACKOFF_MAX_S = 300.0  # ... up to this
 
 
 def overdue_members(ages: Mapping[str, float], ttl_s: float, heard_since: float, now: float) -> tuple[str, ...]:
@@ -44,6 +73,48 @@ def overdue_members(ages: Mapping[str, float], ttl_s: float, heard_since: float,
     return tuple(sorted(node for node, age in ages.items() if age > ttl_s))
 
 
+def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
+              live: Sequence[str]) -> tuple[str, ...]:  # fmt: skip
+    """The nodes a failure report of ``generation`` evicts (see the module docstring).
+
+    Args:
+        generation: the generation the report is for (the current one).
+        reporter: the reporting node (a member of ``generation``).
+        unreachable: the nodes whose agents the reporter could not reach.
+        live: the nodes that hold a live membership now.
+
+    Returns:
+        The named live members of ``generation`` (not the reporter); or the reporter alone when one of them has
+        trained in this world since an earlier generation than the reporter; or nothing when the reporter is no
+        longer a live member.
+    """
+    since = {m.node_id: m.since for m in generation.members}
+    if reporter not in live or reporter not in since:
+        return ()
+    named = [n for n in dict.fromkeys(unreachable) if n != reporter and n in since and n in live]
+    if any(since[n] < since[reporter] for n in named):
+        return (reporter,)
+    return tuple(named)
+
+
+def backoff_s(count: int) -> float:
+    """How long a node with ``count`` strikes is held back: 0 for one, then :data:`BACKOFF_BASE_S` doubling per
+    strike up to :data:`BACKOFF_MAX_S`."""
+    return 0.0 if count <= 1 else min(BACKOFF_BASE_S * 2 ** (count - 2), BACKOFF_MAX_S)
+
+
+def held_back(strikes: Sequence[Strike], members: Sequence[Member], now: float) -> dict[str, float]:
+    """Members held back from a generation at ``now``: node id -> leader-clock time its hold ends. A strike holds a
+    member back only at the address it was evicted from."""
+    address = {m.node_id: m.address for m in members}
+    out = {}
+    for strike in strikes:
+        until = strike.seen_at + backoff_s(strike.count)
+        if address.get(strike.node_id) == strike.address and now < until:
+            out[strike.node_id] = until
+    return out
+
+
 def may_overwrite(current: JobStatus) -> bool:
     """Whether the leader may write a new state over ``current``: never over a terminal one."""
     return not current.state.terminal
@@ -61,8 +132,8 @@ class LeaderClock:
         self._seen: dict[str, dict[tuple[str, int], float]] = {}
 
     def view(self, snap: JobSnapshot, now: float) -> JobSnapshot:
-        """``snap`` with the state's ``since`` and each member's ``joined_at`` replaced by the times this leader first
-        saw them (leader-clock seconds; pass the same clock's ``now`` to the planner)."""
+        """``snap`` with the state's ``since``, each member's ``joined_at`` and each strike's ``seen_at`` replaced by
+        the times this leader first saw them (leader-clock seconds; pass the same clock's ``now`` to the planner)."""
         job = snap.spec.job_id
         old = self._seen.get(job, {})
         seen: dict[tuple[str, int], float] = {}
@@ -73,8 +144,11 @@ class LeaderClock:
 
         since = first(("state", snap.status_mod_revision))
         members = tuple(dataclasses.replace(m, joined_at=first((m.node_id, m.order))) for m in snap.members)
+        strikes = tuple(dataclasses.replace(s, seen_at=first((f"strike/{s.node_id}", s.revision)))
+                        for s in snap.strikes)  # fmt: skip
         self._seen[job] = seen  # records no longer in the snapshot are forgotten
-        return dataclasses.replace(snap, status=dataclasses.replace(snap.status, since=since), members=members)
+        return dataclasses.replace(snap, status=dataclasses.replace(snap.status, since=since), members=members,
+                                   strikes=strikes)  # fmt: skip
 
     def forget(self, job: str) -> None:
         self._seen.pop(job, None)

@@ -11,6 +11,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
+    jobs/<job>/strikes/<node>           {"address", "count"}: evicted as unreachable by peers (on a lease that lapses
+                                        STRIKE_WINDOW_S after the last strike; coordinator.policy)
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
                                         jobs/ so that its writes never wake the reconciler
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import json
 import logging
 from typing import Any
 
@@ -41,10 +44,20 @@ from pliant.coordinator.contract import (
     Member,
     NotFound,
     ResourceExhausted,
+    Strike,
     Unavailable,
 )
 from pliant.coordinator.policy import may_overwrite
-from pliant.coordinator.store_base import HISTORY, EtcdObserver, Fence, decode, etcd_call, range_end, token_digest
+from pliant.coordinator.store_base import (
+    HISTORY,
+    EtcdObserver,
+    Fence,
+    decode,
+    etcd_call,
+    range_end,
+    strike_count,
+    token_digest,
+)
 from pliant.coordinator.store_members import MemberStore
 
 __all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
@@ -52,6 +65,17 @@ __all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
 logger = logging.getLogger(__name__)
 
 _NO_STATE = JobStatus(JobState.WAITING, 0.0)
+
+
+def _strike(value: bytes, meta: Any) -> Strike:
+    """A strike record (its node id from its key; an unreadable one counts as one strike at no address, which
+    holds nobody back: see :func:`pliant.coordinator.store_base.strike_count`)."""
+    try:
+        address = str(json.loads(value)["address"])
+    except (ValueError, KeyError, TypeError):
+        address = ""
+    node = meta.key.decode().rsplit("/", 1)[1]
+    return Strike(node, address, strike_count(meta.key, value), meta.mod_revision)
 
 
 class EtcdStore(MemberStore):
@@ -195,7 +219,7 @@ class EtcdStore(MemberStore):
             NotFound: no such job.
         """
         key = functools.partial(self.job_key, job)
-        _, (spec, state, members, current, failures, departed) = self._txn(
+        _, (spec, state, members, current, failures, departed, strikes) = self._txn(
             compare=[],
             success=[
                 self.tx.get(key("spec")),
@@ -204,6 +228,7 @@ class EtcdStore(MemberStore):
                 self.tx.get(key("generation")),
                 self._prefix_get(key("failures") + "/"),
                 self._prefix_get(key("departed") + "/"),
+                self._prefix_get(key("strikes") + "/"),
             ],
         )
         if not spec:
@@ -224,6 +249,7 @@ class EtcdStore(MemberStore):
                 if gen_prefix and m.key.decode().startswith(gen_prefix)
             ),
             departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in departed),
+            strikes=tuple(_strike(v, m) for v, m in strikes),
             generation_mod_revision=current[0][1].mod_revision if current else 0,
             status_mod_revision=state[0][1].mod_revision if state else 0,
             epoch=spec[0][1].create_revision,

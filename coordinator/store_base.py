@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import time
 import types
@@ -34,7 +35,8 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
 
-__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "decode", "etcd_call", "range_end", "token_digest"]
+__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "decode", "etcd_call", "range_end", "strike_count",
+           "token_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,16 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
                 self.observer(fn.__name__, time.perf_counter() - started, failed)
 
     return wrapper
+
+
+def strike_count(key: str | bytes, raw: bytes) -> int:
+    """The count of a strike record (:class:`pliant.coordinator.contract.Strike`); a record that cannot be read counts
+    as one (strikes only delay a rejoin; the next strike overwrites it), with a warning."""
+    try:
+        return int(decode(key, lambda v: json.loads(v)["count"], raw))
+    except (CorruptRecord, ValueError, TypeError) as exc:
+        logger.warning("%s; counted as one strike", exc)
+        return 1
 
 
 def decode(key: str | bytes, parse: Callable[[bytes], _T], raw: bytes) -> _T:

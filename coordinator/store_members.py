@@ -8,6 +8,7 @@ that proves it.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Sequence
 
@@ -27,9 +28,11 @@ from pliant.coordinator.contract import (
     NotFound,
     PermissionDenied,
     Unauthenticated,
+    Unavailable,
     quote,
 )
-from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, token_digest
+from pliant.coordinator.policy import STRIKE_WINDOW_S, backoff_s, evictions
+from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, strike_count, token_digest
 
 __all__ = ["MemberStore"]
 
@@ -255,7 +258,9 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def report_failure(self, job: str, report: FailureReport, unreachable: Sequence[str] = ()) -> tuple[bool, int]:
-        """Record a worker failure of the current generation, evicting the ``unreachable`` nodes in the same txn.
+        """Record a worker failure of the current generation, evicting in the same txn the nodes
+        :func:`pliant.coordinator.policy.evictions` names (the ``unreachable`` ones, the reporter itself, or none),
+        each with a strike (:class:`Strike`, on a lease of :data:`STRIKE_WINDOW_S`).
 
         Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
         revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
@@ -263,40 +268,50 @@ class MemberStore(EtcdBase):
         Returns:
             (accepted, current generation number): not accepted when the report names an older generation.
         """
-        current, mod_revision = self._current(job)
-        if current is None or report.generation != current.number:
-            return False, current.number if current else 0
-        if report.node_id not in current.node_ids:
-            raise PermissionDenied(f"node {report.node_id!r} is not a member of job {job!r}'s generation "
-                                   f"{current.number}; only its members report its failures")  # fmt: skip
-        strangers = [n for n in unreachable if n not in current.node_ids]
-        if strangers:
-            raise InvalidArgument(
-                f"unreachable_nodes names {quote(strangers)}, not members of job {job!r}'s generation "
-                f"{current.number}; name only nodes of the generation reported"
-            )
-        suspects = [n for n in dict.fromkeys(unreachable) if n != report.node_id]
-        leases = []
-        for node in suspects:
-            value, meta = self.client.get(self.job_key(job, "members", node))
-            if value is not None:
-                leases.append(meta.lease_id)
-        key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
-        ops = [self.tx.put(key, report.to_json())]
-        ops += [self.tx.delete(self.job_key(job, "members", n)) for n in suspects]
-        ok, _ = self._txn([self.tx.mod(self.job_key(job, "generation")) == mod_revision], ops)
-        if ok:
-            for lease_id in leases:
-                self._revoke_quietly(lease_id)
-            logger.info(
-                "failure reported in job %s generation %d by %s (exit %d)%s",
-                job,
-                current.number,
-                report.node_id,
-                report.exit_code,
-                f"; evicted unreachable {suspects}" if suspects else "",
-            )
-        return ok, current.number
+        for _attempt in range(3):
+            current, mod_revision = self._current(job)
+            if current is None or report.generation != current.number:
+                return False, current.number if current else 0
+            if report.node_id not in current.node_ids:
+                raise PermissionDenied(f"node {report.node_id!r} is not a member of job {job!r}'s generation "
+                                       f"{current.number}; only its members report its failures")  # fmt: skip
+            strangers = [n for n in unreachable if n not in current.node_ids]
+            if strangers:
+                raise InvalidArgument(
+                    f"unreachable_nodes names {quote(strangers)}, not members of job {job!r}'s generation "
+                    f"{current.number}; name only nodes of the generation reported"
+                )
+            prefix = self.job_key(job, "members") + "/"
+            live = {meta.key.decode()[len(prefix):]: (decode(meta.key, Member.from_json, value), meta.lease_id)
+                    for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
+            evicted = evictions(current, report.node_id, unreachable, list(live))
+            key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
+            compare = [self.tx.mod(self.job_key(job, "generation")) == mod_revision]
+            ops = [self.tx.put(key, report.to_json())]
+            strikes = {}
+            if evicted:  # only while the reporter is still a member (its key unchanged since read)
+                compare.append(self.tx.version(prefix + report.node_id) > 0)
+                lease = self.client.lease(STRIKE_WINDOW_S)
+                for node in evicted:
+                    strike_key = self.job_key(job, "strikes", node)
+                    value, _ = self.client.get(strike_key)
+                    count = strike_count(strike_key, value) + 1 if value else 1
+                    strikes[node] = count
+                    record = json.dumps({"address": live[node][0].address, "count": count}, sort_keys=True)
+                    ops += [self.tx.delete(prefix + node),
+                            self.tx.put(strike_key, record, lease=lease.id)]  # fmt: skip
+            ok, _ = self._txn(compare, ops)
+            if not ok:
+                if evicted:
+                    self._revoke_quietly(lease.id)
+                continue  # the generation moved on (stale now) or the reporter was evicted meanwhile: read again
+            for node in evicted:
+                self._revoke_quietly(live[node][1])
+            held = ", ".join(f"{n} (strike {c}, held back {backoff_s(c):g}s)" for n, c in strikes.items())
+            logger.info("failure reported in job %s generation %d by %s (exit %d)%s", job, current.number,
+                        report.node_id, report.exit_code, f"; evicted as unreachable: {held}" if held else "")
+            return True, current.number
+        raise Unavailable(f"job {job!r} kept changing while recording a failure report; retry")
 
     @etcd_call
     def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:

@@ -12,6 +12,7 @@ import pytest
 from pliant.coordinator import etcd_server
 from pliant.coordinator.contract import JobSpec, JobState, NotFound, Unavailable
 from pliant.coordinator.etcd_server import EtcdServer, EtcdServerError
+from pliant.coordinator.policy import BACKOFF_BASE_S
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -176,6 +177,43 @@ def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make
         with pytest.raises(NotFound, match="expired or was revoked"):  # b learns at its next heartbeat
             client.heartbeat("job", "b", b.lease_id)
         client.heartbeat("job", "a", a.lease_id)
+
+
+def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_keeps_failing(make_coordinator,
+                                                                                          fleet) -> None:  # fmt: skip
+    """Both sides of a cut report each other: one is evicted, not both. The evicted node rejoins at once (a first
+    strike holds nothing); when its readmission fails, it is the newcomer that steps back, and it is held back
+    BACKOFF_BASE_S before the next try, unless it comes back at another address."""
+    server = make_coordinator()
+    with fleet(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
+        a = client.join("job", "a", "127.0.0.1:1")
+        client.join("job", "b", "127.0.0.1:2")
+        number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g.number,
+                          10, "world a,b")  # fmt: skip
+        assert client.report_failure("job", "a", number, 1, "gloo: timed out", ["b"]) == (True, number)
+        accepted, _ = client.report_failure("job", "b", number, 1, "gloo: timed out", ["a"])  # b is no member now
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 10, "next")
+        assert gen.node_ids == ("a",) and gen.reason == "failure", (gen, accepted)
+        client.heartbeat("job", "a", a.lease_id)  # a was not evicted
+
+        client.join("job", "b", "127.0.0.1:2")  # strike 1: admitted at once
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 10, "b")
+        assert client.report_failure("job", "b", gen.number, 1, "no store port", ["a"]) == (True, gen.number)
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g, 10, "a alone")
+        client.heartbeat("job", "a", a.lease_id)  # the newcomer stepped back, not a
+
+        client.join("job", "b", "127.0.0.1:2")  # strike 2: held back
+        rejoined = time.monotonic()
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 30, "b")
+        held = time.monotonic() - rejoined
+        assert BACKOFF_BASE_S - 1 <= held <= BACKOFF_BASE_S + 5, held
+        assert client.report_failure("job", "a", gen.number, 1, "no meeting", ["b"]) == (True, gen.number)
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted again")
+        client.join("job", "b", "127.0.0.1:3")  # another address (a restarted agent): not held back
+        rejoined = time.monotonic()
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "b at its new address")
+        assert time.monotonic() - rejoined < BACKOFF_BASE_S
 
 
 def test_report_success_finishes_the_job(make_coordinator, fleet) -> None:

@@ -5,6 +5,7 @@ node, and the rest trains on in place, exactly. Root only: skipped with the reas
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from bench.netns import Fabric, unavailable
+from pliant.coordinator.contract import Generation
+from pliant.coordinator.policy import BACKOFF_BASE_S
 from pliant.net import free_port
 from pliant.tls import Role
 from tests.conftest import wait_for
@@ -54,7 +57,7 @@ def _stepping(tmp: Path, world: int, min_step: int = 0, generation: int = 0) -> 
 
 
 def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, script: tuple[str, ...],
-                checkpoints: bool):  # type: ignore[no-untyped-def]  # fmt: skip
+                checkpoints: bool, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]  # fmt: skip
     """A coordinator on the host's bridge address, nodes a and b in namespaces with 2 DDP workers each (0.05 s
     steps), training at world 4. Returns (server, node a, node b, agent a, agent b)."""
     tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
@@ -64,7 +67,7 @@ def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: in
     agents = []
     for node in (a, b):  # both at once: their starts (torch imports, 6-20 s on 2 loaded cores) overlap
         argv = elastic_agent(server.address, f"node-{node.name}", 2, tmp, steps,
-                             extra=("--host", node.address, "--max-restarts", "3"), **args)  # fmt: skip
+                             extra=("--host", node.address, "--max-restarts", "3", *extra), **args)  # fmt: skip
         agents.append(spawn_agent(server, argv, name=f"agent-{node.name}", node=node))
     wait_for(lambda: len({e["rank"] for e in _events(tmp) if e["world"] == 4}) == 4, 120, "world 4 stepping")
     return server, a, b, agents[0], agents[1]
@@ -154,4 +157,63 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
     print(f"node b cut off from the control plane: evicted, its workers stopped; healed -> world 4 stepping again "
           f"{rejoined - healed:.2f}s later; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert "restarted from the checkpoint" not in agent_a.output(), "node a's workers re-formed in place"
+    assert diff <= TOLERANCE
+
+
+def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  # type: ignore[no-untyped-def]
+        make_coordinator, spawn_agent, pki, fleet, fabric, tmp_path: Path) -> None:  # fmt: skip
+    """Nodes a and b reach the control plane but not each other, for good. One is evicted (not both, though both
+    report the other), and trains on in place with its processes. The other rejoins and is admitted once more; it
+    never arrives, so the survivors' agent reports it instead of handing over, and the survivors train on; it is then
+    held back BACKOFF_BASE_S before its next try. Once the cut heals it rejoins, and the job ends exact, with no
+    checkpoint directory: no progress was lost."""
+    steps = 3000  # a bound: the job ends 10 steps after the test is done
+    grace = 10  # the rescale grace: how long the survivors' agent waits for a newcomer to arrive
+    server, a, b, agent_a, agent_b = _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (),
+                                                 False, extra=("--rescale-grace", str(grace)))  # fmt: skip
+    cut = time.time()
+    fabric.block(a, b.address)
+    seen: list[tuple[float, Generation]] = []  # (when, generation), every generation published after the cut
+
+    def published(predicate) -> bool:  # type: ignore[no-untyped-def]
+        gen = client.get_job("job").generation
+        if gen is not None and (not seen or seen[-1][1].number != gen.number):
+            seen.append((time.time(), gen))
+        return any(predicate(g) for _, g in seen)
+
+    with fleet(server) as client:
+        wait_for(lambda: published(lambda g: len(g.node_ids) == 1), 60, "one node evicted")
+        survivor = next(g for _, g in seen if len(g.node_ids) == 1).node_ids[0]
+        kept = _workers_of(agent_a if survivor == "node-a" else agent_b, 4, tmp_path)
+        wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other admitted again")
+        rejoin = next(g.number for _, g in seen if g.reason == "join")
+        wait_for(lambda: published(lambda g: g.number > rejoin and g.node_ids == (survivor,)), grace + 30,
+                 "the newcomer that never arrived evicted")  # fmt: skip
+        dropped = next(t for t, g in seen if g.number > rejoin)
+        wait_for(lambda: published(lambda g: g.number > rejoin + 1 and g.reason == "join"), BACKOFF_BASE_S + 20,
+                 "the next try after the hold")  # fmt: skip
+        retried = next(t for t, g in seen if g.number > rejoin + 1 and g.reason == "join")
+    fabric.unblock(a, b.address)
+    healed = time.time()
+    wait_for(lambda: any(e["world"] == 4 and e["time"] > healed for e in _events(tmp_path)), 90, "world 4 again")
+    steps = end_soon(tmp_path, steps)
+    wait_for(lambda: agent_a.proc.poll() is not None and agent_b.proc.poll() is not None, 120, "the job to finish")
+    assert (agent_a.proc.returncode, agent_b.proc.returncode) == (0, 0), agent_a.output()[-3000:]
+
+    events = _events(tmp_path)
+    alone = [e for e in events if e["world"] == 2 and cut < e["time"] < healed]
+    assert alone and {e["pid"] for e in alone} <= kept, "the survivor's workers kept their processes"
+    times = sorted(e["time"] for e in alone if e["rank"] == 0)
+    stall = max(b - a for a, b in itertools.pairwise(times))
+    steps_run, per_epoch = counted_samples(events)
+    assert steps_run == list(range(steps))
+    for epoch in [ep for ep in per_epoch if ep < max(per_epoch)]:
+        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
+    diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
+    print(f"cut a-b for good: {survivor} trained on alone; the other's readmission failed after {grace} s of grace, "
+          f"held back {retried - dropped:.1f}s before its next try; longest gap between the survivor's steps "
+          f"{stall:.2f}s; generations {[(g.number, g.reason, g.node_ids) for _, g in seen]}; max |param diff| vs "
+          f"static {diff:.2e}")  # fmt: skip
+    assert retried - dropped >= BACKOFF_BASE_S - 1
+    assert stall < 5.0, "a newcomer that cannot arrive does not stop the survivors"
     assert diff <= TOLERANCE

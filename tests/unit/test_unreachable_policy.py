@@ -1,0 +1,108 @@
+"""Who a failure report naming unreachable peers evicts, and how long an evicted node is held back when it comes back
+(coordinator.policy and the planner; pure, time passed in). The same rules on a real etcd and coordinator:
+tests/contract/test_errors_and_lifecycle.py; a real cut between two nodes: tests/integration/test_partitions.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pliant.coordinator.contract import (
+    Generation,
+    GenerationMember,
+    JobSnapshot,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Keep,
+    Member,
+    NewGeneration,
+    Strike,
+    WaitUntil,
+)
+from pliant.coordinator.planner import plan
+from pliant.coordinator.policy import BACKOFF_BASE_S, BACKOFF_MAX_S, LeaderClock, backoff_s, evictions, held_back
+
+T0 = 1_000.0
+SPEC = JobSpec("job", min_nodes=1, max_nodes=3, nproc_per_node=1, join_grace_s=0.0)
+
+
+def gen(number: int, since: dict[str, int]) -> Generation:
+    members = tuple(GenerationMember(n, i, i, 1, f"{n}:1", s) for i, (n, s) in enumerate(since.items()))
+    return Generation("job", number, members, "join")
+
+
+def test_a_report_evicts_the_live_members_it_names() -> None:
+    assert evictions(gen(3, {"a": 1, "b": 1, "c": 1}), "a", ["b", "c", "a", "b"], ["a", "b", "c"]) == ("b", "c")
+    assert evictions(gen(3, {"a": 1, "b": 1}), "a", ["b"], ["a"]) == ()  # b already gone: nothing more to do
+
+
+def test_both_sides_of_a_cut_reporting_evict_only_one() -> None:
+    """The first report (a's) evicts b; b's, read after it, comes from a node that is no longer a member."""
+    g = gen(3, {"a": 1, "b": 1})
+    assert evictions(g, "a", ["b"], ["a", "b"]) == ("b",)
+    assert evictions(g, "b", ["a"], ["a"]) == ()
+
+
+def test_a_newcomer_that_cannot_reach_the_world_steps_back_itself() -> None:
+    """b joined in generation 4; a has trained since 1 and holds the state: b's report evicts b, a's evicts b too."""
+    g = gen(4, {"a": 1, "c": 2, "b": 4})
+    assert evictions(g, "b", ["a"], ["a", "b", "c"]) == ("b",)
+    assert evictions(g, "a", ["b"], ["a", "b", "c"]) == ("b",)
+    assert evictions(g, "c", ["b"], ["a", "b", "c"]) == ("b",)
+    assert evictions(g, "b", ["c"], ["a", "b", "c"]) == ("b",)
+
+
+def test_the_backoff_starts_at_the_second_strike_and_doubles_to_a_cap() -> None:
+    assert [backoff_s(n) for n in (0, 1, 2, 3, 4)] == [0.0, 0.0, BACKOFF_BASE_S, 2 * BACKOFF_BASE_S, 4 * BACKOFF_BASE_S]
+    assert backoff_s(40) == BACKOFF_MAX_S
+
+
+def test_a_strike_holds_back_only_the_address_it_was_given_at() -> None:
+    strikes = [Strike("b", "b:1", 3, 7, T0)]
+    assert held_back(strikes, [Member("b", "b:1")], T0 + 1) == {"b": T0 + backoff_s(3)}
+    assert held_back(strikes, [Member("b", "b:2")], T0 + 1) == {}  # restarted or replaced: starts clean
+    assert held_back(strikes, [Member("b", "b:1")], T0 + backoff_s(3)) == {}  # served
+    assert held_back([Strike("b", "b:1", 1, 7, T0)], [Member("b", "b:1")], T0) == {}  # a first strike holds nobody
+
+
+def _snap(members: list[Member], generation: Generation, strikes: list[Strike]) -> JobSnapshot:
+    return JobSnapshot(SPEC, JobStatus(JobState.RUNNING, T0), tuple(members), generation, strikes=tuple(strikes))
+
+
+def test_the_planner_holds_a_struck_node_back_then_admits_it() -> None:
+    a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2, joined_at=T0)
+    snap = _snap([a, b], gen(5, {"a": 1}), [Strike("b", "b:1", 2, 9, T0)])
+    held = plan(snap, T0 + 1)
+    assert isinstance(held, WaitUntil) and held.deadline == T0 + BACKOFF_BASE_S and "holding back b" in held.why
+    assert held.state is JobState.RUNNING
+    admitted = plan(snap, T0 + BACKOFF_BASE_S)
+    assert isinstance(admitted, NewGeneration) and admitted.generation.node_ids == ("a", "b")
+    assert [m.since for m in admitted.generation.members] == [1, 6]  # a keeps its since; b is new in 6
+    moved = plan(_snap([a, dataclasses.replace(b, address="b:2")], gen(5, {"a": 1}), list(snap.strikes)), T0 + 1)
+    assert isinstance(moved, NewGeneration)  # back at another address: not held
+
+
+def test_a_job_below_min_nodes_waits_for_the_hold_to_end_within_its_timeout() -> None:
+    spec = dataclasses.replace(SPEC, min_nodes=2, min_nodes_timeout_s=60.0)
+    a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2)
+    waiting = JobSnapshot(spec, JobStatus(JobState.WAITING, T0), (a, b), Generation("job", 6, (), "failure"),
+                          strikes=(Strike("b", "b:1", 4, 9, T0),))  # fmt: skip
+    decision = plan(waiting, T0 + 2)
+    assert isinstance(decision, WaitUntil) and decision.deadline == T0 + backoff_s(4) < T0 + 60
+    assert decision.state is JobState.WAITING
+    started = plan(waiting, T0 + backoff_s(4))
+    assert isinstance(started, NewGeneration) and started.generation.node_ids == ("a", "b")
+
+
+def test_with_nobody_held_a_running_world_is_kept() -> None:
+    a = Member("a", "a:1", order=1)
+    assert isinstance(plan(_snap([a], gen(5, {"a": 1}), [Strike("a", "a:1", 3, 9, T0)]), T0), Keep)
+
+
+def test_the_leader_times_a_strike_from_when_it_first_saw_it() -> None:
+    clock = LeaderClock()
+    snap = _snap([], gen(1, {}), [Strike("b", "b:1", 2, 9, seen_at=12345.0)])
+    assert clock.view(snap, 50.0).strikes[0].seen_at == 50.0
+    assert clock.view(snap, 70.0).strikes[0].seen_at == 50.0
+    again = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 3, 11),))  # a newer strike: a new record
+    assert clock.view(again, 80.0).strikes[0].seen_at == 80.0
