@@ -386,11 +386,14 @@ class MemberProgress:
             -1 when unknown.
         step: the latest training step the node's workers reported through heartbeats (0: none yet).
         step_at: wall-clock seconds when a coordinator recorded that step (0: none yet).
+        strikes: times the node was evicted because its peers could not reach it, since its strikes last lapsed
+            (:class:`Strike`; from two on it is held back as a spare between tries).
     """
 
     heartbeat_age_s: float = -1.0
     step: int = 0
     step_at: float = 0.0
+    strikes: int = 0
 
     def to_json(self) -> str:
         return json.dumps({"step": self.step, "step_at": self.step_at}, sort_keys=True)

@@ -108,6 +108,7 @@ def _member_to_pb(m: Member, progress: MemberProgress) -> pb.Member:
         heartbeat_age_s=progress.heartbeat_age_s,
         step=progress.step,
         step_at=progress.step_at,
+        strikes=progress.strikes,
     )
 
 
@@ -130,7 +131,7 @@ def job_info_from_pb(msg: pb.JobStatus) -> JobInfo:
         status=JobStatus(state_from_pb(msg.state), msg.state_since, msg.reason),
         generation=generation_from_pb(msg.generation) if msg.HasField("generation") else None,
         members=tuple(Member(m.node_id, m.address, m.slots, m.joined_at) for m in msg.members),
-        progress={m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at) for m in msg.members},
+        progress={m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at, m.strikes) for m in msg.members},
     )
 
 

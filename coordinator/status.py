@@ -38,6 +38,7 @@ def to_dict(info: JobInfo) -> dict[str, Any]:
                 "heartbeat_age_s": p.heartbeat_age_s if p.heartbeat_age_s >= 0 else None,
                 "step": p.step or None,
                 "step_at": p.step_at or None,
+                "strikes": p.strikes,
             }
         )
     return {
@@ -96,6 +97,8 @@ def render_table(jobs: Sequence[JobInfo], now: float, unreadable: Mapping[str, s
         rows = [["NODE", "ADDRESS", "RANKS", "HEARTBEAT", "STEP", "STEP SEEN"]]
         for m in d["members"]:
             ranks = f"{m['ranks'][0]}-{m['ranks'][1]}" if m["ranks"] else "spare"
+            if m["strikes"] >= 2 and not m["ranks"]:
+                ranks += f" ({m['strikes']} strikes: held back)"
             seen = _ago(now - m["step_at"]) if m["step_at"] else "-"
             rows.append([m["node_id"], m["address"], ranks, _ago(m["heartbeat_age_s"]), str(m["step"] or "-"), seen])
         out.extend("  " + line for line in _table(rows))

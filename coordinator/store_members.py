@@ -244,16 +244,21 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
-        """Each member's progress: the recorded step and the age of its last heartbeat (from its lease's TTL)."""
+        """Each member's progress: the recorded step, the age of its last heartbeat (from its lease's TTL) and its
+        strikes."""
         recorded = {
             meta.key.decode().rsplit("/", 1)[1]: decode(meta.key, MemberProgress.from_json, value)
             for value, meta in self.client.get_prefix(self.progress_key(job))
         }
+        prefix = self.job_key(job, "strikes") + "/"
+        strikes = {meta.key.decode()[len(prefix):]: strike_count(meta.key, value)
+                   for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
         ages = self.lease_ages(job, members)
         out = {}
         for member in members:
             step = recorded.get(member.node_id, MemberProgress())
-            out[member.node_id] = MemberProgress(ages[member.node_id], step.step, step.step_at)
+            out[member.node_id] = MemberProgress(ages[member.node_id], step.step, step.step_at,
+                                                 strikes.get(member.node_id, 0))  # fmt: skip
         return out
 
     @etcd_call

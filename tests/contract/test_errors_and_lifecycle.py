@@ -205,6 +205,7 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
 
         client.join("job", "b", "127.0.0.1:2")  # strike 2: held back
         rejoined = time.monotonic()
+        assert client.get_job("job", progress=True).progress["b"].strikes == 2  # pliant status: "held back"
         gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 30, "b")
         held = time.monotonic() - rejoined
         assert BACKOFF_BASE_S - 1 <= held <= BACKOFF_BASE_S + 5, held

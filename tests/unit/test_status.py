@@ -48,7 +48,7 @@ def test_json_is_stable_for_scripts() -> None:
     n0, n1, spare = job["members"]
     assert n0 == {"node_id": "n0", "address": "10.0.0.1:5000", "slots": 2, "joined_at": NOW - 100,
                   "in_generation": True, "node_rank": 0, "ranks": [0, 1], "heartbeat_age_s": 1.0, "step": 120,
-                  "step_at": NOW - 3}  # fmt: skip
+                  "step_at": NOW - 3, "strikes": 0}  # fmt: skip
     assert n1["ranks"] == [2, 3]
     assert spare["in_generation"] is False and spare["heartbeat_age_s"] is None and spare["step"] is None
 
@@ -57,6 +57,19 @@ def test_progress_survives_the_protobuf_round_trip() -> None:
     info = job_info_from_pb(job_info_to_pb(_job()))
     assert info.progress["n0"] == MemberProgress(1.0, 120, NOW - 3)
     assert info.progress["spare"] == MemberProgress()
+    struck = _job()
+    struck.progress["spare"] = MemberProgress(0.0, 0, 0.0, strikes=3)
+    assert job_info_from_pb(job_info_to_pb(struck)).progress["spare"].strikes == 3
+
+
+def test_a_spare_held_back_for_its_strikes_says_so() -> None:
+    job = _job()
+    job.progress["spare"] = MemberProgress(0.0, 0, 0.0, strikes=2)
+    job.progress["n1"] = MemberProgress(0.0, 118, NOW - 4, strikes=1)  # in the world: nothing to say
+    lines = render_table([job], NOW).splitlines()
+    assert lines[5].split()[:6] == ["spare", "10.0.0.3:5000", "spare", "(2", "strikes:", "held"]
+    assert "strikes" not in lines[4]
+    assert json.loads(render_json([job]))["jobs"][0]["members"][2]["strikes"] == 2
 
 
 def test_no_jobs() -> None:
