@@ -12,6 +12,10 @@ node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays
 - ``partition``: a node's link down for a few seconds (no reset: its peers go silent), then up;
 - ``peer-cut``: two nodes cannot reach each other for a few seconds (blackhole routes), while both reach everything
   else;
+- ``long-peer-cut`` (only when ``--kinds`` names it; not drawn by default, so the default schedules stay as they
+  were): the same for :data:`LONG_CUT_S`, longer than the failure detection and the rescale grace, so one node is
+  evicted, comes back and is evicted again, and its strikes hold it back (docs/architecture.md, "A cut between two
+  nodes"); its recovery counts from the heal, so it includes any hold still running then;
 - ``control-cut``: a node cannot reach the control plane for a few seconds (blackhole route), then can;
 - ``hang``: SIGSTOP a worker for 1 s, then SIGCONT;
 - ``kill-coordinator``: kill -9 one coordinator replica, started again 2 s later;
@@ -71,6 +75,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 KINDS = ("kill-worker", "kill-agent", "kill-node", "new-address", "partition", "peer-cut", "control-cut", "hang",
          "kill-coordinator", "kill-etcd", "minority")
+EXTRA_KINDS = ("long-peer-cut",)  # drawn only when --kinds names them
+LONG_CUT_S = 45.0
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
 TOKEN = "chaos-join-token"
 
@@ -214,10 +220,10 @@ class Soak:
             return time.time(), full
         if kind == "minority":
             return self._minority(), full
-        if kind == "peer-cut":
+        if kind in ("peer-cut", "long-peer-cut"):
             other = rng.choice([n for n in self.nodes if n is not node])
             self.fabric.block(node, other.address)
-            time.sleep(4.0)
+            time.sleep(4.0 if kind == "peer-cut" else LONG_CUT_S)
             self.fabric.unblock(node, other.address)
             return time.time(), full
         if kind == "partition":
@@ -362,7 +368,7 @@ class Report:
         lines = [f"chaos soak ({self.engine}), seed {self.seed}: {self.faults} faults, wall {self.wall_s:.0f}s, "
                  f"agents' exit codes {self.codes}",
                  f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}"]
-        for kind in KINDS:
+        for kind in KINDS + EXTRA_KINDS:
             done = self.recoveries.get(kind, [])
             total = len(done) + self.failed.get(kind, 0)
             if total:
@@ -388,9 +394,9 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
         log: Callable[[str], None] = print, engine: str = "ddp") -> Report:  # fmt: skip
     """Run one soak (see the module docstring). ``steps``: the job's steps at most (0: 400 + 100 per fault); it ends
     30 steps after the schedule does. Needs root (network namespaces)."""
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(EXTRA_KINDS)
     if unknown:
-        raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS + EXTRA_KINDS)}")
     rng = random.Random(seed)
     schedule = [rng.choice(kinds) for _ in range(faults)]
     steps = steps or 400 + 100 * faults
@@ -467,16 +473,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="training steps at most (default: 400 + 100 per "
                         "fault); the job ends 30 steps after the last fault's recovery")  # fmt: skip
     parser.add_argument("--recover-timeout", type=float, default=120.0)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from "
+                        f"(default: all but {', '.join(EXTRA_KINDS)})")  # fmt: skip
     parser.add_argument("--engine", choices=("ddp", "zero", "fsdp"), default="ddp")
     args = parser.parse_args()
     why = unavailable()
     if why:
         raise SystemExit(f"chaos soak: {why} (run it as root on Linux)")
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(EXTRA_KINDS)
     if unknown:
-        raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS + EXTRA_KINDS)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up (run's finally)
     report = run(args.faults, args.seed, args.nodes, kinds, args.recover_timeout, args.steps,
                  log=lambda line: print(line, flush=True), engine=args.engine)  # fmt: skip

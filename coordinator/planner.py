@@ -14,9 +14,9 @@ Rules (see docs/architecture.md):
   ``min_nodes_timeout_s`` in that state the job fails with a reason naming the nodes it has.
 - A node evicted because its peers could not reach it, back at the same address, waits as a spare while its strikes
   hold it back (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs
-  the world a failed meeting per backoff, not one a minute. Each member records the generation since which it has
-  trained in the world without a break (``since``), which decides who steps back when a newcomer cannot reach it
-  (:func:`pliant.coordinator.policy.evictions`).
+  the world a failed try per backoff, not one a minute. Each member records the generation since which it has
+  trained in the world without a break (``since``): a newcomer evicted from the generation that admitted it, by a
+  member older than it, earns the strike (:func:`pliant.coordinator.policy.struck`).
 - A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
   events never do. With the budget spent, the next failure fails the job. Failures in a generation that also lost a
   node are attributed to that loss and spend nothing.

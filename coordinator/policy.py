@@ -10,20 +10,22 @@ everyone for a full TTL: after it won the election and after etcd answered again
 (shorter than the lease) therefore evicts nobody who kept trying; a node that died is evicted one TTL after the
 control plane came back.
 
-**Unreachable peers** (:func:`evictions`, :func:`held_back`). An agent whose workers failed names the peers whose
-agents it cannot reach, and the coordinator evicts them with the report. Two rules keep a cut between two nodes that
-both still reach the control plane from tearing the world down or flapping it forever:
+**Unreachable peers** (:func:`evictions`, :func:`struck`, :func:`held_back`). An agent whose workers failed names
+the peers whose agents it cannot reach, and the coordinator evicts them with the report. Two rules keep a cut between
+two nodes that both still reach the control plane from tearing the world down or flapping it forever:
 
 - a report evicts only while its reporter is a live member: when both sides of a cut report each other in one
   generation, the first report evicts the other side and the second, from an evicted node, evicts nobody (both were
-  evicted before, and the world stopped); and a node that joined the world later than a peer it cannot reach is the
-  one that steps back (it, not the peer that holds the training state, is evicted);
-- every node evicted this way gets a *strike* (kept in etcd, lapsing :data:`STRIKE_WINDOW_S` after the last). A
-  node that comes back at the same address is held back as a spare for :func:`backoff_s` of its strikes (none for
-  the first, so a cut that healed costs nothing more; then :data:`BACKOFF_BASE_S`, doubling up to
-  :data:`BACKOFF_MAX_S`), as Kubernetes backs off a crash-looping container: a cut that does not heal costs the
-  world one failed meeting per backoff instead of one every minute. A node back at another address (its agent was
-  restarted, or it was replaced) starts clean.
+  evicted before, and the world stopped);
+- a node that came back and could not be reached by the members it was admitted to join gets a *strike*: it is named
+  by a member that has trained in the world since an earlier generation, in the generation that admitted it (a
+  readmission that failed: the survivors' agents report a newcomer that never arrived, see the agent's hand-over).
+  Strikes are kept in etcd and lapse :data:`STRIKE_WINDOW_S` after the last. A node back at the same address is
+  held back as a spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to
+  :data:`BACKOFF_MAX_S`), as Kubernetes backs off a crash-looping container: a cut that does not heal costs one try
+  per backoff instead of one a minute. A node evicted while it was an established member (a partition, a death, a
+  cut that then heals) gets no strike, so churn never holds anyone back; a node back at another address (its agent
+  was restarted, or it was replaced) starts its count again.
 
 **One clock**: deadlines (join batching, the min-nodes timeout, the finished-job TTL) are measured on the leader's
 monotonic clock, from when the leader first saw the record that starts them (identified by its etcd revision), never
@@ -48,10 +50,11 @@ __all__ = [
     "held_back",
     "may_overwrite",
     "overdue_members",
+    "struck",
 ]
 
 STRIKE_WINDOW_S = 600  # a node's strikes lapse this long after its last (etcd's lease on them)
-BACKOFF_BASE_S = 10.0  # the hold after a second strike; doubled for each strike after it ...
+BACKOFF_BASE_S = 10.0  # the hold after a first strike; doubled for each strike after it ...
 BACKOFF_MAX_S = 300.0  # ... up to this
 
 
@@ -84,23 +87,28 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
         live: the nodes that hold a live membership now.
 
     Returns:
-        The named live members of ``generation`` (not the reporter); or the reporter alone when one of them has
-        trained in this world since an earlier generation than the reporter; or nothing when the reporter is no
-        longer a live member.
+        The named live members of ``generation`` other than the reporter; nothing when the reporter is no longer a
+        live member.
     """
-    since = {m.node_id: m.since for m in generation.members}
-    if reporter not in live or reporter not in since:
+    members = {m.node_id for m in generation.members}
+    if reporter not in live or reporter not in members:
         return ()
-    named = [n for n in dict.fromkeys(unreachable) if n != reporter and n in since and n in live]
-    if any(since[n] < since[reporter] for n in named):
-        return (reporter,)
-    return tuple(named)
+    return tuple(n for n in dict.fromkeys(unreachable) if n != reporter and n in members and n in live)
+
+
+def struck(generation: Generation, reporter: str, evicted: Sequence[str]) -> tuple[str, ...]:
+    """Of the nodes ``reporter``'s report of ``generation`` evicts, those that earn a strike: admitted by this very
+    generation, and named by a member that has trained in the world since an earlier one (a failed readmission)."""
+    since = {m.node_id: m.since for m in generation.members}
+    if not since.get(reporter, generation.number) < generation.number:
+        return ()
+    return tuple(n for n in evicted if since.get(n) == generation.number)
 
 
 def backoff_s(count: int) -> float:
-    """How long a node with ``count`` strikes is held back: 0 for one, then :data:`BACKOFF_BASE_S` doubling per
-    strike up to :data:`BACKOFF_MAX_S`."""
-    return 0.0 if count <= 1 else min(BACKOFF_BASE_S * 2 ** (count - 2), BACKOFF_MAX_S)
+    """How long a node with ``count`` strikes is held back: :data:`BACKOFF_BASE_S` for one, doubling per strike up to
+    :data:`BACKOFF_MAX_S`; nothing for none."""
+    return 0.0 if count < 1 else min(BACKOFF_BASE_S * 2 ** (count - 1), BACKOFF_MAX_S)
 
 
 def held_back(strikes: Sequence[Strike], members: Sequence[Member], now: float) -> dict[str, float]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import json
 import logging
 from typing import Any
 
@@ -55,7 +54,7 @@ from pliant.coordinator.store_base import (
     decode,
     etcd_call,
     range_end,
-    strike_count,
+    read_strike,
     token_digest,
 )
 from pliant.coordinator.store_members import MemberStore
@@ -68,14 +67,9 @@ _NO_STATE = JobStatus(JobState.WAITING, 0.0)
 
 
 def _strike(value: bytes, meta: Any) -> Strike:
-    """A strike record (its node id from its key; an unreadable one counts as one strike at no address, which
-    holds nobody back: see :func:`pliant.coordinator.store_base.strike_count`)."""
-    try:
-        address = str(json.loads(value)["address"])
-    except (ValueError, KeyError, TypeError):
-        address = ""
-    node = meta.key.decode().rsplit("/", 1)[1]
-    return Strike(node, address, strike_count(meta.key, value), meta.mod_revision)
+    """A strike record, its node id from its key (see :func:`pliant.coordinator.store_base.read_strike`)."""
+    count, address = read_strike(meta.key, value)
+    return Strike(meta.key.decode().rsplit("/", 1)[1], address, count, meta.mod_revision)
 
 
 class EtcdStore(MemberStore):

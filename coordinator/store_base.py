@@ -35,7 +35,7 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
 
-__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "decode", "etcd_call", "range_end", "strike_count",
+__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "decode", "etcd_call", "range_end", "read_strike",
            "token_digest"]
 
 logger = logging.getLogger(__name__)
@@ -101,14 +101,15 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
     return wrapper
 
 
-def strike_count(key: str | bytes, raw: bytes) -> int:
-    """The count of a strike record (:class:`pliant.coordinator.contract.Strike`); a record that cannot be read counts
-    as one (strikes only delay a rejoin; the next strike overwrites it), with a warning."""
+def read_strike(key: str | bytes, raw: bytes) -> tuple[int, str]:
+    """The (count, address) of a strike record (:class:`pliant.coordinator.contract.Strike`). A record that cannot
+    be read counts as one strike at no address, which holds nobody back (strikes only delay a rejoin; the next
+    strike overwrites it), with a warning."""
     try:
-        return int(decode(key, lambda v: json.loads(v)["count"], raw))
-    except (CorruptRecord, ValueError, TypeError) as exc:
+        return decode(key, lambda v: (int(json.loads(v)["count"]), str(json.loads(v)["address"])), raw)
+    except CorruptRecord as exc:
         logger.warning("%s; counted as one strike", exc)
-        return 1
+        return 1, ""
 
 
 def decode(key: str | bytes, parse: Callable[[bytes], _T], raw: bytes) -> _T:

@@ -31,8 +31,8 @@ from pliant.coordinator.contract import (
     Unavailable,
     quote,
 )
-from pliant.coordinator.policy import STRIKE_WINDOW_S, backoff_s, evictions
-from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, strike_count, token_digest
+from pliant.coordinator.policy import STRIKE_WINDOW_S, backoff_s, evictions, struck
+from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, read_strike, token_digest
 
 __all__ = ["MemberStore"]
 
@@ -251,7 +251,7 @@ class MemberStore(EtcdBase):
             for value, meta in self.client.get_prefix(self.progress_key(job))
         }
         prefix = self.job_key(job, "strikes") + "/"
-        strikes = {meta.key.decode()[len(prefix):]: strike_count(meta.key, value)
+        strikes = {meta.key.decode()[len(prefix):]: read_strike(meta.key, value)[0]
                    for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
         ages = self.lease_ages(job, members)
         out = {}
@@ -263,9 +263,10 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def report_failure(self, job: str, report: FailureReport, unreachable: Sequence[str] = ()) -> tuple[bool, int]:
-        """Record a worker failure of the current generation, evicting in the same txn the nodes
-        :func:`pliant.coordinator.policy.evictions` names (the ``unreachable`` ones, the reporter itself, or none),
-        each with a strike (:class:`Strike`, on a lease of :data:`STRIKE_WINDOW_S`).
+        """Record a worker failure of the current generation, evicting in the same txn the ``unreachable`` nodes that
+        :func:`pliant.coordinator.policy.evictions` allows (none once the reporter was evicted itself), with a strike
+        for each of them that :func:`pliant.coordinator.policy.struck` names (on a lease of :data:`STRIKE_WINDOW_S`;
+        the count goes on only at the address of the last strike).
 
         Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
         revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
@@ -296,25 +297,27 @@ class MemberStore(EtcdBase):
             strikes = {}
             if evicted:  # only while the reporter is still a member (its key unchanged since read)
                 compare.append(self.tx.version(prefix + report.node_id) > 0)
-                lease = self.client.lease(STRIKE_WINDOW_S)
-                for node in evicted:
-                    strike_key = self.job_key(job, "strikes", node)
-                    value, _ = self.client.get(strike_key)
-                    count = strike_count(strike_key, value) + 1 if value else 1
-                    strikes[node] = count
-                    record = json.dumps({"address": live[node][0].address, "count": count}, sort_keys=True)
-                    ops += [self.tx.delete(prefix + node),
-                            self.tx.put(strike_key, record, lease=lease.id)]  # fmt: skip
+                ops += [self.tx.delete(prefix + node) for node in evicted]
+            lease = self.client.lease(STRIKE_WINDOW_S) if struck(current, report.node_id, evicted) else None
+            for node in struck(current, report.node_id, evicted):
+                strike_key, address = self.job_key(job, "strikes", node), live[node][0].address
+                value, _ = self.client.get(strike_key)
+                count, before = read_strike(strike_key, value) if value else (0, address)
+                strikes[node] = count + 1 if before == address else 1  # another address: counted again from one
+                record = json.dumps({"address": address, "count": strikes[node]}, sort_keys=True)
+                ops.append(self.tx.put(strike_key, record, lease=lease.id))  # type: ignore[union-attr]
             ok, _ = self._txn(compare, ops)
             if not ok:
-                if evicted:
+                if lease is not None:
                     self._revoke_quietly(lease.id)
                 continue  # the generation moved on (stale now) or the reporter was evicted meanwhile: read again
             for node in evicted:
                 self._revoke_quietly(live[node][1])
-            held = ", ".join(f"{n} (strike {c}, held back {backoff_s(c):g}s)" for n, c in strikes.items())
+            named = [f"{n} (strike {strikes[n]}: held back {backoff_s(strikes[n]):g}s)" if n in strikes else n
+                     for n in evicted]  # fmt: skip
             logger.info("failure reported in job %s generation %d by %s (exit %d)%s", job, current.number,
-                        report.node_id, report.exit_code, f"; evicted as unreachable: {held}" if held else "")
+                        report.node_id, report.exit_code,
+                        f"; evicted as unreachable: {', '.join(named)}" if named else "")  # fmt: skip
             return True, current.number
         raise Unavailable(f"job {job!r} kept changing while recording a failure report; retry")
 

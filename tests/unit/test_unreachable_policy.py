@@ -20,7 +20,15 @@ from pliant.coordinator.contract import (
     WaitUntil,
 )
 from pliant.coordinator.planner import plan
-from pliant.coordinator.policy import BACKOFF_BASE_S, BACKOFF_MAX_S, LeaderClock, backoff_s, evictions, held_back
+from pliant.coordinator.policy import (
+    BACKOFF_BASE_S,
+    BACKOFF_MAX_S,
+    LeaderClock,
+    backoff_s,
+    evictions,
+    held_back,
+    struck,
+)
 
 T0 = 1_000.0
 SPEC = JobSpec("job", min_nodes=1, max_nodes=3, nproc_per_node=1, join_grace_s=0.0)
@@ -34,6 +42,7 @@ def gen(number: int, since: dict[str, int]) -> Generation:
 def test_a_report_evicts_the_live_members_it_names() -> None:
     assert evictions(gen(3, {"a": 1, "b": 1, "c": 1}), "a", ["b", "c", "a", "b"], ["a", "b", "c"]) == ("b", "c")
     assert evictions(gen(3, {"a": 1, "b": 1}), "a", ["b"], ["a"]) == ()  # b already gone: nothing more to do
+    assert evictions(gen(4, {"a": 1, "b": 4}), "b", ["a"], ["a", "b"]) == ("a",)  # a newcomer's word counts too
 
 
 def test_both_sides_of_a_cut_reporting_evict_only_one() -> None:
@@ -43,17 +52,20 @@ def test_both_sides_of_a_cut_reporting_evict_only_one() -> None:
     assert evictions(g, "b", ["a"], ["a"]) == ()
 
 
-def test_a_newcomer_that_cannot_reach_the_world_steps_back_itself() -> None:
-    """b joined in generation 4; a has trained since 1 and holds the state: b's report evicts b, a's evicts b too."""
+def test_only_a_failed_readmission_earns_a_strike() -> None:
+    """b was admitted by generation 4; a and c have trained since earlier ones. An older member naming b: a strike.
+    b naming an older member (which may have died), an eviction among established members (a partition, a death),
+    or in a generation where all are new: none."""
     g = gen(4, {"a": 1, "c": 2, "b": 4})
-    assert evictions(g, "b", ["a"], ["a", "b", "c"]) == ("b",)
-    assert evictions(g, "a", ["b"], ["a", "b", "c"]) == ("b",)
-    assert evictions(g, "c", ["b"], ["a", "b", "c"]) == ("b",)
-    assert evictions(g, "b", ["c"], ["a", "b", "c"]) == ("b",)
+    assert struck(g, "a", ["b"]) == ("b",)
+    assert struck(g, "c", ["b", "a"]) == ("b",)
+    assert struck(g, "b", ["a"]) == ()
+    assert struck(gen(4, {"a": 1, "b": 2}), "a", ["b"]) == ()
+    assert struck(gen(4, {"a": 4, "b": 4}), "a", ["b"]) == ()
 
 
-def test_the_backoff_starts_at_the_second_strike_and_doubles_to_a_cap() -> None:
-    assert [backoff_s(n) for n in (0, 1, 2, 3, 4)] == [0.0, 0.0, BACKOFF_BASE_S, 2 * BACKOFF_BASE_S, 4 * BACKOFF_BASE_S]
+def test_the_backoff_starts_at_the_first_strike_and_doubles_to_a_cap() -> None:
+    assert [backoff_s(n) for n in (0, 1, 2, 3)] == [0.0, BACKOFF_BASE_S, 2 * BACKOFF_BASE_S, 4 * BACKOFF_BASE_S]
     assert backoff_s(40) == BACKOFF_MAX_S
 
 
@@ -62,7 +74,6 @@ def test_a_strike_holds_back_only_the_address_it_was_given_at() -> None:
     assert held_back(strikes, [Member("b", "b:1")], T0 + 1) == {"b": T0 + backoff_s(3)}
     assert held_back(strikes, [Member("b", "b:2")], T0 + 1) == {}  # restarted or replaced: starts clean
     assert held_back(strikes, [Member("b", "b:1")], T0 + backoff_s(3)) == {}  # served
-    assert held_back([Strike("b", "b:1", 1, 7, T0)], [Member("b", "b:1")], T0) == {}  # a first strike holds nobody
 
 
 def _snap(members: list[Member], generation: Generation, strikes: list[Strike]) -> JobSnapshot:
@@ -71,7 +82,7 @@ def _snap(members: list[Member], generation: Generation, strikes: list[Strike]) 
 
 def test_the_planner_holds_a_struck_node_back_then_admits_it() -> None:
     a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2, joined_at=T0)
-    snap = _snap([a, b], gen(5, {"a": 1}), [Strike("b", "b:1", 2, 9, T0)])
+    snap = _snap([a, b], gen(5, {"a": 1}), [Strike("b", "b:1", 1, 9, T0)])
     held = plan(snap, T0 + 1)
     assert isinstance(held, WaitUntil) and held.deadline == T0 + BACKOFF_BASE_S and "holding back b" in held.why
     assert held.state is JobState.RUNNING
@@ -86,11 +97,11 @@ def test_a_job_below_min_nodes_waits_for_the_hold_to_end_within_its_timeout() ->
     spec = dataclasses.replace(SPEC, min_nodes=2, min_nodes_timeout_s=60.0)
     a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2)
     waiting = JobSnapshot(spec, JobStatus(JobState.WAITING, T0), (a, b), Generation("job", 6, (), "failure"),
-                          strikes=(Strike("b", "b:1", 4, 9, T0),))  # fmt: skip
+                          strikes=(Strike("b", "b:1", 3, 9, T0),))  # fmt: skip
     decision = plan(waiting, T0 + 2)
-    assert isinstance(decision, WaitUntil) and decision.deadline == T0 + backoff_s(4) < T0 + 60
+    assert isinstance(decision, WaitUntil) and decision.deadline == T0 + backoff_s(3) < T0 + 60
     assert decision.state is JobState.WAITING
-    started = plan(waiting, T0 + backoff_s(4))
+    started = plan(waiting, T0 + backoff_s(3))
     assert isinstance(started, NewGeneration) and started.generation.node_ids == ("a", "b")
 
 
