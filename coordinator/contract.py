@@ -386,8 +386,8 @@ class MemberProgress:
             -1 when unknown.
         step: the latest training step the node's workers reported through heartbeats (0: none yet).
         step_at: wall-clock seconds when a coordinator recorded that step (0: none yet).
-        strikes: times the node was evicted because its peers could not reach it, since its strikes last lapsed
-            (:class:`Strike`; from two on it is held back as a spare between tries).
+        strikes: the node's failed readmissions (its peers could not reach it) since its strikes last lapsed
+            (:class:`Strike`; it is held back as a spare between tries).
     """
 
     heartbeat_age_s: float = -1.0
@@ -476,9 +476,10 @@ class FailureReport:
 
 @dataclass(frozen=True)
 class Strike:
-    """A node evicted because peers could not reach it, ``count`` times since its strikes last lapsed (etcd expires
-    them :data:`pliant.coordinator.policy.STRIKE_WINDOW_S` after the last); ``seen_at``: when the leader first saw
-    the latest (its clock), ``revision`` names that record."""
+    """A node whose readmission failed (older members could not reach it: :func:`pliant.coordinator.policy.struck`),
+    ``count`` times at ``address`` since its strikes last lapsed (etcd expires them
+    :data:`pliant.coordinator.policy.STRIKE_WINDOW_S` after the last); ``seen_at``: when the leader first saw the
+    latest (its clock), ``revision`` names that record."""
 
     node_id: str
     address: str

@@ -97,7 +97,7 @@ def render_table(jobs: Sequence[JobInfo], now: float, unreadable: Mapping[str, s
         rows = [["NODE", "ADDRESS", "RANKS", "HEARTBEAT", "STEP", "STEP SEEN"]]
         for m in d["members"]:
             ranks = f"{m['ranks'][0]}-{m['ranks'][1]}" if m["ranks"] else "spare"
-            if m["strikes"] >= 2 and not m["ranks"]:
+            if m["strikes"] and not m["ranks"]:
                 ranks += f" ({m['strikes']} strikes: held back)"
             seen = _ago(now - m["step_at"]) if m["step_at"] else "-"
             rows.append([m["node_id"], m["address"], ranks, _ago(m["heartbeat_age_s"]), str(m["step"] or "-"), seen])
