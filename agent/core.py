@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from pliant.agent.contract import AgentState, GroupResult
-from pliant.coordinator.contract import Generation, JobState
+from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, JobState
 
 __all__ = [
     "FENCE_AFTER",
@@ -424,7 +424,7 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
     if waiting:
         message = f"local rank {min(waiting)} saw a peer fail mid-step and waits in place for the next generation"
         state = _set(state, state.phase, "a peer failed; waiting in place")
-        return state, [Send(Report("failure", state.group, HANG_EXIT_CODE, message))]
+        return state, [Send(Report("failure", state.group, WAIT_EXIT_CODE, message))]  # no worker of ours failed
     return state, []
 
 

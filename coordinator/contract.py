@@ -23,6 +23,7 @@ __all__ = [
     "MAX_NPROC",
     "MAX_REASON_BYTES",
     "MAX_WORLD_SIZE",
+    "WAIT_EXIT_CODE",
     "AlreadyExists",
     "CoordinatorError",
     "CorruptRecord",
@@ -456,9 +457,13 @@ class Generation:
         return _from_mapping(cls, {**data, "members": members})
 
 
+WAIT_EXIT_CODE = -2  # a FailureReport of workers that wait in place after a peer failed
+
+
 @dataclass(frozen=True)
 class FailureReport:
-    """An agent's report that a worker of ``generation`` on ``node_id`` failed."""
+    """An agent's report that a worker of ``generation`` on ``node_id`` failed (``exit_code`` :data:`WAIT_EXIT_CODE`:
+    none did, they wait in place after a peer failed; the planner gives the failure's cause a moment to be reported)."""
 
     node_id: str
     generation: int

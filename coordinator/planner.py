@@ -17,6 +17,10 @@ Rules (see docs/architecture.md):
   the world a failed try per backoff, not one a minute. Each member records the generation since which it has
   trained in the world without a break (``since``): a newcomer evicted from the generation that admitted it, by a
   member older than it, earns the strike (:func:`pliant.coordinator.policy.struck`).
+- Reports from nodes whose workers only wait after a peer failed (``WAIT_EXIT_CODE``) give the failure's cause
+  :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
+  whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
+  third node, which reaches both, otherwise spent a restart and re-formed the same world again and again.
 - A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
   events never do. With the budget spent, the next failure fails the job. Failures in a generation that also lost a
   node are attributed to that loss and spend nothing.
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 
 from pliant.coordinator.contract import (
     MAX_WORLD_SIZE,
+    WAIT_EXIT_CODE,
     Decision,
     FailJob,
     Generation,
@@ -44,7 +49,7 @@ from pliant.coordinator.contract import (
     NewGeneration,
     WaitUntil,
 )
-from pliant.coordinator.policy import held_back
+from pliant.coordinator.policy import REPORT_GRACE_S, held_back
 
 __all__ = ["assign_ranks", "plan"]
 
@@ -145,7 +150,15 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
         reason = "leave" if all(n in snap.departed for n in removed) else "failure"
         return _publish(snap, target if len(target) >= spec.min_nodes else (), reason, restarts, now)
 
-    failed_nodes = sorted({f.node_id for f in snap.failures if gen is not None and f.generation == gen.number})
+    failures = [f for f in snap.failures if gen is not None and f.generation == gen.number]
+    failed_nodes = sorted({f.node_id for f in failures})
+    if running and failures and all(f.exit_code == WAIT_EXIT_CODE for f in failures):
+        # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
+        # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.
+        until = min(f.reported_at for f in failures) + REPORT_GRACE_S
+        if now < until:
+            return WaitUntil(until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause",
+                             JobState.RUNNING)  # fmt: skip
     if running and failed_nodes:
         if restarts >= spec.max_restarts:
             return FailJob(

@@ -43,6 +43,7 @@ from pliant.coordinator.contract import Generation, JobSnapshot, JobStatus, Memb
 __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_MAX_S",
+    "REPORT_GRACE_S",
     "STRIKE_WINDOW_S",
     "LeaderClock",
     "backoff_s",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 STRIKE_WINDOW_S = 600  # a node's strikes lapse this long after its last (etcd's lease on them)
+REPORT_GRACE_S = 2.0  # reports of workers waiting after a peer failed wait this long for the failure's cause
 BACKOFF_BASE_S = 10.0  # the hold after a first strike; doubled for each strike after it ...
 BACKOFF_MAX_S = 300.0  # ... up to this
 
@@ -140,8 +142,9 @@ class LeaderClock:
         self._seen: dict[str, dict[tuple[str, int], float]] = {}
 
     def view(self, snap: JobSnapshot, now: float) -> JobSnapshot:
-        """``snap`` with the state's ``since``, each member's ``joined_at`` and each strike's ``seen_at`` replaced by
-        the times this leader first saw them (leader-clock seconds; pass the same clock's ``now`` to the planner)."""
+        """``snap`` with the state's ``since``, each member's ``joined_at``, each strike's ``seen_at`` and each failure
+        report's ``reported_at`` (a node's first for its generation) replaced by the times this leader first saw them
+        (leader-clock seconds; pass the same clock's ``now`` to the planner)."""
         job = snap.spec.job_id
         old = self._seen.get(job, {})
         seen: dict[tuple[str, int], float] = {}
@@ -154,9 +157,11 @@ class LeaderClock:
         members = tuple(dataclasses.replace(m, joined_at=first((m.node_id, m.order))) for m in snap.members)
         strikes = tuple(dataclasses.replace(s, seen_at=first((f"strike/{s.node_id}", s.revision)))
                         for s in snap.strikes)  # fmt: skip
+        failures = tuple(dataclasses.replace(f, reported_at=first((f"failure/{f.node_id}", f.generation)))
+                         for f in snap.failures)  # fmt: skip
         self._seen[job] = seen  # records no longer in the snapshot are forgotten
         return dataclasses.replace(snap, status=dataclasses.replace(snap.status, since=since), members=members,
-                                   strikes=strikes)  # fmt: skip
+                                   strikes=strikes, failures=failures)  # fmt: skip
 
     def forget(self, job: str) -> None:
         self._seen.pop(job, None)

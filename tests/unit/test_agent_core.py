@@ -8,7 +8,7 @@ import pytest
 
 from pliant.agent import core
 from pliant.agent.contract import AgentState, GroupResult
-from pliant.coordinator.contract import Generation, GenerationMember, JobState
+from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(10)
@@ -279,17 +279,17 @@ def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
     actions = agent.on(core.Tick({0: (4, "wait"), 1: (4, "step")}, ready=True), after=0.2)
     assert agent.kinds(actions) == ["Send"]
     report = actions[0].report  # type: ignore[union-attr]
-    assert (report.kind, report.generation, report.exit_code) == ("failure", 1, core.HANG_EXIT_CODE)
+    assert (report.kind, report.generation, report.exit_code) == ("failure", 1, WAIT_EXIT_CODE)
     assert "saw a peer fail mid-step" in report.message
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == [
-        core.Send(core.Report("failure", 1, core.HANG_EXIT_CODE, report.message.replace("rank 0", "rank 1")))
+        core.Send(core.Report("failure", 1, WAIT_EXIT_CODE, report.message.replace("rank 0", "rank 1")))
     ]  # local rank 1 entered "wait" now
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # still waiting
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # the same wait
     # Handed generation 2, local rank 0 could not meet its ranks there: it waits again, now in generation 2.
     assert agent.on(core.Tick({0: (4, "wait", 2), 1: (4, "wait")}, ready=True), after=0.2) == [
-        core.Send(core.Report("failure", 2, core.HANG_EXIT_CODE, report.message))
+        core.Send(core.Report("failure", 2, WAIT_EXIT_CODE, report.message))
     ]
     # Waiting longer than the start timeout is a hang like a slow start.
     hung = agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=700.0)

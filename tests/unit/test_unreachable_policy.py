@@ -1,5 +1,6 @@
-"""Who a failure report naming unreachable peers evicts, and how long an evicted node is held back when it comes back
-(coordinator.policy and the planner; pure, time passed in). The same rules on a real etcd and coordinator:
+"""Who a failure report naming unreachable peers evicts, how long an evicted node is held back when it comes back,
+and how long reports of merely waiting workers wait for the failure's cause (coordinator.policy and the planner;
+pure, time passed in). The same rules on a real etcd and coordinator:
 tests/contract/test_errors_and_lifecycle.py; a real cut between two nodes: tests/integration/test_partitions.py."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from pliant.coordinator.contract import (
+    WAIT_EXIT_CODE,
+    FailureReport,
     Generation,
     GenerationMember,
     JobSnapshot,
@@ -23,6 +26,7 @@ from pliant.coordinator.planner import plan
 from pliant.coordinator.policy import (
     BACKOFF_BASE_S,
     BACKOFF_MAX_S,
+    REPORT_GRACE_S,
     LeaderClock,
     backoff_s,
     evictions,
@@ -117,3 +121,30 @@ def test_the_leader_times_a_strike_from_when_it_first_saw_it() -> None:
     assert clock.view(snap, 70.0).strikes[0].seen_at == 50.0
     again = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 3, 11),))  # a newer strike: a new record
     assert clock.view(again, 80.0).strikes[0].seen_at == 80.0
+
+
+def test_reports_of_waiting_workers_give_the_failures_cause_a_moment() -> None:
+    """A node whose workers only wait after a peer failed (a cut between two others, which it reaches) does not
+    restart the world at once: the report naming the unreachable peer, or the failed worker's own, comes first."""
+    a, b, c = (Member(n, f"{n}:1", order=i) for i, n in enumerate("abc"))
+    world = gen(5, {"a": 1, "b": 1, "c": 1})
+    waiting = FailureReport("c", 5, WAIT_EXIT_CODE, "a peer failed", reported_at=T0)
+    snap = dataclasses.replace(_snap([a, b, c], world, []), failures=(waiting,))
+    held = plan(snap, T0 + 0.5)
+    assert isinstance(held, WaitUntil) and held.deadline == T0 + REPORT_GRACE_S and "waiting for the cause" in held.why
+    late = plan(snap, T0 + REPORT_GRACE_S)  # nothing more specific came: a restart, as before
+    assert isinstance(late, NewGeneration) and late.generation.reason == "restart"
+    died = FailureReport("b", 5, -9, "worker killed", reported_at=T0 + 0.2)
+    now = plan(dataclasses.replace(snap, failures=(waiting, died)), T0 + 0.3)
+    assert isinstance(now, NewGeneration) and now.generation.reason == "restart"
+    cut = plan(dataclasses.replace(snap, members=(a, c)), T0 + 0.3)  # a's report evicted b: its loss, at once
+    assert isinstance(cut, NewGeneration) and cut.generation.node_ids == ("a", "c")
+    assert (cut.generation.reason, cut.generation.restarts_used) == ("failure", 0)
+
+
+def test_the_leader_times_a_nodes_failure_reports_from_its_first() -> None:
+    clock = LeaderClock()
+    snap = dataclasses.replace(_snap([], gen(5, {}), []), failures=(FailureReport("c", 5, WAIT_EXIT_CODE),))
+    assert clock.view(snap, 10.0).failures[0].reported_at == 10.0
+    again = dataclasses.replace(snap, failures=(FailureReport("c", 5, -9, reported_at=99.0),))  # its second report
+    assert clock.view(again, 11.0).failures[0].reported_at == 10.0
