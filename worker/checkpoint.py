@@ -21,8 +21,8 @@ Fencing and edges:
   inspection, never pruned in place of fresh ones).
 - If checkpoints exist but none loads, :meth:`CheckpointManager.restore` raises :class:`CheckpointError` naming them
   and nothing is renamed or deleted; ``allow_fresh_start=True`` starts from step 0 instead.
-- An async save that failed fails the step that reaps it (its path and errno in the error); the marker and the
-  checkpoint's directory entry are fsynced.
+- An async save that failed fails the step that reaps it (its path and errno in the error), unless a peer failed
+  during it in place: it is then abandoned uncommitted, and the next step re-forms. Markers are fsynced.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.progress import FENCE, read_fence
@@ -184,6 +185,7 @@ class CheckpointManager:
         self.epoch = epoch
         self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
         self.snapshot_of: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
+        self.peer_failed: Callable[[BaseException], bool] | None = None  # its "a peer failed; the next step re-forms"
         self._in_flight: Future[Any] | None = None
         self._committed = threading.Event()  # the in-flight save's completion callback has run (commit or error)
         self._in_flight_path: Path | None = None
@@ -273,7 +275,12 @@ class CheckpointManager:
                 future.add_done_callback(lambda f: self._async_done(f, path, step, started, train, committed))
                 self._in_flight, self._in_flight_path = future, path
             else:
-                dcp.save(state, storage_writer=DirectWriter(str(path), self.direct_io), process_group=self.group)
+                try:
+                    dcp.save(state, storage_writer=DirectWriter(str(path), self.direct_io), process_group=self.group)
+                except (RuntimeError, CheckpointException) as exc:
+                    if not self._abandoned(path, exc):
+                        raise
+                    return time.perf_counter() - started
                 self._saved(path, step, started, train)
         stall = self.stalled_s = time.perf_counter() - started
         if self.metrics is not None and (not background or snapshot_fed):  # else at the optimizer step's wait
@@ -355,12 +362,24 @@ class CheckpointManager:
         self._in_flight = self._in_flight_path = None
         try:
             future.result()
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
+            self._committed.wait()  # its callback committed nothing
+            if self._abandoned(path, exc):
+                return
             raise _save_error(path, exc) from exc
         self._committed.wait()  # a future's waiters wake before its callbacks run: the commit is one of them
         error, self._commit_error = self._commit_error, None
         if error is not None:
             raise error
+
+    def _abandoned(self, path: Path | None, exc: BaseException) -> bool:
+        """Whether a save that failed with ``exc`` is abandoned, uncommitted (no load takes it), instead of failing
+        the worker: a peer failed during it and the rescale protocol re-forms in place at the next step."""
+        if self.peer_failed is None or not self.peer_failed(exc):
+            return False
+        logger.warning("rank %d: checkpoint %s abandoned, not committed: a peer failed during it (%s); the next step "
+                       "re-forms the world", dist.get_rank(), path, str(exc).splitlines()[0][:200])  # fmt: skip
+        return True
 
     def _reap(self) -> None:
         """Surface a finished async save's error at the step that sees it (never only at the next save)."""

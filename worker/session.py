@@ -284,6 +284,7 @@ class Session:
             self.protocol.parts.append(manager)
             manager.from_peers = self.protocol.sync_pending
             manager.snapshot_of = self.protocol.snapshot_for_save
+            manager.peer_failed = self.protocol.failed_between_steps
         return manager
 
     def all_reduce_sum(self, value: float) -> float:

@@ -177,3 +177,45 @@ def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
     diff = max_param_diff(torch.load(out), static_params(tmp_path, resumed_steps, engine))
     print(f"{engine}: checkpoints saved in place at world 2, resumed at world 1: max |param diff| {diff:.2e}")
     assert diff <= TOLERANCE
+
+
+_ABANDON = r"""
+import os, sys
+from concurrent.futures import Future
+import torch, torch.distributed as dist
+from pliant.net import free_port
+from pliant.worker.checkpoint import CheckpointError, CheckpointManager
+import pliant.worker as pw
+from pliant.env import WorkerEnv
+
+port = free_port()
+os.environ["MASTER_PORT"] = str(port)
+session = pw.Session(env=WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, master_port=port))
+engine = session.engine(torch.nn.Linear(4, 2), "ddp", torch.optim.SGD, lr=0.1)
+manager = CheckpointManager(sys.argv[1], engine)
+seen = []
+manager.peer_failed = lambda exc: seen.append(str(exc)) or "Connection reset" in str(exc)
+for message in ("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer", "disk on fire"):
+    future = Future()
+    future.set_exception(RuntimeError(message))
+    manager._in_flight, manager._in_flight_path = future, manager.directory / "step-000000000002"
+    manager._committed.set()
+    try:
+        manager.wait()
+        print("abandoned:", message)
+    except CheckpointError as exc:
+        print("raised:", str(exc)[:80])
+print("seen", len(seen), "committed", sorted(p.name for p in manager.directory.glob("*/pliant-commit.json")))
+"""
+
+
+def test_a_save_a_peer_failed_during_is_abandoned_in_place_and_any_other_failure_still_raises(tmp_path: Path) -> None:
+    """The manager's hook from the rescale protocol (a peer failed; the next step re-forms in place) turns a save
+    that failed on a peer's death into an abandoned, uncommitted one; a failure of this rank's own still raises."""
+    result = subprocess.run([sys.executable, "-c", _ABANDON, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "MASTER_ADDR": "127.0.0.1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("abandoned: [gloo"), result.stdout
+    assert lines[1].startswith("raised: checkpoint save to"), result.stdout
+    assert lines[2] == "seen 2 committed []", result.stdout

@@ -73,6 +73,16 @@ def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: in
     return server, a, b, agents[0], agents[1]
 
 
+def _exact(tmp: Path, events: list[dict], steps: int) -> float:
+    """Assert that every step ran and every sample of each complete epoch counted once; returns the final parameters'
+    largest difference from a static run on the same global batches."""
+    steps_run, per_epoch = counted_samples(events)
+    assert steps_run == list(range(steps))
+    for epoch in [ep for ep in per_epoch if ep < max(per_epoch)]:
+        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
+    return max_param_diff(torch.load(tmp / "final.pt"), static_params(tmp, steps))
+
+
 def _workers_of(agent: object, world: int, tmp: Path) -> set[int]:
     """The pids of ``agent``'s workers that stepped in a world of ``world`` (its descendants among them)."""
     mine = set(descendants(agent.pid))  # type: ignore[attr-defined]
@@ -102,11 +112,7 @@ def test_a_node_cut_off_from_everything_is_dropped_and_the_rest_trains_on(make_c
     events = _events(tmp_path)
     after = {e["pid"] for e in events if e["world"] == 2 and e["time"] > cut}
     assert len(before) == 2 and after <= before, "node a's workers kept their processes"
-    steps_run, per_epoch = counted_samples(events)
-    assert steps_run == list(range(steps))
-    for epoch in [ep for ep in per_epoch if ep < max(per_epoch)]:
-        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
-    diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
+    diff = _exact(tmp_path, events, steps)
     resumed = min(e["step"] for e in events if e["world"] == 2 and e["time"] > cut)
     print(f"node b cut off at step {last}: node a stepping alone {back - cut:.2f}s later from step {resumed} "
           f"({last + 1 - resumed} committed steps redone); max |param diff| vs static {diff:.2e}")  # fmt: skip
@@ -149,11 +155,7 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
     assert (agent_a.proc.returncode, agent_b.proc.returncode) == (0, 0), agent_b.output()[-3000:]
 
     events = _events(tmp_path)
-    steps_run, per_epoch = counted_samples(events)
-    assert steps_run == list(range(steps))
-    for epoch in [ep for ep in per_epoch if ep < max(per_epoch)]:
-        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
-    diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
+    diff = _exact(tmp_path, events, steps)
     print(f"node b cut off from the control plane: evicted, its workers stopped; healed -> world 4 stepping again "
           f"{rejoined - healed:.2f}s later; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert "restarted from the checkpoint" not in agent_a.output(), "node a's workers re-formed in place"
@@ -205,11 +207,7 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
     assert alone and {e["pid"] for e in alone} <= kept, "the survivor's workers kept their processes"
     times = sorted(e["time"] for e in alone if e["rank"] == 0)
     stall = max(b - a for a, b in itertools.pairwise(times))
-    steps_run, per_epoch = counted_samples(events)
-    assert steps_run == list(range(steps))
-    for epoch in [ep for ep in per_epoch if ep < max(per_epoch)]:
-        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
-    diff = max_param_diff(torch.load(tmp_path / "final.pt"), static_params(tmp_path, steps))
+    diff = _exact(tmp_path, events, steps)
     print(f"cut a-b for good: {survivor} trained on alone; the other's readmission failed after {grace} s of grace, "
           f"held back {retried - dropped:.1f}s before its next try; longest gap between the survivor's steps "
           f"{stall:.2f}s; generations {[(g.number, g.reason, g.node_ids) for _, g in seen]}; max |param diff| vs "
