@@ -445,10 +445,8 @@ class Agent:
     def _reconfigure(self, gen: Generation) -> None:
         """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`). When new nodes join, the
         hand-over waits (at most the rescale grace) until their workers counted themselves in the generation's store:
-        the survivors train on while the newcomers start. A newcomer that has not counted in by then and whose agent
-        this node cannot reach (a cut between them) is reported instead of handed over to: the coordinator evicts it
-        (:func:`pliant.coordinator.policy.evictions`), and the survivors, which trained on meanwhile, re-form in the
-        next generation without it, instead of waiting for it in a meeting that cannot happen."""
+        the survivors train on while the newcomers start. A newcomer not counted in by then whose agent this node
+        cannot reach (a cut) is reported instead: the survivors train on and re-form in the next generation."""
         assert self.group is not None
         try:
             envs = self._envs(gen)
@@ -519,33 +517,19 @@ class Agent:
             wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
             master_port = self.store.generation_port(gen.store_address, gen.number, timeout_s=wait_s,
                                                     superseded=lambda: self._newest_seen > gen.number)  # fmt: skip
-        master_addr = gen.store_address.rsplit(":", 1)[0]
-        envs = [
-            WorkerEnv(
-                rank=me.rank_offset + local_rank,
-                local_rank=local_rank,
-                world_size=gen.world_size,
-                local_world_size=me.nproc,
-                node_rank=me.node_rank,
-                num_nodes=len(gen.members),
-                master_addr=master_addr,
-                master_port=master_port,
-                job_id=self.config.spec.job_id,
-                generation=gen.number,
-                max_restarts=self.config.spec.max_restarts,
-                node_id=self.config.node_id,
-                agent_store=self.store.address,
-                checkpoint_dir=self.config.checkpoint_dir,
-                metrics_dir=self.metrics.worker_dir,
-                job_epoch=gen.epoch,
-                allow_fresh_start=self.config.allow_fresh_start,
-                progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
-                rescale=self.config.rescale,
-                snapshot_every=self.config.snapshot_every,
-            )
+        master_addr, config = gen.store_address.rsplit(":", 1)[0], self.config
+        return [
+            WorkerEnv(rank=me.rank_offset + local_rank, local_rank=local_rank, world_size=gen.world_size,
+                      local_world_size=me.nproc, node_rank=me.node_rank, num_nodes=len(gen.members),
+                      master_addr=master_addr, master_port=master_port, job_id=config.spec.job_id,
+                      generation=gen.number, max_restarts=config.spec.max_restarts, node_id=config.node_id,
+                      agent_store=self.store.address, checkpoint_dir=config.checkpoint_dir,
+                      metrics_dir=self.metrics.worker_dir, job_epoch=gen.epoch,
+                      allow_fresh_start=config.allow_fresh_start, rescale=config.rescale,
+                      progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
+                      snapshot_every=config.snapshot_every)
             for local_rank in range(me.nproc)
-        ]
-        return envs
+        ]  # fmt: skip
 
     def _progress(self) -> dict[int, tuple[int, str, int]]:
         """Each live worker's (step, phase, generation of a wait) from its progress file (workers that write none are

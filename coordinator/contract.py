@@ -481,10 +481,8 @@ class FailureReport:
 
 @dataclass(frozen=True)
 class Strike:
-    """A node whose readmission failed (older members could not reach it: :func:`pliant.coordinator.policy.struck`),
-    ``count`` times at ``address`` since its strikes last lapsed (etcd expires them
-    :data:`pliant.coordinator.policy.STRIKE_WINDOW_S` after the last); ``seen_at``: when the leader first saw the
-    latest (its clock), ``revision`` names that record."""
+    """A node's failed readmissions (:func:`pliant.coordinator.policy.struck`): ``count`` at ``address`` since they
+    last lapsed; ``seen_at``: when the leader first saw the latest (its clock); ``revision`` names that record."""
 
     node_id: str
     address: str

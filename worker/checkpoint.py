@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.progress import FENCE, read_fence
@@ -177,8 +176,7 @@ class CheckpointManager:
         self.job_id, self.generation, self.keep, self.async_save = job_id, generation, keep, async_save
         self.every_steps, self.metrics, self.direct_io = every_steps, metrics, direct_io
         self.fingerprint = _fingerprint(engine)
-        # Async saves finish with collectives on a background thread: they need a group of their own, or they
-        # interleave with the training loop's collectives differently on each rank and hang.
+        # Async saves' collectives run on a background thread: a group of their own, or they interleave and hang.
         self.group = dist.new_group(backend="gloo")
         self.extras: dict[str, Any] = {}
         self.allow_fresh_start = allow_fresh_start
@@ -277,11 +275,10 @@ class CheckpointManager:
             else:
                 try:
                     dcp.save(state, storage_writer=DirectWriter(str(path), self.direct_io), process_group=self.group)
-                except (RuntimeError, CheckpointException) as exc:
+                    self._saved(path, step, started, train)
+                except (RuntimeError, dcp.CheckpointException) as exc:
                     if not self._abandoned(path, exc):
                         raise
-                    return time.perf_counter() - started
-                self._saved(path, step, started, train)
         stall = self.stalled_s = time.perf_counter() - started
         if self.metrics is not None and (not background or snapshot_fed):  # else at the optimizer step's wait
             self.metrics.observe_save(stall)
@@ -353,7 +350,7 @@ class CheckpointManager:
         """Finish the save in flight, if any (rank 0 commits it when it completes).
 
         Raises:
-            CheckpointError: the save failed (its path and the OS error).
+            CheckpointError: the save failed (its path and the OS error), unless it was abandoned (:meth:`_abandoned`).
         """
         self.engine.settle()
         if self._in_flight is None:
@@ -362,23 +359,22 @@ class CheckpointManager:
         self._in_flight = self._in_flight_path = None
         try:
             future.result()
-        except (Exception, CheckpointException) as exc:
+        except (Exception, dcp.CheckpointException) as exc:
             self._committed.wait()  # its callback committed nothing
-            if self._abandoned(path, exc):
-                return
-            raise _save_error(path, exc) from exc
+            if not self._abandoned(path, exc):
+                raise _save_error(path, exc) from exc
+            return
         self._committed.wait()  # a future's waiters wake before its callbacks run: the commit is one of them
         error, self._commit_error = self._commit_error, None
         if error is not None:
             raise error
 
     def _abandoned(self, path: Path | None, exc: BaseException) -> bool:
-        """Whether a save that failed with ``exc`` is abandoned, uncommitted (no load takes it), instead of failing
-        the worker: a peer failed during it and the rescale protocol re-forms in place at the next step."""
+        """A save that failed with ``exc`` is abandoned (never committed) when a peer failed during it and the next
+        step re-forms in place (the protocol's ``peer_failed``); else the caller raises."""
         if self.peer_failed is None or not self.peer_failed(exc):
             return False
-        logger.warning("rank %d: checkpoint %s abandoned, not committed: a peer failed during it (%s); the next step "
-                       "re-forms the world", dist.get_rank(), path, str(exc).splitlines()[0][:200])  # fmt: skip
+        logger.warning("checkpoint save to %s abandoned: a peer failed during it (%s)", path, str(exc)[:200])
         return True
 
     def _reap(self) -> None:
