@@ -12,11 +12,11 @@ Rules (see docs/architecture.md):
   so that world can never form.
 - Below ``min_nodes`` the job waits: if it was running, an empty generation stops every worker; after
   ``min_nodes_timeout_s`` in that state the job fails with a reason naming the nodes it has.
-- A node evicted because its peers could not reach it, back at the same address, waits as a spare while its strikes
-  hold it back (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs
-  the world a failed try per backoff, not one a minute. Each member records the generation since which it has
-  trained in the world without a break (``since``): a newcomer evicted from the generation that admitted it, by a
-  member older than it, earns the strike (:func:`pliant.coordinator.policy.struck`).
+- A node whose readmission failed (evicted from the generation that admitted it, named unreachable by a member
+  older than it: :func:`pliant.coordinator.policy.struck`; each member records ``since``, the generation from which
+  it has trained in the world without a break) waits as a spare while its strikes hold it back at that address
+  (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs the world a
+  failed try per backoff, not one a minute.
 - Reports from nodes whose workers only wait after a peer failed (``WAIT_EXIT_CODE``) give the failure's cause
   :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
   whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
@@ -111,7 +111,7 @@ def _held(decision: Decision, held: dict[str, float]) -> Decision:
         return decision
     state = decision.state if isinstance(decision, WaitUntil) else JobState.RUNNING
     names = ", ".join(sorted(held))
-    return WaitUntil(until, f"holding back {names}: evicted as unreachable by peers (strikes)", state)
+    return WaitUntil(until, f"holding back {names}: its readmission failed (strikes)", state)
 
 
 def plan(snap: JobSnapshot, now: float) -> Decision:
