@@ -11,7 +11,7 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
-    jobs/<job>/strikes/<node>           {"address", "count"}: evicted as unreachable by peers (on a lease that lapses
+    jobs/<job>/strikes/<node>           {"address", "count"}: failed readmissions (policy.struck; on a lease that lapses
                                         STRIKE_WINDOW_S after the last strike; coordinator.policy)
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside

@@ -106,7 +106,8 @@ def read_strike(key: str | bytes, raw: bytes) -> tuple[int, str]:
     be read counts as one strike at no address, which holds nobody back (strikes only delay a rejoin; the next
     strike overwrites it), with a warning."""
     try:
-        return decode(key, lambda v: (int(json.loads(v)["count"]), str(json.loads(v)["address"])), raw)
+        record = decode(key, json.loads, raw)
+        return decode(key, lambda _: (int(record["count"]), str(record["address"])), raw)
     except CorruptRecord as exc:
         logger.warning("%s; counted as one strike", exc)
         return 1, ""

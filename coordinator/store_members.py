@@ -295,11 +295,12 @@ class MemberStore(EtcdBase):
             compare = [self.tx.mod(self.job_key(job, "generation")) == mod_revision]
             ops = [self.tx.put(key, report.to_json())]
             strikes = {}
-            if evicted:  # only while the reporter is still a member (its key unchanged since read)
+            if evicted:  # only while the reporter is still a member (its key exists)
                 compare.append(self.tx.version(prefix + report.node_id) > 0)
                 ops += [self.tx.delete(prefix + node) for node in evicted]
-            lease = self.client.lease(STRIKE_WINDOW_S) if struck(current, report.node_id, evicted) else None
-            for node in struck(current, report.node_id, evicted):
+            to_strike = struck(current, report.node_id, evicted)
+            lease = self.client.lease(STRIKE_WINDOW_S) if to_strike else None
+            for node in to_strike:
                 strike_key, address = self.job_key(job, "strikes", node), live[node][0].address
                 value, _ = self.client.get(strike_key)
                 count, before = read_strike(strike_key, value) if value else (0, address)
