@@ -31,10 +31,13 @@ from pliant.tls import TlsMaterial, channel_credentials
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CoordinatorClient", "JoinGrant"]
+__all__ = ["KEEPALIVE_TIMEOUT_MS", "KEEPALIVE_TIME_MS", "CoordinatorClient", "JoinGrant"]
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+KEEPALIVE_TIME_MS = 3000  # a ping this often on every channel (the server accepts them from every second on) ...
+KEEPALIVE_TIMEOUT_MS = 2000  # ... and a call breaks when one is not answered within this
 
 
 class JoinGrant:
@@ -75,8 +78,16 @@ class CoordinatorClient:
         # gRPC's reconnect backoff grows to 2 minutes by default: after a long control-plane outage a node would reach
         # the returning coordinator too late for the grace it gets (one heartbeat TTL). Retry the connection every
         # second at most.
+        # HTTP/2 keepalive pings (every KEEPALIVE_TIME_MS, also on a watch stream that carries no data): a replica
+        # that went silent (its host lost power, or a cut that resets nothing) breaks the call within
+        # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS and the watch resumes on the next replica. Without them the watch
+        # waited for TCP, until the cut healed: a node deaf to new generations for 44 s in the lone-cut soak.
         options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                   ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # current gRPC's wait for an answer
+                   ("grpc.http2.max_pings_without_data", 0),
+                   ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS)]  # fmt: skip
         if tls is None:
             self._channels = [grpc.insecure_channel(t, options) for t in self.targets]
         else:

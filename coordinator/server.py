@@ -164,7 +164,11 @@ class CoordinatorServer:
         self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 1 << 20)],
+            # clients ping every few seconds (coordinator/client.py: KEEPALIVE_TIME_MS), also on watch streams that
+            # carry no data; gRPC's default answers pings more often than every 5 minutes with GOAWAY
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 1 << 20),
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 1000)],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
-from pliant.coordinator.contract import FencingError, JobSpec, JobState, JobStatus, Member
+from pliant.coordinator.client import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from pliant.coordinator.contract import CoordinatorError, FencingError, JobSpec, JobState, JobStatus, Member
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.planner import plan
 from pliant.coordinator.store import EtcdStore
@@ -65,6 +68,41 @@ def test_kill_9_of_the_leader_and_the_other_replica_publishes(spawn_coordinator,
         assert proc_b.proc.poll() is None
     finally:
         store.close()
+
+
+def test_a_watch_on_a_replica_that_goes_silent_resumes_on_the_next(spawn_coordinator, fleet) -> None:
+    """A replica that stops answering without closing anything (SIGSTOP: its kernel still acknowledges TCP, nothing
+    answers HTTP/2; as a host that lost power, or a cut that resets nothing) must not leave a watch on it deaf to new
+    generations: keepalive pings break the call within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, and the watch
+    resumes on the next replica. Before the pings it waited for as long as the replica was silent."""
+    proc_a, addr_a = spawn_coordinator("a")
+    _, addr_b = spawn_coordinator("b")
+    with fleet([addr_b]) as control, fleet([addr_a, addr_b]) as watcher:
+        control.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0.1))
+        control.join("job", "n1", "127.0.0.1:1")
+        wait_for(lambda: control.get_job("job").generation, 10, "generation 1")
+        seen: list[tuple[float, int]] = []
+
+        def follow() -> None:
+            try:
+                for event in watcher.watch("job"):
+                    if event.generation is not None:
+                        seen.append((time.monotonic(), event.generation.number))
+            except CoordinatorError:  # the watcher's channels closed at the end of the test
+                pass
+
+        threading.Thread(target=follow, daemon=True).start()
+        wait_for(lambda: [n for _, n in seen] == [1], 10, "the watch, on replica a")
+        os.kill(proc_a.pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            control.join("job", "n2", "127.0.0.1:2")
+            wait_for(lambda: any(n == 2 for _, n in seen), 30, "generation 2, through replica b")
+        finally:
+            os.kill(proc_a.pid, signal.SIGCONT)
+        took = next(t for t, n in seen if n == 2) - stopped
+        print(f"a watch on a silent replica saw the next generation {took:.2f}s after the replica stopped")
+        assert took < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 5.0
 
 
 def test_a_deposed_leader_cannot_publish(etcd, prefix) -> None:
