@@ -463,20 +463,24 @@ WAIT_EXIT_CODE = -2  # a FailureReport of workers that wait in place after a pee
 @dataclass(frozen=True)
 class FailureReport:
     """An agent's report that a worker of ``generation`` on ``node_id`` failed (``exit_code`` :data:`WAIT_EXIT_CODE`:
-    none did, they wait in place after a peer failed; the planner gives the failure's cause a moment to be reported)."""
+    none did, they wait in place after a peer failed; the planner gives the failure's cause a moment to be reported),
+    and the members whose agents it could not reach (``unreachable``; see :func:`pliant.coordinator.policy.evictions`).
+    """
 
     node_id: str
     generation: int
     exit_code: int = 1
     message: str = ""
     reported_at: float = 0.0
+    unreachable: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> FailureReport:
-        return _from_mapping(cls, json.loads(text))
+        data = json.loads(text)
+        return _from_mapping(cls, {**data, "unreachable": tuple(data.get("unreachable", ()))})
 
 
 @dataclass(frozen=True)
@@ -586,15 +590,9 @@ class JobStore(Protocol):
     nothing. Every call may raise :class:`Unavailable`; a read may raise :class:`CorruptRecord`."""
 
     def list_job_ids(self) -> list[str]: ...
-
     def read_job(self, job: str) -> JobSnapshot: ...
-
     def lease_ages(self, job: str, members: tuple[Member, ...]) -> dict[str, float]: ...
-
     def publish(self, snap: JobSnapshot, generation: Generation, status: JobStatus, fence: Any) -> None: ...
-
     def set_status(self, snap: JobSnapshot, status: JobStatus, fence: Any) -> None: ...
-
-    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Any) -> None: ...
-
+    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Any, keep: tuple[str, ...] = ()) -> None: ...
     def delete_job(self, job: str) -> None: ...

@@ -17,6 +17,9 @@ Rules (see docs/architecture.md):
   it has trained in the world without a break) waits as a spare while its strikes hold it back at that address
   (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs the world a
   failed try per backoff, not one a minute.
+- A report from the smaller side of a cut (:func:`pliant.coordinator.policy.evictions`) evicts nobody at once; while
+  it waits for the nodes it named to report (:func:`pliant.coordinator.policy.deferred_evictions`), the planner waits
+  too, and the executor evicts them when it comes due.
 - Reports from nodes whose workers only wait after a peer failed (``WAIT_EXIT_CODE``) give the failure's cause
   :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
   whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
@@ -49,7 +52,7 @@ from pliant.coordinator.contract import (
     NewGeneration,
     WaitUntil,
 )
-from pliant.coordinator.policy import REPORT_GRACE_S, held_back
+from pliant.coordinator.policy import REPORT_GRACE_S, deferred_evictions, held_back
 
 __all__ = ["assign_ranks", "plan"]
 
@@ -152,6 +155,13 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
 
     failures = [f for f in snap.failures if gen is not None and f.generation == gen.number]
     failed_nodes = sorted({f.node_id for f in failures})
+    if running and gen is not None:
+        due, pending = deferred_evictions(gen, failures, list(live_by_id), now)
+        if due or pending is not None:  # the executor evicts what is due before it plans
+            named = sorted({n for f in failures for n in f.unreachable if n in live_by_id})
+            return WaitUntil(pending if pending is not None else now + REPORT_GRACE_S,
+                             f"the smaller side of a cut named {', '.join(named)} unreachable; waiting for their "
+                             f"reports", JobState.RUNNING)  # fmt: skip
     if running and failures and all(f.exit_code == WAIT_EXIT_CODE for f in failures):
         # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
         # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.

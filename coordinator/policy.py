@@ -10,13 +10,21 @@ everyone for a full TTL: after it won the election and after etcd answered again
 (shorter than the lease) therefore evicts nobody who kept trying; a node that died is evicted one TTL after the
 control plane came back.
 
-**Unreachable peers** (:func:`evictions`, :func:`struck`, :func:`held_back`). An agent whose workers failed names
-the peers whose agents it cannot reach, and the coordinator evicts them with the report. Two rules keep a cut between
-two nodes that both still reach the control plane from tearing the world down or flapping it forever:
+**Unreachable peers** (:func:`evictions`, :func:`deferred_evictions`, :func:`struck`, :func:`held_back`). An agent
+whose workers failed names the peers whose agents it cannot reach, and the coordinator evicts them with the report.
+Three rules keep a cut between nodes that all still reach the control plane from tearing the world down, shrinking it
+to its smaller part, or flapping it forever:
 
 - a report evicts only while its reporter is a live member: when both sides of a cut report each other in one
   generation, the first report evicts the other side and the second, from an evicted node, evicts nobody (both were
   evicted before, and the world stopped);
+- a report evicts at once only when the side it names is not the larger: :func:`side` weighs each side by the
+  processes of its established members (those that trained before this generation: they hold the state), then by all
+  its processes. A node cut off from all its peers names every one of them, and before this rule, if its report came
+  first, the world shrank to that one node. A report from the smaller side evicts :data:`REPORT_GRACE_S` later, and
+  only if none of the nodes it names has reported a failure of the generation meanwhile: dead nodes report nothing
+  (the survivors of a loss of most of the world wait those 2 s), while the live larger side's own reports evict the
+  reporter first. On equal sides, the first report decides;
 - a node that came back and could not be reached by the members it was admitted to join gets a *strike*: it is named
   by a member that has trained in the world since an earlier generation, in the generation that admitted it (a
   readmission that failed: the survivors' agents report a newcomer that never arrived, see the agent's hand-over).
@@ -38,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from pliant.coordinator.contract import Generation, JobSnapshot, JobStatus, Member, Strike
+from pliant.coordinator.contract import FailureReport, Generation, JobSnapshot, JobStatus, Member, Strike
 
 __all__ = [
     "BACKOFF_BASE_S",
@@ -47,10 +55,12 @@ __all__ = [
     "STRIKE_WINDOW_S",
     "LeaderClock",
     "backoff_s",
+    "deferred_evictions",
     "evictions",
     "held_back",
     "may_overwrite",
     "overdue_members",
+    "side",
     "struck",
 ]
 
@@ -78,9 +88,17 @@ def overdue_members(ages: Mapping[str, float], ttl_s: float, heard_since: float,
     return tuple(sorted(node for node, age in ages.items() if age > ttl_s))
 
 
+def side(generation: Generation, nodes: Sequence[str]) -> tuple[int, int]:
+    """How much of ``generation``'s world ``nodes`` are: (processes of those that trained before it, all processes).
+    Tuples compare the established processes first: they hold the state, a newcomer holds none."""
+    members = {m.node_id: m for m in generation.members}
+    chosen = [members[n] for n in dict.fromkeys(nodes) if n in members]
+    return sum(m.nproc for m in chosen if m.since < generation.number), sum(m.nproc for m in chosen)
+
+
 def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
               live: Sequence[str]) -> tuple[str, ...]:  # fmt: skip
-    """The nodes a failure report of ``generation`` evicts (see the module docstring).
+    """The nodes a failure report of ``generation`` evicts at once (see the module docstring).
 
     Args:
         generation: the generation the report is for (the current one).
@@ -89,13 +107,48 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
         live: the nodes that hold a live membership now.
 
     Returns:
-        The named live members of ``generation`` other than the reporter; nothing when the reporter is no longer a
-        live member.
+        The named live members of ``generation`` other than the reporter, if the reporter's live side is at least as
+        large (:func:`side`); nothing when it is smaller (:func:`deferred_evictions` may evict them later) or when the
+        reporter is no longer a live member.
     """
     members = {m.node_id for m in generation.members}
     if reporter not in live or reporter not in members:
         return ()
-    return tuple(n for n in dict.fromkeys(unreachable) if n != reporter and n in members and n in live)
+    named = tuple(n for n in dict.fromkeys(unreachable) if n != reporter and n in members and n in live)
+    mine = [n for n in members if n in live and n not in named]
+    return named if side(generation, mine) >= side(generation, named) else ()
+
+
+def deferred_evictions(generation: Generation, failures: Sequence[FailureReport], live: Sequence[str],
+                       now: float) -> tuple[tuple[str, ...], float | None]:  # fmt: skip
+    """What the reports of ``generation`` that :func:`evictions` did not act on (their reporter's side was the
+    smaller) evict now: the nodes they named, :data:`REPORT_GRACE_S` after the report, if the reporter and they are
+    still live members and none of them reported a failure of the generation (a node that reports is alive: its own
+    report decides, and a restart follows if none evicts).
+
+    Args:
+        generation: the current generation.
+        failures: failure reports (only those of ``generation`` count), ``reported_at`` on the leader's clock.
+        live: the nodes that hold a live membership now.
+        now: the leader's clock.
+
+    Returns:
+        (the nodes to evict now, the leader-clock time a pending report comes due, or None).
+    """
+    mine = [f for f in failures if f.generation == generation.number]
+    reported = {f.node_id for f in mine}
+    due: list[str] = []
+    pending: float | None = None
+    for report in mine:
+        named = [n for n in report.unreachable if n in live and n in generation.node_ids and n != report.node_id]
+        if report.node_id not in live or not named or reported.intersection(named):
+            continue
+        until = report.reported_at + REPORT_GRACE_S
+        if now >= until:
+            due += named
+        else:
+            pending = until if pending is None else min(pending, until)
+    return tuple(dict.fromkeys(due)), pending
 
 
 def struck(generation: Generation, reporter: str, evicted: Sequence[str]) -> tuple[str, ...]:

@@ -38,7 +38,7 @@ from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_watch import PrefixWatch
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.planner import plan
-from pliant.coordinator.policy import LeaderClock, overdue_members
+from pliant.coordinator.policy import REPORT_GRACE_S, LeaderClock, deferred_evictions, overdue_members
 from pliant.coordinator.store_base import Fence
 
 __all__ = ["Reconciler"]
@@ -215,7 +215,7 @@ class Reconciler:
         if snap.status.state.terminal:
             return self._expire(snap, view.status.since, now)
         sweep = self._sweep(snap, fence, now)
-        if sweep is None:
+        if sweep is None or self._evict_reported(view, fence, now):
             return None  # evicted: the next pass plans with the new membership
         started = time.perf_counter()
         decision = plan(view, now)
@@ -267,6 +267,24 @@ class Reconciler:
         # ``ttl - oldest`` from now; it may take up to a second more, and the next sweep then comes SWEEP_MIN_S later.
         self._next_sweep[job] = now + max(SWEEP_MIN_S, ttl - oldest)
         return self._next_sweep[job]
+
+    def _evict_reported(self, view: JobSnapshot, fence: Fence, now: float) -> bool:
+        """Evict the nodes that reports from the smaller side of a cut named, once they are due (see
+        :func:`deferred_evictions`; the planner waits for them meanwhile). Returns whether it evicted anyone."""
+        gen, live = view.generation, [m.node_id for m in view.members]
+        due, _ = deferred_evictions(gen, view.failures, live, now) if gen else ((), None)
+        if not due:
+            return False
+        job, reports = view.spec.job_id, [f for f in view.failures if f.generation == gen.number]
+        reporters = tuple(sorted({f.node_id for f in reports} & set(live)))
+        self._store.evict(view, due, fence, keep=reporters)
+        if self._metrics:
+            self._metrics.evictions.labels(job).inc(len(due))
+        named_by = sorted({f.node_id for f in reports if f.node_id in reporters and set(due) & set(f.unreachable)})
+        logger.warning("job %s: evicted %s: named unreachable by %s (the smaller side) and no report from them in "
+                       "%gs", job, ", ".join(due), ", ".join(named_by), REPORT_GRACE_S)  # fmt: skip
+        self._dirty.set()
+        return True
 
     def _execute(self, snap: JobSnapshot, decision: object, fence: Fence) -> float | None:
         job, status = snap.spec.job_id, snap.status

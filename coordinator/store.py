@@ -323,14 +323,16 @@ class EtcdStore(MemberStore):
         self._fenced(fence, [self.tx.mod(key) == snap.status_mod_revision], [self.tx.put(key, status.to_json())])
 
     @etcd_call
-    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Fence) -> None:
-        """Remove silent members (leader only, fenced): delete their member keys, if still the ones read in ``snap``,
-        then revoke their leases, so a node that was only cut off learns it at its next heartbeat and joins again."""
+    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Fence, keep: tuple[str, ...] = ()) -> None:
+        """Remove members (leader only, fenced): delete their member keys, if still the ones read in ``snap`` (and the
+        keys of the ``keep`` members too: those whose reports evict them), then revoke their leases, so a node that
+        was only cut off learns it at its next heartbeat and joins again."""
         job = snap.spec.job_id
         gone = [m for m in snap.members if m.node_id in nodes]
         keys = [self.job_key(job, "members", m.node_id) for m in gone]
-        self._fenced(fence, [self.tx.create(k) == m.order for k, m in zip(keys, gone, strict=True)],
-                     [self.tx.delete(k) for k in keys])  # fmt: skip
+        held = [(self.job_key(job, "members", m.node_id), m) for m in snap.members if m.node_id in keep]
+        compare = [self.tx.create(k) == m.order for k, m in [*zip(keys, gone, strict=True), *held]]
+        self._fenced(fence, compare, [self.tx.delete(k) for k in keys])
         for member in gone:
             self._revoke_quietly(member.lease_id)
             self._bound.pop(member.lease_id, None)

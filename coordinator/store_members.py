@@ -31,7 +31,7 @@ from pliant.coordinator.contract import (
     Unavailable,
     quote,
 )
-from pliant.coordinator.policy import STRIKE_WINDOW_S, backoff_s, evictions, struck
+from pliant.coordinator.policy import REPORT_GRACE_S, STRIKE_WINDOW_S, backoff_s, evictions, struck
 from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, read_strike, token_digest
 
 __all__ = ["MemberStore"]
@@ -262,9 +262,10 @@ class MemberStore(EtcdBase):
         return out
 
     @etcd_call
-    def report_failure(self, job: str, report: FailureReport, unreachable: Sequence[str] = ()) -> tuple[bool, int]:
-        """Record a worker failure of the current generation, evicting in the same txn the ``unreachable`` nodes that
-        :func:`pliant.coordinator.policy.evictions` allows (none once the reporter was evicted itself), with a strike
+    def report_failure(self, job: str, report: FailureReport) -> tuple[bool, int]:
+        """Record a worker failure of the current generation, evicting in the same txn the ``report.unreachable`` nodes
+        that :func:`pliant.coordinator.policy.evictions` allows (none once the reporter was evicted itself, nor yet
+        when its side is the smaller: the leader may evict them later, see ``deferred_evictions``), with a strike
         for each of them that :func:`pliant.coordinator.policy.struck` names (on a lease of :data:`STRIKE_WINDOW_S`;
         the count goes on only at the address of the last strike).
 
@@ -281,6 +282,7 @@ class MemberStore(EtcdBase):
             if report.node_id not in current.node_ids:
                 raise PermissionDenied(f"node {report.node_id!r} is not a member of job {job!r}'s generation "
                                        f"{current.number}; only its members report its failures")  # fmt: skip
+            unreachable = report.unreachable
             strangers = [n for n in unreachable if n not in current.node_ids]
             if strangers:
                 raise InvalidArgument(
@@ -295,8 +297,9 @@ class MemberStore(EtcdBase):
             compare = [self.tx.mod(self.job_key(job, "generation")) == mod_revision]
             ops = [self.tx.put(key, report.to_json())]
             strikes = {}
-            if evicted:  # only while the reporter is still a member (its key exists)
-                compare.append(self.tx.version(prefix + report.node_id) > 0)
+            if evicted:  # only while the reporter is still a member (its key exists), and they are too: two reports
+                # at once would otherwise both evict them, and both count a strike
+                compare += [self.tx.version(prefix + node) > 0 for node in (report.node_id, *evicted)]
                 ops += [self.tx.delete(prefix + node) for node in evicted]
             to_strike = struck(current, report.node_id, evicted)
             lease = self.client.lease(STRIKE_WINDOW_S) if to_strike else None
@@ -311,14 +314,17 @@ class MemberStore(EtcdBase):
             if not ok:
                 if lease is not None:
                     self._revoke_quietly(lease.id)
-                continue  # the generation moved on (stale now) or the reporter was evicted meanwhile: read again
+                continue  # the generation moved on (stale now), or the reporter or they were evicted since: read again
             for node in evicted:
                 self._revoke_quietly(live[node][1])
             named = [f"{n} (strike {strikes[n]}: held back {backoff_s(strikes[n]):g}s)" if n in strikes else n
                      for n in evicted]  # fmt: skip
+            waits = [n for n in unreachable if n in live and n != report.node_id] if report.node_id in live else []
             logger.info("failure reported in job %s generation %d by %s (exit %d)%s", job, current.number,
                         report.node_id, report.exit_code,
-                        f"; evicted as unreachable: {', '.join(named)}" if named else "")  # fmt: skip
+                        f"; evicted as unreachable: {', '.join(named)}" if named else
+                        f"; names {', '.join(waits)} unreachable: the smaller side, they are evicted in "
+                        f"{REPORT_GRACE_S:g}s unless they report" if waits else "")  # fmt: skip
             return True, current.number
         raise Unavailable(f"job {job!r} kept changing while recording a failure report; retry")
 

@@ -56,21 +56,32 @@ def _stepping(tmp: Path, world: int, min_step: int = 0, generation: int = 0) -> 
     return any(e["world"] == world and e["step"] >= min_step and e["generation"] >= generation for e in _events(tmp))
 
 
-def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, script: tuple[str, ...],
-                checkpoints: bool, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]  # fmt: skip
-    """A coordinator on the host's bridge address, nodes a and b in namespaces with 2 DDP workers each (0.05 s
-    steps), training at world 4. Returns (server, node a, node b, agent a, agent b)."""
+def _world(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, script: tuple[str, ...],
+           checkpoints: bool, extra: tuple[str, ...] = (), names: tuple[str, ...] = ("a", "b"),
+           nproc: int = 2):  # type: ignore[no-untyped-def]  # fmt: skip
+    """A coordinator on the host's bridge address, and nodes ``names`` in namespaces with ``nproc`` DDP workers each
+    (0.05 s steps), all training together. Returns (server, nodes, agents), in the order of ``names``."""
     tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
     server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
-    a, b = fabric.node("a"), fabric.node("b")
+    nodes = [fabric.node(name) for name in names]
     args = dict(checkpoints=checkpoints, script=("--engine", "ddp", *script), step_time=0.05)
     agents = []
-    for node in (a, b):  # both at once: their starts (torch imports, 6-20 s on 2 loaded cores) overlap
-        argv = elastic_agent(server.address, f"node-{node.name}", 2, tmp, steps,
+    for node in nodes:  # all at once: their starts (torch imports, 6-20 s on 2 loaded cores) overlap
+        argv = elastic_agent(server.address, f"node-{node.name}", nproc, tmp, steps,
                              extra=("--host", node.address, "--max-restarts", "3", *extra), **args)  # fmt: skip
         agents.append(spawn_agent(server, argv, name=f"agent-{node.name}", node=node))
-    wait_for(lambda: len({e["rank"] for e in _events(tmp) if e["world"] == 4}) == 4, 120, "world 4 stepping")
-    return server, a, b, agents[0], agents[1]
+    world = nproc * len(names)
+    wait_for(lambda: len({e["rank"] for e in _events(tmp) if e["world"] == world}) == world, 120,
+             f"world {world} stepping")  # fmt: skip
+    return server, nodes, agents
+
+
+def _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, script: tuple[str, ...],
+                checkpoints: bool, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Nodes a and b with 2 DDP workers each (:func:`_world`). Returns (server, node a, node b, agent a, agent b)."""
+    server, (a, b), (agent_a, agent_b) = _world(make_coordinator, spawn_agent, pki, fabric, tmp, steps, script,
+                                                checkpoints, extra)  # fmt: skip
+    return server, a, b, agent_a, agent_b
 
 
 def _exact(tmp: Path, events: list[dict], steps: int) -> float:
@@ -214,4 +225,45 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
           f"static {diff:.2e}")  # fmt: skip
     assert retried - dropped >= BACKOFF_BASE_S - 1
     assert stall < 5.0, "a newcomer that cannot arrive does not stop the survivors"
+    assert diff <= TOLERANCE
+
+
+def test_a_node_cut_off_from_its_peers_only_is_the_one_dropped(make_coordinator, spawn_agent, pki, fleet, fabric,
+                                                               tmp_path: Path) -> None:  # fmt: skip
+    """Node a (node rank 0: it hosts the agent store) loses both its peers but still reaches the control plane; b
+    and c lose only a. Every agent reports the peers it cannot reach, a naming both. Whoever reports first, a is the
+    one evicted, as the smaller side (before, a report of a's that came first left a training alone), and b and c
+    train on in place, with their processes. Once the cut heals a rejoins, and the job ends exact."""
+    steps = 3000  # a bound: the job ends 10 steps after the test is done
+    server, (a, b, c), agents = _world(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False,
+                                       extra=("--rescale-grace", "10"), names=("a", "b", "c"), nproc=1)  # fmt: skip
+    with fleet(server) as client:
+        number = client.get_job("job").generation.number
+        kept = _workers_of(agents[1], 3, tmp_path) | _workers_of(agents[2], 3, tmp_path)
+        cut = time.time()
+        for peer in (b, c):
+            fabric.block(a, peer.address)
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 60,
+                       "a generation after the cut")  # fmt: skip
+        assert (set(gen.node_ids), gen.reason, gen.restarts_used) == ({"node-b", "node-c"}, "failure", 0), gen
+    wait_for(lambda: any(e["world"] == 2 and e["time"] > cut for e in _events(tmp_path)), 60, "b and c stepping")
+    back = min(e["time"] for e in _events(tmp_path) if e["world"] == 2 and e["time"] > cut)
+    for peer in (b, c):
+        fabric.unblock(a, peer.address)
+    healed = time.time()
+    wait_for(lambda: any(e["world"] == 3 and e["time"] > healed for e in _events(tmp_path)), 90, "world 3 again")
+    steps = end_soon(tmp_path, steps)
+    wait_for(lambda: all(agent.proc.poll() is not None for agent in agents), 120, "the job to finish")
+    assert [agent.proc.returncode for agent in agents] == [0, 0, 0], agents[0].output()[-3000:]
+
+    events = _events(tmp_path)
+    pair = {e["pid"] for e in events if e["world"] == 2 and cut < e["time"] < healed}
+    assert len(kept) == 2 and pair <= kept, "b's and c's workers kept their processes"
+    diff = _exact(tmp_path, events, steps)
+    said = f"failure of generation {number} reported"
+    when = [next((line[:23] for line in agent.output().splitlines() if said in line), "~") for agent in agents]
+    first = "abc"[when.index(min(when))]  # the agents' log lines start with their time
+    print(f"node a cut off from its peers: generation {gen.number} trains on b and c, stepping {back - cut:.2f}s "
+          f"after the cut (the first report came from node {first}); max |param diff| vs static "
+          f"{diff:.2e}")  # fmt: skip
     assert diff <= TOLERANCE

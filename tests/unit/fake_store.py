@@ -12,6 +12,7 @@ from typing import Any
 
 from pliant.coordinator.contract import (
     CorruptRecord,
+    FailureReport,
     FencingError,
     Generation,
     JobSnapshot,
@@ -34,6 +35,7 @@ class _Job:
     generation: Generation | None = None
     generation_rev: int = 0
     corrupt: str = ""
+    failures: list[FailureReport] = dataclasses.field(default_factory=list)
 
 
 class FakeStore:
@@ -86,7 +88,7 @@ class FakeStore:
         if entry.corrupt:
             raise CorruptRecord(entry.corrupt)
         members = tuple(sorted(entry.members.values(), key=lambda m: m.order))
-        return JobSnapshot(entry.spec, entry.status, members, entry.generation, (), frozenset(),
+        return JobSnapshot(entry.spec, entry.status, members, entry.generation, tuple(entry.failures), frozenset(),
                            entry.generation_rev, entry.status_rev)  # fmt: skip
 
     def lease_ages(self, job: str, members: tuple[Member, ...]) -> dict[str, float]:
@@ -112,10 +114,12 @@ class FakeStore:
         entry = self._fenced(snap, fence)
         entry.status, entry.status_rev = status, self._next()
 
-    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Any) -> None:
+    def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Any, keep: tuple[str, ...] = ()) -> None:
         self._check()
         if fence != self.fence:
             raise FencingError("fake fence")
+        if any(node not in self.jobs[snap.spec.job_id].members for node in keep):
+            raise FencingError("fake member fence")
         for node in nodes:
             self.jobs[snap.spec.job_id].members.pop(node, None)
         self.evicted.append((snap.spec.job_id, nodes))

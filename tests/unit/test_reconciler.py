@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from pliant.coordinator.contract import FencingError, JobSpec, JobState, JobStatus, NewGeneration
+from pliant.coordinator.contract import (
+    WAIT_EXIT_CODE,
+    FailureReport,
+    FencingError,
+    JobSpec,
+    JobState,
+    JobStatus,
+    NewGeneration,
+)
 from pliant.coordinator.planner import plan
-from pliant.coordinator.policy import LeaderClock, overdue_members
+from pliant.coordinator.policy import REPORT_GRACE_S, LeaderClock, overdue_members
 from pliant.coordinator.reconciler import Reconciler
 from tests.unit.fake_store import FakeStore
 
@@ -169,3 +177,24 @@ def test_etcd_down_ends_the_pass_without_writing() -> None:
     with pytest.raises(Exception, match="down"):
         rec.pass_once(store.fence)
     assert store.published == []
+
+
+def test_a_report_from_the_smaller_side_evicts_the_silent_named_nodes_after_the_grace() -> None:
+    """a's agent names b and c unreachable (it is the smaller side: nothing at once). b and c never report (dead):
+    the leader waits REPORT_GRACE_S, evicts them, and a trains on alone, with no restart spent."""
+    store, clock, rec = _setup(_spec())
+    for node in ("a", "b", "c"):
+        store.join("job", node)
+    rec.pass_once(store.fence)
+    world = store.jobs["job"].generation
+    assert world is not None and world.node_ids == ("a", "b", "c")
+    store.jobs["job"].failures.append(FailureReport("a", world.number, WAIT_EXIT_CODE, "a peer failed", clock.now,
+                                                    ("b", "c")))  # fmt: skip
+    assert rec.reconcile("job", store.fence) == clock.now + REPORT_GRACE_S  # waiting for their reports
+    assert store.evicted == []
+    clock.now += REPORT_GRACE_S
+    rec.pass_once(store.fence)
+    rec.pass_once(store.fence)
+    assert store.evicted == [("job", ("b", "c"))]
+    last = store.jobs["job"].generation
+    assert last is not None and (last.node_ids, last.reason, last.restarts_used) == (("a",), "failure", 0)

@@ -29,8 +29,10 @@ from pliant.coordinator.policy import (
     REPORT_GRACE_S,
     LeaderClock,
     backoff_s,
+    deferred_evictions,
     evictions,
     held_back,
+    side,
     struck,
 )
 
@@ -43,17 +45,41 @@ def gen(number: int, since: dict[str, int]) -> Generation:
     return Generation("job", number, members, "join")
 
 
-def test_a_report_evicts_the_live_members_it_names() -> None:
-    assert evictions(gen(3, {"a": 1, "b": 1, "c": 1}), "a", ["b", "c", "a", "b"], ["a", "b", "c"]) == ("b", "c")
+def test_a_report_evicts_the_live_members_it_names_when_they_are_not_the_larger_side() -> None:
+    g3 = gen(3, {"a": 1, "b": 1, "c": 1, "d": 1})
+    assert evictions(g3, "a", ["b", "c", "a", "b"], ["a", "b", "c", "d"]) == ("b", "c")  # a, d against b, c: a tie
+    assert evictions(g3, "a", ["b"], ["a", "b", "c", "d"]) == ("b",)
+    assert evictions(g3, "a", ["b", "c", "d"], ["a", "b", "c", "d"]) == ()  # a cut off from all: the smaller side
+    assert evictions(g3, "b", ["a"], ["a", "b", "c", "d"]) == ("a",)  # the others name a: a is evicted
     assert evictions(gen(3, {"a": 1, "b": 1}), "a", ["b"], ["a"]) == ()  # b already gone: nothing more to do
-    assert evictions(gen(4, {"a": 1, "b": 4}), "b", ["a"], ["a", "b"]) == ("a",)  # a newcomer's word counts too
+    assert evictions(gen(4, {"a": 1, "b": 4}), "b", ["a"], ["a", "b"]) == ()  # a newcomer holds no state: it waits
+    assert evictions(gen(4, {"a": 1, "b": 4, "c": 4}), "a", ["b", "c"], ["a", "b", "c"]) == ("b", "c")
 
 
-def test_both_sides_of_a_cut_reporting_evict_only_one() -> None:
-    """The first report (a's) evicts b; b's, read after it, comes from a node that is no longer a member."""
-    g = gen(3, {"a": 1, "b": 1})
-    assert evictions(g, "a", ["b"], ["a", "b"]) == ("b",)
-    assert evictions(g, "b", ["a"], ["a"]) == ()
+def test_a_side_weighs_established_processes_first() -> None:
+    g = Generation("job", 5, (GenerationMember("a", 0, 0, 2, "a:1", 3), GenerationMember("b", 1, 2, 1, "b:1", 4),
+                              GenerationMember("c", 2, 3, 4, "c:1", 5)), "join")  # fmt: skip
+    assert side(g, ["a"]) == (2, 2) and side(g, ["b", "c"]) == (1, 5) and side(g, ["c", "x"]) == (0, 4)
+    assert side(g, ["a"]) > side(g, ["b", "c"]) > side(g, ["c"])
+
+
+def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -> None:
+    """a, cut off from b and c, names both: nothing at once. If b and c are dead they never report, and they are
+    evicted REPORT_GRACE_S after a's report; if either reports, it is alive, and its own report decides."""
+    g, live = gen(3, {"a": 1, "b": 1, "c": 1}), ["a", "b", "c"]
+    lone = FailureReport("a", 3, WAIT_EXIT_CODE, reported_at=T0, unreachable=("b", "c"))
+    assert deferred_evictions(g, [lone], live, T0 + 1) == ((), T0 + REPORT_GRACE_S)
+    assert deferred_evictions(g, [lone], live, T0 + REPORT_GRACE_S) == (("b", "c"), None)
+    answer = FailureReport("b", 3, WAIT_EXIT_CODE, reported_at=T0 + 0.1, unreachable=("a",))
+    assert deferred_evictions(g, [lone, answer], live, T0 + 9) == ((), None)
+    assert deferred_evictions(g, [lone], ["b", "c"], T0 + 9) == ((), None)  # a itself was evicted meanwhile
+    assert deferred_evictions(g, [lone], ["a", "c"], T0 + 9) == (("c",), None)  # b went with its lease
+    assert deferred_evictions(gen(4, {"a": 1, "b": 1, "c": 1}), [lone], live, T0 + 9) == ((), None)  # stale
+    snap = dataclasses.replace(_snap([Member("a", "a:1"), Member("b", "b:1"), Member("c", "c:1")], g, []),
+                               failures=(lone,))  # fmt: skip
+    waiting = plan(snap, T0 + 1)  # the planner waits for it, and restarts nothing meanwhile
+    assert isinstance(waiting, WaitUntil) and waiting.deadline == T0 + REPORT_GRACE_S, waiting
+    assert "smaller side" in waiting.why
 
 
 def test_only_a_failed_readmission_earns_a_strike() -> None:
