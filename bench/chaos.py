@@ -16,6 +16,10 @@ node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays
   were): the same for :data:`LONG_CUT_S`, longer than the failure detection and the rescale grace, so one node is
   evicted, comes back and is evicted again, and its strikes hold it back (docs/architecture.md, "A cut between two
   nodes"); its recovery counts from the heal, so it includes any hold still running then;
+- ``lone-cut`` (only when ``--kinds`` names it): one node cannot reach any other node for :data:`LONG_CUT_S`, while
+  it still reaches the control plane. It names them all unreachable; the others name it: it must be the one evicted
+  (the smaller side), whoever reports first, and the others must train on without it (the soak's log of generations
+  shows the worlds during the cut); its recovery counts from the heal;
 - ``control-cut``: a node cannot reach the control plane for a few seconds (blackhole route), then can;
 - ``hang``: SIGSTOP a worker for 1 s, then SIGCONT;
 - ``kill-coordinator``: kill -9 one coordinator replica, started again 2 s later;
@@ -75,7 +79,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 KINDS = ("kill-worker", "kill-agent", "kill-node", "new-address", "partition", "peer-cut", "control-cut", "hang",
          "kill-coordinator", "kill-etcd", "minority")
-EXTRA_KINDS = ("long-peer-cut",)  # drawn only when --kinds names them
+EXTRA_KINDS = ("long-peer-cut", "lone-cut")  # drawn only when --kinds names them
 LONG_CUT_S = 45.0
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
 TOKEN = "chaos-join-token"
@@ -100,10 +104,10 @@ class Soak:
         self.etcd = EtcdServer(data_dir=str(work / "etcd"), host=host).start()
         self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {
             "r2": (f"{self.minority.address}:{free_port()}", None),
-            "r1": (f"{host}:{free_port()}", None),
+            "r1": (f"{host}:{free_port(host)}", None),  # free on that address (etcd listens there too)
         }
         for name in self.replicas:
-            self.start_replica(name)
+            self.start_replica(name, wait=True)
         self.coordinator = ",".join(address for address, _ in self.replicas.values())
         self.spec = ["--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "1000",
                      "--heartbeat-ttl", "3", "--join-grace", "0.5"]  # fmt: skip
@@ -120,18 +124,26 @@ class Soak:
         path.write_text(TOKEN)
         return path
 
-    def start_replica(self, name: str) -> None:
-        """Start coordinator replica ``name``: r1 on the host, r2 in the minority node's namespace."""
+    def start_replica(self, name: str, wait: bool = False) -> None:
+        """Start coordinator replica ``name``: r1 on the host, r2 in the minority node's namespace; ``wait``: until it
+        serves (raises with its log if it does not)."""
         address, _ = self.replicas[name]
         argv = [sys.executable, "-m", "pliant", "coordinator", "--etcd", self.etcd.endpoint, "--listen", address,
                 "--tls-dir", str(Path(self.coord_tls.cert).parent), "--leader-ttl", "2", "--replica-id", name]
         log = self.work / f"coordinator-{name}.log"
+        started = log.read_text(errors="replace").count("serving on") if log.exists() else 0
         if name == "r2":
             proc = self.minority.spawn(argv, log)
         else:
             with open(log, "ab") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.replicas[name] = (address, proc)
+        deadline = time.time() + 60
+        while wait and log.read_text(errors="replace").count("serving on") == started:  # else the soak proves nothing
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"coordinator replica {name} did not start on {address}: "
+                                   f"{log.read_text(errors='replace')[-2000:]}")  # fmt: skip
+            time.sleep(0.2)
 
     def leads(self, name: str) -> bool:
         """Replica ``name``'s last election transition made it the leader (its log)."""
@@ -225,6 +237,14 @@ class Soak:
             self.fabric.block(node, other.address)
             time.sleep(4.0 if kind == "peer-cut" else LONG_CUT_S)
             self.fabric.unblock(node, other.address)
+            return time.time(), full
+        if kind == "lone-cut":
+            others = [n for n in self.nodes if n is not node]
+            for other in others:
+                self.fabric.block(node, other.address)
+            time.sleep(LONG_CUT_S)
+            for other in others:
+                self.fabric.unblock(node, other.address)
             return time.time(), full
         if kind == "partition":
             self.fabric.isolate(node)
