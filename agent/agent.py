@@ -445,8 +445,9 @@ class Agent:
     def _reconfigure(self, gen: Generation) -> None:
         """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`). When new nodes join, the
         hand-over waits (at most the rescale grace) until their workers counted themselves in the generation's store:
-        the survivors train on while the newcomers start. A newcomer not counted in by then whose agent this node
-        cannot reach (a cut) is reported instead: the survivors train on and re-form in the next generation."""
+        the survivors train on while the newcomers start. A newcomer whose agent this node cannot reach then (a cut;
+        counted in or not: node rank 0 may reach it) is reported instead: the survivors train on and re-form in the
+        next generation."""
         assert self.group is not None
         try:
             envs = self._envs(gen)
@@ -477,11 +478,13 @@ class Agent:
                 logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
             if arrived < needed and time.monotonic() < deadline:
                 return
-            cut = [m.node_id for m in newcomers if not reachable(m.address)] if arrived < needed else []
+            # Arrived (at node rank 0's store) is not met: a newcomer this node cannot reach would hang the meeting.
+            cut = [m.node_id for m in newcomers if not reachable(m.address)]
             if cut:
                 self._handover = None  # the workers train on in their generation; the report brings the next one
-                message = (f"newcomers {', '.join(cut)} did not arrive within the rescale grace "
-                           f"({self.config.rescale_grace_s:g}s) and their agents are unreachable from this node")
+                message = (f"newcomers {', '.join(cut)} " + ("counted themselves in" if arrived >= needed else
+                           f"did not arrive within the rescale grace ({self.config.rescale_grace_s:g}s)") +
+                           " and their agents are unreachable from this node")  # fmt: skip
                 logger.warning("agent %s: generation %d not handed over: %s", self.config.node_id, gen.number, message)
                 self._reports.put(core.Report("failure", gen.number, -1, message))
                 return

@@ -21,10 +21,12 @@ to its smaller part, or flapping it forever:
 - a report evicts at once only when the side it names is not the larger: :func:`side` weighs each side by the
   processes of its established members (those that trained before this generation: they hold the state), then by all
   its processes. A node cut off from all its peers names every one of them, and before this rule, if its report came
-  first, the world shrank to that one node. A report from the smaller side evicts :data:`REPORT_GRACE_S` later, and
-  only if none of the nodes it names has reported a failure of the generation meanwhile: dead nodes report nothing
-  (the survivors of a loss of most of the world wait those 2 s), while the live larger side's own reports evict the
-  reporter first. On equal sides, the first report decides;
+  first, the world shrank to that one node. Nor does a newcomer's report evict an established member at once: in a
+  cut between two nodes that a third reaches, each side counts the third as its own, and a readmitted node's report
+  evicted the member that had stayed. Such a report evicts :data:`REPORT_GRACE_S` later, and only if none of the
+  nodes it names has reported a failure of the generation meanwhile: dead nodes report nothing (the survivors of a
+  loss of most of the world wait those 2 s), while live ones report, and the larger side's or the established
+  member's report evicts the reporter first. On equal sides, the first report decides;
 - a node that came back and could not be reached by the members it was admitted to join gets a *strike*: it is named
   by a member that has trained in the world since an earlier generation, in the generation that admitted it (a
   readmission that failed: the survivors' agents report a newcomer that never arrived, see the agent's hand-over).
@@ -108,13 +110,15 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
 
     Returns:
         The named live members of ``generation`` other than the reporter, if the reporter's live side is at least as
-        large (:func:`side`); nothing when it is smaller (:func:`deferred_evictions` may evict them later) or when the
-        reporter is no longer a live member.
+        large (:func:`side`); nothing when it is smaller, or when a newcomer names an established member
+        (:func:`deferred_evictions` may evict them later), or when the reporter is no longer a live member.
     """
     members = {m.node_id for m in generation.members}
     if reporter not in live or reporter not in members:
         return ()
     named = tuple(n for n in dict.fromkeys(unreachable) if n != reporter and n in members and n in live)
+    if side(generation, [reporter])[0] == 0 and side(generation, named)[0] > 0:
+        return ()  # a newcomer never evicts an established member at once (a third node may reach both)
     mine = [n for n in members if n in live and n not in named]
     return named if side(generation, mine) >= side(generation, named) else ()
 

@@ -58,9 +58,10 @@ def _stepping(tmp: Path, world: int, min_step: int = 0, generation: int = 0) -> 
 
 def _world(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, script: tuple[str, ...],
            checkpoints: bool, extra: tuple[str, ...] = (), names: tuple[str, ...] = ("a", "b"),
-           nproc: int = 2):  # type: ignore[no-untyped-def]  # fmt: skip
+           nproc: int = 2, first: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
     """A coordinator on the host's bridge address, and nodes ``names`` in namespaces with ``nproc`` DDP workers each
-    (0.05 s steps), all training together. Returns (server, nodes, agents), in the order of ``names``."""
+    (0.05 s steps), all training together (``first``: the first node joins before the others, so it is node rank
+    0). Returns (server, nodes, agents), in the order of ``names``."""
     tls = pki.issue("coordinator-netns", Role.COORDINATOR, "test-coordinator", (*COORDINATOR_HOSTS, fabric.host))
     server = make_coordinator(listen=f"{fabric.host}:{free_port()}", tls=tls)
     nodes = [fabric.node(name) for name in names]
@@ -70,6 +71,8 @@ def _world(make_coordinator, spawn_agent, pki, fabric, tmp: Path, steps: int, sc
         argv = elastic_agent(server.address, f"node-{node.name}", nproc, tmp, steps,
                              extra=("--host", node.address, "--max-restarts", "3", *extra), **args)  # fmt: skip
         agents.append(spawn_agent(server, argv, name=f"agent-{node.name}", node=node))
+        if first and len(agents) == 1:  # the first node joins first: it is node rank 0
+            wait_for(lambda: "joined job" in agents[0].output(), 60, f"node {node.name} to join")
     world = nproc * len(names)
     wait_for(lambda: len({e["rank"] for e in _events(tmp) if e["world"] == world}) == world, 120,
              f"world {world} stepping")  # fmt: skip
@@ -266,4 +269,56 @@ def test_a_node_cut_off_from_its_peers_only_is_the_one_dropped(make_coordinator,
     print(f"node a cut off from its peers: generation {gen.number} trains on b and c, stepping {back - cut:.2f}s "
           f"after the cut (the first report came from node {first}); max |param diff| vs static "
           f"{diff:.2e}")  # fmt: skip
+    assert diff <= TOLERANCE
+
+
+def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(make_coordinator, spawn_agent, pki, fleet,
+                                                                          fabric, tmp_path: Path) -> None:  # fmt: skip
+    """Nodes a and b cannot reach each other, for good; c (node rank 0: it hosts the generation's store) reaches
+    both. One of a and b is evicted; it rejoins and counts itself in at c's store, but the member that stayed cannot
+    reach it: that member's agent reports it at once instead of handing the generation over (so that nobody waits in
+    a meeting that cannot form: 30 s, the meeting's timeout, on a network that drops packets; here the blackhole
+    routes fail the connects at once), and the newcomer's own report, which names that member, evicts nobody (before:
+    c counted on the newcomer's side too, and its report evicted the member that had stayed). The job ends exact."""
+    steps = 3000  # a bound: the job ends 10 steps after the test is done
+    server, (_, a, b), agents = _world(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False,
+                                       extra=("--rescale-grace", "10"), names=("c", "a", "b"), nproc=1,
+                                       first=True)  # fmt: skip
+    seen: list[Generation] = []
+
+    def published(predicate) -> bool:  # type: ignore[no-untyped-def]
+        gen = client.get_job("job").generation
+        if gen is not None and (not seen or seen[-1].number != gen.number):
+            seen.append(gen)
+        return any(predicate(g) for g in seen)
+
+    with fleet(server) as client:
+        assert client.get_job("job").generation.node_ids[0] == "node-c"
+        cut, first = time.time(), client.get_job("job").generation.number
+        fabric.block(a, b.address)
+        wait_for(lambda: published(lambda g: g.number > first), 60, "a or b evicted")
+        stayed = next(n for n in next(g for g in seen if g.number > first).node_ids if n != "node-c")
+        wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other readmitted")
+        joined = next(g.number for g in seen if g.reason == "join")
+        wait_for(lambda: published(lambda g: g.number > joined), 60, "its readmission reported")
+        time.sleep(5)  # the survivors train on
+        published(lambda g: False)
+    fabric.unblock(a, b.address)
+    healed = time.time()
+    wait_for(lambda: any(e["world"] == 3 and e["time"] > healed for e in _events(tmp_path)), 90, "world 3 again")
+    steps = end_soon(tmp_path, steps)
+    wait_for(lambda: all(agent.proc.poll() is not None for agent in agents), 120, "the job to finish")
+    assert [agent.proc.returncode for agent in agents] == [0, 0, 0], agents[0].output()[-3000:]
+
+    events = _events(tmp_path)
+    times = sorted(e["time"] for e in events if e["rank"] == 0 and cut + 12 < e["time"] < healed)  # after the loss
+    stall = max(later - earlier for earlier, later in itertools.pairwise(times))
+    diff = _exact(tmp_path, events, steps)
+    worlds = [(g.number, g.reason, g.node_ids) for g in seen]
+    print(f"cut a-b for good with c at node rank 0: {stayed} stayed; generations {worlds}; longest gap between rank "
+          f"0's steps after the first eviction {stall:.2f}s; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    assert all(stayed in g.node_ids for g in seen), "the member that stayed was never evicted"
+    assert any(g.reason == "join" for g in seen) and len(seen[-1].node_ids) == 2, "its readmission failed"
+    assert "counted themselves in and their agents are unreachable" in "".join(agent.output() for agent in agents)
+    assert stall < 10.0
     assert diff <= TOLERANCE

@@ -53,6 +53,8 @@ def test_a_report_evicts_the_live_members_it_names_when_they_are_not_the_larger_
     assert evictions(g3, "b", ["a"], ["a", "b", "c", "d"]) == ("a",)  # the others name a: a is evicted
     assert evictions(gen(3, {"a": 1, "b": 1}), "a", ["b"], ["a"]) == ()  # b already gone: nothing more to do
     assert evictions(gen(4, {"a": 1, "b": 4}), "b", ["a"], ["a", "b"]) == ()  # a newcomer holds no state: it waits
+    assert evictions(gen(4, {"c": 1, "a": 1, "b": 4}), "b", ["a"], ["a", "b", "c"]) == ()  # even with c "on its side"
+    assert evictions(gen(4, {"c": 1, "a": 1, "b": 4}), "a", ["b"], ["a", "b", "c"]) == ("b",)
     assert evictions(gen(4, {"a": 1, "b": 4, "c": 4}), "a", ["b", "c"], ["a", "b", "c"]) == ("b", "c")
 
 
