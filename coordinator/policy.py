@@ -18,15 +18,16 @@ to its smaller part, or flapping it forever:
 - a report evicts only while its reporter is a live member: when both sides of a cut report each other in one
   generation, the first report evicts the other side and the second, from an evicted node, evicts nobody (both were
   evicted before, and the world stopped);
-- a report evicts at once only when the side it names is not the larger: :func:`side` weighs each side by the
-  processes of its established members (those that trained before this generation: they hold the state), then by all
-  its processes. A node cut off from all its peers names every one of them, and before this rule, if its report came
-  first, the world shrank to that one node. Nor does a newcomer's report evict an established member at once: in a
-  cut between two nodes that a third reaches, each side counts the third as its own, and a readmitted node's report
-  evicted the member that had stayed. Such a report evicts :data:`REPORT_GRACE_S` later, and only if none of the
-  nodes it names has reported a failure of the generation meanwhile: dead nodes report nothing (the survivors of a
-  loss of most of the world wait those 2 s), while live ones report, and the larger side's or the established
-  member's report evicts the reporter first. On equal sides, the first report decides;
+- a report evicts at once only when the side it names is not the larger (in processes; the reporter's side is every
+  live member it does not name). A node cut off from all its peers names every one of them, and before this rule, if
+  its report came first, the world shrank to that one node. A newcomer (admitted by this generation) that names an
+  older member waits for the older members of its own side to say so: in a cut between two nodes that a third
+  reaches, the third counts on both sides, and a readmitted node's report evicted the member that had stayed (those
+  older members report the named node themselves when the cut is theirs too). Such reports evict
+  :data:`REPORT_GRACE_S` later, and only if none of the nodes they name has reported a failure of the generation
+  meanwhile: dead nodes report nothing (the survivors of a loss of most of the world wait those 2 s), while live ones
+  report, and the larger side's or the older member's report evicts the reporter first. On equal sides, the first
+  report decides;
 - a node that came back and could not be reached by the members it was admitted to join gets a *strike*: it is named
   by a member that has trained in the world since an earlier generation, in the generation that admitted it (a
   readmission that failed: the survivors' agents report a newcomer that never arrived, see the agent's hand-over).
@@ -91,8 +92,7 @@ def overdue_members(ages: Mapping[str, float], ttl_s: float, heard_since: float,
 
 
 def side(generation: Generation, nodes: Sequence[str]) -> tuple[int, int]:
-    """How much of ``generation``'s world ``nodes`` are: (processes of those that trained before it, all processes).
-    Tuples compare the established processes first: they hold the state, a newcomer holds none."""
+    """How much of ``generation``'s world ``nodes`` are: (processes of those admitted before it, all processes)."""
     members = {m.node_id: m for m in generation.members}
     chosen = [members[n] for n in dict.fromkeys(nodes) if n in members]
     return sum(m.nproc for m in chosen if m.since < generation.number), sum(m.nproc for m in chosen)
@@ -109,18 +109,20 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
         live: the nodes that hold a live membership now.
 
     Returns:
-        The named live members of ``generation`` other than the reporter, if the reporter's live side is at least as
-        large (:func:`side`); nothing when it is smaller, or when a newcomer names an established member
-        (:func:`deferred_evictions` may evict them later), or when the reporter is no longer a live member.
+        The named live members of ``generation`` other than the reporter, if the reporter's live side has at least as
+        many processes; nothing when it has fewer, or when a newcomer names an older member while its side has older
+        members too (:func:`deferred_evictions` may evict them later), or when the reporter is no longer a live
+        member.
     """
     members = {m.node_id for m in generation.members}
     if reporter not in live or reporter not in members:
         return ()
     named = tuple(n for n in dict.fromkeys(unreachable) if n != reporter and n in members and n in live)
-    if side(generation, [reporter])[0] == 0 and side(generation, named)[0] > 0:
-        return ()  # a newcomer never evicts an established member at once (a third node may reach both)
     mine = [n for n in members if n in live and n not in named]
-    return named if side(generation, mine) >= side(generation, named) else ()
+    (mine_old, mine_all), (named_old, named_all) = side(generation, mine), side(generation, named)
+    if side(generation, [reporter])[0] == 0 and named_old and mine_old:
+        return ()  # a newcomer's word against an older member waits for the older members of its side to say so
+    return named if mine_all >= named_all else ()
 
 
 def deferred_evictions(generation: Generation, failures: Sequence[FailureReport], live: Sequence[str],

@@ -233,11 +233,15 @@ def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(
     report, so they are evicted REPORT_GRACE_S later, at no restart."""
     server = make_coordinator()
     with fleet(server.address) as client:
-        client.create_job(JobSpec("job", 1, 4, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
+        client.create_job(JobSpec("job", 1, 5, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
         for node, port in (("a", 1), ("b", 2), ("c", 3), ("d", 4)):
             client.join("job", node, f"127.0.0.1:{port}")
+        wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4, 10, "world a,b,c,d")
+        e = client.join("job", "e", "127.0.0.1:5")  # a generation after the one that admitted the last of a..d ...
+        wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 5, 10, "world a..e")
+        client.leave("job", "e", e.lease_id)  # ... so that all four are established, whatever the join batching was
         number = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4 and g.number, 10,
-                          "world a,b,c,d")  # fmt: skip
+                          "world a,b,c,d again")  # fmt: skip
         assert client.report_failure("job", "a", number, -2, "a peer failed", ["b", "c", "d"]) == (True, number)
         time.sleep(REPORT_GRACE_S / 2)
         assert client.get_job("job").generation.number == number  # nobody evicted, no restart: waiting
@@ -266,7 +270,7 @@ def test_two_reports_at_once_evict_a_newcomer_once_and_strike_it_once(make_coord
             client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
             client.join("job", "a", "127.0.0.1:1")
             client.join("job", "b", "127.0.0.1:2")
-            wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "world a,b")
+            wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b"), 10, "world a,b")
             client.join("job", "c", "127.0.0.1:3")
             gen = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 3 and g, 10, "c in")
             txn, raced = store._txn, []
@@ -281,7 +285,7 @@ def test_two_reports_at_once_evict_a_newcomer_once_and_strike_it_once(make_coord
             value, _ = store.client.get(store.job_key("job", "strikes", "c"))
             assert raced == [(True, gen.number)] and value is not None and json.loads(value)["count"] == 1
             assert late in ((True, gen.number), (False, gen.number + 1))  # recorded, or stale once c's loss was
-            wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "c evicted")
+            wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b"), 10, "c evicted")
     finally:
         store.close()
 

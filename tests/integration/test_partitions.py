@@ -97,6 +97,17 @@ def _exact(tmp: Path, events: list[dict], steps: int) -> float:
     return max_param_diff(torch.load(tmp / "final.pt"), static_params(tmp, steps))
 
 
+def _finish(tmp: Path, steps: int, agents: list, world: int) -> tuple[int, list[dict]]:  # type: ignore[type-arg]
+    """Once a cut healed: wait for world ``world`` stepping again, end the job soon, and check that every agent
+    exits 0. Returns (the job's step count, its events)."""
+    healed = time.time()
+    wait_for(lambda: any(e["world"] == world and e["time"] > healed for e in _events(tmp)), 90, f"world {world} again")
+    steps = end_soon(tmp, steps)
+    wait_for(lambda: all(agent.proc.poll() is not None for agent in agents), 120, "the job to finish")
+    assert [agent.proc.returncode for agent in agents] == [0] * len(agents), agents[0].output()[-3000:]
+    return steps, _events(tmp)
+
+
 def _workers_of(agent: object, world: int, tmp: Path) -> set[int]:
     """The pids of ``agent``'s workers that stepped in a world of ``world`` (its descendants among them)."""
     mine = set(descendants(agent.pid))  # type: ignore[attr-defined]
@@ -253,13 +264,7 @@ def test_a_node_cut_off_from_its_peers_only_is_the_one_dropped(make_coordinator,
     back = min(e["time"] for e in _events(tmp_path) if e["world"] == 2 and e["time"] > cut)
     for peer in (b, c):
         fabric.unblock(a, peer.address)
-    healed = time.time()
-    wait_for(lambda: any(e["world"] == 3 and e["time"] > healed for e in _events(tmp_path)), 90, "world 3 again")
-    steps = end_soon(tmp_path, steps)
-    wait_for(lambda: all(agent.proc.poll() is not None for agent in agents), 120, "the job to finish")
-    assert [agent.proc.returncode for agent in agents] == [0, 0, 0], agents[0].output()[-3000:]
-
-    events = _events(tmp_path)
+    healed, (steps, events) = time.time(), _finish(tmp_path, steps, agents, 3)
     pair = {e["pid"] for e in events if e["world"] == 2 and cut < e["time"] < healed}
     assert len(kept) == 2 and pair <= kept, "b's and c's workers kept their processes"
     diff = _exact(tmp_path, events, steps)
@@ -304,13 +309,7 @@ def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(make_c
         time.sleep(5)  # the survivors train on
         published(lambda g: False)
     fabric.unblock(a, b.address)
-    healed = time.time()
-    wait_for(lambda: any(e["world"] == 3 and e["time"] > healed for e in _events(tmp_path)), 90, "world 3 again")
-    steps = end_soon(tmp_path, steps)
-    wait_for(lambda: all(agent.proc.poll() is not None for agent in agents), 120, "the job to finish")
-    assert [agent.proc.returncode for agent in agents] == [0, 0, 0], agents[0].output()[-3000:]
-
-    events = _events(tmp_path)
+    healed, (steps, events) = time.time(), _finish(tmp_path, steps, agents, 3)
     times = sorted(e["time"] for e in events if e["rank"] == 0 and cut + 12 < e["time"] < healed)  # after the loss
     stall = max(later - earlier for earlier, later in itertools.pairwise(times))
     diff = _exact(tmp_path, events, steps)

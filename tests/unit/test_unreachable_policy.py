@@ -52,17 +52,19 @@ def test_a_report_evicts_the_live_members_it_names_when_they_are_not_the_larger_
     assert evictions(g3, "a", ["b", "c", "d"], ["a", "b", "c", "d"]) == ()  # a cut off from all: the smaller side
     assert evictions(g3, "b", ["a"], ["a", "b", "c", "d"]) == ("a",)  # the others name a: a is evicted
     assert evictions(gen(3, {"a": 1, "b": 1}), "a", ["b"], ["a"]) == ()  # b already gone: nothing more to do
-    assert evictions(gen(4, {"a": 1, "b": 4}), "b", ["a"], ["a", "b"]) == ()  # a newcomer holds no state: it waits
-    assert evictions(gen(4, {"c": 1, "a": 1, "b": 4}), "b", ["a"], ["a", "b", "c"]) == ()  # even with c "on its side"
+    assert evictions(gen(4, {"a": 1, "b": 4}), "b", ["a"], ["a", "b"]) == ("a",)  # a newcomer's word counts too ...
+    assert evictions(gen(4, {"c": 1, "a": 1, "b": 4}), "b", ["a"], ["a", "b", "c"]) == ()  # ... unless c may say it
     assert evictions(gen(4, {"c": 1, "a": 1, "b": 4}), "a", ["b"], ["a", "b", "c"]) == ("b",)
-    assert evictions(gen(4, {"a": 1, "b": 4, "c": 4}), "a", ["b", "c"], ["a", "b", "c"]) == ("b", "c")
+    assert evictions(gen(4, {"a": 1, "b": 4, "c": 4}), "b", ["a"], ["a", "b", "c"]) == ("a",)  # b, c: two processes
+    assert evictions(gen(4, {"a": 1, "b": 4, "c": 4}), "a", ["b", "c"], ["a", "b", "c"]) == ()  # the smaller side
 
 
-def test_a_side_weighs_established_processes_first() -> None:
+def test_a_side_counts_processes_and_those_of_older_members() -> None:
     g = Generation("job", 5, (GenerationMember("a", 0, 0, 2, "a:1", 3), GenerationMember("b", 1, 2, 1, "b:1", 4),
                               GenerationMember("c", 2, 3, 4, "c:1", 5)), "join")  # fmt: skip
     assert side(g, ["a"]) == (2, 2) and side(g, ["b", "c"]) == (1, 5) and side(g, ["c", "x"]) == (0, 4)
-    assert side(g, ["a"]) > side(g, ["b", "c"]) > side(g, ["c"])
+    assert evictions(g, "c", ["a"], ["a", "b", "c"]) == ()  # c is new; b, on its side, would say so itself
+    assert evictions(g, "b", ["a"], ["a", "b", "c"]) == ("a",)  # 5 processes against 2
 
 
 def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -> None:
