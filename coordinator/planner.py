@@ -17,7 +17,8 @@ Rules (see docs/architecture.md):
   it has trained in the world without a break) waits as a spare while its strikes hold it back at that address
   (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs the world a
   failed try per backoff, not one a minute.
-- A report from the smaller side of a cut (:func:`pliant.coordinator.policy.evictions`) evicts nobody at once; while
+- A report from the smaller side of a cut, or a newcomer's against older members
+  (:func:`pliant.coordinator.policy.evictions`), evicts nobody at once; while
   it waits for the nodes it named to report (:func:`pliant.coordinator.policy.deferred_evictions`), the planner waits
   too, and the executor evicts them when it comes due.
 - Reports from nodes whose workers only wait after a peer failed (``WAIT_EXIT_CODE``) give the failure's cause
@@ -160,8 +161,9 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
         if due or pending is not None:  # the executor evicts what is due before it plans
             named = sorted({n for f in failures for n in f.unreachable if n in live_by_id})
             return WaitUntil(pending if pending is not None else now + REPORT_GRACE_S,
-                             f"the smaller side of a cut named {', '.join(named)} unreachable; waiting for their "
-                             f"reports", JobState.RUNNING)  # fmt: skip
+                             f"{', '.join(named)} named unreachable by a report that did not evict them at once "
+                             f"(the smaller side of a cut, or a newcomer's word); waiting for their reports",
+                             JobState.RUNNING)  # fmt: skip
     if running and failures and all(f.exit_code == WAIT_EXIT_CODE for f in failures):
         # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
         # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.

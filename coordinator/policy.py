@@ -128,9 +128,9 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
 def deferred_evictions(generation: Generation, failures: Sequence[FailureReport], live: Sequence[str],
                        now: float) -> tuple[tuple[str, ...], float | None]:  # fmt: skip
     """What the reports of ``generation`` that :func:`evictions` did not act on (their reporter's side was the
-    smaller) evict now: the nodes they named, :data:`REPORT_GRACE_S` after the report, if the reporter and they are
-    still live members and none of them reported a failure of the generation (a node that reports is alive: its own
-    report decides, and a restart follows if none evicts).
+    smaller, or a newcomer named older members) evict now: the nodes they named, :data:`REPORT_GRACE_S` after the
+    report, if the reporter and they are still live members and none of them reported a failure of the generation (a
+    node that reports is alive: its own report decides, and a restart follows if none evicts).
 
     Args:
         generation: the current generation.

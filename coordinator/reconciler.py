@@ -269,7 +269,7 @@ class Reconciler:
         return self._next_sweep[job]
 
     def _evict_reported(self, view: JobSnapshot, fence: Fence, now: float) -> bool:
-        """Evict the nodes that reports from the smaller side of a cut named, once they are due (see
+        """Evict the nodes named by reports that did not evict them at once, once they are due (see
         :func:`deferred_evictions`; the planner waits for them meanwhile). Returns whether it evicted anyone."""
         gen, live = view.generation, [m.node_id for m in view.members]
         due, _ = deferred_evictions(gen, view.failures, live, now) if gen else ((), None)
@@ -281,8 +281,8 @@ class Reconciler:
         if self._metrics:
             self._metrics.evictions.labels(job).inc(len(due))
         named_by = sorted({f.node_id for f in reports if f.node_id in reporters and set(due) & set(f.unreachable)})
-        logger.warning("job %s: evicted %s: named unreachable by %s (the smaller side) and no report from them in "
-                       "%gs", job, ", ".join(due), ", ".join(named_by), REPORT_GRACE_S)  # fmt: skip
+        logger.warning("job %s: evicted %s: named unreachable by %s, and no report from them in %gs", job,
+                       ", ".join(due), ", ".join(named_by), REPORT_GRACE_S)  # fmt: skip
         self._dirty.set()
         return True
 

@@ -265,7 +265,8 @@ class MemberStore(EtcdBase):
     def report_failure(self, job: str, report: FailureReport) -> tuple[bool, int]:
         """Record a worker failure of the current generation, evicting in the same txn the ``report.unreachable`` nodes
         that :func:`pliant.coordinator.policy.evictions` allows (none once the reporter was evicted itself, nor yet
-        when its side is the smaller: the leader may evict them later, see ``deferred_evictions``), with a strike
+        when its side is the smaller or it is a newcomer's word against older members: the leader may evict them
+        later, see ``deferred_evictions``), with a strike
         for each of them that :func:`pliant.coordinator.policy.struck` names (on a lease of :data:`STRIKE_WINDOW_S`;
         the count goes on only at the address of the last strike).
 
@@ -323,8 +324,9 @@ class MemberStore(EtcdBase):
             logger.info("failure reported in job %s generation %d by %s (exit %d)%s", job, current.number,
                         report.node_id, report.exit_code,
                         f"; evicted as unreachable: {', '.join(named)}" if named else
-                        f"; names {', '.join(waits)} unreachable: the smaller side, they are evicted in "
-                        f"{REPORT_GRACE_S:g}s unless they report" if waits else "")  # fmt: skip
+                        f"; names {', '.join(waits)} unreachable, not evicted at once (the smaller side, or a "
+                        f"newcomer's word against older members): evicted in {REPORT_GRACE_S:g}s unless they report"
+                        if waits else "")  # fmt: skip
             return True, current.number
         raise Unavailable(f"job {job!r} kept changing while recording a failure report; retry")
 

@@ -83,7 +83,7 @@ def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -
                                failures=(lone,))  # fmt: skip
     waiting = plan(snap, T0 + 1)  # the planner waits for it, and restarts nothing meanwhile
     assert isinstance(waiting, WaitUntil) and waiting.deadline == T0 + REPORT_GRACE_S, waiting
-    assert "smaller side" in waiting.why
+    assert "smaller side of a cut" in waiting.why and "b, c named unreachable" in waiting.why
 
 
 def test_only_a_failed_readmission_earns_a_strike() -> None:
