@@ -320,9 +320,11 @@ class Agent:
             if unreachable:
                 logger.warning("agent %s: agents of %s are unreachable", node, ",".join(unreachable))
             accepted, current = self.client.report_failure(job, node, report.generation, report.exit_code,
-                                                           report.message, unreachable, lease)  # fmt: skip
-        logger.info("agent %s: %s of generation %d reported (%s; current generation %d)", node, report.kind,
-                    report.generation, "accepted" if accepted else "stale", current)  # fmt: skip
+                                                           report.message, unreachable, lease,
+                                                           arrived=report.arrived)  # fmt: skip
+        logger.info("agent %s: %s of generation %d reported (%s; current generation %d)%s", node, report.kind,
+                    report.generation, "accepted" if accepted else "stale", current,
+                    "; every member had arrived (its workers trained in it)" if report.arrived else "")  # fmt: skip
 
     # -- the main loop -------------------------------------------------------------------------------------------------
 

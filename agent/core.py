@@ -112,6 +112,7 @@ class Report:
     generation: int
     exit_code: int = 0
     message: str = ""
+    arrived: bool = False  # a worker of this node completed a step in ``generation``: every member arrived
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class CoreState:
     probed_at: float = -1e18
     ready: bool = False  # every live worker of the group announced that it re-forms in place
     handed: int | None = None  # the generation last handed to the running group in place
+    trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
 
@@ -357,7 +359,7 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     failure = result.first_failure
     if failure is not None and event.alive and _in_place(state):
         # The other local workers keep their processes and state; the next generation replaces the dead one.
-        report = Report("failure", result.generation, failure[1], event.message or f"exit code {failure[1]}")
+        report = _failure(state, result.generation, failure[1], event.message or f"exit code {failure[1]}")
         return _set(state, AgentState.RUNNING, f"worker failure reported; {event.alive} workers wait in place"), [
             Send(report)
         ]
@@ -379,20 +381,28 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
         ]
     failure = result.first_failure
     code = failure[1] if failure else 1
-    report = Report("failure", result.generation, code, event.message or f"a worker exited with code {code}")
+    report = _failure(state, result.generation, code, event.message or f"a worker exited with code {code}")
     return _set(state, AgentState.WAITING, "worker failure reported"), [Stop(), Send(report)]
 
 
+def _failure(state: CoreState, generation: int, code: int, message: str) -> Report:
+    """A failure report of ``generation``, saying whether this node's workers trained a step in it."""
+    return Report("failure", generation, code, message, state.trained_in >= generation)
+
+
 def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState, list[Action]]:
-    """Track each rank's progress; a hung rank fails the group."""
+    """Track each rank's progress (and the newest generation a step completed in); a hung rank fails the group."""
     if state.group is None:
         return state, []
     before = dict(state.progress)
     progress: dict[int, RankProgress] = {}
     intervals = list(state.step_intervals)
     waiting: list[int] = []  # ranks that entered the "wait" phase since the last tick
+    trained_in = state.trained_in
     for rank, record in tick.progress.items():
         step, phase, generation = record if len(record) == 3 else (*record, 0)
+        if phase == "step":
+            trained_in = max(trained_in, generation)
         old = before.get(rank)
         if old is not None and (old.step, old.phase, old.generation) == (step, phase, generation):
             progress[rank] = old
@@ -403,7 +413,7 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
             intervals.append((now - old.since) / (step - old.step))
         progress[rank] = RankProgress(step, phase, now, generation)
     state = replace(state, progress=tuple(sorted(progress.items())), step_intervals=tuple(intervals[-_STEP_SAMPLES:]),
-                    ready=tick.ready)  # fmt: skip
+                    ready=tick.ready, trained_in=trained_in)  # fmt: skip
     limit = hang_timeout(state)
     start_limit = state.config.start_timeout_s
     for rank, p in sorted(progress.items()):
@@ -418,13 +428,13 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
             continue
         generation = state.group
         assert generation is not None
-        report = Report("failure", generation, HANG_EXIT_CODE, f"hang: {why}")
+        report = _failure(state, generation, HANG_EXIT_CODE, f"hang: {why}")
         state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
         return state, [Dump(why), Stop(), Send(report)]
     if waiting:
         message = f"local rank {min(waiting)} saw a peer fail mid-step and waits in place for the next generation"
         state = _set(state, state.phase, "a peer failed; waiting in place")
-        return state, [Send(Report("failure", state.group, WAIT_EXIT_CODE, message))]  # no worker of ours failed
+        return state, [Send(_failure(state, state.group, WAIT_EXIT_CODE, message))]  # no worker of ours failed
     return state, []
 
 
@@ -460,7 +470,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
     if isinstance(event, StartFailed):
         if state.group != event.generation:
             return state, []
-        report = Report("failure", event.generation, -1, event.message)
+        report = _failure(state, event.generation, -1, event.message)
         return _set(_no_group(state), AgentState.WAITING, f"cannot start: {event.message}"), [Stop(), Send(report)]
     if isinstance(event, HeartbeatOk):
         return _renewed(state, now), []

@@ -196,9 +196,10 @@ class CoordinatorClient:
         message: str = "",
         unreachable_nodes: Sequence[str] = (),
         lease_id: int = 0,
+        arrived: bool = False,
     ) -> tuple[bool, int]:
-        """Report a worker failure (and peers whose agents are unreachable), with this node's membership lease.
-        Returns (accepted, current generation)."""
+        """Report a worker failure (and peers whose agents are unreachable), with this node's membership lease;
+        ``arrived``: this node's workers trained a step in ``generation``. Returns (accepted, current generation)."""
         req = pb.ReportFailureRequest(
             job_id=job_id,
             node_id=node_id,
@@ -207,6 +208,7 @@ class CoordinatorClient:
             message=message,
             unreachable_nodes=list(unreachable_nodes),
             lease_id=lease_id,
+            arrived=arrived,
         )
         resp = self._call("ReportFailure", req)
         return resp.accepted, resp.current_generation

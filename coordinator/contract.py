@@ -464,8 +464,8 @@ WAIT_EXIT_CODE = -2  # a FailureReport of workers that wait in place after a pee
 class FailureReport:
     """An agent's report that a worker of ``generation`` on ``node_id`` failed (``exit_code`` :data:`WAIT_EXIT_CODE`:
     none did, they wait in place after a peer failed; the planner gives the failure's cause a moment to be reported),
-    and the members whose agents it could not reach (``unreachable``; see :func:`pliant.coordinator.policy.evictions`).
-    """
+    the members whose agents it could not reach (``unreachable``; see :func:`pliant.coordinator.policy.evictions`),
+    and whether its workers trained a step in ``generation`` (``arrived``: every member arrived)."""
 
     node_id: str
     generation: int
@@ -473,6 +473,7 @@ class FailureReport:
     message: str = ""
     reported_at: float = 0.0
     unreachable: tuple[str, ...] = ()
+    arrived: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

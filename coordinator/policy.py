@@ -23,18 +23,21 @@ to its smaller part, or flapping it forever:
   its report came first, the world shrank to that one node. A newcomer (admitted by this generation) that names an
   older member waits for the older members of its own side to say so: in a cut between two nodes that a third
   reaches, the third counts on both sides, and a readmitted node's report evicted the member that had stayed (those
-  older members report the named node themselves when the cut is theirs too). Such reports evict
-  :data:`REPORT_GRACE_S` later, and only if none of the nodes they name has reported a failure of the generation
+  older members report the named node themselves when the cut is theirs too). Reports that do not evict at once
+  evict :data:`REPORT_GRACE_S` later, and only if none of the nodes they name has reported a failure of the generation
   meanwhile: dead nodes report nothing (the survivors of a loss of most of the world wait those 2 s), while live ones
   report, and the larger side's or the older member's report evicts the reporter first. On equal sides, the first
-  report decides;
+  report decides. A newcomer stops being one once its generation trained a step: a report says whether its
+  reporter's workers did (``FailureReport.arrived``), and then every member weighs as an older one;
 - a node that came back and could not be reached by the members it was admitted to join gets a *strike*: it is named
-  by a member that has trained in the world since an earlier generation, in the generation that admitted it (a
-  readmission that failed: the survivors' agents report a newcomer that never arrived, see the agent's hand-over).
-  Strikes are kept in etcd and lapse :data:`STRIKE_WINDOW_S` after the last. A node back at the same address is
-  held back as a spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to
-  :data:`BACKOFF_MAX_S`), as Kubernetes backs off a crash-looping container: a cut that does not heal costs one try
-  per backoff instead of one a minute. A node evicted while it was an established member (a partition, a death, a
+  by a member that has trained in the world since an earlier generation, in the generation that admitted it, and
+  that generation never trained a step as far as the reporter knows (a readmission that failed: the survivors'
+  agents report a newcomer that never arrived, see the agent's hand-over). Before reports said so, a node that
+  arrived and trained for hours in the generation that admitted it was struck when a cut dropped it. Strikes are
+  kept in etcd and lapse :data:`STRIKE_WINDOW_S` after the last. A node back at the same address is held back as a
+  spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to :data:`BACKOFF_MAX_S`), as
+  Kubernetes backs off a crash-looping container: a cut that does not heal costs one try per backoff instead of one
+  a minute. A node evicted while it was an established member (a partition, a death, a
   cut that then heals) gets no strike, so churn never holds anyone back; a node back at another address (its agent
   was restarted, or it was replaced) starts its count again.
 
@@ -91,15 +94,16 @@ def overdue_members(ages: Mapping[str, float], ttl_s: float, heard_since: float,
     return tuple(sorted(node for node, age in ages.items() if age > ttl_s))
 
 
-def side(generation: Generation, nodes: Sequence[str]) -> tuple[int, int]:
-    """How much of ``generation``'s world ``nodes`` are: (processes of those admitted before it, all processes)."""
+def side(generation: Generation, nodes: Sequence[str], arrived: bool = False) -> tuple[int, int]:
+    """How much of ``generation``'s world ``nodes`` are: (processes of those admitted before it, or of all of them once
+    it ``arrived``, all processes)."""
     members = {m.node_id: m for m in generation.members}
     chosen = [members[n] for n in dict.fromkeys(nodes) if n in members]
-    return sum(m.nproc for m in chosen if m.since < generation.number), sum(m.nproc for m in chosen)
+    return sum(m.nproc for m in chosen if arrived or m.since < generation.number), sum(m.nproc for m in chosen)
 
 
-def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
-              live: Sequence[str]) -> tuple[str, ...]:  # fmt: skip
+def evictions(generation: Generation, reporter: str, unreachable: Sequence[str], live: Sequence[str],
+              arrived: bool = False) -> tuple[str, ...]:  # fmt: skip
     """The nodes a failure report of ``generation`` evicts at once (see the module docstring).
 
     Args:
@@ -107,6 +111,8 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
         reporter: the reporting node (a member of ``generation``).
         unreachable: the nodes whose agents the reporter could not reach.
         live: the nodes that hold a live membership now.
+        arrived: the reporter's workers trained a step in ``generation`` (``FailureReport.arrived``): every member
+            arrived, and none is a newcomer any more.
 
     Returns:
         The named live members of ``generation`` other than the reporter, if the reporter's live side has at least as
@@ -119,8 +125,8 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
         return ()
     named = tuple(n for n in dict.fromkeys(unreachable) if n != reporter and n in members and n in live)
     mine = [n for n in members if n in live and n not in named]
-    (mine_old, mine_all), (named_old, named_all) = side(generation, mine), side(generation, named)
-    if side(generation, [reporter])[0] == 0 and named_old and mine_old:
+    (mine_old, mine_all), (named_old, named_all) = side(generation, mine, arrived), side(generation, named, arrived)
+    if side(generation, [reporter], arrived)[0] == 0 and named_old and mine_old:
         return ()  # a newcomer's word against an older member waits for the older members of its side to say so
     return named if mine_all >= named_all else ()
 
@@ -157,11 +163,12 @@ def deferred_evictions(generation: Generation, failures: Sequence[FailureReport]
     return tuple(dict.fromkeys(due)), pending
 
 
-def struck(generation: Generation, reporter: str, evicted: Sequence[str]) -> tuple[str, ...]:
+def struck(generation: Generation, reporter: str, evicted: Sequence[str], arrived: bool = False) -> tuple[str, ...]:
     """Of the nodes ``reporter``'s report of ``generation`` evicts, those that earn a strike: admitted by this very
-    generation, and named by a member that has trained in the world since an earlier one (a failed readmission)."""
+    generation, and named by a member that has trained in the world since an earlier one (a failed readmission); none
+    when the generation ``arrived`` (the reporter's workers trained a step in it: the newcomers did arrive)."""
     since = {m.node_id: m.since for m in generation.members}
-    if not since.get(reporter, generation.number) < generation.number:
+    if arrived or not since.get(reporter, generation.number) < generation.number:
         return ()
     return tuple(n for n in evicted if since.get(n) == generation.number)
 

@@ -280,7 +280,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise InvalidArgument("generation 0 in ReportFailure; report the generation the failed worker ran in")
         unreachable = [validate_id(n, "unreachable node id") for n in request.unreachable_nodes]
         report = FailureReport(node, request.generation, request.exit_code, truncate_reason(request.message),
-                               self._clock(), tuple(dict.fromkeys(unreachable)))  # fmt: skip
+                               self._clock(), tuple(dict.fromkeys(unreachable)), request.arrived)  # fmt: skip
         accepted, current = self._store.report_failure(job, report)
         self._poke()
         return pb.ReportFailureResponse(accepted=accepted, current_generation=current)

@@ -293,7 +293,7 @@ class MemberStore(EtcdBase):
             prefix = self.job_key(job, "members") + "/"
             live = {meta.key.decode()[len(prefix):]: (decode(meta.key, Member.from_json, value), meta.lease_id)
                     for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
-            evicted = evictions(current, report.node_id, unreachable, list(live))
+            evicted = evictions(current, report.node_id, unreachable, list(live), report.arrived)
             key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
             compare = [self.tx.mod(self.job_key(job, "generation")) == mod_revision]
             ops = [self.tx.put(key, report.to_json())]
@@ -302,7 +302,7 @@ class MemberStore(EtcdBase):
                 # at once would otherwise both evict them, and both count a strike
                 compare += [self.tx.version(prefix + node) > 0 for node in (report.node_id, *evicted)]
                 ops += [self.tx.delete(prefix + node) for node in evicted]
-            to_strike = struck(current, report.node_id, evicted)
+            to_strike = struck(current, report.node_id, evicted, report.arrived)
             lease = self.client.lease(STRIKE_WINDOW_S) if to_strike else None
             for node in to_strike:
                 strike_key, address = self.job_key(job, "strikes", node), live[node][0].address

@@ -5,11 +5,12 @@
 One small file per worker, rewritten in place (one ``pwrite`` of a fixed-width record, no fsync) at each phase change
 and after every step; the agent reads it on its own clock and never needs an RPC. The record is
 ``"<step> <phase>\\n"`` padded to :data:`RECORD_BYTES`. Phases: ``start`` (the session opened; imports, the first
-step's compilation and a checkpoint restore follow), ``step`` (a step completed), ``save`` (a checkpoint save is
-blocking the loop), ``wait`` (a collective failed: a peer died, or a survivor's new generation did not all meet; the
-worker waits for its agent's next directive; the record ends with the generation it failed in, so an agent that
-already handed it a newer one does not report the failure again, and a wait in a newer generation at the same step is
-a new one), ``done`` (the session closed).
+step's compilation and a checkpoint restore follow), ``step`` (a step completed; the record ends with the generation
+it completed in: every member of that generation arrived, which the agent's failure reports say), ``save`` (a
+checkpoint save is blocking the loop), ``wait`` (a collective failed: a peer died, or a survivor's new generation did
+not all meet; the worker waits for its agent's next directive; the record ends with the generation it failed in, so an
+agent that already handed it a newer one does not report the failure again, and a wait in a newer generation at the
+same step is a new one), ``done`` (the session closed).
 
 **The directive file** ``<progress file>.next`` is how an agent hands a running worker its next generation (the
 in-place rescale, :mod:`pliant.worker.rescale`): a JSON object ``{"generation": N, "mode": M, "env": {...}}`` written
@@ -72,12 +73,12 @@ class ProgressFile:
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """The ``save`` phase for the duration of a blocking checkpoint save, then back to the phase before."""
-        step, phase = self.step, self.phase
+        step, phase, generation = self.step, self.phase, self.generation
         self.write(step, "save")
         try:
             yield
         finally:
-            self.write(step, phase or "start")
+            self.write(step, phase or "start", generation)
 
     def close(self) -> None:
         if self._fd >= 0:

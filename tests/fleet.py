@@ -117,10 +117,10 @@ class Fleet:
         self.node(node_id).leave(job_id, node_id, lease_id)
 
     def report_failure(self, job_id: str, node_id: str, generation: int, exit_code: int, message: str = "",
-                       unreachable_nodes: Sequence[str] = ()) -> tuple[bool, int]:  # fmt: skip
+                       unreachable_nodes: Sequence[str] = (), arrived: bool = False) -> tuple[bool, int]:  # fmt: skip
         lease = self.leases.get((job_id, node_id), 0)
         return self.node(node_id).report_failure(job_id, node_id, generation, exit_code, message, unreachable_nodes,
-                                                 lease)  # fmt: skip
+                                                 lease, arrived)  # fmt: skip
 
     def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:
         lease = self.leases.get((job_id, node_id), 0)

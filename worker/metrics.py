@@ -172,6 +172,7 @@ class WorkerMetrics:
         )
         self.world_size.set(env.world_size)
         self.generation.set(env.generation)
+        self._generation = env.generation  # a step's progress record names it: the agent reports that the world met
         self._user: dict[str, Gauge] = {}
         self._last_step_end = 0.0
         # What the agent's hang detection reads (pliant.progress); a no-op outside an agent.
@@ -190,7 +191,7 @@ class WorkerMetrics:
         self.samples.inc(samples)
         self.samples_per_second.set(samples / interval if interval > 0 else 0.0)
         self.step.set(step + 1)
-        self.progress.write(step + 1, "step")
+        self.progress.write(step + 1, "step", self._generation)
         if shadow:
             self.shadow_steps.inc()
 
@@ -213,6 +214,7 @@ class WorkerMetrics:
         self.rank = str(env.rank)
         self.world_size.set(env.world_size)
         self.generation.set(env.generation)
+        self._generation = env.generation
         self.reconfigurations.labels(why).inc()
         self.reconfigure_seconds.observe(seconds)
         self.state_sync_bytes.inc(nbytes)

@@ -227,6 +227,48 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         assert readmission_fails("127.0.0.1:3") < BACKOFF_BASE_S  # another address (a restarted agent): at once
 
 
+def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordinator, fleet) -> None:
+    """b was admitted by the current generation, arrived and trained in it; then a cut drops it. a's report says that
+    a's workers trained a step in the generation (``arrived``): b is evicted without a strike and readmitted at once,
+    however often that happens, and b's own word against a counts as an older member's would. The same report
+    without ``arrived`` (b never arrived: a failed readmission) strikes b."""
+    server = make_coordinator()
+    with fleet(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
+        client.join("job", "a", "127.0.0.1:1")
+        wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",), 10, "world a")
+
+        def admitted(node: str, port: int) -> tuple[int, float]:
+            client.join("job", node, f"127.0.0.1:{port}")
+            joined = time.monotonic()
+            number = wait_for(lambda: (g := client.get_job("job").generation) and node in g.node_ids and g.number, 30,
+                              f"{node} admitted")  # fmt: skip
+            return number, time.monotonic() - joined
+
+        for _ in range(3):
+            number, waited = admitted("b", 2)
+            assert waited < BACKOFF_BASE_S / 2, waited  # never held back
+            assert client.get_job("job", progress=True).progress["b"].strikes == 0
+            report = client.report_failure("job", "a", number, 1, "gloo: connection reset", ["b"], arrived=True)
+            assert report == (True, number)
+            wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted")
+        # c, then b: once b's generation trained, b's word against a counts at once, as older c's would (before, it
+        # waited REPORT_GRACE_S for c to say so).
+        admitted("c", 3)
+        number, _ = admitted("b", 2)
+        reported = time.monotonic()
+        assert client.report_failure("job", "b", number, -2, "a peer failed", ["a"], arrived=True) == (True, number)
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 10, "a evicted")
+        assert time.monotonic() - reported < REPORT_GRACE_S, "b's report waited for c's"
+        assert gen.node_ids == ("c", "b") and gen.reason == "failure", gen
+        number, _ = admitted("a", 1)
+        assert client.report_failure("job", "c", number, -1, "a never arrived", ["a"]) == (True, number)
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("c", "b"), 10, "a evicted again")
+        assert client.get_job("job", progress=True).progress["b"].strikes == 0
+        client.join("job", "a", "127.0.0.1:1")
+        assert client.get_job("job", progress=True).progress["a"].strikes == 1  # a failed readmission
+
+
 def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(make_coordinator, fleet) -> None:
     """a reaches the control plane but none of its peers, and reports first, naming b, c and d: that evicts nobody
     (a is the smaller side). c's report naming a evicts a. Then c and d die, and b's report names them: they never

@@ -194,6 +194,9 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     node_back = min(e["time"] for e in alone)
     assert set(_pids(alone, 2).values()) == set(on_a.values()), "node a's workers kept their processes throughout"
     node_redone = _check_redone(engine, events, node_killed, a.output())
+    # Node a's report of the loss says that generation trained: node b, however new, earns no strike.
+    assert re.search(rf"failure of generation {formed + 1} reported \(accepted; current generation \d+\); every "
+                     "member had arrived", a.output()), a.output()[-3000:]
     diff = _check_exact(tmp_path, steps, engine, kills=2)  # a worker, then node b's
     for what, (before, resumed), back, killed in (("worker", worker_redone, worker_back, worker_killed),
                                                   ("node", node_redone, node_back, node_killed)):  # fmt: skip

@@ -296,6 +296,27 @@ def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
     assert agent.kinds(hung) == ["Dump", "Stop", "Send"]
 
 
+def test_a_failure_report_says_whether_its_generation_trained_a_step() -> None:
+    """A step's progress record names the generation it completed in. A failure report of a generation in which a
+    worker of this node completed a step says that every member arrived (the coordinator strikes no newcomer of it);
+    one of a generation handed in place that never met says not."""
+    agent = Agent(in_place=True)
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(agent)
+    agent.on(core.Tick({0: (4, "step", 1), 1: (4, "step", 1)}, ready=True), after=0.2)
+    agent.on(core.GenerationSeen(_gen(2, "a", "b", "c")), after=0.5)  # c never arrives
+    actions = agent.on(core.Tick({0: (5, "step", 1), 1: (5, "wait", 2)}, ready=True), after=0.2)
+    assert [a.report.arrived for a in actions] == [False]  # type: ignore[union-attr]
+    met = Agent(in_place=True)
+    met.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(met)
+    met.on(core.Tick({0: (4, "step", 1), 1: (4, "step", 1)}, ready=True), after=0.2)
+    why = "local rank 1 (rank 1) exited with code -9"
+    assert met.on(core.GroupExited(GroupResult(1, {1: -9}), why, alive=1)) == [
+        core.Send(core.Report("failure", 1, -9, why, arrived=True))
+    ]
+
+
 def test_an_in_place_leave_tells_the_coordinator_first() -> None:
     agent = Agent(in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))

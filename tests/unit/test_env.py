@@ -66,11 +66,11 @@ def test_progress_and_fence_files(tmp_path) -> None:
     progress = ProgressFile(path)
     progress.write(0, "start")
     assert read_progress(path) == (0, "start")
-    progress.write(12345, "step")
-    assert read_progress(path) == (12345, "step")
+    progress.write(12345, "step", 3)  # a step names the generation it completed in
+    assert read_progress(path) == (12345, "step") and read_record(path) == (12345, "step", 3)
     with progress.saving():
         assert read_progress(path) == (12345, "save")
-    assert read_progress(path) == (12345, "step")
+    assert read_record(path) == (12345, "step", 3)
     progress.write(12346, "wait", 7)  # a failure names the generation it happened in
     assert read_progress(path) == (12346, "wait") and read_record(path) == (12346, "wait", 7)
     progress.write(12346, "wait", 8)  # waiting again, in the generation handed since (its ranks did not all meet)

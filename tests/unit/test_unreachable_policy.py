@@ -65,6 +65,9 @@ def test_a_side_counts_processes_and_those_of_older_members() -> None:
     assert side(g, ["a"]) == (2, 2) and side(g, ["b", "c"]) == (1, 5) and side(g, ["c", "x"]) == (0, 4)
     assert evictions(g, "c", ["a"], ["a", "b", "c"]) == ()  # c is new; b, on its side, would say so itself
     assert evictions(g, "b", ["a"], ["a", "b", "c"]) == ("a",)  # 5 processes against 2
+    # Once generation 5 trained a step (c's workers say so), c is no newcomer: its word counts like b's.
+    assert side(g, ["b", "c"], arrived=True) == (5, 5)
+    assert evictions(g, "c", ["a"], ["a", "b", "c"], arrived=True) == ("a",)
 
 
 def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -> None:
@@ -96,6 +99,7 @@ def test_only_a_failed_readmission_earns_a_strike() -> None:
     assert struck(g, "b", ["a"]) == ()
     assert struck(gen(4, {"a": 1, "b": 2}), "a", ["b"]) == ()
     assert struck(gen(4, {"a": 4, "b": 4}), "a", ["b"]) == ()
+    assert struck(g, "a", ["b"], arrived=True) == ()  # generation 4 trained a step: b arrived, a cut dropped it
 
 
 def test_the_backoff_starts_at_the_first_strike_and_doubles_to_a_cap() -> None:
