@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from pliant.agent import core
 from pliant.agent.contract import AgentConfig, AgentError
+from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable, reserve
@@ -35,7 +36,6 @@ from pliant.coordinator.contract import (
     CoordinatorError,
     FailedPrecondition,
     Generation,
-    GenerationMember,
     NotFound,
     PermissionDenied,
     Unauthenticated,
@@ -100,7 +100,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
-        self._handover: tuple[Generation, list[WorkerEnv], list[GenerationMember], float] | None = None
+        self._handover: tuple[Generation, list[WorkerEnv], HandOver] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
@@ -445,11 +445,9 @@ class Agent:
                "move in place, or a worker still starting)"
 
     def _reconfigure(self, gen: Generation) -> None:
-        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`). When new nodes join, the
-        hand-over waits (at most the rescale grace) until their workers counted themselves in the generation's store:
-        the survivors train on while the newcomers start. A newcomer whose agent this node cannot reach then (a cut;
-        counted in or not: node rank 0 may reach it) is reported instead: the survivors train on and re-form in the
-        next generation."""
+        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`); with newcomers, once their
+        workers counted themselves in (the survivors train on meanwhile), or report those it cannot reach
+        (:mod:`pliant.agent.handover`)."""
         assert self.group is not None
         try:
             envs = self._envs(gen)
@@ -459,36 +457,39 @@ class Agent:
             return
         old = self._generations.get(self.group.generation)
         known = {m.node_id for m in old.members} if old else {m.node_id for m in gen.members}
-        newcomers = [m for m in gen.members if m.node_id not in known]
-        self._handover = (gen, envs, newcomers, time.monotonic() + self.config.rescale_grace_s)
+        newcomers = tuple(m.node_id for m in gen.members if m.node_id not in known)
+        needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
+        self._handover = (gen, envs, HandOver(gen.number, newcomers, needed,
+                                              time.monotonic() + self.config.rescale_grace_s))  # fmt: skip
         self._hand_over()
 
     def _hand_over(self) -> None:
-        """Finish a pending in-place hand-over once the newcomers arrived (or the rescale grace ran out)."""
+        """Finish a pending in-place hand-over once the newcomers arrived (or the rescale grace ran out), or report
+        the newcomers whose agents this node cannot reach (:mod:`pliant.agent.handover`)."""
         if self._handover is None:
             return
-        gen, envs, newcomers, deadline = self._handover
+        gen, envs, pending = self._handover
         if self.group is None or self.state.group != gen.number:
             self._handover = None  # superseded
             return
-        arrived, needed = 0, sum(m.nproc for m in newcomers)
-        if needed:
+        if pending.needed:
+            arrived = 0
             try:
                 assert self.store is not None
                 arrived = self.store.arrivals(envs[0].master_addr, envs[0].master_port)
             except Exception as exc:  # the store is not reachable yet: next tick
                 logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
-            if arrived < needed and time.monotonic() < deadline:
+            if not probe_due(pending, arrived, time.monotonic()):
                 return
-            # Arrived (at node rank 0's store) is not met: a newcomer this node cannot reach would hang the meeting.
-            cut = [m.node_id for m in newcomers if not reachable(m.address)]
-            if cut:
-                self._handover = None  # the workers train on in their generation; the report brings the next one
-                message = (f"newcomers {', '.join(cut)} " + ("counted themselves in" if arrived >= needed else
-                           f"did not arrive within the rescale grace ({self.config.rescale_grace_s:g}s)") +
-                           " and their agents are unreachable from this node")  # fmt: skip
-                logger.warning("agent %s: generation %d not handed over: %s", self.config.node_id, gen.number, message)
-                self._reports.put(core.Report("failure", gen.number, -1, message))
+            cut = {m.node_id for m in gen.members if m.node_id in pending.newcomers and not reachable(m.address)}
+            pending, verdict = probed(pending, arrived, cut, time.monotonic(), self.config.rescale_grace_s)
+            self._handover = None if verdict.cut else (gen, envs, pending)  # cut: the workers train on in their
+            if verdict.cut:  # generation, and the report brings the next one
+                logger.warning("agent %s: generation %d not handed over: %s", self.config.node_id, gen.number,
+                               verdict.message)  # fmt: skip
+                self._reports.put(core.Report("failure", gen.number, -1, verdict.message))
+                return
+            if not verdict.hand:
                 return
         self._handover = None
         kept, started = self.group.reconfigure(gen.number, envs)

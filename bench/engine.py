@@ -8,8 +8,11 @@ data, and the cost of a shadow step (a rank with no micro-batch) relative to a r
   ``--steps 2000`` or more for a figure to 1-2 %.
 - shadow: global batch 64 (one micro-batch: rank 1 is idle every step, so it shadows) against global batch 128 (both
   ranks real). Reported as the idle rank's step time / a real step time.
+- ``--tiny``: the same runs on a model of one 8 x 8 layer, whose step is little more than the gradient all-reduce's
+  latency: the difference between the engine's median step and plain DDP's is pliant's fixed cost per step, in
+  microseconds, which the ratios on the real model cannot resolve on a 2-core host.
 
-Usage: ``.venv/bin/python bench/engine.py [--steps 200]``
+Usage: ``.venv/bin/python bench/engine.py [--steps 200] [--tiny]``
 """
 
 from __future__ import annotations
@@ -34,15 +37,21 @@ from pliant.worker.rescale import Protocol
 MICRO = 64
 
 
-def make_model() -> torch.nn.Module:
+TINY = 8  # --tiny: features and classes of the one-layer model
+
+
+def make_model(tiny: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
+    if tiny:
+        return torch.nn.Sequential(torch.nn.Linear(TINY, TINY))
     return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
                                torch.nn.Linear(512, 10))  # fmt: skip
 
 
-def dataset(n: int = 40000) -> TensorDataset:
+def dataset(n: int = 40000, tiny: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g))
+    features, classes = (TINY, TINY) if tiny else (256, 10)
+    return TensorDataset(torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
 def loss_fn(model: torch.nn.Module, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -59,16 +68,17 @@ def timed(steps: int, warmup: int, step) -> list[float]:
     return times
 
 
-def plain_ddp_step(rank: int, world: int):  # type: ignore[no-untyped-def]
+def plain_ddp_step(rank: int, world: int, tiny: bool = False):  # type: ignore[no-untyped-def]
     """One step of plain torch DDP (a function of the step index)."""
-    model = DistributedDataParallel(make_model())
+    model = DistributedDataParallel(make_model(tiny))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sampler = torch.utils.data.distributed.DistributedSampler(dataset(), world, rank, seed=0)
+    data = dataset(tiny=tiny)
+    sampler = torch.utils.data.distributed.DistributedSampler(data, world, rank, seed=0)
 
     def epochs():  # as many epochs as --steps needs, like the pliant loader
         for epoch in itertools.count():
             sampler.set_epoch(epoch)
-            yield from DataLoader(dataset(), batch_size=MICRO, sampler=sampler)
+            yield from DataLoader(data, batch_size=MICRO, sampler=sampler)
 
     batches = epochs()
 
@@ -82,16 +92,17 @@ def plain_ddp_step(rank: int, world: int):  # type: ignore[no-untyped-def]
     return step
 
 
-def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int, vote: bool = False):  # type: ignore[no-untyped-def]
+def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int, vote: bool = False,  # type: ignore[no-untyped-def]
+                       tiny: bool = False):
     """One step of the pliant engine (a function of the step index); ``vote``: under the rescale protocol, as under an
     agent (the commit vote before every optimizer step)."""
     session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                                        master_port=int(os.environ["MASTER_PORT"])))  # fmt: skip
-    engine = session.engine(make_model(), kind, torch.optim.SGD, lr=0.01)
+    engine = session.engine(make_model(tiny), kind, torch.optim.SGD, lr=0.01)
     if vote:
         engine.protocol = Protocol(session, in_place=True)
         engine.protocol.parts.append(engine)
-    batches = iter(session.loader(dataset(), global_batch, MICRO))
+    batches = iter(session.loader(dataset(tiny=tiny), global_batch, MICRO))
     return lambda _i: engine.step(next(batches), loss_fn)
 
 
@@ -106,18 +117,18 @@ def interleaved(steps: int, runs: dict[str, object], chunk: int = 25) -> dict[st
     return times
 
 
-def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue) -> None:
+def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue, tiny: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     runs = {
-        "plain ddp": plain_ddp_step(rank, world),
-        "pliant ddp": pliant_engine_step(rank, world, "ddp", MICRO * world),
-        "pliant ddp, commit vote": pliant_engine_step(rank, world, "ddp", MICRO * world, vote=True),
-        "pliant ddp, one micro-batch": pliant_engine_step(rank, world, "ddp", MICRO),
-        "pliant fsdp": pliant_engine_step(rank, world, "fsdp", MICRO * world),
-        "pliant fsdp, one micro-batch": pliant_engine_step(rank, world, "fsdp", MICRO),
+        "plain ddp": plain_ddp_step(rank, world, tiny),
+        "pliant ddp": pliant_engine_step(rank, world, "ddp", MICRO * world, tiny=tiny),
+        "pliant ddp, commit vote": pliant_engine_step(rank, world, "ddp", MICRO * world, vote=True, tiny=tiny),
+        "pliant ddp, one micro-batch": pliant_engine_step(rank, world, "ddp", MICRO, tiny=tiny),
+        "pliant fsdp": pliant_engine_step(rank, world, "fsdp", MICRO * world, tiny=tiny),
+        "pliant fsdp, one micro-batch": pliant_engine_step(rank, world, "fsdp", MICRO, tiny=tiny),
     }
     dist.barrier()
     results = {name: statistics.median(t) for name, t in interleaved(steps, runs).items()}
@@ -128,21 +139,25 @@ def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--tiny", action="store_true", help="a one-layer 8 x 8 model: pliant's fixed cost per step")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    mp.start_processes(rank_main, args=(2, port, args.steps, queue), nprocs=2, start_method="fork")
+    mp.start_processes(rank_main, args=(2, port, args.steps, queue, args.tiny), nprocs=2, start_method="fork")
     results = dict(queue.get() for _ in range(2))
     plain, ours = results[0]["plain ddp"], results[0]["pliant ddp"]
-    print(f"\nmedian step time, 2 ranks, {args.steps} steps each, interleaved in chunks of 25 (rank 0)")
+    model = f"one {TINY} x {TINY} layer" if args.tiny else "256-512-512-10 MLP"
+    print(f"\nmedian step time, 2 ranks, {model}, {args.steps} steps each, interleaved in chunks of 25 (rank 0)")
     print(f"  plain torch DDP            {plain * 1e3:8.2f} ms")
     voted = results[0]["pliant ddp, commit vote"]
     print(f"  pliant DDP engine          {ours * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / ours:.3f}")
     print(f"  ... with the commit vote   {voted * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / voted:.3f} "
           f"(as under pliant run)")  # fmt: skip
+    print(f"  pliant's fixed cost per step: {(ours - plain) * 1e6:+.0f} us, {(voted - plain) * 1e6:+.0f} us with the "
+          f"vote (medians; meaningful with --tiny)")  # fmt: skip
     for kind in ("ddp", "fsdp"):
         real = results[1][f"pliant {kind}"]
         shadow = results[1][f"pliant {kind}, one micro-batch"]

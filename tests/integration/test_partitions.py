@@ -191,8 +191,9 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
         make_coordinator, spawn_agent, pki, fleet, fabric, tmp_path: Path) -> None:  # fmt: skip
     """Nodes a and b reach the control plane but not each other, for good. One is evicted (not both, though both
     report the other), and trains on in place with its processes. The other rejoins and is admitted once more; it
-    never arrives, so the survivors' agent reports it instead of handing over, and the survivors train on; it is then
-    held back BACKOFF_BASE_S before its next try. Once the cut heals it rejoins, and the job ends exact, with no
+    never arrives, so the survivors' agent reports it instead of handing over, once its agent failed two probes (not
+    at the end of the rescale grace), and the survivors train on; it is then held back BACKOFF_BASE_S before its
+    next try. Once the cut heals it rejoins, and the job ends exact, with no
     checkpoint directory: no progress was lost."""
     steps = 3000  # a bound: the job ends 10 steps after the test is done
     grace = 10  # the rescale grace: how long the survivors' agent waits for a newcomer to arrive
@@ -213,7 +214,7 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
         survivor = next(g for _, g in seen if len(g.node_ids) == 1).node_ids[0]
         kept = _workers_of(agent_a if survivor == "node-a" else agent_b, 4, tmp_path)
         wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other admitted again")
-        rejoin = next(g.number for _, g in seen if g.reason == "join")
+        rejoin, admitted = next((g.number, t) for t, g in seen if g.reason == "join")
         wait_for(lambda: published(lambda g: g.number > rejoin and g.node_ids == (survivor,)), grace + 30,
                  "the newcomer that never arrived evicted")  # fmt: skip
         dropped = next(t for t, g in seen if g.number > rejoin)
@@ -233,11 +234,13 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
     times = sorted(e["time"] for e in alone if e["rank"] == 0)
     stall = max(b - a for a, b in itertools.pairwise(times))
     diff = _exact(tmp_path, events, steps)
-    print(f"cut a-b for good: {survivor} trained on alone; the other's readmission failed after {grace} s of grace, "
-          f"held back {retried - dropped:.1f}s before its next try; longest gap between the survivor's steps "
-          f"{stall:.2f}s; generations {[(g.number, g.reason, g.node_ids) for _, g in seen]}; max |param diff| vs "
-          f"static {diff:.2e}")  # fmt: skip
+    print(f"cut a-b for good: {survivor} trained on alone; the other's readmission failed {dropped - admitted:.1f}s "
+          f"after it was admitted (rescale grace {grace}s), held back {retried - dropped:.1f}s before its next try; "
+          f"longest gap between the survivor's steps {stall:.2f}s; generations "
+          f"{[(g.number, g.reason, g.node_ids) for _, g in seen]}; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert retried - dropped >= BACKOFF_BASE_S - 1
+    assert dropped - admitted < grace - 2, "reported once its agent failed two probes, before the grace ran out"
+    assert "have not arrived yet and their agents are unreachable" in agent_a.output() + agent_b.output()
     assert stall < 5.0, "a newcomer that cannot arrive does not stop the survivors"
     assert diff <= TOLERANCE
 
@@ -280,11 +283,12 @@ def test_a_node_cut_off_from_its_peers_only_is_the_one_dropped(make_coordinator,
 def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(make_coordinator, spawn_agent, pki, fleet,
                                                                           fabric, tmp_path: Path) -> None:  # fmt: skip
     """Nodes a and b cannot reach each other, for good; c (node rank 0: it hosts the generation's store) reaches
-    both. One of a and b is evicted; it rejoins and counts itself in at c's store, but the member that stayed cannot
-    reach it: that member's agent reports it at once instead of handing the generation over (so that nobody waits in
-    a meeting that cannot form: 30 s, the meeting's timeout, on a network that drops packets; here the blackhole
-    routes fail the connects at once), and the newcomer's own report, which names that member, evicts nobody (before:
-    c counted on the newcomer's side too, and its report evicted the member that had stayed). The job ends exact."""
+    both. One of a and b is evicted; it rejoins (and may count itself in at c's store), but the member that stayed
+    cannot reach it: that member's agent reports it within two probes, or at once once it counted in, instead of
+    handing the generation over (so that nobody waits in a meeting that cannot form: 30 s, the meeting's timeout, on
+    a network that drops packets; here the blackhole routes fail the connects at once), and the newcomer's own
+    report, which names that member, evicts nobody (before: c counted on the newcomer's side too, and its report
+    evicted the member that had stayed). The job ends exact."""
     steps = 3000  # a bound: the job ends 10 steps after the test is done
     server, (_, a, b), agents = _world(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False,
                                        extra=("--rescale-grace", "10"), names=("c", "a", "b"), nproc=1,
@@ -318,6 +322,6 @@ def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(make_c
           f"0's steps after the first eviction {stall:.2f}s; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert all(stayed in g.node_ids for g in seen), "the member that stayed was never evicted"
     assert any(g.reason == "join" for g in seen) and len(seen[-1].node_ids) == 2, "its readmission failed"
-    assert "counted themselves in and their agents are unreachable" in "".join(agent.output() for agent in agents)
+    assert f"newcomers {'node-b' if stayed == 'node-a' else 'node-a'} " in "".join(x.output() for x in agents)
     assert stall < 10.0
     assert diff <= TOLERANCE
