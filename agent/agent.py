@@ -43,7 +43,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.env import WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
-from pliant.progress import read_directive, read_fence, read_record
+from pliant.progress import read_fence
 from pliant.tls import Role
 
 __all__ = ["Agent"]
@@ -231,9 +231,9 @@ class Agent:
             if self._stop.wait(grant.heartbeat_interval_s) or self._left.is_set():
                 return
             try:
-                step = self.metrics.latest_step()
+                step, reaches = self.metrics.latest_step(), self._reaches(grant.heartbeat_interval_s / 2)
                 self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step,
-                                      timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))  # fmt: skip
+                                      timeout_s=max(0.5, grant.heartbeat_ttl_s / 3), reaches_generation=reaches)
                 self._events.put(core.HeartbeatOk())
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
@@ -250,6 +250,15 @@ class Agent:
                     logger.warning("agent %s: heartbeat failed (%s); retrying, workers keep training",
                                    self.config.node_id, exc)  # fmt: skip
                 failing = True
+
+    def _reaches(self, timeout_s: float) -> int:
+        """The current generation's number if this node is a spare and reaches every member's agent (the coordinator
+        then lifts a hold of its strikes: the cut that earned them healed), else 0."""
+        gen = self.state.generation
+        if gen is None or not gen.members or self.config.node_id in gen.node_ids:
+            return 0
+        timeout_s = min(0.5, timeout_s)  # a member behind a cut that drops packets delays this heartbeat that long
+        return gen.number if all(reachable(m.address, timeout_s) for m in gen.members) else 0
 
     def _rejoin(self) -> None:
         """Join again until it works, however long the coordinator is away; a refusal that will not change (the job
@@ -341,7 +350,7 @@ class Agent:
         if self.config.checkpoint_dir and now - self._fence_read_at >= FENCE_READ_S:
             self._fence, self._fence_read_at = read_fence(self.config.checkpoint_dir), now
         ready = self.group is not None and self.group.ready()
-        return core.Tick(self._progress(), self._fence, ready)
+        return core.Tick(self.group.progress() if self.group is not None else {}, self._fence, ready)
 
     def _loop(self) -> int:
         next_tick = time.monotonic()
@@ -374,7 +383,7 @@ class Agent:
 
     def _dispatch(self, event: core.Event) -> int | None:
         if isinstance(event, (core.GenerationSeen, core.SignalReceived)) and self.group is not None:
-            self._dispatch(core.Tick(self._progress(), self._fence, self.group.ready()))  # decide on fresh readiness
+            self._dispatch(core.Tick(self.group.progress(), self._fence, self.group.ready()))  # on fresh readiness
         before = self.state
         self.state, actions = core.decide(self.state, event, time.monotonic())
         if self.state.phase is not before.phase or self.state.reason != before.reason:
@@ -536,25 +545,6 @@ class Agent:
                       snapshot_every=config.snapshot_every)
             for local_rank in range(me.nproc)
         ]  # fmt: skip
-
-    def _progress(self) -> dict[int, tuple[int, str, int]]:
-        """Each live worker's (step, phase, generation of a wait) from its progress file (workers that write none are
-        left out)."""
-        out: dict[int, tuple[int, str, int]] = {}
-        if self.group is None:
-            return out
-        for worker in self.group.workers:
-            if worker.proc.returncode is None and worker.env.progress_file:
-                record = read_record(worker.env.progress_file)
-                if record is None or record[1] == "done":
-                    continue
-                step, phase, failed_in = record
-                if phase == "wait" and failed_in:
-                    handed = read_directive(worker.env.progress_file)
-                    if handed is not None and handed.generation > failed_in:
-                        continue  # it failed in an older generation and will take the one already handed to it
-                out[worker.env.local_rank] = (step, phase, failed_in)
-        return out
 
     def _describe(self, result: object) -> str:
         failure = getattr(result, "first_failure", None)

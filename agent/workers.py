@@ -29,7 +29,7 @@ from typing import IO
 from pliant.agent.contract import AgentError, GroupResult
 from pliant.agent.storehost import StoreHost
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
-from pliant.progress import Directive, in_place_ready, write_directive
+from pliant.progress import Directive, in_place_ready, read_directive, read_record, write_directive
 from pliant.spawn import die_with_parent
 
 __all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_env"]
@@ -296,6 +296,23 @@ class WorkerGroup:
         """Stop watching workers that exited (the others stay, in place); :meth:`reconfigure` replaces them."""
         self.gone += [w for w in self.workers if w.proc.poll() is not None]
         self.workers = [w for w in self.workers if w.proc.returncode is None]
+
+    def progress(self) -> dict[int, tuple[int, str, int]]:
+        """Each live worker's (step, phase, generation) from its progress file, by local rank (workers that write none
+        are left out, and so is a wait in a generation older than the one already handed to the worker)."""
+        out: dict[int, tuple[int, str, int]] = {}
+        for worker in self.workers:
+            if worker.proc.returncode is None and worker.env.progress_file:
+                record = read_record(worker.env.progress_file)
+                if record is None or record[1] == "done":
+                    continue
+                step, phase, generation = record
+                if phase == "wait" and generation:
+                    handed = read_directive(worker.env.progress_file)
+                    if handed is not None and handed.generation > generation:
+                        continue  # it failed in an older generation and will take the one already handed to it
+                out[worker.env.local_rank] = (step, phase, generation)
+        return out
 
     def dump_stacks(self) -> None:
         """Ask every live worker for its Python stacks (faulthandler, into its log), waking a stopped one first."""

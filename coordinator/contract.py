@@ -487,13 +487,14 @@ class FailureReport:
 @dataclass(frozen=True)
 class Strike:
     """A node's failed readmissions (:func:`pliant.coordinator.policy.struck`): ``count`` at ``address`` since they
-    last lapsed; ``seen_at``: when the leader first saw the latest (its clock); ``revision`` names that record."""
+    lapsed; ``seen_at``: when the leader saw the latest (its clock); ``revision``: its record; ``lifted``: no hold."""
 
     node_id: str
     address: str
     count: int
     revision: int = 0
     seen_at: float = 0.0
+    lifted: bool = False
 
 
 @dataclass(frozen=True)

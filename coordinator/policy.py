@@ -181,12 +181,12 @@ def backoff_s(count: int) -> float:
 
 def held_back(strikes: Sequence[Strike], members: Sequence[Member], now: float) -> dict[str, float]:
     """Members held back from a generation at ``now``: node id -> leader-clock time its hold ends. A strike holds a
-    member back only at the address it was evicted from."""
+    member back only at the address it was evicted from, and no longer once lifted (the node reached every member)."""
     address = {m.node_id: m.address for m in members}
     out = {}
     for strike in strikes:
         until = strike.seen_at + backoff_s(strike.count)
-        if address.get(strike.node_id) == strike.address and now < until:
+        if address.get(strike.node_id) == strike.address and now < until and not strike.lifted:
             out[strike.node_id] = until
     return out
 

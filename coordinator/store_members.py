@@ -218,6 +218,33 @@ class MemberStore(EtcdBase):
         return ok
 
     @etcd_call
+    def lift_hold(self, job: str, node_id: str, generation: int) -> bool:
+        """Lift the hold of ``node_id``'s strikes (:func:`pliant.coordinator.policy.held_back`): its agent, a spare,
+        reached every member of ``generation``, so the cut that earned them healed. The count stays (a cut that comes
+        back is held back longer); a strike that follows clears the lift. Only while ``generation`` is current and the
+        node is not in it.
+
+        Returns:
+            Whether a hold was lifted.
+        """
+        key = self.job_key(job, "strikes", node_id)
+        value, meta = self.client.get(key)
+        if value is None:
+            return False
+        count, address, lifted = read_strike(key, value)
+        current, mod_revision = self._current(job)
+        if lifted or current is None or current.number != generation or node_id in current.node_ids:
+            return False
+        record = json.dumps({"address": address, "count": count, "lifted": True}, sort_keys=True)
+        ok, _ = self._txn([self.tx.mod(key) == meta.mod_revision,
+                           self.tx.mod(self.job_key(job, "generation")) == mod_revision],
+                          [self.tx.put(key, record, lease=meta.lease_id)])  # fmt: skip
+        if ok:
+            logger.info("job %s: the hold of %s (%d strikes) lifted: its agent reaches every member of generation %d",
+                        job, node_id, count, generation)  # fmt: skip
+        return ok
+
+    @etcd_call
     def record_progress(self, job: str, node_id: str, lease_id: int, progress: MemberProgress) -> None:
         """Store ``node_id``'s latest step on its membership lease (gone with the membership)."""
         self.client.put(self.progress_key(job, node_id), progress.to_json(), lease=lease_id)
@@ -307,7 +334,7 @@ class MemberStore(EtcdBase):
             for node in to_strike:
                 strike_key, address = self.job_key(job, "strikes", node), live[node][0].address
                 value, _ = self.client.get(strike_key)
-                count, before = read_strike(strike_key, value) if value else (0, address)
+                count, before, _lifted = read_strike(strike_key, value) if value else (0, address, False)
                 strikes[node] = count + 1 if before == address else 1  # another address: counted again from one
                 record = json.dumps({"address": address, "count": strikes[node]}, sort_keys=True)
                 ops.append(self.tx.put(strike_key, record, lease=lease.id))  # type: ignore[union-attr]

@@ -186,7 +186,7 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
     """Both sides of a cut report each other: one is evicted, not both. The evicted node rejoins at once (an
     established member's eviction earns no strike); when its readmission fails (an older member reports it), it gets
     a strike and is held back BACKOFF_BASE_S before the next try, then twice that, unless it comes back at another
-    address."""
+    address, or its agent reaches every member of the current generation (the cut healed: the hold is lifted)."""
     server = make_coordinator()
     with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
@@ -222,7 +222,23 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         grant = client.join("job", "b", "127.0.0.1:2")  # strike 2: held back twice as long
         assert client.get_job("job", progress=True).progress["b"].strikes == 2  # pliant status: "held back"
         time.sleep(BACKOFF_BASE_S + 2)
+        number = client.get_job("job").generation.number
         assert client.get_job("job").generation.node_ids == ("a",)
+        client.heartbeat("job", "b", grant.lease_id, reaches_generation=number - 1)  # a world gone: nothing
+        time.sleep(1.0)
+        assert client.get_job("job").generation.node_ids == ("a",)
+        lifted = time.monotonic()
+        client.heartbeat("job", "b", grant.lease_id, reaches_generation=number)  # b's agent reaches a's again
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "b admitted, its hold lifted")
+        assert time.monotonic() - lifted < BACKOFF_BASE_S / 2
+        assert client.get_job("job", progress=True).progress["b"].strikes == 2  # the count stays
+        client.leave("job", "b", grant.lease_id)
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b left")
+        held = readmission_fails("127.0.0.1:2")  # lifted until the next strike: admitted at once, then strike 3 ...
+        assert held < BACKOFF_BASE_S, held
+        grant = client.join("job", "b", "127.0.0.1:2")  # ... and held back again
+        time.sleep(2.0)
+        assert client.get_job("job").generation.node_ids == ("a",), "held back again"
         client.leave("job", "b", grant.lease_id)
         assert readmission_fails("127.0.0.1:3") < BACKOFF_BASE_S  # another address (a restarted agent): at once
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -188,15 +189,17 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(make_c
 
 
 def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  # type: ignore[no-untyped-def]
-        make_coordinator, spawn_agent, pki, fleet, fabric, tmp_path: Path) -> None:  # fmt: skip
+        make_coordinator, spawn_agent, pki, fleet, fabric, tmp_path: Path, caplog) -> None:  # fmt: skip
     """Nodes a and b reach the control plane but not each other, for good. One is evicted (not both, though both
     report the other), and trains on in place with its processes. The other rejoins and is admitted once more; it
     never arrives, so the survivors' agent reports it instead of handing over, once its agent failed two probes (not
     at the end of the rescale grace), and the survivors train on; it is then held back BACKOFF_BASE_S before its
-    next try. Once the cut heals it rejoins, and the job ends exact, with no
-    checkpoint directory: no progress was lost."""
+    next try, which fails too (a second strike: 20 s). Once the cut heals its agent, a spare, reaches every member:
+    the hold is lifted and it is admitted at once. The job ends exact, with no checkpoint directory: no progress was
+    lost."""
     steps = 3000  # a bound: the job ends 10 steps after the test is done
     grace = 10  # the rescale grace: how long the survivors' agent waits for a newcomer to arrive
+    caplog.set_level(logging.INFO, logger="pliant.coordinator.store_members")
     server, a, b, agent_a, agent_b = _world_of_4(make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (),
                                                  False, extra=("--rescale-grace", str(grace)))  # fmt: skip
     cut = time.time()
@@ -220,10 +223,13 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
         dropped = next(t for t, g in seen if g.number > rejoin)
         wait_for(lambda: published(lambda g: g.number > rejoin + 1 and g.reason == "join"), BACKOFF_BASE_S + 20,
                  "the next try after the hold")  # fmt: skip
-        retried = next(t for t, g in seen if g.number > rejoin + 1 and g.reason == "join")
+        retried, again = next((t, g.number) for t, g in seen if g.number > rejoin + 1 and g.reason == "join")
+        wait_for(lambda: published(lambda g: g.number > again and g.node_ids == (survivor,)), 30,
+                 "the next try reported too: held back twice as long")  # fmt: skip
     fabric.unblock(a, b.address)
     healed = time.time()
     wait_for(lambda: any(e["world"] == 4 and e["time"] > healed for e in _events(tmp_path)), 90, "world 4 again")
+    back = min(e["time"] for e in _events(tmp_path) if e["world"] == 4 and e["time"] > healed)
     steps = end_soon(tmp_path, steps)
     wait_for(lambda: agent_a.proc.poll() is not None and agent_b.proc.poll() is not None, 120, "the job to finish")
     assert (agent_a.proc.returncode, agent_b.proc.returncode) == (0, 0), agent_a.output()[-3000:]
@@ -237,10 +243,13 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
     print(f"cut a-b for good: {survivor} trained on alone; the other's readmission failed {dropped - admitted:.1f}s "
           f"after it was admitted (rescale grace {grace}s), held back {retried - dropped:.1f}s before its next try; "
           f"longest gap between the survivor's steps {stall:.2f}s; generations "
-          f"{[(g.number, g.reason, g.node_ids) for _, g in seen]}; max |param diff| vs static {diff:.2e}")  # fmt: skip
+          f"{[(g.number, g.reason, g.node_ids) for _, g in seen]}; world 4 stepping {back - healed:.1f}s after the "
+          f"heal; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert retried - dropped >= BACKOFF_BASE_S - 1
     assert dropped - admitted < grace - 2, "reported once its agent failed two probes, before the grace ran out"
     assert "have not arrived yet and their agents are unreachable" in agent_a.output() + agent_b.output()
+    assert "(2 strikes) lifted: its agent reaches every member" in caplog.text
+    assert back - healed < 2 * BACKOFF_BASE_S - 5, "the rest of the 20 s hold was lifted"
     assert stall < 5.0, "a newcomer that cannot arrive does not stop the survivors"
     assert diff <= TOLERANCE
 

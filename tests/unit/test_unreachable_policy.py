@@ -108,6 +108,7 @@ def test_the_backoff_starts_at_the_first_strike_and_doubles_to_a_cap() -> None:
 
 
 def test_a_strike_holds_back_only_the_address_it_was_given_at() -> None:
+    assert not held_back([Strike("b", "b:1", 3, 7, T0, lifted=True)], [Member("b", "b:1")], T0 + 1)  # it reaches all
     strikes = [Strike("b", "b:1", 3, 7, T0)]
     assert held_back(strikes, [Member("b", "b:1")], T0 + 1) == {"b": T0 + backoff_s(3)}
     assert held_back(strikes, [Member("b", "b:2")], T0 + 1) == {}  # restarted or replaced: starts clean
