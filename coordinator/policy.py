@@ -37,7 +37,8 @@ to its smaller part, or flapping it forever:
   kept in etcd and lapse :data:`STRIKE_WINDOW_S` after the last. A node back at the same address is held back as a
   spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to :data:`BACKOFF_MAX_S`), as
   Kubernetes backs off a crash-looping container: a cut that does not heal costs one try per backoff instead of one
-  a minute. A node evicted while it was an established member (a partition, a death, a
+  a minute. A hold ends early when the node's agent, a spare, reaches every member's agent again (``Strike.lifted``,
+  on its heartbeat): the cut healed. A node evicted while it was an established member (a partition, a death, a
   cut that then heals) gets no strike, so churn never holds anyone back; a node back at another address (its agent
   was restarted, or it was replaced) starts its count again.
 
