@@ -38,9 +38,11 @@ to its smaller part, or flapping it forever:
   spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to :data:`BACKOFF_MAX_S`), as
   Kubernetes backs off a crash-looping container: a cut that does not heal costs one try per backoff instead of one
   a minute. A hold ends early when the node's agent, a spare, reaches every member's agent again (``Strike.lifted``,
-  on its heartbeat): the cut healed. A node evicted while it was an established member (a partition, a death, a
-  cut that then heals) gets no strike, so churn never holds anyone back; a node back at another address (its agent
-  was restarted, or it was replaced) starts its count again.
+  on its heartbeat): the cut healed. At most once per two strikes (:data:`LIFTS_PER_STRIKE`): a connect that
+  succeeds from the node proves nothing about connects to it, and a cut that only the node's own connects get
+  through would otherwise cost a try every few seconds forever. A node evicted while it was an established member (a
+  partition, a death, a cut that then heals) gets no strike, so churn never holds anyone back; a node back at another
+  address (its agent was restarted, or it was replaced) starts its count again.
 
 **One clock**: deadlines (join batching, the min-nodes timeout, the finished-job TTL) are measured on the leader's
 monotonic clock, from when the leader first saw the record that starts them (identified by its etcd revision), never
@@ -58,6 +60,7 @@ from pliant.coordinator.contract import FailureReport, Generation, JobSnapshot, 
 __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_MAX_S",
+    "LIFTS_PER_STRIKE",
     "REPORT_GRACE_S",
     "STRIKE_WINDOW_S",
     "LeaderClock",
@@ -75,6 +78,7 @@ STRIKE_WINDOW_S = 600  # a node's strikes lapse this long after its last (etcd's
 REPORT_GRACE_S = 2.0  # reports of workers waiting after a peer failed wait this long for the failure's cause
 BACKOFF_BASE_S = 10.0  # the hold after a first strike; doubled for each strike after it ...
 BACKOFF_MAX_S = 300.0  # ... up to this
+LIFTS_PER_STRIKE = 0.5  # a node's holds are lifted (it reached every member again) at most once per two strikes
 
 
 def overdue_members(ages: Mapping[str, float], ttl_s: float, heard_since: float, now: float) -> tuple[str, ...]:

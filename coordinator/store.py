@@ -11,8 +11,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
-    jobs/<job>/strikes/<node>           {"address", "count", "lifted"}: failed readmissions (policy.struck; on a lease
-                                        that lapses STRIKE_WINDOW_S after the last strike; coordinator.policy)
+    jobs/<job>/strikes/<node>           {"address", "count", "lifted", "lifts"}: failed readmissions (policy.struck;
+                                        on a lease that lapses STRIKE_WINDOW_S after the last strike; see policy)
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
                                         jobs/ so that its writes never wake the reconciler
@@ -68,7 +68,7 @@ _NO_STATE = JobStatus(JobState.WAITING, 0.0)
 
 def _strike(value: bytes, meta: Any) -> Strike:
     """A strike record, its node id from its key (see :func:`pliant.coordinator.store_base.read_strike`)."""
-    count, address, lifted = read_strike(meta.key, value)
+    count, address, lifted, _lifts = read_strike(meta.key, value)
     return Strike(meta.key.decode().rsplit("/", 1)[1], address, count, meta.mod_revision, lifted=lifted)
 
 

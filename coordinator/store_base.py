@@ -101,16 +101,17 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
     return wrapper
 
 
-def read_strike(key: str | bytes, raw: bytes) -> tuple[int, str, bool]:
-    """The (count, address, lifted) of a strike record (:class:`pliant.coordinator.contract.Strike`). A record that
-    cannot be read counts as one strike at no address, which holds nobody back (strikes only delay a rejoin; the next
-    strike overwrites it), with a warning."""
+def read_strike(key: str | bytes, raw: bytes) -> tuple[int, str, bool, int]:
+    """The (count, address, lifted, lifts) of a strike record (:class:`pliant.coordinator.contract.Strike`; lifts:
+    how often its holds were lifted). A record that cannot be read counts as one strike at no address, which holds
+    nobody back (strikes only delay a rejoin; the next strike overwrites it), with a warning."""
     try:
         record = decode(key, json.loads, raw)
-        return decode(key, lambda _: (int(record["count"]), str(record["address"]), bool(record.get("lifted"))), raw)
+        return decode(key, lambda _: (int(record["count"]), str(record["address"]), bool(record.get("lifted")),
+                                      int(record.get("lifts", 0))), raw)  # fmt: skip
     except CorruptRecord as exc:
         logger.warning("%s; counted as one strike", exc)
-        return 1, "", False
+        return 1, "", False, 0
 
 
 def decode(key: str | bytes, parse: Callable[[bytes], _T], raw: bytes) -> _T:

@@ -31,7 +31,7 @@ from pliant.coordinator.contract import (
     Unavailable,
     quote,
 )
-from pliant.coordinator.policy import REPORT_GRACE_S, STRIKE_WINDOW_S, backoff_s, evictions, struck
+from pliant.coordinator.policy import LIFTS_PER_STRIKE, REPORT_GRACE_S, STRIKE_WINDOW_S, backoff_s, evictions, struck
 from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, read_strike, token_digest
 
 __all__ = ["MemberStore"]
@@ -222,7 +222,8 @@ class MemberStore(EtcdBase):
         """Lift the hold of ``node_id``'s strikes (:func:`pliant.coordinator.policy.held_back`): its agent, a spare,
         reached every member of ``generation``, so the cut that earned them healed. The count stays (a cut that comes
         back is held back longer); a strike that follows clears the lift. Only while ``generation`` is current and the
-        node is not in it.
+        node is not in it, and at most once per two strikes (:data:`LIFTS_PER_STRIKE`): a cut that only this node's
+        connects get through (a firewall that lets one side open connections) still backs off, every other try.
 
         Returns:
             Whether a hold was lifted.
@@ -231,11 +232,12 @@ class MemberStore(EtcdBase):
         value, meta = self.client.get(key)
         if value is None:
             return False
-        count, address, lifted = read_strike(key, value)
+        count, address, lifted, lifts = read_strike(key, value)
         current, mod_revision = self._current(job)
-        if lifted or current is None or current.number != generation or node_id in current.node_ids:
+        if lifted or lifts >= count * LIFTS_PER_STRIKE or current is None or current.number != generation \
+                or node_id in current.node_ids:
             return False
-        record = json.dumps({"address": address, "count": count, "lifted": True}, sort_keys=True)
+        record = json.dumps({"address": address, "count": count, "lifted": True, "lifts": lifts + 1}, sort_keys=True)
         ok, _ = self._txn([self.tx.mod(key) == meta.mod_revision,
                            self.tx.mod(self.job_key(job, "generation")) == mod_revision],
                           [self.tx.put(key, record, lease=meta.lease_id)])  # fmt: skip
@@ -334,9 +336,10 @@ class MemberStore(EtcdBase):
             for node in to_strike:
                 strike_key, address = self.job_key(job, "strikes", node), live[node][0].address
                 value, _ = self.client.get(strike_key)
-                count, before, _lifted = read_strike(strike_key, value) if value else (0, address, False)
+                count, before, _lifted, lifts = read_strike(strike_key, value) if value else (0, address, False, 0)
                 strikes[node] = count + 1 if before == address else 1  # another address: counted again from one
-                record = json.dumps({"address": address, "count": strikes[node]}, sort_keys=True)
+                lifts = lifts if before == address else 0
+                record = json.dumps({"address": address, "count": strikes[node], "lifts": lifts}, sort_keys=True)
                 ops.append(self.tx.put(strike_key, record, lease=lease.id))  # type: ignore[union-attr]
             ok, _ = self._txn(compare, ops)
             if not ok:

@@ -186,7 +186,8 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
     """Both sides of a cut report each other: one is evicted, not both. The evicted node rejoins at once (an
     established member's eviction earns no strike); when its readmission fails (an older member reports it), it gets
     a strike and is held back BACKOFF_BASE_S before the next try, then twice that, unless it comes back at another
-    address, or its agent reaches every member of the current generation (the cut healed: the hold is lifted)."""
+    address, or its agent reaches every member of the current generation (the cut healed: the hold is lifted, at
+    most once per two strikes)."""
     server = make_coordinator()
     with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
@@ -238,7 +239,19 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         assert held < BACKOFF_BASE_S, held
         grant = client.join("job", "b", "127.0.0.1:2")  # ... and held back again
         time.sleep(2.0)
+        number = client.get_job("job").generation.number
         assert client.get_job("job").generation.node_ids == ("a",), "held back again"
+        client.heartbeat("job", "b", grant.lease_id, reaches_generation=number)  # a second lift, with 3 strikes: ok
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 10,
+                       "b admitted, lifted again")  # fmt: skip
+        assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted: strike 4")
+        grant = client.join("job", "b", "127.0.0.1:2")
+        time.sleep(1.0)
+        number = client.get_job("job").generation.number
+        client.heartbeat("job", "b", grant.lease_id, reaches_generation=number)  # a third lift with 4 strikes: no
+        time.sleep(1.5)
+        assert client.get_job("job").generation.node_ids == ("a",), "a cut only b's connects cross still backs off"
         client.leave("job", "b", grant.lease_id)
         assert readmission_fails("127.0.0.1:3") < BACKOFF_BASE_S  # another address (a restarted agent): at once
 
