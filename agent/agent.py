@@ -468,8 +468,7 @@ class Agent:
         known = {m.node_id for m in old.members} if old else {m.node_id for m in gen.members}
         newcomers = tuple(m.node_id for m in gen.members if m.node_id not in known)
         needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
-        self._handover = (gen, envs, HandOver(gen.number, newcomers, needed,
-                                              time.monotonic() + self.config.rescale_grace_s))  # fmt: skip
+        self._handover = (gen, envs, HandOver(newcomers, needed, time.monotonic() + self.config.rescale_grace_s))
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -492,13 +491,14 @@ class Agent:
                 return
             cut = {m.node_id for m in gen.members if m.node_id in pending.newcomers and not reachable(m.address)}
             pending, verdict = probed(pending, arrived, cut, time.monotonic(), self.config.rescale_grace_s)
-            self._handover = None if verdict.cut else (gen, envs, pending)  # cut: the workers train on in their
-            if verdict.cut:  # generation, and the report brings the next one
+            if verdict.cut:  # the workers train on in their generation; the report brings the next one
+                self._handover = None
                 logger.warning("agent %s: generation %d not handed over: %s", self.config.node_id, gen.number,
                                verdict.message)  # fmt: skip
                 self._reports.put(core.Report("failure", gen.number, -1, verdict.message))
                 return
             if not verdict.hand:
+                self._handover = (gen, envs, pending)
                 return
         self._handover = None
         kept, started = self.group.reconfigure(gen.number, envs)

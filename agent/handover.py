@@ -19,7 +19,7 @@ port each agent holds from before it joined) every :data:`PROBE_EVERY_S`:
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["PROBES_FAILED", "PROBE_EVERY_S", "HandOver", "Verdict", "probe_due", "probed"]
 
@@ -29,10 +29,9 @@ PROBES_FAILED = 2  # ... and reports a newcomer whose agent failed this many pro
 
 @dataclass(frozen=True)
 class HandOver:
-    """A hand-over of ``generation`` waiting for newcomers.
+    """A hand-over waiting for newcomers.
 
     Attributes:
-        generation: the generation handed over.
         newcomers: node ids of the newcomers.
         needed: how many workers must count themselves in (the newcomers' processes).
         deadline: when the rescale grace runs out (the executor's monotonic clock).
@@ -40,7 +39,6 @@ class HandOver:
         failed: per newcomer, the probes in a row its agent failed.
     """
 
-    generation: int
     newcomers: tuple[str, ...]
     needed: int
     deadline: float
@@ -80,7 +78,7 @@ def probed(pending: HandOver, arrived: int, unreachable: Collection[str], now: f
     """
     before = dict(pending.failed)
     failed = tuple((n, before.get(n, 0) + 1 if n in unreachable else 0) for n in pending.newcomers)
-    pending = HandOver(pending.generation, pending.newcomers, pending.needed, pending.deadline, now, failed)
+    pending = replace(pending, probed_at=now, failed=failed)
     final = arrived >= pending.needed or now >= pending.deadline
     cut = tuple(n for n, count in failed if count and (final or count >= PROBES_FAILED))
     if not cut:

@@ -101,7 +101,7 @@ class Soak:
         self.coord_tls = ca.issue("coordinator", Role.COORDINATOR, "chaos-coordinator",
                                   (host, "127.0.0.1", self.minority.address))  # fmt: skip
         self.admin_tls = ca.issue("admin", Role.ADMIN, "chaos-admin")
-        self.etcd = EtcdServer(data_dir=str(work / "etcd"), host=host).start()
+        self.etcd = EtcdServer(data_dir=str(work / "etcd"), host=host, log_path=str(work / "etcd.log")).start()
         self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {
             "r2": (f"{self.minority.address}:{free_port()}", None),
             "r1": (f"{host}:{free_port(host)}", None),  # free on that address (etcd listens there too)
@@ -450,7 +450,9 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
                 log(f"[{index:3d}] {kind:17s} recovered in {at - ended:6.2f}s (step {soak.last_step()})")
             else:
                 failed[kind] += 1
-                log(f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s")
+                code = soak.etcd.proc.poll() if soak.etcd.proc is not None else None
+                log(f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s" +
+                    (f" (etcd exited with code {code} on its own: see etcd.log)" if code is not None else ""))
             time.sleep(rng.uniform(0.5, 2.0))
         steps = end_soon(soak.events, work / "stop", steps, margin=30)  # the schedule is done: so is the job
         log(f"the schedule is done: the job ends at step {steps}")

@@ -13,7 +13,7 @@ GRACE_S = 30.0
 
 
 def _pending(now: float = 100.0) -> HandOver:
-    return HandOver(7, ("c", "d"), needed=4, deadline=now + GRACE_S)
+    return HandOver(("c", "d"), needed=4, deadline=now + GRACE_S)
 
 
 def test_a_newcomer_unreachable_for_two_probes_in_a_row_is_reported_long_before_the_grace_ends() -> None:
