@@ -100,6 +100,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
+        self._reached = 0  # the last generation whose every member this node, a spare, reached (see _reaches)
         self._handover: tuple[Generation, list[WorkerEnv], HandOver] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
@@ -257,8 +258,10 @@ class Agent:
         gen = self.state.generation
         if gen is None or not gen.members or self.config.node_id in gen.node_ids:
             return 0
-        timeout_s = min(0.5, timeout_s)  # a member behind a cut that drops packets delays this heartbeat that long
-        return gen.number if all(reachable(m.address, timeout_s) for m in gen.members) else 0
+        if gen.number != self._reached:  # once reached, a generation is not probed again (a spare may wait for long)
+            timeout_s = min(0.5, timeout_s)  # a member behind a cut that drops packets delays this heartbeat that long
+            self._reached = gen.number if all(reachable(m.address, timeout_s) for m in gen.members) else 0
+        return self._reached
 
     def _rejoin(self) -> None:
         """Join again until it works, however long the coordinator is away; a refusal that will not change (the job
