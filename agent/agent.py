@@ -100,7 +100,7 @@ class Agent:
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: int | None = None
-        self._reached = 0  # the last generation whose every member this node, a spare, reached (see _reaches)
+        self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._handover: tuple[Generation, list[WorkerEnv], HandOver] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
 
@@ -232,9 +232,10 @@ class Agent:
             if self._stop.wait(grant.heartbeat_interval_s) or self._left.is_set():
                 return
             try:
-                step, reaches = self.metrics.latest_step(), self._reaches(grant.heartbeat_interval_s / 2)
+                step, (reaches, misses) = self.metrics.latest_step(), self._probe(grant.heartbeat_interval_s / 2)
                 self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step,
-                                      timeout_s=max(0.5, grant.heartbeat_ttl_s / 3), reaches_generation=reaches)
+                                      timeout_s=max(0.5, grant.heartbeat_ttl_s / 3), reaches_generation=reaches,
+                                      misses_generation=misses)  # fmt: skip
                 self._events.put(core.HeartbeatOk())
                 if failing:
                     logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
@@ -252,16 +253,19 @@ class Agent:
                                    self.config.node_id, exc)  # fmt: skip
                 failing = True
 
-    def _reaches(self, timeout_s: float) -> int:
-        """The current generation's number if this node is a spare and reaches every member's agent (the coordinator
-        then lifts a hold of its strikes: the cut that earned them healed), else 0."""
+    def _probe(self, timeout_s: float) -> tuple[int, int]:
+        """(reaches, misses): the current generation's number in the first if this node is a spare and reaches every
+        member's agent (the coordinator then lifts a hold of its strikes: the cut that earned them healed), in the
+        second if it is a spare and cannot reach one (a hold lasts while that is so); else 0."""
         gen = self.state.generation
         if gen is None or not gen.members or self.config.node_id in gen.node_ids:
-            return 0
+            return 0, 0
         if gen.number != self._reached:  # once reached, a generation is not probed again (a spare may wait for long)
             timeout_s = min(0.5, timeout_s)  # a member behind a cut that drops packets delays this heartbeat that long
-            self._reached = gen.number if all(reachable(m.address, timeout_s) for m in gen.members) else 0
-        return self._reached
+            if not all(reachable(m.address, timeout_s) for m in gen.members):
+                return 0, gen.number
+            self._reached = gen.number
+        return self._reached, 0
 
     def _rejoin(self) -> None:
         """Join again until it works, however long the coordinator is away; a refusal that will not change (the job

@@ -176,15 +176,16 @@ class CoordinatorClient:
 
     def heartbeat(
         self, job_id: str, node_id: str, lease_id: int, step: int = 0, timeout_s: float | None = None,
-        reaches_generation: int = 0,
+        reaches_generation: int = 0, misses_generation: int = 0,
     ) -> float:
         """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns its TTL.
         ``timeout_s``: the deadline of each attempt (default: the client's), after which the next replica is tried:
         an agent passes a fraction of the heartbeat TTL, so a replica that accepts calls but cannot answer them (cut
         off from etcd) costs less than the TTL. ``reaches_generation``: a spare reached every member of that
-        generation (its hold is lifted). Raises NotFound once the lease is gone (Join again)."""
+        generation (its hold is lifted); ``misses_generation``: it could not reach one (its hold lasts). Raises
+        NotFound once the lease is gone (Join again)."""
         req = pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id, step=step,
-                                  reaches_generation=reaches_generation)  # fmt: skip
+                                  reaches_generation=reaches_generation, misses_generation=misses_generation)
         return self._call("Heartbeat", req, timeout_s).ttl_s
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:

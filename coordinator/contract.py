@@ -420,10 +420,8 @@ class GenerationMember:
 
 @dataclass(frozen=True)
 class Generation:
-    """A world: the ordered nodes that train together, published by the leader with a fenced write.
-
-    A generation with no members tells every agent to stop its workers (the job is waiting below min nodes or done).
-    """
+    """A world: the ordered nodes that train together, published by the leader with a fenced write. A generation with
+    no members tells every agent to stop its workers (the job is waiting below min nodes or done)."""
 
     job_id: str
     number: int
@@ -487,7 +485,8 @@ class FailureReport:
 @dataclass(frozen=True)
 class Strike:
     """A node's failed readmissions (:func:`pliant.coordinator.policy.struck`): ``count`` at ``address`` since they
-    lapsed; ``seen_at``: when the leader saw the latest (its clock); ``revision``: its record; ``lifted``: no hold."""
+    lapsed; ``seen_at``: when the leader saw the latest (its clock); ``revision``: its record; ``lifted``: no hold;
+    ``missed``: its agent, a spare, could not reach every member of the current generation since (the hold lasts)."""
 
     node_id: str
     address: str
@@ -495,6 +494,7 @@ class Strike:
     revision: int = 0
     seen_at: float = 0.0
     lifted: bool = False
+    missed: bool = False
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,13 @@ to its smaller part, or flapping it forever:
   kept in etcd and lapse :data:`STRIKE_WINDOW_S` after the last. A node back at the same address is held back as a
   spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to :data:`BACKOFF_MAX_S`), as
   Kubernetes backs off a crash-looping container: a cut that does not heal costs one try per backoff instead of one
-  a minute. A hold ends early when the node's agent, a spare, reaches every member's agent again (``Strike.lifted``,
-  on its heartbeat): the cut healed. At most once per two strikes (:data:`LIFTS_PER_STRIKE`): a connect that
-  succeeds from the node proves nothing about connects to it, and a cut that only the node's own connects get
-  through would otherwise cost a try every few seconds forever. A node evicted while it was an established member (a
+  a minute. The node's agent, a spare, connects to every member's agent on its heartbeats, and what it finds shapes
+  the hold. While it cannot reach them all (``Strike.missed``), the hold lasts past its backoff, up to
+  :data:`BACKOFF_MAX_S` after the strike: a readmission would fail again, and each try costs the survivors two
+  re-formations. When it reaches them all, the cut healed: the hold ends early (``Strike.lifted``), at most once per
+  two strikes (:data:`LIFTS_PER_STRIKE`): a connect that succeeds from the node proves nothing about connects to it,
+  and a cut that only the node's own connects get through would otherwise cost a try every few seconds forever; and
+  a hold past its backoff ends either way. A node evicted while it was an established member (a
   partition, a death, a cut that then heals) gets no strike, so churn never holds anyone back; a node back at another
   address (its agent was restarted, or it was replaced) starts its count again.
 
@@ -186,11 +189,12 @@ def backoff_s(count: int) -> float:
 
 def held_back(strikes: Sequence[Strike], members: Sequence[Member], now: float) -> dict[str, float]:
     """Members held back from a generation at ``now``: node id -> leader-clock time its hold ends. A strike holds a
-    member back only at the address it was evicted from, and no longer once lifted (the node reached every member)."""
+    member back only at the address it was evicted from, and no longer once lifted (the node reached every member);
+    while the node's agent, a spare, cannot reach every member (``missed``), up to :data:`BACKOFF_MAX_S` after it."""
     address = {m.node_id: m.address for m in members}
     out = {}
     for strike in strikes:
-        until = strike.seen_at + backoff_s(strike.count)
+        until = strike.seen_at + (BACKOFF_MAX_S if strike.missed else backoff_s(strike.count))
         if address.get(strike.node_id) == strike.address and now < until and not strike.lifted:
             out[strike.node_id] = until
     return out
@@ -226,7 +230,8 @@ class LeaderClock:
 
         since = first(("state", snap.status_mod_revision))
         members = tuple(dataclasses.replace(m, joined_at=first((m.node_id, m.order))) for m in snap.members)
-        strikes = tuple(dataclasses.replace(s, seen_at=first((f"strike/{s.node_id}", s.revision)))
+        # a strike's clock starts at the strike (its count at its address), not at a lift or a miss that rewrote it
+        strikes = tuple(dataclasses.replace(s, seen_at=first((f"strike/{s.node_id}/{s.address}", s.count)))
                         for s in snap.strikes)  # fmt: skip
         failures = tuple(dataclasses.replace(f, reported_at=first((f"failure/{f.node_id}", f.generation)))
                          for f in snap.failures)  # fmt: skip

@@ -139,7 +139,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._stream_poll_s = stream_poll_s
         self._progress_interval_s = progress_interval_s
         self._progress_written: dict[tuple[str, str], tuple[float, int]] = {}  # (job, node) -> (monotonic, step)
-        self._reached: dict[tuple[str, str], int] = {}  # (job, node) -> the generation its spare agent last reached
+        self._probed: dict[tuple[str, str], tuple[int, int]] = {}  # (job, node) -> its spare agent's last probe
         self._max_jobs = max_jobs
         self._max_watch_streams = max_watch_streams
         self._watch_streams = 0
@@ -252,12 +252,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.step:
             self._record_progress(request)
         key = (request.job_id, request.node_id)  # checked by _authorize
-        if request.reaches_generation and self._reached.get(key) != request.reaches_generation:
-            if self._store.lift_hold(*key, request.reaches_generation):
+        probe = (request.reaches_generation, request.misses_generation)
+        if any(probe) and self._probed.get(key) != probe:  # a spare's probe of the members: one look per outcome
+            if self._store.record_probe(*key, max(probe), reaches=bool(request.reaches_generation)):
                 self._poke()
-            if len(self._reached) > 100_000:  # nodes come and go: forget them all now and then
-                self._reached.clear()
-            self._reached[key] = request.reaches_generation  # one look per generation a spare reaches
+            if len(self._probed) > 100_000:  # nodes come and go: forget them all now and then
+                self._probed.clear()
+            self._probed[key] = probe
         return pb.HeartbeatResponse(ttl_s=ttl)
 
     def _record_progress(self, request: pb.HeartbeatRequest) -> None:

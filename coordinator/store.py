@@ -68,8 +68,9 @@ _NO_STATE = JobStatus(JobState.WAITING, 0.0)
 
 def _strike(value: bytes, meta: Any) -> Strike:
     """A strike record, its node id from its key (see :func:`pliant.coordinator.store_base.read_strike`)."""
-    count, address, lifted, _lifts = read_strike(meta.key, value)
-    return Strike(meta.key.decode().rsplit("/", 1)[1], address, count, meta.mod_revision, lifted=lifted)
+    record = read_strike(meta.key, value)
+    return Strike(meta.key.decode().rsplit("/", 1)[1], record.address, record.count, meta.mod_revision,
+                  lifted=record.lifted, missed=record.missed)  # fmt: skip
 
 
 class EtcdStore(MemberStore):
@@ -373,4 +374,3 @@ class EtcdStore(MemberStore):
         if state:
             status = decode(self.job_key(job, "state"), JobStatus.from_json, state[0][0])
         return [decode(m.key, Generation.from_json, v) for v, m in history], status
-

@@ -15,7 +15,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import etcd3
 import etcd3.exceptions
@@ -35,8 +35,8 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
 
-__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "decode", "etcd_call", "range_end", "read_strike",
-           "token_digest"]
+__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "StrikeRecord", "decode", "etcd_call", "range_end",
+           "read_strike", "token_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +101,31 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
     return wrapper
 
 
-def read_strike(key: str | bytes, raw: bytes) -> tuple[int, str, bool, int]:
-    """The (count, address, lifted, lifts) of a strike record (:class:`pliant.coordinator.contract.Strike`; lifts:
-    how often its holds were lifted). A record that cannot be read counts as one strike at no address, which holds
-    nobody back (strikes only delay a rejoin; the next strike overwrites it), with a warning."""
+class StrikeRecord(NamedTuple):
+    """A strike record as stored (:class:`pliant.coordinator.contract.Strike`): ``lifts`` counts how often its holds
+    were lifted, ``missed`` says that the node's agent, a spare, could not reach every member since."""
+
+    count: int
+    address: str
+    lifted: bool = False
+    lifts: int = 0
+    missed: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(self._asdict(), sort_keys=True)
+
+
+def read_strike(key: str | bytes, raw: bytes) -> StrikeRecord:
+    """The strike record ``raw``. A record that cannot be read counts as one strike at no address, which holds nobody
+    back (strikes only delay a rejoin; the next strike overwrites it), with a warning."""
     try:
         record = decode(key, json.loads, raw)
-        return decode(key, lambda _: (int(record["count"]), str(record["address"]), bool(record.get("lifted")),
-                                      int(record.get("lifts", 0))), raw)  # fmt: skip
+        return decode(key, lambda _: StrikeRecord(int(record["count"]), str(record["address"]),
+                                                  bool(record.get("lifted")), int(record.get("lifts", 0)),
+                                                  bool(record.get("missed"))), raw)  # fmt: skip
     except CorruptRecord as exc:
         logger.warning("%s; counted as one strike", exc)
-        return 1, "", False, 0
+        return StrikeRecord(1, "")
 
 
 def decode(key: str | bytes, parse: Callable[[bytes], _T], raw: bytes) -> _T:
@@ -137,7 +151,6 @@ def range_end(prefix: str) -> bytes:
 def token_digest(token: str) -> str:
     """What etcd stores of a join token: its SHA-256 (the token is 256 random bits, so no slow hash is needed)."""
     return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
-
 
 
 class EtcdBase:
@@ -244,4 +257,3 @@ class EtcdBase:
             self.read_job(job)  # NotFound for an unknown job
             return None, 0
         return decode(key, Generation.from_json, value), meta.mod_revision
-

@@ -8,7 +8,6 @@ that proves it.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Sequence
 
@@ -31,8 +30,16 @@ from pliant.coordinator.contract import (
     Unavailable,
     quote,
 )
-from pliant.coordinator.policy import LIFTS_PER_STRIKE, REPORT_GRACE_S, STRIKE_WINDOW_S, backoff_s, evictions, struck
-from pliant.coordinator.store_base import EtcdBase, decode, etcd_call, read_strike, token_digest
+from pliant.coordinator.policy import (
+    BACKOFF_MAX_S,
+    LIFTS_PER_STRIKE,
+    REPORT_GRACE_S,
+    STRIKE_WINDOW_S,
+    backoff_s,
+    evictions,
+    struck,
+)
+from pliant.coordinator.store_base import EtcdBase, StrikeRecord, decode, etcd_call, read_strike, token_digest
 
 __all__ = ["MemberStore"]
 
@@ -218,32 +225,46 @@ class MemberStore(EtcdBase):
         return ok
 
     @etcd_call
-    def lift_hold(self, job: str, node_id: str, generation: int) -> bool:
-        """Lift the hold of ``node_id``'s strikes (:func:`pliant.coordinator.policy.held_back`): its agent, a spare,
-        reached every member of ``generation``, so the cut that earned them healed. The count stays (a cut that comes
-        back is held back longer); a strike that follows clears the lift. Only while ``generation`` is current and the
-        node is not in it, and at most once per two strikes (:data:`LIFTS_PER_STRIKE`): a cut that only this node's
-        connects get through (a firewall that lets one side open connections) still backs off, every other try.
+    def record_probe(self, job: str, node_id: str, generation: int, reaches: bool) -> bool:
+        """Record what ``node_id``'s agent, a spare, found when it connected to the agent of every member of
+        ``generation`` (see :func:`pliant.coordinator.policy.held_back`), while that generation is current, the node
+        is not in it and its strikes are not lifted.
+
+        - It ``reaches`` them all: the cut that earned the strikes healed. Their hold is lifted (the count stays; a
+          strike that follows clears the lift), at most once per two strikes (:data:`LIFTS_PER_STRIKE`): a cut that
+          only this node's connects get through (a firewall that lets one side open connections) still backs off,
+          every other try. Either way a miss recorded before no longer holds it.
+        - It missed one: the hold lasts past its backoff while that is so, since a readmission would fail again.
 
         Returns:
-            Whether a hold was lifted.
+            Whether the record changed.
         """
         key = self.job_key(job, "strikes", node_id)
         value, meta = self.client.get(key)
         if value is None:
             return False
-        count, address, lifted, lifts = read_strike(key, value)
+        old = read_strike(key, value)
         current, mod_revision = self._current(job)
-        if lifted or lifts >= count * LIFTS_PER_STRIKE or current is None or current.number != generation \
-                or node_id in current.node_ids:
+        if old.lifted or current is None or current.number != generation or node_id in current.node_ids:
             return False
-        record = json.dumps({"address": address, "count": count, "lifted": True, "lifts": lifts + 1}, sort_keys=True)
+        lift = reaches and old.lifts < old.count * LIFTS_PER_STRIKE
+        new = old._replace(lifted=lift, lifts=old.lifts + lift, missed=not reaches)
+        if new == old:
+            return False
         ok, _ = self._txn([self.tx.mod(key) == meta.mod_revision,
                            self.tx.mod(self.job_key(job, "generation")) == mod_revision],
-                          [self.tx.put(key, record, lease=meta.lease_id)])  # fmt: skip
-        if ok:
+                          [self.tx.put(key, new.to_json(), lease=meta.lease_id)])  # fmt: skip
+        if ok and lift:
             logger.info("job %s: the hold of %s (%d strikes) lifted: its agent reaches every member of generation %d",
-                        job, node_id, count, generation)  # fmt: skip
+                        job, node_id, old.count, generation)  # fmt: skip
+        elif ok and reaches:
+            logger.info("job %s: %s's agent reaches every member of generation %d again; held back for the rest of "
+                        "its backoff (%d strikes; a hold is lifted at most once per two)", job, node_id, generation,
+                        old.count)  # fmt: skip
+        elif ok:
+            logger.info("job %s: %s's agent cannot reach every member of generation %d: held back until it does "
+                        "(%d strikes; at most %gs after the last)", job, node_id, generation, old.count,
+                        BACKOFF_MAX_S)  # fmt: skip
         return ok
 
     @etcd_call
@@ -280,7 +301,7 @@ class MemberStore(EtcdBase):
             for value, meta in self.client.get_prefix(self.progress_key(job))
         }
         prefix = self.job_key(job, "strikes") + "/"
-        strikes = {meta.key.decode()[len(prefix):]: read_strike(meta.key, value)[0]
+        strikes = {meta.key.decode()[len(prefix):]: read_strike(meta.key, value).count
                    for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
         ages = self.lease_ages(job, members)
         out = {}
@@ -336,11 +357,11 @@ class MemberStore(EtcdBase):
             for node in to_strike:
                 strike_key, address = self.job_key(job, "strikes", node), live[node][0].address
                 value, _ = self.client.get(strike_key)
-                count, before, _lifted, lifts = read_strike(strike_key, value) if value else (0, address, False, 0)
-                strikes[node] = count + 1 if before == address else 1  # another address: counted again from one
-                lifts = lifts if before == address else 0
-                record = json.dumps({"address": address, "count": strikes[node], "lifts": lifts}, sort_keys=True)
-                ops.append(self.tx.put(strike_key, record, lease=lease.id))  # type: ignore[union-attr]
+                old = read_strike(strike_key, value) if value else StrikeRecord(0, address)
+                same = old.address == address  # another address: counted again from one
+                strikes[node] = old.count + 1 if same else 1
+                record = StrikeRecord(strikes[node], address, lifts=old.lifts if same else 0)
+                ops.append(self.tx.put(strike_key, record.to_json(), lease=lease.id))  # type: ignore[union-attr]
             ok, _ = self._txn(compare, ops)
             if not ok:
                 if lease is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -254,6 +255,47 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         assert client.get_job("job").generation.node_ids == ("a",), "a cut only b's connects cross still backs off"
         client.leave("job", "b", grant.lease_id)
         assert readmission_fails("127.0.0.1:3") < BACKOFF_BASE_S  # another address (a restarted agent): at once
+
+
+def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordinator, fleet, caplog) -> None:
+    """b's readmission failed (strike 1: held back BACKOFF_BASE_S). While b's agent, a spare, says it cannot reach
+    every member of the current generation, the hold lasts past that; once it reaches them, b is admitted at once. After
+    strike 2 (no lift: one per two strikes), reaching them again still ends what its misses added."""
+    caplog.set_level(logging.INFO, logger="pliant.coordinator")
+    server = make_coordinator()
+    with fleet(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
+        client.join("job", "a", "127.0.0.1:1")
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "world a")
+
+        def readmission_fails() -> tuple[int, int]:
+            """b joins; a reports it once admitted; b joins again: (b's lease, the generation b is held from)."""
+            client.join("job", "b", "127.0.0.1:2")
+            gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60,
+                           "b admitted")  # fmt: skip
+            assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
+            number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number,
+                              10, "b evicted")  # fmt: skip
+            return client.join("job", "b", "127.0.0.1:2").lease_id, number
+
+        lease, number = readmission_fails()  # b had no strike: admitted at once; now strike 1
+        struck = time.monotonic()
+        client.heartbeat("job", "b", lease, misses_generation=number)  # b's agent cannot reach a's
+        time.sleep(BACKOFF_BASE_S + 2)
+        assert client.get_job("job").generation.node_ids == ("a",), "held past its backoff: a try would fail again"
+        assert "cannot reach every member" in caplog.text
+        client.heartbeat("job", "b", lease, reaches_generation=number)  # the cut healed
+        wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "b admitted, its hold lifted")
+        assert time.monotonic() - struck < BACKOFF_BASE_S + 5
+        assert client.report_failure("job", "a", client.get_job("job").generation.number, -1, "b never arrived",
+                                     ["b"])[0]  # strike 2: lifts=1 of count 2, no lift this time  # fmt: skip
+        number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number,
+                          10, "b evicted: strike 2")  # fmt: skip
+        lease = client.join("job", "b", "127.0.0.1:2").lease_id
+        client.heartbeat("job", "b", lease, misses_generation=number)
+        client.heartbeat("job", "b", lease, reaches_generation=number)
+        wait_for(lambda: "held back for the rest of its backoff" in caplog.text, 10, "the miss cleared, no lift")
+        assert client.get_job("job").generation.node_ids == ("a",)
 
 
 def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordinator, fleet) -> None:

@@ -115,6 +115,16 @@ def test_a_strike_holds_back_only_the_address_it_was_given_at() -> None:
     assert held_back(strikes, [Member("b", "b:1")], T0 + backoff_s(3)) == {}  # served
 
 
+def test_a_spare_that_cannot_reach_every_member_is_held_until_it_does_within_a_bound() -> None:
+    """While b's agent cannot reach every member (``missed``), its hold lasts past its backoff: a readmission would
+    fail again. Up to BACKOFF_MAX_S after the strike, a try a few minutes, as the longest backoff gives."""
+    missed = [Strike("b", "b:1", 1, 7, T0, missed=True)]
+    assert held_back(missed, [Member("b", "b:1")], T0 + backoff_s(1) + 1) == {"b": T0 + BACKOFF_MAX_S}
+    assert held_back(missed, [Member("b", "b:1")], T0 + BACKOFF_MAX_S) == {}
+    assert held_back(missed, [Member("b", "b:2")], T0 + 1) == {}  # another address: starts clean
+    assert not held_back([Strike("b", "b:1", 1, 7, T0, lifted=True, missed=True)], [Member("b", "b:1")], T0 + 1)
+
+
 def _snap(members: list[Member], generation: Generation, strikes: list[Strike]) -> JobSnapshot:
     return JobSnapshot(SPEC, JobStatus(JobState.RUNNING, T0), tuple(members), generation, strikes=tuple(strikes))
 
@@ -128,6 +138,9 @@ def test_the_planner_holds_a_struck_node_back_then_admits_it() -> None:
     admitted = plan(snap, T0 + BACKOFF_BASE_S)
     assert isinstance(admitted, NewGeneration) and admitted.generation.node_ids == ("a", "b")
     assert [m.since for m in admitted.generation.members] == [1, 6]  # a keeps its since; b is new in 6
+    missed = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 1, 10, T0, missed=True),))
+    cut = plan(missed, T0 + BACKOFF_BASE_S)  # b's agent cannot reach a's: a try would fail again
+    assert isinstance(cut, WaitUntil) and cut.deadline == T0 + BACKOFF_MAX_S and "holding back b" in cut.why
     moved = plan(_snap([a, dataclasses.replace(b, address="b:2")], gen(5, {"a": 1}), list(snap.strikes)), T0 + 1)
     assert isinstance(moved, NewGeneration)  # back at another address: not held
 
@@ -154,8 +167,12 @@ def test_the_leader_times_a_strike_from_when_it_first_saw_it() -> None:
     snap = _snap([], gen(1, {}), [Strike("b", "b:1", 2, 9, seen_at=12345.0)])
     assert clock.view(snap, 50.0).strikes[0].seen_at == 50.0
     assert clock.view(snap, 70.0).strikes[0].seen_at == 50.0
+    probed = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 2, 10, missed=True),))  # a probe's rewrite
+    assert clock.view(probed, 75.0).strikes[0].seen_at == 50.0  # does not start the hold again
     again = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 3, 11),))  # a newer strike: a new record
     assert clock.view(again, 80.0).strikes[0].seen_at == 80.0
+    moved = dataclasses.replace(snap, strikes=(Strike("b", "b:2", 1, 12),))  # another address: counted from one
+    assert clock.view(moved, 90.0).strikes[0].seen_at == 90.0
 
 
 def test_reports_of_waiting_workers_give_the_failures_cause_a_moment() -> None:
