@@ -99,7 +99,7 @@ class Agent:
         self.metrics_server: MetricsServer | None = None
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
-        self._renewing: int | None = None
+        self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._handover: tuple[Generation, list[WorkerEnv], HandOver] | None = None
         self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
@@ -217,12 +217,14 @@ class Agent:
     # -- background threads --------------------------------------------------------------------------------------------
 
     def _publish_renewing(self) -> None:
-        """Tell peers (through the agent store) for how long this agent has renewed its membership without a break."""
-        streak = int(core.renewal_streak(self.state, time.monotonic()))
-        if streak != self._renewing and self.store is not None:
+        """Tell peers (through the agent store) for how long this agent has renewed its membership without a break,
+        and the newest generation it has seen."""
+        gen = self.state.generation
+        renewing = (int(core.renewal_streak(self.state, time.monotonic())), gen.number if gen is not None else 0)
+        if renewing != self._renewing and self.store is not None:
             with contextlib.suppress(Exception):
-                self.store.set_renewing(streak)
-                self._renewing = streak
+                self.store.set_renewing(*renewing)
+                self._renewing = renewing
 
     def _heartbeat_loop(self) -> None:
         failing = False
@@ -425,7 +427,7 @@ class Agent:
         elif isinstance(action, core.Dump):
             self._dump_stacks(action.why)
         elif isinstance(action, core.ProbePeers):
-            self._events.put(core.PeersProbed(self._peers_renewing()))
+            self._events.put(core.PeersProbed(*self._peers_renewing()))
         elif isinstance(action, core.Leave):
             self._leave()
         elif isinstance(action, core.Exit):
@@ -570,11 +572,12 @@ class Agent:
         if self.group is not None:
             self.group.dump_stacks()
 
-    def _peers_renewing(self) -> float:
-        """The longest unbroken renewal streak among (up to 8 of) the generation's other agents; -1 if none."""
+    def _peers_renewing(self) -> tuple[float, int]:
+        """The longest unbroken renewal streak among (up to 8 of) the generation's other agents, and the newest
+        generation they have seen; -1 for what none says."""
         gen = self.state.generation
         peers = [m.address for m in gen.members if m.node_id != self.config.node_id] if gen else []
-        return self.store.longest_renewing(peers[:8]) if self.store is not None else -1.0
+        return self.store.longest_renewing(peers[:8]) if self.store is not None else (-1.0, -1)
 
     def _leave(self) -> None:
         self._left.set()  # no heartbeat, and no re-join, from here on

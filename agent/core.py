@@ -21,10 +21,13 @@ The rules:
   queued and sent when it answers again (the executor retries them in the background); the agent never exits because
   of it.
 - **Self-fencing**: when this agent cannot renew its membership for ``FENCE_AFTER`` heartbeat TTLs, it asks its
-  peers' agents how long they have been renewing theirs without a break; if one has for ``FENCE_AFTER`` TTLs, the
-  control plane has answered others for longer than the grace it gives everyone after an outage, so this node has
-  been (or is about to be) evicted: it stops its workers, so no zombie world trains on. Otherwise the control plane
-  is down (or just back) for everyone, and the workers keep going. A world with no peer to ask (one node) is
+  peers' agents how long they have been renewing theirs without a break, and the newest generation they have seen;
+  if one has renewed for ``FENCE_AFTER`` TTLs, the control plane has answered others for longer than the grace it
+  gives everyone after an outage, so this node may have been evicted; once a peer has seen a generation newer than
+  this node's group, it was: it stops its workers, so no zombie world trains on. While the peers still see this
+  group's generation, nobody evicted it (a leader that took over, or got etcd back, waits a TTL first), and its
+  workers are still the world's: they keep going. Otherwise the control plane is down (or just back) for everyone,
+  and the workers keep going. A world with no peer to ask (one node) is
   fenced by the checkpoint directory instead: once a newer generation opened it (its fence file), the old group is
   stopped, and its commits are refused anyway.
 - **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
@@ -195,6 +198,7 @@ class LeaseLost:
 @dataclass(frozen=True)
 class PeersProbed:
     streak_s: float  # the longest unbroken run of membership renewals among the peers' agents (-1: none answered)
+    newest: int = -1  # the newest generation any of them has seen (-1: none says)
 
 
 @dataclass(frozen=True)
@@ -484,8 +488,10 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         limit = FENCE_AFTER * state.ttl_s
         if event.streak_s < limit or state.group is None or now - state.renewed_at <= limit:
             return state, []
+        if 0 <= event.newest <= state.group:  # the peers' world is still this group's: not evicted (yet)
+            return state, []
         why = (f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
-               f"{event.streak_s:.0f}s")  # fmt: skip
+               f"{event.streak_s:.0f}s" + (f" and seen generation {event.newest}" if event.newest > 0 else ""))
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
     if isinstance(event, SignalReceived):
         if _in_place(state):

@@ -30,7 +30,7 @@ _KEEP = 2  # generation stores kept alive (the current and the previous one)
 PORT_ATTEMPT_S = 2.0  # one attempt to read a generation's store port; see NodeStore.generation_port
 
 
-_RENEWING_KEY = "/pliant/agent/renewing"  # seconds of unbroken membership renewals ("-1": not renewing)
+_RENEWING_KEY = "/pliant/agent/renewing"  # "<seconds of unbroken renewals (-1: none)> <newest generation seen>"
 ARRIVED_KEY = "/pliant/arrived"  # a generation store's count of fresh workers about to join it
 
 
@@ -88,24 +88,32 @@ class NodeStore:
         self.address = f"{host}:{bound}"
         self._generation_ports: dict[int, int] = {}
 
-    def set_renewing(self, streak_s: int) -> None:
-        """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing);
-        see :meth:`peer_renewing`. A duration on this agent's own clock: no clocks are compared across nodes."""
-        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_RENEWING_KEY, value=str(streak_s))
+    def set_renewing(self, streak_s: int, generation: int = 0) -> None:
+        """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing),
+        and the newest generation it has seen; see :meth:`peer_renewing`. A duration on this agent's own clock: no
+        clocks are compared across nodes."""
+        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_RENEWING_KEY,
+                            value=f"{streak_s} {generation}")  # fmt: skip
 
-    def peer_renewing(self, address: str, timeout_s: float = 1.0) -> float:
-        """For how long the agent whose store is at ``address`` has renewed its membership without a break (-1 when it
-        is not renewing or does not answer)."""
+    def peer_renewing(self, address: str, timeout_s: float = 1.0) -> tuple[float, int]:
+        """(for how long the agent whose store is at ``address`` has renewed its membership without a break, the
+        newest generation it has seen): (-1, -1) when it does not answer, the streak -1 when it is not renewing, the
+        generation -1 when its agent does not say (an older version)."""
         try:
             value = self.stores.request("get", timeout_s + REPLY_MARGIN_S, address=address, key=_RENEWING_KEY,
                                         timeout=timeout_s, check=True)  # fmt: skip
-            return -1.0 if value is None else float(value)
+            if value is None:
+                return -1.0, -1
+            streak, _, generation = str(value).partition(" ")
+            return float(streak), int(generation) if generation else -1
         except (StoreHostError, ValueError):  # unreachable, or not an agent store
-            return -1.0
+            return -1.0, -1
 
-    def longest_renewing(self, addresses: list[str]) -> float:
-        """The longest of :meth:`peer_renewing` over the agent stores at ``addresses`` (-1 if none answers)."""
-        return max([-1.0, *(self.peer_renewing(address) for address in addresses)])
+    def longest_renewing(self, addresses: list[str]) -> tuple[float, int]:
+        """The longest streak of :meth:`peer_renewing` over the agent stores at ``addresses``, and the newest
+        generation any of them has seen ((-1, -1) if none answers)."""
+        answers = [self.peer_renewing(address) for address in addresses]
+        return max([-1.0, *(streak for streak, _ in answers)]), max([-1, *(seen for _, seen in answers)])
 
     def open_generation(self, generation: int) -> int:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""

@@ -20,6 +20,10 @@ node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays
   it still reaches the control plane. It names them all unreachable; the others name it: it must be the one evicted
   (the smaller side), whoever reports first, and the others must train on without it (the soak's log of generations
   shows the worlds during the cut); its recovery counts from the heal;
+- ``slow-link`` (only when ``--kinds`` names it): a node's outgoing link limited to :data:`SLOW_RATE` (``tc tbf``,
+  which drops what waits longer than 400 ms) for :data:`SLOW_S`: a degraded NIC or a congested uplink. Its gradients,
+  heartbeats and watch all cross it; the world should slow down and ride it out, not evict a node that is alive (the
+  report counts the generations published during these faults);
 - ``control-cut``: a node cannot reach the control plane for a few seconds (blackhole route), then can;
 - ``hang``: SIGSTOP a worker for 1 s, then SIGCONT;
 - ``kill-coordinator``: kill -9 one coordinator replica, started again 2 s later;
@@ -79,8 +83,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 KINDS = ("kill-worker", "kill-agent", "kill-node", "new-address", "partition", "peer-cut", "control-cut", "hang",
          "kill-coordinator", "kill-etcd", "minority")
-EXTRA_KINDS = ("long-peer-cut", "lone-cut")  # drawn only when --kinds names them
+EXTRA_KINDS = ("long-peer-cut", "lone-cut", "slow-link")  # drawn only when --kinds names them
 LONG_CUT_S = 45.0
+SLOW_RATE, SLOW_S = "256kbit", 10.0
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
 TOKEN = "chaos-join-token"
 
@@ -96,6 +101,7 @@ class Soak:
         self.nodes = [self.fabric.node(f"n{i}") for i in range(nodes)]
         self.minority = self.nodes[-1]  # also runs coordinator replica r2: a partition of it has a minority side
         self.cuts: list[tuple[float, float]] = []  # when the minority side was cut off (wall time)
+        self.slowed: list[tuple[float, float]] = []  # when a node's link was slow (wall time)
         ca = LocalCA(work / "pki")
         host = self.fabric.host
         self.coord_tls = ca.issue("coordinator", Role.COORDINATOR, "chaos-coordinator",
@@ -246,6 +252,13 @@ class Soak:
             for other in others:
                 self.fabric.unblock(node, other.address)
             return time.time(), full
+        if kind == "slow-link":
+            slowed = time.time()
+            self.fabric.slow(node, SLOW_RATE)
+            time.sleep(SLOW_S)
+            self.fabric.fast(node)
+            self.slowed.append((slowed, time.time()))
+            return time.time(), full
         if kind == "partition":
             self.fabric.isolate(node)
             time.sleep(4.0)
@@ -302,6 +315,11 @@ class Soak:
 
     def during_cut(self, when: float) -> bool:
         return any(cut <= when <= healed for cut, healed in self.cuts)
+
+    def slow_generations(self) -> int:
+        """Generations published (by either replica) while a link was slow, or within 5 s after."""
+        published = {number: when for name in self.replicas for when, number in self.published(name)}
+        return sum(any(start <= when <= end + 5 for start, end in self.slowed) for when in published.values())
 
     def published(self, name: str) -> list[tuple[float, int]]:
         """(when, generation number) of every generation replica ``name`` published (its log)."""
@@ -373,6 +391,7 @@ class Report:
     unlogged: int = 0  # steps that lack a rank's line: it was killed between its commit and its log line
     minority_published: int = 0  # generations replica r2 published while its side was cut off (must be 0)
     majority_published: int = 0  # ... and r1, on the majority side, meanwhile
+    slow_published: int | None = None  # generations published during slow-link faults (None: none drawn)
     engine: str = "ddp"
     work: str = ""  # the run's directory: logs, events, checkpoints (the suite's short soak removes it if it passed)
 
@@ -402,6 +421,8 @@ class Report:
             f"checkpoints restored: {self.restored}, of which partial: {self.partial}",
             f"generations published while the minority side was cut off: {self.minority_published} by its replica, "
             f"{self.majority_published} by the majority's",
+            *([f"generations published while a link was slow (or 5 s after): {self.slow_published}"]
+              if self.slow_published is not None else []),
             f"final parameters vs a static run: max |diff| {self.param_diff:.2e}",
             f"effective training time: {self.steps_run} useful steps x {self.step_s * 1e3:.0f} ms / "
             f"{self.wall_s:.0f} s = {self.effective:.0%}",
@@ -467,6 +488,7 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
     report = Report(seed, steps, wall, codes, dict(recoveries), failed, engine=engine, work=str(work))
     report.minority_published = sum(soak.during_cut(when) for when, _ in soak.published("r2"))
     report.majority_published = sum(soak.during_cut(when) for when, _ in soak.published("r1"))
+    report.slow_published = soak.slow_generations() if soak.slowed else None
     measure(work, report)
     return report
 

@@ -46,12 +46,15 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         worker.add(ARRIVED_KEY, 1)
         assert node0.arrivals("127.0.0.1", port) == 3, "the kept client reads the new count"
 
-        assert node1.peer_renewing(node0.address) == -1.0, "nothing published yet"
-        node0.set_renewing(42)
-        assert node1.peer_renewing(node0.address) == 42.0
-        assert node1.peer_renewing(f"127.0.0.1:{port}") == -1.0, "a store without the key"
+        assert node1.peer_renewing(node0.address) == (-1.0, -1), "nothing published yet"
+        node0.set_renewing(42, 7)
+        assert node1.peer_renewing(node0.address) == (42.0, 7)
+        assert node1.peer_renewing(f"127.0.0.1:{port}") == (-1.0, -1), "a store without the key"
         gone = f"127.0.0.1:{free_port()}"
-        assert node1.longest_renewing([gone, node0.address]) == 42.0 and node1.longest_renewing([gone]) == -1.0
+        assert node1.longest_renewing([gone, node0.address]) == (42.0, 7)
+        assert node1.longest_renewing([gone]) == (-1.0, -1)
+        node0.stores.request("set", 5.0, address=node0.address, key="/pliant/agent/renewing", value="12")
+        assert node1.peer_renewing(node0.address) == (12.0, -1), "an older agent's value: no generation"
 
         for generation in (8, 9):  # the current and the previous generation's stores stay open
             node0.open_generation(generation)
@@ -92,7 +95,7 @@ def test_the_agent_stores_port_is_its_own_from_before_it_joins() -> None:
         node = NodeStore(host, "127.0.0.1", listening)
         assert node.address == f"127.0.0.1:{port}" and listening.fileno() == -1, "handed over, closed here"
         node.set_renewing(7)
-        assert node.peer_renewing(node.address) == 7.0
+        assert node.peer_renewing(node.address) == (7.0, 0)
     finally:
         early.close()
         host.close()

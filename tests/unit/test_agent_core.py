@@ -98,13 +98,28 @@ def test_an_agent_cut_off_while_its_peers_renew_fences_itself() -> None:
     assert agent.on(core.Tick(), after=5.0) == [core.ProbePeers()]
     assert agent.on(core.PeersProbed(streak_s=12.0)) == []
     assert agent.state.phase is AgentState.RUNNING
+    # A peer has renewed for long enough, but its world is still generation 1, this node's: nobody evicted it (a
+    # leader that took over, or got etcd back, waits a TTL before it evicts anyone), so its workers are still needed.
     assert agent.on(core.Tick(), after=5.0) == [core.ProbePeers()]
-    assert agent.on(core.PeersProbed(streak_s=16.0)) == [core.Stop()]
+    assert agent.on(core.PeersProbed(streak_s=16.0, newest=1)) == []
+    assert agent.state.phase is AgentState.RUNNING
+    assert agent.on(core.Tick(), after=5.0) == [core.ProbePeers()]
+    assert agent.on(core.PeersProbed(streak_s=21.0, newest=2)) == [core.Stop()]  # a world without it: evicted
     assert agent.state.phase is AgentState.WAITING and "fenced" in agent.state.reason
+    assert "seen generation 2" in agent.state.reason
     agent.on(core.LeaseLost("evicted"))
     assert agent.state.phase is AgentState.JOINING
     agent.on(core.Joined(10.0))
     assert agent.kinds(agent.on(core.GenerationSeen(_gen(2, "b", "a")))) == ["Start"]
+
+
+def test_an_agent_fences_itself_when_its_peers_do_not_say_which_generation_they_see() -> None:
+    """Peers of an older version publish only their streak: the fence falls back to it alone."""
+    agent = Agent()
+    agent.on(core.Joined(10.0))
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    assert agent.on(core.HeartbeatFailed(), after=16.0) == [core.ProbePeers()]
+    assert agent.on(core.PeersProbed(streak_s=16.0)) == [core.Stop()]
 
 
 def test_a_rank_without_progress_is_hung() -> None:
