@@ -198,7 +198,7 @@ class LeaseLost:
 @dataclass(frozen=True)
 class PeersProbed:
     streak_s: float  # the longest unbroken run of membership renewals among the peers' agents (-1: none answered)
-    newest: int = -1  # the newest generation any of them has seen (-1: none says)
+    newest: int = -1  # the newest generation any of them has seen (-1: none says; 0: none seen)
 
 
 @dataclass(frozen=True)
@@ -488,7 +488,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         limit = FENCE_AFTER * state.ttl_s
         if event.streak_s < limit or state.group is None or now - state.renewed_at <= limit:
             return state, []
-        if 0 <= event.newest <= state.group:  # the peers' world is still this group's: not evicted (yet)
+        if 0 < event.newest <= state.group:  # the peers' world is still this group's: not evicted (yet)
             return state, []
         why = (f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
                f"{event.streak_s:.0f}s" + (f" and seen generation {event.newest}" if event.newest > 0 else ""))
