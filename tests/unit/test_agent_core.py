@@ -116,11 +116,12 @@ def test_an_agent_cut_off_while_its_peers_renew_fences_itself() -> None:
 def test_an_agent_fences_itself_when_its_peers_do_not_say_which_generation_they_see() -> None:
     """Peers of an older version publish only their streak (and a peer that has seen no generation says 0): the fence
     falls back to the streak alone."""
-    agent = Agent()
-    agent.on(core.Joined(10.0))
-    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
-    assert agent.on(core.HeartbeatFailed(), after=16.0) == [core.ProbePeers()]
-    assert agent.on(core.PeersProbed(streak_s=16.0, newest=0)) == [core.Stop()]  # nor when they have seen none
+    for newest in (-1, 0):
+        agent = Agent()
+        agent.on(core.Joined(10.0))
+        agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+        assert agent.on(core.HeartbeatFailed(), after=16.0) == [core.ProbePeers()]
+        assert agent.on(core.PeersProbed(streak_s=16.0, newest=newest)) == [core.Stop()], newest
 
 
 def test_a_rank_without_progress_is_hung() -> None:
