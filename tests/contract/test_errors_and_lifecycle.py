@@ -194,7 +194,7 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
         a = client.join("job", "a", "127.0.0.1:1")
         client.join("job", "b", "127.0.0.1:2")
-        wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "world a,b")
+        wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b"), 10, "world a,b")
         c = client.join("job", "c", "127.0.0.1:9")  # a generation after the one that admitted b: b is established
         wait_for(lambda: len(client.get_job("job").generation.node_ids) == 3, 10, "world a,b,c")
         client.leave("job", "c", c.lease_id)
@@ -266,7 +266,7 @@ def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordi
     with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
         client.join("job", "a", "127.0.0.1:1")
-        wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "world a")
+        wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",), 10, "world a")
 
         def readmission_fails() -> tuple[int, int]:
             """b joins; a reports it once admitted; b joins again: (b's lease, the generation b is held from)."""
