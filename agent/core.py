@@ -335,14 +335,19 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
         state = replace(state, group=gen.number, started_at=now, handed=gen.number)
         why = f"generation {gen.number} in place, {ranks}"
         return _set(state, AgentState.RUNNING, why), [*actions, Reconfigure(gen)]
+    stranded = False
     if state.group is not None:
         # Dropped from a world that goes on in place (evicted, or a spare again): the workers hand over and leave at
-        # the step boundary, as in a graceful leave, so the others re-form without a restart.
+        # the step boundary, as in a graceful leave, so the others re-form without a restart. Workers that all wait
+        # after a failed step have no boundary left to hand over at (their world broke; the next goes on without
+        # them), and may sit in a meeting with a peer they cannot reach: they are stopped at once.
         leave = mine is None and bool(gen.members) and _in_place(state)
-        actions.append(Stop(rescale=True, leave=leave))
+        stranded = leave and bool(state.progress) and all(p.phase == "wait" for _, p in state.progress)
+        actions.append(Stop() if stranded else Stop(rescale=True, leave=leave))
         state = _no_group(state)
     if mine is None:
         why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"
+        why += "; workers that waited after a failed step stopped" if stranded else ""
         return _set(state, AgentState.WAITING, why), actions
     actions.append(Start(gen))
     ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"

@@ -246,6 +246,19 @@ def test_without_readiness_or_with_rescale_restart_the_restart_path_applies() ->
     evicted.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(evicted)
     assert evicted.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True, leave=True)]
+    # Unless every local rank waits after a failed step: their world broke, the next goes on without them, so there
+    # is no boundary to hand over at, and they may be meeting a peer they cannot reach (up to MEET_S): stopped at once.
+    stranded = Agent(in_place=True)
+    stranded.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(stranded)
+    stranded.on(core.Tick({0: (40, "wait", 1), 1: (40, "wait", 1)}, ready=True))
+    assert stranded.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop()]
+    assert "waited after a failed step" in stranded.state.reason
+    one_waits = Agent(in_place=True)  # one rank still steps: the boundary is still ahead, as before
+    one_waits.on(core.GenerationSeen(_gen(1, "a", "b")))
+    _ready(one_waits)
+    one_waits.on(core.Tick({0: (40, "wait", 1), 1: (40, "step", 1)}, ready=True))
+    assert one_waits.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True, leave=True)]
     # A generation with no one (the job below its minimum, or done): the group checkpoints and exits.
     emptied = Agent(in_place=True)
     emptied.on(core.GenerationSeen(_gen(1, "a")))
