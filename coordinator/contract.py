@@ -485,13 +485,12 @@ class FailureReport:
 @dataclass(frozen=True)
 class Strike:
     """A node's failed readmissions (:func:`pliant.coordinator.policy.struck`): ``count`` at ``address`` since they
-    lapsed; ``seen_at``: when the leader saw the latest (its clock); ``revision``: its record; ``lifted``: no hold;
-    ``missed``: its agent, a spare, could not reach every member of the current generation since (the hold lasts)."""
+    lapsed; ``seen_at``: when the leader saw the latest (its clock); ``lifted``: no hold; ``missed``: its agent, a
+    spare, could not reach every member of the current generation since (the hold lasts)."""
 
     node_id: str
     address: str
     count: int
-    revision: int = 0
     seen_at: float = 0.0
     lifted: bool = False
     missed: bool = False

@@ -208,9 +208,10 @@ def may_overwrite(current: JobStatus) -> bool:
 class LeaderClock:
     """When this leader first saw each record that starts a deadline, on its own monotonic clock.
 
-    Records are named by etcd revisions (a state record by its mod revision, a member by its key's create revision),
-    so a record rewritten by another replica is a new record, and a record's age never depends on another machine's
-    clock.
+    Records are named by etcd revisions (a state record by its mod revision, a member by its key's create revision)
+    or by what starts their clock (a strike by its count at its address, which a lift or a miss that rewrites the
+    record leaves alone), so a record rewritten by another replica is a new record, and a record's age never depends
+    on another machine's clock.
     """
 
     def __init__(self) -> None:

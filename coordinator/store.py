@@ -69,8 +69,8 @@ _NO_STATE = JobStatus(JobState.WAITING, 0.0)
 def _strike(value: bytes, meta: Any) -> Strike:
     """A strike record, its node id from its key (see :func:`pliant.coordinator.store_base.read_strike`)."""
     record = read_strike(meta.key, value)
-    return Strike(meta.key.decode().rsplit("/", 1)[1], record.address, record.count, meta.mod_revision,
-                  lifted=record.lifted, missed=record.missed)  # fmt: skip
+    return Strike(meta.key.decode().rsplit("/", 1)[1], record.address, record.count, lifted=record.lifted,
+                  missed=record.missed)  # fmt: skip
 
 
 class EtcdStore(MemberStore):

@@ -108,8 +108,8 @@ def test_the_backoff_starts_at_the_first_strike_and_doubles_to_a_cap() -> None:
 
 
 def test_a_strike_holds_back_only_the_address_it_was_given_at() -> None:
-    assert not held_back([Strike("b", "b:1", 3, 7, T0, lifted=True)], [Member("b", "b:1")], T0 + 1)  # it reaches all
-    strikes = [Strike("b", "b:1", 3, 7, T0)]
+    assert not held_back([Strike("b", "b:1", 3, T0, lifted=True)], [Member("b", "b:1")], T0 + 1)  # it reaches all
+    strikes = [Strike("b", "b:1", 3, T0)]
     assert held_back(strikes, [Member("b", "b:1")], T0 + 1) == {"b": T0 + backoff_s(3)}
     assert held_back(strikes, [Member("b", "b:2")], T0 + 1) == {}  # restarted or replaced: starts clean
     assert held_back(strikes, [Member("b", "b:1")], T0 + backoff_s(3)) == {}  # served
@@ -118,11 +118,11 @@ def test_a_strike_holds_back_only_the_address_it_was_given_at() -> None:
 def test_a_spare_that_cannot_reach_every_member_is_held_until_it_does_within_a_bound() -> None:
     """While b's agent cannot reach every member (``missed``), its hold lasts past its backoff: a readmission would
     fail again. Up to BACKOFF_MAX_S after the strike, a try a few minutes, as the longest backoff gives."""
-    missed = [Strike("b", "b:1", 1, 7, T0, missed=True)]
+    missed = [Strike("b", "b:1", 1, T0, missed=True)]
     assert held_back(missed, [Member("b", "b:1")], T0 + backoff_s(1) + 1) == {"b": T0 + BACKOFF_MAX_S}
     assert held_back(missed, [Member("b", "b:1")], T0 + BACKOFF_MAX_S) == {}
     assert held_back(missed, [Member("b", "b:2")], T0 + 1) == {}  # another address: starts clean
-    assert not held_back([Strike("b", "b:1", 1, 7, T0, lifted=True, missed=True)], [Member("b", "b:1")], T0 + 1)
+    assert not held_back([Strike("b", "b:1", 1, T0, lifted=True, missed=True)], [Member("b", "b:1")], T0 + 1)
 
 
 def _snap(members: list[Member], generation: Generation, strikes: list[Strike]) -> JobSnapshot:
@@ -131,14 +131,14 @@ def _snap(members: list[Member], generation: Generation, strikes: list[Strike]) 
 
 def test_the_planner_holds_a_struck_node_back_then_admits_it() -> None:
     a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2, joined_at=T0)
-    snap = _snap([a, b], gen(5, {"a": 1}), [Strike("b", "b:1", 1, 9, T0)])
+    snap = _snap([a, b], gen(5, {"a": 1}), [Strike("b", "b:1", 1, T0)])
     held = plan(snap, T0 + 1)
     assert isinstance(held, WaitUntil) and held.deadline == T0 + BACKOFF_BASE_S and "holding back b" in held.why
     assert held.state is JobState.RUNNING
     admitted = plan(snap, T0 + BACKOFF_BASE_S)
     assert isinstance(admitted, NewGeneration) and admitted.generation.node_ids == ("a", "b")
     assert [m.since for m in admitted.generation.members] == [1, 6]  # a keeps its since; b is new in 6
-    missed = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 1, 10, T0, missed=True),))
+    missed = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 1, T0, missed=True),))
     cut = plan(missed, T0 + BACKOFF_BASE_S)  # b's agent cannot reach a's: a try would fail again
     assert isinstance(cut, WaitUntil) and cut.deadline == T0 + BACKOFF_MAX_S and "holding back b" in cut.why
     moved = plan(_snap([a, dataclasses.replace(b, address="b:2")], gen(5, {"a": 1}), list(snap.strikes)), T0 + 1)
@@ -149,7 +149,7 @@ def test_a_job_below_min_nodes_waits_for_the_hold_to_end_within_its_timeout() ->
     spec = dataclasses.replace(SPEC, min_nodes=2, min_nodes_timeout_s=60.0)
     a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2)
     waiting = JobSnapshot(spec, JobStatus(JobState.WAITING, T0), (a, b), Generation("job", 6, (), "failure"),
-                          strikes=(Strike("b", "b:1", 3, 9, T0),))  # fmt: skip
+                          strikes=(Strike("b", "b:1", 3, T0),))  # fmt: skip
     decision = plan(waiting, T0 + 2)
     assert isinstance(decision, WaitUntil) and decision.deadline == T0 + backoff_s(3) < T0 + 60
     assert decision.state is JobState.WAITING
@@ -159,19 +159,19 @@ def test_a_job_below_min_nodes_waits_for_the_hold_to_end_within_its_timeout() ->
 
 def test_with_nobody_held_a_running_world_is_kept() -> None:
     a = Member("a", "a:1", order=1)
-    assert isinstance(plan(_snap([a], gen(5, {"a": 1}), [Strike("a", "a:1", 3, 9, T0)]), T0), Keep)
+    assert isinstance(plan(_snap([a], gen(5, {"a": 1}), [Strike("a", "a:1", 3, T0)]), T0), Keep)
 
 
 def test_the_leader_times_a_strike_from_when_it_first_saw_it() -> None:
     clock = LeaderClock()
-    snap = _snap([], gen(1, {}), [Strike("b", "b:1", 2, 9, seen_at=12345.0)])
+    snap = _snap([], gen(1, {}), [Strike("b", "b:1", 2, seen_at=12345.0)])
     assert clock.view(snap, 50.0).strikes[0].seen_at == 50.0
     assert clock.view(snap, 70.0).strikes[0].seen_at == 50.0
-    probed = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 2, 10, missed=True),))  # a probe's rewrite
+    probed = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 2, missed=True),))  # a probe's rewrite
     assert clock.view(probed, 75.0).strikes[0].seen_at == 50.0  # does not start the hold again
-    again = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 3, 11),))  # a newer strike: a new record
+    again = dataclasses.replace(snap, strikes=(Strike("b", "b:1", 3),))  # a newer strike: a new record
     assert clock.view(again, 80.0).strikes[0].seen_at == 80.0
-    moved = dataclasses.replace(snap, strikes=(Strike("b", "b:2", 1, 12),))  # another address: counted from one
+    moved = dataclasses.replace(snap, strikes=(Strike("b", "b:2", 1),))  # another address: counted from one
     assert clock.view(moved, 90.0).strikes[0].seen_at == 90.0
 
 
