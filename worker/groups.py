@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
-from pliant.env import WorkerEnv
+from pliant.env import GUARD_EXIT_CODE, WorkerEnv
 from pliant.progress import Directive, read_directive
 from pliant.worker.contract import WorkerError
 from pliant.worker.nccl import has_nccl
@@ -28,6 +31,7 @@ __all__ = [
     "ARRIVED_KEY",
     "CONNECT_ATTEMPT_S",
     "KEEPALIVE_IDLE_S",
+    "MEET_GIVE_UP_S",
     "PROBE_S",
     "USER_TIMEOUT_S",
     "RendezvousError",
@@ -35,6 +39,7 @@ __all__ = [
     "Superseded",
     "announce_arrival",
     "connect_store",
+    "give_up",
     "keepalive",
     "new_world",
     "retire_groups",
@@ -48,7 +53,23 @@ logger = logging.getLogger(__name__)
 CONNECT_ATTEMPT_S = 2.0  # one TCPStore attempt to reach a generation's store that listens; see connect_store
 PROBE_S = 0.2  # between probes of a generation store's port that does not listen yet
 
+MEET_GIVE_UP_S = 10.0  # a superseded meeting still blocked this long after its sockets were shut down ends the process
+
 _RETIRED_GROUPS: list[object] = []  # groups whose destructor must never run; see retire_groups
+
+
+def give_up(why: str) -> NoReturn:
+    """End this worker at once, for a thread blocked in C++ that nothing else releases: ``why`` and every thread's
+    Python stack to stderr (its agent logs them), then exit with :data:`pliant.env.GUARD_EXIT_CODE`, which the agent
+    reports as a dead worker's: the survivors re-form without it, and a fresh worker takes its rank with its state
+    from them."""
+    logger.error("%s; writing every thread's stack and exiting with code %d (the agent replaces this worker, its "
+                 "peers re-form without it)", why, GUARD_EXIT_CODE)  # fmt: skip
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(GUARD_EXIT_CODE)
 
 
 def socket_fds() -> set[tuple[int, int]]:
@@ -224,7 +245,12 @@ class RendezvousWatch:
     """While a process group's ranks meet, watch for a newer generation's directive; from when one comes until the
     rendezvous returns, shut down every socket opened since the watch began (the store client's, gloo's; again every
     tenth of a second, so a socket connected meanwhile fails too), so the blocked rendezvous fails
-    (:meth:`pliant.worker.rescale.Protocol.form_group`)."""
+    (:meth:`pliant.worker.rescale.Protocol.form_group`).
+
+    A meeting still blocked :data:`MEET_GIVE_UP_S` after that ends the process (:func:`give_up`): gloo's listening
+    side of a pair whose peer never connects (cut off, or dead, before it did) waits past the group's timeout, and
+    shutting down sockets does not wake it (reproduced on network namespaces: still blocked after 100 s with a 20 s
+    timeout; pytorch/gloo #520). A fresh worker then takes this rank, as after any worker's death."""
 
     def __init__(self, progress_file: str, generation: int) -> None:
         self.progress_file, self.generation = progress_file, generation
@@ -241,6 +267,7 @@ class RendezvousWatch:
         return self.newer is not None
 
     def _watch(self) -> None:
+        severed: float | None = None
         while not self._stop.wait(0.1):
             if self.newer is None:
                 directive = read_directive(self.progress_file) if self.progress_file else None
@@ -251,6 +278,11 @@ class RendezvousWatch:
                     return
                 self.newer = self.newer or directive
                 sever(socket_fds() - self.before)
+                severed = severed or time.monotonic()
+                if time.monotonic() - severed > MEET_GIVE_UP_S:  # under the lock: finish() cannot race it
+                    give_up(f"generation {self.generation}'s meeting, superseded by generation "
+                            f"{self.newer.generation}, is still blocked {time.monotonic() - severed:.1f}s after its "
+                            f"sockets were shut down")  # fmt: skip
 
     def finish(self) -> Directive | None:
         """The rendezvous returned (or raised): stop watching; returns the directive that superseded it, or None."""

@@ -36,19 +36,15 @@ nothing is lost or applied twice; the cost is one process and the steps a worker
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from pliant.env import GUARD_EXIT_CODE
 from pliant.progress import read_directive
-from pliant.worker.groups import shut_down
+from pliant.worker.groups import give_up, shut_down
 from pliant.worker.nccl import abort_nccl, nccl_backend, nccl_error
 
 __all__ = ["GIVE_UP_S", "POLL_S", "STALL_S", "Guard", "NoGuard", "stalled", "wedged"]
@@ -191,11 +187,5 @@ class Guard:
         with self._lock:
             if self._step_started is None or self._broken != broken:  # released meanwhile
                 return
-        logger.error("step guard: the step of generation %s is still blocked %.1fs after its break; writing every "
-                     "thread's stack and exiting with code %d (the agent replaces this worker, its peers re-form "
-                     "without it)", generation, time.monotonic() - (broken or 0.0), GUARD_EXIT_CODE)  # fmt: skip
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(GUARD_EXIT_CODE)
+        give_up(f"step guard: the step of generation {generation} is still blocked "
+                f"{time.monotonic() - (broken or 0.0):.1f}s after its break")

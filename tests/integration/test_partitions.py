@@ -5,20 +5,27 @@ node, and the rest trains on in place, exactly. Root only: skipped with the reas
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from bench.netns import Fabric, unavailable
 from pliant.coordinator.contract import Generation
 from pliant.coordinator.policy import BACKOFF_BASE_S
+from pliant.env import GUARD_EXIT_CODE
 from pliant.net import free_port
+from pliant.progress import Directive, write_directive
 from pliant.tls import Role
 from tests.conftest import wait_for
 from tests.fleet import COORDINATOR_HOSTS
@@ -334,3 +341,64 @@ def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(make_c
     assert f"newcomers {'node-b' if stayed == 'node-a' else 'node-a'} " in "".join(x.output() for x in agents)
     assert stall < 10.0
     assert diff <= TOLERANCE
+
+
+# One rank of a two-rank meeting whose ranks cannot reach each other, under the rendezvous watch; argv: rank, the
+# store's host and port, the rank's progress file (its directive supersedes the meeting).
+_MEETS = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+import pliant.worker.groups as groups
+groups.MEET_GIVE_UP_S = 2.0
+rank, host, port, progress = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+store = dist.TCPStore(host, port, 2, False, timeout=timedelta(seconds=30))
+watch = groups.RendezvousWatch(progress, generation=5)
+print("meeting", flush=True)
+try:
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    print("met", flush=True)
+except RuntimeError as exc:
+    print("failed:", str(exc).splitlines()[0][:120], flush=True)
+watch.finish()
+"""
+
+
+def test_a_superseded_meeting_that_gloo_never_ends_ends_the_process(fabric, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two ranks that cannot reach each other meet. The one whose connect fails raises at once; the pair's listening
+    side waits past the group's 20 s timeout (pytorch/gloo #520), and shutting down its sockets does not free it.
+    Once a newer generation supersedes the meeting, the rendezvous watch gives up on it: the process ends with its
+    stacks and GUARD_EXIT_CODE, which its agent reports as a dead worker's, so a fresh worker takes the rank."""
+    a, b = fabric.node("a"), fabric.node("b")
+    port = free_port(fabric.host)
+    master = dist.TCPStore(fabric.host, port, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    fabric.block(a, b.address)
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    progress = [str(tmp_path / f"progress-{rank}") for rank in (0, 1)]
+    procs = [node.spawn([sys.executable, "-c", _MEETS, str(rank), fabric.host, str(port), progress[rank]], logs[rank])
+             for rank, node in enumerate((a, b))]  # fmt: skip
+    try:
+        wait_for(lambda: all("meeting" in log.read_text() for log in logs), 60, "both ranks meeting")
+        time.sleep(3.0)  # past the failed connect; the listening side is still blocked
+        assert sum(proc.poll() is None for proc in procs) == 1, [log.read_text()[-500:] for log in logs]
+        superseded = time.monotonic()
+        for path in progress:
+            write_directive(path, Directive(6, "in-place"))
+        for proc in procs:
+            proc.wait(30)
+        ended = time.monotonic() - superseded
+        outs = [log.read_text() for log in logs]
+        codes = sorted(proc.returncode for proc in procs)
+        assert codes == sorted([0, GUARD_EXIT_CODE]), (codes, outs)
+        stuck = outs[[proc.returncode for proc in procs].index(GUARD_EXIT_CODE)]
+        assert "superseded by generation 6, is still blocked" in stuck, stuck
+        assert "init_process_group" in stuck, stuck  # where it waited: faulthandler's stack of the main thread
+        assert ended < 2.0 + 5.0, f"ended {ended:.1f}s after the newer generation came"
+        print(f"the meeting's listening side ended {ended:.1f}s after it was superseded (give-up after 2 s)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        del master
