@@ -20,6 +20,12 @@ node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays
   it still reaches the control plane. It names them all unreachable; the others name it: it must be the one evicted
   (the smaller side), whoever reports first, and the others must train on without it (the soak's log of generations
   shows the worlds during the cut); its recovery counts from the heal;
+- ``split`` (only when ``--kinds`` names it; for 4 nodes or more, with 3 it is a lone-cut): the nodes in two halves
+  of equal size (the extra node of an odd count on a random side) that cannot reach each other for
+  :data:`LONG_CUT_S`, while every node still reaches the control plane. Equal sides are the case no count decides:
+  the first report evicts the other half, whose nodes must be held back as spares until the heal (never a world of
+  the two halves' members mixed, never both halves evicted), and the whole world re-forms after it; its recovery
+  counts from the heal;
 - ``slow-link`` (only when ``--kinds`` names it): a node's outgoing link limited to :data:`SLOW_RATE` (``tc tbf``,
   which drops what waits longer than 400 ms) for :data:`SLOW_S`: a degraded NIC or a congested uplink. Its gradients,
   heartbeats and watch all cross it; the world should slow down and ride it out, not evict a node that is alive (the
@@ -83,7 +89,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 KINDS = ("kill-worker", "kill-agent", "kill-node", "new-address", "partition", "peer-cut", "control-cut", "hang",
          "kill-coordinator", "kill-etcd", "minority")
-EXTRA_KINDS = ("long-peer-cut", "lone-cut", "slow-link")  # drawn only when --kinds names them
+EXTRA_KINDS = ("long-peer-cut", "lone-cut", "split", "slow-link")  # drawn only when --kinds names them
 LONG_CUT_S = 45.0
 SLOW_RATE, SLOW_S = "256kbit", 10.0
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
@@ -251,6 +257,15 @@ class Soak:
             time.sleep(LONG_CUT_S)
             for other in others:
                 self.fabric.unblock(node, other.address)
+            return time.time(), full
+        if kind == "split":
+            half = rng.sample(self.nodes, len(self.nodes) // 2 + rng.randint(0, len(self.nodes) % 2))
+            crossing = [(a, b) for a in half for b in self.nodes if b not in half]
+            for a, b in crossing:
+                self.fabric.block(a, b.address)
+            time.sleep(LONG_CUT_S)
+            for a, b in crossing:
+                self.fabric.unblock(a, b.address)
             return time.time(), full
         if kind == "slow-link":
             slowed = time.time()
