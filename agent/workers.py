@@ -156,9 +156,9 @@ class Zygote:
                     self._exits[message["exit"]] = message["code"]
                 elif "stores" in message:
                     self.stores_pid = message["stores"]
-                    self._log_import("torch.distributed imported, store host forked")
+                    self._log_import("torch.distributed imported and the store host forked")
                 elif "ready" in message:
-                    self._log_import("preload imported, ready to fork workers")
+                    self._log_import("the preload imported: ready to fork workers")
                 elif "id" in message:
                     self._pids[message["id"]] = message["pid"]
                 self._changed.notify_all()
@@ -167,8 +167,8 @@ class Zygote:
         """Log a step of the zygote's start with the host's load: a slow torch import on a busy host is what delays
         a restarted node's join (its store host) and its first workers."""
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        logger.info("worker zygote (pid %d): %s after %.1fs (load average %.1f on %d CPUs)", self.proc.pid, what,
-                    time.monotonic() - self._started, load, os.cpu_count() or 0)  # fmt: skip
+        logger.info("worker zygote (pid %d): %s %.1fs after its start (load average %.1f on %d CPUs)",
+                    self.proc.pid, what, time.monotonic() - self._started, load, os.cpu_count() or 0)  # fmt: skip
 
     @property
     def alive(self) -> bool:
