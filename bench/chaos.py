@@ -1,9 +1,10 @@
 """Chaos soak: one training job on network namespaces (bench/netns.py) through a seeded schedule of faults.
 
 The job: ``examples/train_elastic.py`` (DDP on pliant.worker, or ``--engine zero|fsdp``, whose shards the survivors
-rebuild from buddy copies; in place, with a checkpoint directory) on ``--nodes`` agents of one worker each, each
-agent in its own namespace; etcd and coordinator replica r1 on the host's bridge address, replica r2 in the last
-node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays a run):
+rebuild from buddy copies; in place, with a checkpoint directory) on ``--nodes`` agents of ``--nproc-per-node``
+workers each (1 unless given), each agent in its own namespace; etcd and coordinator replica r1 on the host's bridge
+address, replica r2 in the last node's namespace. Faults, drawn with ``random.Random(seed)`` (``--seed`` replays a
+run):
 
 - ``kill-worker``: kill -9 one worker (its agent replaces it in place);
 - ``kill-agent``: kill -9 a node's agent alone (its zygote and workers die with it), then start it again;
@@ -48,7 +49,8 @@ were partial (must be 0), the final parameters against a static run on the same 
 over thousands of steps float32 rounding alone drifts by about 1e-4 between world sizes, which would hide a lost or
 doubled update), and the effective training time (useful steps x median step time / wall time).
 
-Usage (root): ``.venv/bin/python bench/chaos.py [--faults 100] [--seed 1] [--nodes 3] [--engine ddp|zero|fsdp]``
+Usage (root): ``.venv/bin/python bench/chaos.py [--faults 100] [--seed 1] [--nodes 3] [--nproc-per-node 1]
+[--engine ddp|zero|fsdp]``
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ class Soak:
     """The job, its processes, and the faults (see the module docstring)."""
 
     def __init__(self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9,
-                 engine: str = "ddp") -> None:  # fmt: skip
+                 engine: str = "ddp", nproc: int = 1) -> None:  # fmt: skip
         self.work, self.steps, self.engine = work, steps, engine
+        self.world = nodes * nproc  # the full world's ranks
         self.events = work / "events.jsonl"
         self.fabric = Fabric(prefix=prefix, net=net)
         self.nodes = [self.fabric.node(f"n{i}") for i in range(nodes)]
@@ -121,7 +124,7 @@ class Soak:
         for name in self.replicas:
             self.start_replica(name, wait=True)
         self.coordinator = ",".join(address for address, _ in self.replicas.values())
-        self.spec = ["--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "1000",
+        self.spec = ["--nnodes", f"1:{nodes}", "--nproc-per-node", str(nproc), "--max-restarts", "1000",
                      "--heartbeat-ttl", "3", "--join-grace", "0.5"]  # fmt: skip
         subprocess.run([sys.executable, "-m", "pliant", "job", "create", "chaos", "--coordinator", self.coordinator,
                         "--tls-dir", str(Path(self.admin_tls.cert).parent), *self.spec, "--join-token-file",
@@ -217,7 +220,7 @@ class Soak:
 
     def inject(self, kind: str, rng: random.Random) -> tuple[float, int]:
         """Inject one fault of ``kind``; returns (when its effect ended, the world size to recover to)."""
-        full = len(self.nodes)
+        full = self.world
         node = rng.choice(self.nodes)
         if kind == "kill-worker":
             pids = self.workers().get(node.name, [])
@@ -447,7 +450,7 @@ class Report:
 
 def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...] = KINDS,
         recover_timeout: float = 120.0, steps: int = 0, prefix: str = "plc", net: int = 9,
-        log: Callable[[str], None] = print, engine: str = "ddp") -> Report:  # fmt: skip
+        log: Callable[[str], None] = print, engine: str = "ddp", nproc: int = 1) -> Report:  # fmt: skip
     """Run one soak (see the module docstring). ``steps``: the job's steps at most (0: 400 + 100 per fault); it ends
     30 steps after the schedule does. Needs root (network namespaces)."""
     unknown = set(kinds) - set(KINDS) - set(EXTRA_KINDS)
@@ -457,16 +460,17 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
     schedule = [rng.choice(kinds) for _ in range(faults)]
     steps = steps or 400 + 100 * faults
     work = Path(tempfile.mkdtemp(prefix="pliant-chaos-"))
-    log(f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes, {engine}, {steps} steps; work in {work}")
+    log(f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes x {nproc} workers, {engine}, {steps} steps; work in "
+        f"{work}")
     started = time.time()
-    soak = Soak(work, nodes, steps, prefix, net, engine)
+    soak = Soak(work, nodes, steps, prefix, net, engine, nproc)
     recoveries: dict[str, list[float]] = defaultdict(list)
     failed: Counter[str] = Counter()
     try:
         deadline = time.time() + 180
-        while not soak.stepping(0, nodes):
+        while not soak.stepping(0, soak.world):
             if time.time() > deadline:
-                raise RuntimeError(f"the job never reached {nodes} ranks; see {work}")
+                raise RuntimeError(f"the job never reached {soak.world} ranks; see {work}")
             time.sleep(0.2)
         for index, kind in enumerate(schedule, 1):
             if soak.finished() or soak.last_step() > steps - 100:
@@ -529,6 +533,8 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (each node's agent sets "
+                        "OMP_NUM_THREADS=1 for more than one)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=0, help="training steps at most (default: 400 + 100 per "
                         "fault); the job ends 30 steps after the last fault's recovery")  # fmt: skip
     parser.add_argument("--recover-timeout", type=float, default=120.0)
@@ -545,7 +551,7 @@ def main() -> None:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS + EXTRA_KINDS)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up (run's finally)
     report = run(args.faults, args.seed, args.nodes, kinds, args.recover_timeout, args.steps,
-                 log=lambda line: print(line, flush=True), engine=args.engine)  # fmt: skip
+                 log=lambda line: print(line, flush=True), engine=args.engine, nproc=args.nproc_per_node)  # fmt: skip
     print("\n" + report.table())
 
 
