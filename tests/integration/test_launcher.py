@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,9 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
     assert "--checkpoint-dir" not in join, "only when one is given"
     assert "no --checkpoint-dir: unless the script saves its own checkpoints" in out, "the warning at start"
     assert "[0]:step 5 world 2" in out, "rank-prefixed console output"
+    assert re.search(r"worker zygote \(pid \d+\): torch.distributed imported and the store host forked [\d.]+s after "
+                     r"its start \(load average [\d.]+ on \d+ CPUs\)", out), "a slow node start names its cause"
+    assert re.search(r"worker zygote \(pid \d+\): the preload imported: ready to fork workers [\d.]+s after", out)
     steps = read_steps(events)
     assert {(s.rank, s.world, s.restart) for s in steps} == {(0, 2, 0), (1, 2, 0)}
     assert sorted(s.step for s in steps if s.rank == 0) == list(range(6))
