@@ -249,26 +249,14 @@ class Soak:
             return self._minority(), full
         if kind in ("peer-cut", "long-peer-cut"):
             other = rng.choice([n for n in self.nodes if n is not node])
-            self.fabric.block(node, other.address)
-            time.sleep(4.0 if kind == "peer-cut" else LONG_CUT_S)
-            self.fabric.unblock(node, other.address)
+            self._cut([node], [other], 4.0 if kind == "peer-cut" else LONG_CUT_S)
             return time.time(), full
         if kind == "lone-cut":
-            others = [n for n in self.nodes if n is not node]
-            for other in others:
-                self.fabric.block(node, other.address)
-            time.sleep(LONG_CUT_S)
-            for other in others:
-                self.fabric.unblock(node, other.address)
+            self._cut([node], [n for n in self.nodes if n is not node], LONG_CUT_S)
             return time.time(), full
         if kind == "split":
             half = rng.sample(self.nodes, len(self.nodes) // 2 + rng.randint(0, len(self.nodes) % 2))
-            crossing = [(a, b) for a in half for b in self.nodes if b not in half]
-            for a, b in crossing:
-                self.fabric.block(a, b.address)
-            time.sleep(LONG_CUT_S)
-            for a, b in crossing:
-                self.fabric.unblock(a, b.address)
+            self._cut(half, [n for n in self.nodes if n not in half], LONG_CUT_S)
             return time.time(), full
         if kind == "slow-link":
             slowed = time.time()
@@ -310,6 +298,17 @@ class Soak:
             self.etcd.start()
             return time.time(), full
         raise ValueError(kind)
+
+    def _cut(self, side: list[Node], others: list[Node], seconds: float) -> None:
+        """Nodes of ``side`` and of ``others`` cannot reach each other for ``seconds`` (blackhole routes on both ends);
+        every node still reaches the control plane."""
+        for a in side:
+            for b in others:
+                self.fabric.block(a, b.address)
+        time.sleep(seconds)
+        for a in side:
+            for b in others:
+                self.fabric.unblock(a, b.address)
 
     def _minority(self) -> float:
         """Make r2 (on the minority node) the leader, then cut that node, with r2, off from everything else (etcd,
