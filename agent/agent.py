@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import queue
-import shutil
 import signal
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from pliant.agent import core
+from pliant.agent import core, snapshots
 from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.metrics import AgentMetrics
@@ -98,6 +97,7 @@ class Agent:
         self.metrics.set_state(self.state.phase)
         self.metrics_server: MetricsServer | None = None
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
+        self.snapshot_dir = snapshots.make(snapshots.usable(config.snapshot_dir), config.node_id)  # buddy copies
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
@@ -151,7 +151,7 @@ class Agent:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.metrics.close()
-            shutil.rmtree(self.progress_dir, ignore_errors=True)
+            snapshots.remove(self.progress_dir, self.snapshot_dir)
 
     def _create_job(self) -> None:
         """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.
@@ -551,7 +551,7 @@ class Agent:
                       metrics_dir=self.metrics.worker_dir, job_epoch=gen.epoch,
                       allow_fresh_start=config.allow_fresh_start, rescale=config.rescale,
                       progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
-                      snapshot_every=config.snapshot_every)
+                      snapshot_every=config.snapshot_every, snapshot_dir=self.snapshot_dir)
             for local_rank in range(me.nproc)
         ]  # fmt: skip
 

@@ -71,6 +71,9 @@ class AgentConfig:
             ``restart`` (every new generation stops the group after a checkpoint).
         snapshot_every: committed steps between a sharded engine's buddy copies, or None (``auto``) to choose them
             from their measured cost (exported to workers; :mod:`pliant.worker.cadence`).
+        snapshot_dir: the folder in node-local memory where the agent makes the directory its workers keep their
+            buddy copies in, so that a dead worker's outlive it (:mod:`pliant.agent.snapshots`); None: ``/dev/shm``
+            where it is writable; "": none (the copies live in the workers' memory only).
         no_python: run ``command`` as is instead of with the Python interpreter.
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
@@ -99,6 +102,7 @@ class AgentConfig:
     allow_fresh_start: bool = False
     rescale: str = "in-place"
     snapshot_every: int | None = None
+    snapshot_dir: str | None = None
     no_python: bool = False
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pliant.agent import snapshots
 from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.coordinator.contract import JobSpec
 from pliant.env import AUTO, parse_every
@@ -154,6 +155,13 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         "another node every this many steps; after a rank's death the survivors roll back to that copy, so at most "
         "this many steps run again. Default auto: from the copies' measured cost, the fewest steps (4 to 64) that "
         "keep them within 1.5%% of the training's time",
+    )
+    parser.add_argument(
+        "--snapshot-dir",
+        default=None,
+        help="a folder in node-local memory (tmpfs) where the workers keep those copies, so that a dead worker's "
+        "outlive it and its replacement offers them to the survivors; '' keeps them in the workers' memory only. "
+        "Default /dev/shm (a directory of its own, removed when the agent exits)",
     )
     parser.add_argument(
         "--hang-timeout",
@@ -317,6 +325,7 @@ def config_from_args(
         allow_fresh_start=args.allow_fresh_start,
         rescale=args.rescale,
         snapshot_every=parse_every(args.snapshot_every, "--snapshot-every"),
+        snapshot_dir=snapshots.usable(args.snapshot_dir),
         no_python=args.no_python,
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,

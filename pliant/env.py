@@ -87,6 +87,8 @@ class WorkerEnv:
         snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.buddy`), or
             None to choose them from their measured cost (:mod:`pliant.worker.cadence`); the agent's
             ``--snapshot-every`` (``auto``: None).
+        snapshot_dir: the agent's folder (node-local memory, tmpfs) where workers keep their buddy copies so that
+            they outlive a worker's death (:mod:`pliant.worker.kept`); "" keeps them in process memory only.
     """
 
     rank: int = 0
@@ -109,6 +111,7 @@ class WorkerEnv:
     allow_fresh_start: bool = False
     rescale: str = "restart"
     snapshot_every: int | None = None
+    snapshot_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.rescale not in RESCALE_MODES:
@@ -120,6 +123,11 @@ class WorkerEnv:
             raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
             raise ConfigError(f"LOCAL_RANK={self.local_rank} is outside LOCAL_WORLD_SIZE={self.local_world_size}")
+
+    @property
+    def kept_dir(self) -> str:
+        """This worker's folder of :attr:`snapshot_dir` (by local rank: the worker that replaces it uses the same)."""
+        return os.path.join(self.snapshot_dir, f"local-{self.local_rank}") if self.snapshot_dir else ""
 
     @property
     def restart_count(self) -> int:
@@ -155,6 +163,7 @@ class WorkerEnv:
             "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
             "PLIANT_RESCALE": self.rescale,
             "PLIANT_SNAPSHOT_EVERY": AUTO if self.snapshot_every is None else str(self.snapshot_every),
+            "PLIANT_SNAPSHOT_DIR": self.snapshot_dir,
             # prometheus_client's multiprocess mode, read when the worker imports it: the agent serves these files.
             **({"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir} if self.metrics_dir else {}),
         }
@@ -206,4 +215,5 @@ class WorkerEnv:
             allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
             rescale=env.get("PLIANT_RESCALE") or defaults["rescale"],
             snapshot_every=parse_every(env.get("PLIANT_SNAPSHOT_EVERY", ""), "PLIANT_SNAPSHOT_EVERY"),
+            snapshot_dir=env.get("PLIANT_SNAPSHOT_DIR", ""),
         )

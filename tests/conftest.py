@@ -282,3 +282,14 @@ def _no_leftover_processes() -> Iterator[None]:
     for p in left:
         p.kill()
     pytest.fail(f"processes left behind by the tests: {names}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_leftover_snapshots() -> Iterator[None]:
+    """Remove the snapshot directories (node-local memory) of the agents the tests killed: an agent removes its own
+    when it exits, and the next agent's start those of dead agents (pliant.agent.snapshots)."""
+    yield
+    from pliant.agent import snapshots
+
+    if snapshots.usable(None):
+        snapshots.sweep(snapshots.usable(None))

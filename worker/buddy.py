@@ -21,8 +21,11 @@ Two generations of copies are kept (the newest may still be in flight when a pee
 survivors roll back together to the newest snapshot step at which every old rank's shard is held by a survivor,
 its owner's own copy or a buddy's (:func:`choose_rollback`, pure); each shard is broadcast from its holder, every
 rank rebuilds the whole state from them, the new world is cut from it, and the steps since that snapshot run again
-on the same global batches (at most K, plus the steps of an exchange still in flight). When a
-shard and its buddy died together, re-forming fails and the restart path takes over, from the last disk checkpoint.
+on the same global batches (at most K, plus the steps of an exchange still in flight). The buffers are files in the
+node's memory (:mod:`pliant.worker.kept`), so a dead rank's copies outlive it: the fresh worker that replaces it on
+the same node offers them too (:meth:`BuddyCopies.adopt`). When a shard and every copy of it are gone (its rank's node
+died with its buddy, or a rank and its buddy died where nothing was kept), re-forming fails and the restart path
+takes over, from the last disk checkpoint.
 
 The cost: host memory of two copies of the own shard and of each ward's, a memcpy of the own shard every K steps,
 and the background sends, which on a machine whose collectives are CPU-bound (gloo) compete with the step's own
@@ -40,13 +43,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pliant.worker.contract import Engine, Staged, WorkerError
+from pliant.worker.kept import KeptSlot, KeptSlots, SlotHeader
+from pliant.worker.packing import on_thread, pack_later, packed_size, spans
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -58,16 +62,12 @@ __all__ = [
     "choose_rollback",
     "decode",
     "encode",
-    "pack",
-    "packed_size",
-    "unpack",
 ]
 
 logger = logging.getLogger(__name__)
 
 RECEIVE_WAIT_S = 1.0  # at a failure, how long a ward's copy still in flight may take to arrive
 BACKGROUND_NICE = 10  # the threads that send the copies (gloo's, for their group) yield the CPU to the training's
-_ALIGN = 16  # every tensor starts at a multiple of this many bytes in a packed buffer (any dtype can view it)
 
 
 class RollbackError(WorkerError):
@@ -105,11 +105,16 @@ class Held:
         old_rank: its rank in the old world (-1: a newcomer, holding nothing).
         own: the steps of its complete own copies.
         wards: old rank -> the steps of its complete copies of that rank's shard.
+        generation: the world its copies were taken in (-1: none).
+        kept: the copies are a dead predecessor's, read back from node-local memory (:mod:`pliant.worker.kept`);
+            they count only when they are of the survivors' world.
     """
 
     old_rank: int
     own: tuple[int, ...] = ()
     wards: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    generation: int = -1
+    kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,11 +127,14 @@ class Rollback:
 
 def choose_rollback(held: Sequence[Held], old_world: int) -> Rollback:
     """The newest step at which every old rank's shard is held by some rank of the new world (its owner's own copy
-    first, else a buddy's).
+    first, else a buddy's). Copies a dead rank left behind (``kept``) count only when they are of the world whose
+    survivors hold copies in memory (the newest such world).
 
     Raises:
         RollbackError: no step covers every shard.
     """
+    live = [h.generation for h in held if h.old_rank >= 0 and not h.kept]
+    held = [h if not h.kept or (live and h.generation == max(live)) else Held(-1) for h in held]
     steps = sorted({s for h in held for s in (*h.own, *(s for ss in h.wards.values() for s in ss))}, reverse=True)
     for step in steps:
         holders: dict[int, int] = {}
@@ -143,91 +151,6 @@ def choose_rollback(held: Sequence[Held], old_world: int) -> Rollback:
                         f"hold; the restart path applies")  # fmt: skip
 
 
-# -- packing ---------------------------------------------------------------------------------------------------------
-
-
-def _spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    out, offset = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        out.append((offset, n))
-        offset += -(-n // _ALIGN) * _ALIGN
-    return out
-
-
-def packed_size(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the buffer :func:`pack` fills for ``tensors``."""
-    spans = _spans(tensors)
-    return -(-(spans[-1][0] + spans[-1][1]) // _ALIGN) * _ALIGN if spans else 0
-
-
-def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy ``tensors`` into one byte buffer (``out`` when it has the right size, else a new one; pinned when the
-    tensors are on CUDA) and wait for the copy."""
-    out, wait = pack_later(tensors, out)
-    wait()
-    return out
-
-
-def pack_later(
-    tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None,
-    then: Callable[[torch.Tensor], object] | None = None,
-) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Start :func:`pack` without waiting: returns the buffer and a function that waits for the copy and for
-    ``then(buffer)``, which a thread runs as soon as the copy is done, and raises what failed. On CUDA the copies are
-    non-blocking, on the caller's stream, and the thread waits for an event after them; on CPU the thread copies
-    (torch releases the GIL). Nothing may write ``tensors`` until the wait returns."""
-    size = packed_size(tensors)
-    cuda = any(t.is_cuda for t in tensors)
-    if out is None or out.numel() != size:
-        out = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-    buffer = out
-
-    def copy() -> None:
-        spans = _spans(tensors)
-        ends = [offset for offset, _n in spans[1:]] + [size][: len(spans)]
-        for t, (offset, n), end in zip(tensors, spans, ends, strict=True):
-            buffer[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
-            buffer[offset + n : end].zero_()  # the alignment padding: the same bytes in every copy
-
-    if cuda:
-        copy()
-        event = torch.cuda.Event()
-        event.record()
-        copy = event.synchronize
-
-    def run() -> None:
-        copy()
-        if then is not None:
-            then(buffer)
-
-    return out, _on_thread(run, "pliant-snapshot")
-
-
-def _on_thread(work: Callable[[], Any], name: str) -> Callable[[], Any]:
-    """Start ``work`` on a daemon thread; returns a function that waits for it and returns what it returned, or
-    raises what it raised, on the caller's thread."""
-    made: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            made.append(work())
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-
-    def wait() -> Any:
-        thread.join()
-        if failed:
-            raise failed[0]
-        return made[0]
-
-    return wait
-
-
 def _on_lowered_thread(make: Callable[[], Any]) -> Any:
     """``make()`` on a thread at :data:`BACKGROUND_NICE`, waited for: a gloo group made there runs its threads at
     that priority (they inherit it), so on a host whose cores the training keeps busy (gloo on CPU) the sends and
@@ -238,17 +161,40 @@ def _on_lowered_thread(make: Callable[[], Any]) -> Any:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         return make()
 
-    return _on_thread(lowered, "pliant-buddy-group")()
-
-
-def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy a :func:`pack`-ed buffer back into ``tensors`` (the same shapes and dtypes, in the same order)."""
-    with torch.no_grad():
-        for t, (offset, n) in zip(tensors, _spans(tensors), strict=True):
-            t.copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
+    return on_thread(lowered, "pliant-buddy-group")()
 
 
 # -- the copies ------------------------------------------------------------------------------------------------------
+
+
+class _Arrival:
+    """Waits for a slot's receives, once, on a thread of its own: a gloo receive's ``wait`` consumes its completion,
+    so a second ``wait`` of the same receive never returns. Everything that waits for them waits here.
+
+    Args:
+        receives: the wards' receives.
+        then: called on that thread once every one arrived.
+    """
+
+    def __init__(self, receives: Sequence[dist.Work], then: Callable[[], object]) -> None:
+        self.failed: BaseException | None = None
+        self._done = threading.Event()
+
+        def watch() -> None:
+            try:
+                for work in receives:
+                    work.wait()
+            except RuntimeError as exc:  # a peer failed
+                self.failed = exc
+            self._done.set()
+            if self.failed is None:
+                then()
+
+        threading.Thread(target=watch, name="pliant-snapshot-arrivals", daemon=True).start()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once every receive arrived; False when one failed or ``timeout_s`` ran out first."""
+        return self._done.wait(timeout_s) and self.failed is None
 
 
 @dataclass
@@ -265,6 +211,9 @@ class _Slot:
     sends: list[dist.Work] = field(default_factory=list)
     receives: list[dist.Work] = field(default_factory=list)
     received: bool = False
+    arrival: _Arrival | None = None  # waits for ``receives`` (the only thing that may)
+    take: int = 0  # counts the takes into this slot
+    arrived: int = -1  # the take whose wards' copies all arrived (recorded beside the kept files)
     send_failed: BaseException | None = None  # starting the send to the buddy failed (a peer went away)
     index: dict[tuple[object, ...], int] = field(default_factory=dict)  # a shard tensor -> its offset in ``own``
     copy_wait: Callable[[], None] | None = None  # waits for the copy into ``own`` (any thread, any number of times)
@@ -275,10 +224,7 @@ class _Slot:
         ``wait``: one in flight from a live peer gets :data:`RECEIVE_WAIT_S` to finish (one from a dead peer fails
         at once)."""
         if not self.received:
-            try:
-                for work in self.receives:
-                    work.wait(timedelta(seconds=RECEIVE_WAIT_S))
-            except RuntimeError:
+            if self.arrival is not None and not self.arrival.wait(RECEIVE_WAIT_S):
                 return False
             self.received = True
         return self.received
@@ -291,11 +237,17 @@ class BuddyCopies:
         track_fds: called around the creation of the copies' process group, to note the sockets it opens
             (``Session.group_fds``, which a failure severs).
         metrics: the worker's metrics (the snapshots' stall and bytes), if any.
+        kept_dir: where this rank's buffers live as files that outlive the process (:mod:`pliant.worker.kept`; its
+            local rank's folder of the agent's snapshot directory); "" keeps them in process memory only.
     """
 
-    def __init__(self, track_fds: Callable[[Callable[[], object]], object], metrics: Any = None) -> None:
+    def __init__(self, track_fds: Callable[[Callable[[], object]], object], metrics: Any = None,
+                 kept_dir: str = "") -> None:  # fmt: skip
         self._track = track_fds
         self._metrics = metrics
+        self.kept = KeptSlots(kept_dir)
+        self._lock = threading.RLock()  # the kept headers: written by the training thread and by arrival watchers
+        self._adopted: dict[int, KeptSlot] = {}  # a fresh worker's: its dead predecessor's copies, by step
         self._launched_s = 0.0  # the training thread's time in snapshot() for the copy not yet settled
         self.generation = -1
         self.world = 0
@@ -359,24 +311,34 @@ class BuddyCopies:
         if generation != self.generation:
             self._meet(generation, node, packed_size(tensors))
         previous = self.slots[self.newest]
-        for work in [*previous.sends, *previous.receives]:
+        for work in previous.sends:
             work.wait()  # sent a while ago; a failed peer raises here
-        previous.sends, previous.receives = [], []
-        previous.received = True
+        if previous.arrival is not None and not previous.arrival.wait():
+            raise previous.arrival.failed or RuntimeError("a ward's copy did not arrive")
+        previous.sends, previous.receives, previous.arrival = [], [], None
+        previous.received, previous.arrived = True, previous.take
+        self._record(previous)  # its wards' copies are whole (a watcher may have recorded it already)
         slot = self.slots[1 - self.newest]
         wait_all(slot.readers)  # a checkpoint still writing from this copy (written long ago, as a rule)
         slot.readers = []
-        slot.step = -1  # until its new copy is whole
+        with self._lock:
+            slot.step, slot.take = -1, slot.take + 1  # until its new copy is whole
+            self.kept.record(1 - self.newest, None)  # its files are about to change
         slot.positions, slot.rng, slot.hyper = positions, torch.get_rng_state(), hyper
         slot.scheduler = copy.deepcopy(scheduler)
         self.partition = partition
         self.fresh = slot.own is None or slot.own.numel() != packed_size(tensors)  # its first touch costs more
+        if self.fresh and not any(t.is_cuda for t in tensors):  # (on CUDA, pack_later pins one: not kept)
+            self.kept.release(slot.own)
+            slot.own = self.kept.buffer(packed_size(tensors))
         for ward, size in ((w, self.sizes[w]) for w in self.wards):
             if slot.wards.get(ward) is None or slot.wards[ward].numel() != size:
-                slot.wards[ward] = torch.empty(size, dtype=torch.uint8)
+                self.kept.release(slot.wards.get(ward))
+                slot.wards[ward] = self.kept.buffer(size)
                 self.fresh = True
         slot.received, slot.sends, slot.send_failed = False, [], None
         slot.receives = [dist.irecv(slot.wards[w], w, group=self.group) for w in self.wards]
+        slot.arrival = _Arrival(slot.receives, self._arrived(slot)) if slot.receives else None
 
         def send(own: torch.Tensor) -> None:  # on the copy's thread, once the copy is done
             try:
@@ -385,7 +347,7 @@ class BuddyCopies:
                 slot.send_failed = exc
 
         slot.own, wait = pack_later(tensors, slot.own, send)
-        slot.index = {_key(t): offset for t, (offset, _n) in zip(tensors, _spans(tensors), strict=True)}
+        slot.index = {_key(t): offset for t, (offset, _n) in zip(tensors, spans(tensors), strict=True)}
         slot.copy_wait = wait
         self._copying = (slot, step, wait)
         self.newest = 1 - self.newest
@@ -401,8 +363,33 @@ class BuddyCopies:
         self._copying = None
         wait()
         slot.step = step
+        self._record(slot)
         if check and slot.send_failed is not None:
             raise slot.send_failed
+
+    def _arrived(self, slot: _Slot) -> Callable[[], None]:
+        """What runs once ``slot``'s wards' copies arrived: they are recorded beside its kept files at once (the
+        training waits for them only at the next snapshot), so a successor can offer the newest exchange too."""
+        take = slot.take
+
+        def record() -> None:
+            with self._lock:
+                if slot.take == take:  # not taken again since
+                    slot.arrived = take
+            self._record(slot)
+
+        return record
+
+    def _record(self, slot: _Slot) -> None:
+        """Write ``slot``'s header beside its kept files: its own copy once whole, its wards' once they arrived."""
+        with self._lock:
+            index = next((i for i, s in enumerate(self.slots) if s is slot), None)
+            if slot.step < 0 or index is None or not self.kept.enabled:
+                return
+            whole = slot.arrived == slot.take
+            wards = {w: named for w in self.wards if whole and (named := self.kept.name(slot.wards.get(w)))}
+            self.kept.record(index, SlotHeader(self.generation, self.world, self.rank, slot.step, tuple(self.partition),
+                                               self.kept.name(slot.own), wards))
 
     def staged(self, step: int) -> Staged | None:
         """This rank's own copy of ``step`` (being made or whole) as a checkpoint's source
@@ -428,8 +415,11 @@ class BuddyCopies:
 
     def _meet(self, generation: int, node: int, size: int) -> None:
         """The first snapshot of a world: open the copies' group and learn every rank's node and shard size."""
-        self.reset()
-        self.generation, self.rank, self.world = generation, dist.get_rank(), dist.get_world_size()
+        with self._lock:  # no arrival watcher of the old world records a header in between
+            self.reset()
+            self.kept.sweep()  # a predecessor's files (read by a roll back before this) and this rank's older ones
+            self._adopted = {}
+            self.generation, self.rank, self.world = generation, dist.get_rank(), dist.get_world_size()
         self.group = self._track(lambda: _on_lowered_thread(lambda: dist.new_group(backend="gloo")))  # type: ignore[assignment]
         mine = torch.tensor([node, size], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.world)]
@@ -448,7 +438,26 @@ class BuddyCopies:
             return Held(-1)
         own = tuple(s.step for s in self.slots if s.step >= 0)
         complete = [s for s in self.slots if s.step >= 0 and s.ward_complete()]
-        return Held(self.rank, own, {w: tuple(s.step for s in complete) for w in self.wards})
+        return Held(self.rank, own, {w: tuple(s.step for s in complete) for w in self.wards}, self.generation)
+
+    def adopt(self) -> Held:
+        """What a fresh worker holds from the dead worker it replaces: the copies that one kept in node-local memory
+        (:mod:`pliant.worker.kept`), if any. Its buffers then serve :meth:`buffer` until this rank's own first
+        snapshot."""
+        slots = [s for s in self.kept.load() if s.header.step >= 0]
+        if not slots:
+            return Held(-1)
+        self._adopted = {s.header.step: s for s in slots}
+        first = slots[0].header
+        self.partition = list(first.partition)
+        wards: dict[int, tuple[int, ...]] = {}
+        for s in slots:
+            for old in s.wards:
+                wards[old] = (*wards.get(old, ()), s.header.step)
+        own = tuple(s.header.step for s in slots if s.own is not None)
+        logger.info("rank %d holds the copies its predecessor (rank %d of generation %d) kept: its own of steps %s, "
+                    "its wards' %s", dist.get_rank(), first.rank, first.generation, list(own), wards)  # fmt: skip
+        return Held(first.rank, own, wards, first.generation, kept=True)
 
     def slot(self, step: int) -> _Slot:
         """This rank's copies of ``step``.
@@ -463,7 +472,14 @@ class BuddyCopies:
         raise RollbackError(f"rank {self.rank} holds no copy of step {step}")
 
     def buffer(self, old: int, step: int) -> torch.Tensor:
-        """This rank's copy of old rank ``old``'s shard at ``step`` (its own, or a ward's)."""
+        """This rank's copy of old rank ``old``'s shard at ``step`` (its own, or a ward's; a fresh worker's: its
+        predecessor's, :meth:`adopt`)."""
+        if not self.taken and step in self._adopted:
+            kept = self._adopted[step]
+            out = kept.own if old == kept.header.rank else kept.wards.get(old)
+            if out is None:
+                raise RollbackError(f"rank {dist.get_rank()} kept no copy of old rank {old}'s shard at step {step}")
+            return out
         slot = self.slot(step)
         buf = slot.own if old == self.rank else slot.wards[old]
         assert buf is not None
@@ -476,8 +492,9 @@ def _key(tensor: torch.Tensor) -> tuple[object, ...]:
 
 
 def encode(held: Held, old_world: int) -> torch.Tensor:
-    """``held`` as one int64 row: old rank, 2 own steps, then 2 steps per old rank as a ward (-1: none)."""
-    row = [held.old_rank, *_two(held.own)]
+    """``held`` as one int64 row: generation, kept (0/1), old rank, 2 own steps, then 2 steps per old rank as a ward
+    (-1: none)."""
+    row = [held.generation, int(held.kept), held.old_rank, *_two(held.own)]
     for old in range(old_world):
         row += _two(held.wards.get(old, ()))
     return torch.tensor(row, dtype=torch.int64)
@@ -485,8 +502,8 @@ def encode(held: Held, old_world: int) -> torch.Tensor:
 
 def decode(row: torch.Tensor, old_world: int) -> Held:
     values = [int(v) for v in row]
-    wards = {old: _steps(values[3 + 2 * old : 5 + 2 * old]) for old in range(old_world)}
-    return Held(values[0], _steps(values[1:3]), {k: v for k, v in wards.items() if v})
+    wards = {old: _steps(values[5 + 2 * old : 7 + 2 * old]) for old in range(old_world)}
+    return Held(values[2], _steps(values[3:5]), {k: v for k, v in wards.items() if v}, values[0], bool(values[1]))
 
 
 def _two(steps: Sequence[int]) -> list[int]:

@@ -286,7 +286,7 @@ class Engine(abc.ABC):
                 hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
         """Rebuild the whole state of an old world from its shards, after :meth:`rewrap` (collective): for each old
         rank (in order), ``receive(old rank, nbytes)`` returns that shard packed as :meth:`shard` made it
-        (:func:`pliant.worker.buddy.pack`); ``hyper`` (None on a newcomer) are the optimizer's hyperparameters of
+        (:func:`pliant.worker.packing.pack`); ``hyper`` (None on a newcomer) are the optimizer's hyperparameters of
         the same step. :meth:`sync_state` then cuts the state for the new world. Returns the bytes received.
 
         Raises:

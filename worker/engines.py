@@ -294,7 +294,7 @@ class ZeroEngine(DDPEngine):
 
     def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
                 hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
-        from pliant.worker.buddy import packed_size, unpack
+        from pliant.worker.packing import packed_size, unpack
 
         full = self._template()
         for group, saved in zip(full.param_groups, hyper or [], strict=False):

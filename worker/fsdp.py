@@ -235,7 +235,7 @@ class FSDPEngine(Engine):
 
     def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
                 hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
-        from pliant.worker.buddy import packed_size, unpack
+        from pliant.worker.packing import packed_size, unpack
 
         world = partition[0] if partition else 1
         template = self._optimizer_template()

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
 from pliant.progress import Directive, announce_in_place, read_directive
-from pliant.worker.buddy import BuddyCopies, Held, choose_rollback, decode, encode
+from pliant.worker.buddy import BuddyCopies, choose_rollback, decode, encode
 from pliant.worker.cadence import Cadence
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, Staged, WorkerError
 from pliant.worker.engines import sync_scheduler
@@ -130,7 +130,7 @@ class Protocol:
         self.parts: list[Engine | CheckpointManager] = []  # in the order the script made them
         self.loaders: list[ElasticLoader] = []
         self._positions: list[list[int]] | None = None  # each loader's (epoch, cursor, step) from the last sync
-        self.copies = BuddyCopies(session.tracked, session.metrics)  # a sharded engine's snapshots (worker.buddy)
+        self.copies = BuddyCopies(session.tracked, session.metrics, session.env.kept_dir)  # (worker.buddy, kept)
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
         nccl, fds = session.backend == "nccl", lambda: session.group_fds  # a step that a dead or cut-off peer blocks
@@ -565,7 +565,7 @@ class Protocol:
         engine = self.sharded
         if engine is None:
             raise RescaleError("a roll back was asked, but this rank has no single sharded engine")
-        held = self.copies.held() if holds_state else Held(-1)
+        held = self.copies.held() if holds_state else self.copies.adopt()  # a fresh worker: what its predecessor kept
         mine = encode(held, old_world)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)

@@ -207,3 +207,57 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     if engine != "ddp":
         assert "rolled back to the snapshot of step" in a.output()
     assert diff <= TOLERANCE
+
+
+@pytest.mark.long
+def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_copies(
+    make_coordinator, spawn_agent, tmp_path: Path
+) -> None:
+    """ZeRO, world 4 on two nodes: kill -9 node a's second worker and, at the same moment, node b whole. Every rank's
+    buddy is on the other node, so that worker's shard and its ward's are in no live process (as in the soaks with
+    two workers per node, where a survivor blocked on the dead node gave up). Its replacement on node a reads back
+    the copies it kept in node-local memory (pliant.worker.kept), and node a rolls back in place: no restart, no
+    disk (there is no checkpoint directory), the survivor keeps its process, exact."""
+    steps = 140
+    server = make_coordinator()
+    args = dict(checkpoints=False, script=("--engine", "zero"), step_time=0.05)
+    port = free_port()
+    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args,
+                                          extra=("--max-restarts", "3", "--metrics-port", str(port))),
+                    name="agent-a")  # fmt: skip
+    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args,
+                                          extra=("--max-restarts", "3")), name="agent-b")  # fmt: skip
+    wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 120, "every rank of world 4 stepping")
+    first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
+    wait_for(lambda: _stepping(tmp_path, 4, first + 18), 60, "world 4 past its first snapshots")
+
+    world4 = _pids(_events(tmp_path), 4)
+    on_b = {rank for rank, pid in world4.items() if pid in descendants(b.pid)}
+    on_a = sorted(rank for rank in world4 if rank not in on_b)
+    assert len(on_a) == len(on_b) == 2, (world4, on_b)
+    survivor, victim = on_a
+    killed_at = time.time()
+    os.kill(world4[victim], signal.SIGKILL)
+    b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
+    wait_for(lambda: len(_pids([e for e in _events(tmp_path) if e["time"] > killed_at], 2)) == 2, 90,
+             "both ranks of node a stepping in a world of 2")  # fmt: skip
+    metrics = scrape(f"http://127.0.0.1:{port}/metrics")
+    steps = end_soon(tmp_path, steps)
+    wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
+    assert a.proc.returncode == 0, a.output()[-3000:]
+
+    events = _events(tmp_path)
+    after = [e for e in events if e["time"] > killed_at and e["world"] == 2]
+    assert world4[survivor] in set(_pids(after, 2).values()), "node a's surviving worker kept its process"
+    assert world4[victim] not in set(_pids(after, 2).values())
+    output = a.output()
+    assert re.search(r"holds the copies its predecessor \(rank \d of generation \d+\) kept", output), output[-3000:]
+    assert "rolled back to the snapshot of step" in output
+    assert 'pliant_agent_rescales_total{path="restart"}' not in metrics, metrics
+    before, resumed = _check_redone("zero", events, killed_at, output)
+    back = min(e["time"] for e in after)
+    diff = _check_exact(tmp_path, steps, "zero", kills=2)
+    print(f"zero: a worker and its buddy's node killed together: step {before} was the last committed, resumed at "
+          f"{resumed} ({before + 1 - resumed} committed steps redone), node a stepping {back - killed_at:.2f}s after "
+          f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    assert diff <= TOLERANCE

@@ -12,11 +12,8 @@ from pliant.worker.buddy import (
     choose_rollback,
     decode,
     encode,
-    pack,
-    pack_later,
-    packed_size,
-    unpack,
 )
+from pliant.worker.packing import pack, pack_later, packed_size, unpack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,9 +53,34 @@ def test_a_shard_lost_with_its_buddy_takes_the_restart_path() -> None:
 
 
 def test_held_copies_cross_ranks_as_one_integer_row() -> None:
-    held = Held(2, (24, 16), {0: (16,), 3: (24, 16)})
+    held = Held(2, (24, 16), {0: (16,), 3: (24, 16)}, generation=7)
     assert decode(encode(held, 4), 4) == held
     assert decode(encode(Held(-1), 3), 3) == Held(-1)
+    kept = Held(1, (16,), {3: (16,)}, generation=7, kept=True)
+    assert decode(encode(kept, 4), 4) == kept
+
+
+def test_a_dead_ranks_kept_copies_complete_what_its_buddy_took_with_it() -> None:
+    """The soak's case: node 1 (old ranks 2, 3) died, and old rank 1 (node 0), blocked on a send to it, gave up. Old
+    rank 1's shard and old rank 3's (its ward) were in no live process; the fresh worker that replaced old rank 1
+    reads them back from its node's memory (pliant.worker.kept)."""
+    survivor = Held(0, (24, 16), {2: (16,)}, generation=5)
+    with pytest.raises(RollbackError):
+        choose_rollback([survivor, Held(-1)], 4)
+    kept = Held(1, (24, 16), {3: (16,)}, generation=5, kept=True)
+    plan = choose_rollback([survivor, kept], 4)
+    assert (plan.step, plan.holders) == (16, {0: 0, 1: 1, 2: 0, 3: 1})
+
+
+def test_kept_copies_of_another_world_do_not_count() -> None:
+    """A predecessor that died in an older world (its shards were cut for another world size) holds nothing the
+    survivors can use, and kept copies alone (no survivor) are no world to roll back."""
+    survivor = Held(0, (24, 16), {2: (16,)}, generation=5)
+    stale = Held(1, (24, 16), {3: (16,)}, generation=4, kept=True)
+    with pytest.raises(RollbackError):
+        choose_rollback([survivor, stale], 4)
+    with pytest.raises(RollbackError):
+        choose_rollback([Held(0, (8,), {1: (8,)}, generation=3, kept=True)], 2)
 
 
 def test_a_shard_packs_into_one_reusable_byte_buffer() -> None:

@@ -1,0 +1,94 @@
+"""The node's snapshot directory: where its workers keep their buddy copies so that they outlive a worker's death
+(:mod:`pliant.worker.kept`).
+
+One directory per agent, made at its start in node-local memory (``/dev/shm`` unless ``--snapshot-dir`` names another
+folder; ``--snapshot-dir ''`` turns it off), handed to the workers as ``PLIANT_SNAPSHOT_DIR`` and removed when the
+agent exits. Its files are memory: an agent killed with ``kill -9`` cannot remove them, so every agent first removes
+the directories whose agent (named by the ``agent.pid`` file inside) is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pliant.errors import ConfigError
+
+__all__ = ["DEFAULT_PARENT", "PREFIX", "make", "remove", "sweep", "usable"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PARENT = "/dev/shm"
+PREFIX = "pliant-snapshots-"
+_PID_FILE = "agent.pid"
+
+
+def usable(parent: str | None) -> str:
+    """The folder the directory goes in: ``parent``, or :data:`DEFAULT_PARENT` when None and it is a writable folder
+    ("" otherwise, and for ``parent`` "": no directory).
+
+    Raises:
+        ConfigError: ``parent`` is named but is not a writable folder.
+    """
+    if parent is None:
+        return DEFAULT_PARENT if os.path.isdir(DEFAULT_PARENT) and os.access(DEFAULT_PARENT, os.W_OK) else ""
+    if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        raise ConfigError(f"--snapshot-dir {parent!r} is not a writable folder: name one in node-local memory "
+                          f"(tmpfs, such as /dev/shm), or pass --snapshot-dir '' to keep the buddy copies in the "
+                          f"workers' memory only")  # fmt: skip
+    return parent
+
+
+def make(parent: str, node_id: str) -> str:
+    """A new snapshot directory for this agent in ``parent`` ("" when ``parent`` is "" or refuses it, logged), after
+    removing those of dead agents there."""
+    if not parent:
+        return ""
+    sweep(parent)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node_id)[:64]
+    try:
+        directory = tempfile.mkdtemp(prefix=f"{PREFIX}{safe}-", dir=parent)
+        Path(directory, _PID_FILE).write_text(str(os.getpid()))
+    except OSError as exc:
+        logger.warning("no snapshot directory in %s (%s): a dead worker's buddy copies die with it", parent, exc)
+        return ""
+    logger.info("workers keep their buddy copies in %s", directory)
+    return directory
+
+
+def remove(*directories: str) -> None:
+    """Remove the directories :func:`make` made, and the agent's other scratch folders (nothing for "")."""
+    for directory in filter(None, directories):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def sweep(parent: str) -> list[str]:
+    """Remove the snapshot directories in ``parent`` whose agent is gone; returns them."""
+    gone = []
+    for directory in Path(parent).glob(f"{PREFIX}*"):
+        try:
+            pid = int((directory / _PID_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # being made, or not ours
+        if not _alive(pid):
+            shutil.rmtree(directory, ignore_errors=True)
+            gone.append(str(directory))
+    if gone:
+        logger.info("removed %d snapshot directories of agents that are gone: %s", len(gone), gone)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie is gone too
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    return True
