@@ -124,7 +124,7 @@ class KeptSlots:
         self._told = False
         if self.directory is not None:
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                self.directory.mkdir(exist_ok=True)  # not the agent's directory: gone, it is not ours to make
             except OSError as exc:
                 self._anonymous(f"its folder {self.directory} cannot be made ({exc})")
 

@@ -44,3 +44,22 @@ def test_a_worker_that_ignores_the_rescale_grace_has_its_stacks_logged(tmp_path:
     assert result.stopped and result.exit_codes[0] != 0
     text = log.read_text()
     assert "held_by_something" in text, text
+
+
+def test_a_stopped_group_frees_its_workers_kept_copies(tmp_path: Path) -> None:
+    """Buddy copies kept in node-local memory (pliant.worker.kept) serve a worker's replacement in place; once the
+    whole group is stopped no world re-forms from them, so the memory goes then, not when the agent exits."""
+    script = tmp_path / "idle.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"),
+                    snapshot_dir=str(tmp_path / "snapshots"))  # fmt: skip
+    kept = Path(env.kept_dir)
+    kept.mkdir(parents=True)
+    (kept / "123-1.bin").write_bytes(b"\0" * 4096)
+    group = WorkerGroup(1, [env], WorkerCommand((str(script),)), log_dir=tmp_path / "logs", base_env={
+        "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
+    group.start()
+    log = tmp_path / "logs" / "rank-0.log"
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")
+    group.stop(grace_s=2.0)
+    assert not kept.exists() and (tmp_path / "snapshots").exists()  # the agent's directory stays (its to remove)
