@@ -9,12 +9,13 @@ the directories whose agent (named by the ``agent.pid`` file inside) is gone.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import psutil
 
 from pliant.errors import ConfigError
 
@@ -83,12 +84,10 @@ def sweep(parent: str) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
+    """The process lives (a zombie is gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    with contextlib.suppress(OSError):  # a zombie is gone too
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    return True
