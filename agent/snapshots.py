@@ -57,7 +57,7 @@ def make(parent: str, node_id: str) -> str:
     except OSError as exc:
         logger.warning("no snapshot directory in %s (%s): a dead worker's buddy copies die with it", parent, exc)
         return ""
-    logger.info("workers keep their buddy copies in %s", directory)
+    logger.info("a sharded engine's buddy copies (ZeRO, FSDP2) go in %s", directory)
     return directory
 
 
