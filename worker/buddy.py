@@ -316,8 +316,9 @@ class BuddyCopies:
         if previous.arrival is not None and not previous.arrival.wait():
             raise previous.arrival.failed or RuntimeError("a ward's copy did not arrive")
         previous.sends, previous.receives, previous.arrival = [], [], None
-        previous.received, previous.arrived = True, previous.take
-        self._record(previous)  # its wards' copies are whole (a watcher may have recorded it already)
+        recorded, previous.received, previous.arrived = previous.arrived == previous.take, True, previous.take
+        if not recorded:  # its wards' copies are whole (their arrival's thread records them, as a rule)
+            self._record(previous)
         slot = self.slots[1 - self.newest]
         wait_all(slot.readers)  # a checkpoint still writing from this copy (written long ago, as a rule)
         slot.readers = []
