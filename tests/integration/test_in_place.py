@@ -210,17 +210,18 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("engine", ["zero", "fsdp"])
 def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_copies(
-    make_coordinator, spawn_agent, tmp_path: Path
+    make_coordinator, spawn_agent, tmp_path: Path, engine: str
 ) -> None:
-    """ZeRO, world 4 on two nodes: kill -9 node a's second worker and, at the same moment, node b whole. Every rank's
-    buddy is on the other node, so that worker's shard and its ward's are in no live process (as in the soaks with
-    two workers per node, where a survivor blocked on the dead node gave up). Its replacement on node a reads back
-    the copies it kept in node-local memory (pliant.worker.kept), and node a rolls back in place: no restart, no
-    disk (there is no checkpoint directory), the survivor keeps its process, exact."""
+    """ZeRO or FSDP2, world 4 on two nodes: kill -9 node a's second worker and, at the same moment, node b whole.
+    Every rank's buddy is on the other node, so that worker's shard and its ward's are in no live process (as in the
+    soaks with two workers per node, where a survivor blocked on the dead node gave up). Its replacement on node a
+    reads back the copies it kept in node-local memory (pliant.worker.kept), and node a rolls back in place: no
+    restart, no disk (there is no checkpoint directory), the survivor keeps its process, exact."""
     steps = 140
     server = make_coordinator()
-    args = dict(checkpoints=False, script=("--engine", "zero"), step_time=0.05)
+    args = dict(checkpoints=False, script=("--engine", engine), step_time=0.05)
     port = free_port()
     a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args,
                                           extra=("--max-restarts", "3", "--metrics-port", str(port))),
@@ -254,10 +255,10 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     assert re.search(r"holds the copies its predecessor \(rank \d of generation \d+\) kept", output), output[-3000:]
     assert "rolled back to the snapshot of step" in output
     assert 'pliant_agent_rescales_total{path="restart"}' not in metrics, metrics
-    before, resumed = _check_redone("zero", events, killed_at, output)
+    before, resumed = _check_redone(engine, events, killed_at, output)
     back = min(e["time"] for e in after)
-    diff = _check_exact(tmp_path, steps, "zero", kills=2)
-    print(f"zero: a worker and its buddy's node killed together: step {before} was the last committed, resumed at "
+    diff = _check_exact(tmp_path, steps, engine, kills=2)
+    print(f"{engine}: a worker and its buddy's node killed together: step {before} was the last committed, resumed at "
           f"{resumed} ({before + 1 - resumed} committed steps redone), node a stepping {back - killed_at:.2f}s after "
           f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
     assert diff <= TOLERANCE
