@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -123,3 +125,40 @@ def test_a_background_copy_that_failed_raises_when_waited_for() -> None:
     _buffer, wait = pack_later([torch.ones(3)], None, refuse)
     with pytest.raises(RuntimeError, match="Connection closed"):
         wait()
+
+
+class _Receive:
+    """A gloo receive's ``wait``: it consumes the completion, so a second call never returns (a test fails instead)."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails, self.waits = fails, 0
+
+    def wait(self, *_args: object) -> bool:
+        self.waits += 1
+        assert self.waits == 1, "a receive waited for twice: gloo would block for good"
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+
+def test_a_slots_receives_are_waited_for_once_whoever_asks() -> None:
+    """The arrival's thread waits; the next snapshot, a roll back's ward_complete and the kept-copy recorder all ask
+    it, never the receives themselves."""
+    from pliant.worker.buddy import _Arrival, _Slot
+
+    receives, recorded = [_Receive(), _Receive()], []
+    arrival = _Arrival(receives, lambda: recorded.append(True))
+    assert arrival.wait(5.0) and arrival.wait() and arrival.failed is None
+    slot = _Slot(step=8, receives=list(receives), arrival=arrival)  # type: ignore[arg-type]
+    assert slot.ward_complete() and slot.ward_complete()
+    assert [r.waits for r in receives] == [1, 1]
+    for _ in range(100):  # ``then`` runs on the arrival's thread just after the waiters are released
+        if recorded:
+            break
+        time.sleep(0.01)
+    assert recorded == [True]
+
+    failing = _Arrival([_Receive(fails=True)], lambda: recorded.append(False))
+    assert not failing.wait(5.0) and "Connection closed" in str(failing.failed)
+    assert not _Slot(step=8, arrival=failing).ward_complete()
+    assert recorded == [True]  # nothing is recorded for copies that did not arrive
