@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -439,9 +438,6 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 logger.error("worker pid %d did not die after SIGKILL", worker.proc.pid)
             worker.pump.join(2)
-        for worker in self.workers:  # their buddy copies (pliant.worker.kept): no world re-forms from them now
-            if worker.env.kept_dir:
-                shutil.rmtree(worker.env.kept_dir, ignore_errors=True)
         codes = {w.env.local_rank: w.proc.returncode for w in self.workers}
         logger.info("generation %d: workers stopped (exit codes %s)", self.generation, codes)
         return GroupResult(self.generation, codes, stopped=True)

@@ -46,9 +46,12 @@ def test_a_worker_that_ignores_the_rescale_grace_has_its_stacks_logged(tmp_path:
     assert "held_by_something" in text, text
 
 
-def test_a_stopped_group_frees_its_workers_kept_copies(tmp_path: Path) -> None:
-    """Buddy copies kept in node-local memory (pliant.worker.kept) serve a worker's replacement in place; once the
-    whole group is stopped no world re-forms from them, so the memory goes then, not when the agent exits."""
+
+def test_a_stopped_group_leaves_its_workers_kept_copies_to_their_replacements(tmp_path: Path) -> None:
+    """Buddy copies kept in node-local memory (pliant.worker.kept) outlive their worker for its replacement. A node
+    whose only worker died does not re-form in place: its agent stops (reaps) the group and starts a fresh one for
+    the next generation, while the survivors roll back in place, so the stop must leave them (the replacement's
+    first snapshot removes them; the agent's exit removes its whole directory)."""
     script = tmp_path / "idle.py"
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
     env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"),
@@ -62,4 +65,4 @@ def test_a_stopped_group_frees_its_workers_kept_copies(tmp_path: Path) -> None:
     log = tmp_path / "logs" / "rank-0.log"
     wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")
     group.stop(grace_s=2.0)
-    assert not kept.exists() and (tmp_path / "snapshots").exists()  # the agent's directory stays (its to remove)
+    assert (kept / "123-1.bin").exists()
