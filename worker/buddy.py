@@ -341,11 +341,17 @@ class BuddyCopies:
         slot.receives = [dist.irecv(slot.wards[w], w, group=self.group) for w in self.wards]
         slot.arrival = _Arrival(slot.receives, self._arrived(slot)) if slot.receives else None
 
+        take = slot.take
+
         def send(own: torch.Tensor) -> None:  # on the copy's thread, once the copy is done
             try:
                 slot.sends = [dist.isend(own, self.buddy, group=self.group)] if self.buddy != self.rank else []
             except RuntimeError as exc:
                 slot.send_failed = exc
+            with self._lock:
+                if slot.take == take:
+                    slot.step = step  # whole: its header is written here, off the training thread
+            self._record(slot)
 
         slot.own, wait = pack_later(tensors, slot.own, send)
         slot.index = {_key(t): offset for t, (offset, _n) in zip(tensors, spans(tensors), strict=True)}
@@ -364,7 +370,6 @@ class BuddyCopies:
         self._copying = None
         wait()
         slot.step = step
-        self._record(slot)
         if check and slot.send_failed is not None:
             raise slot.send_failed
 

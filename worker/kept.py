@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,8 +119,7 @@ class KeptSlots:
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory) if directory else None
         self._names: dict[int, str] = {}  # a kept buffer's data pointer -> its file's name
-        self._count = 0
-        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
         self._told = False
         if self.directory is not None:
             try:
@@ -137,9 +136,7 @@ class KeptSlots:
         is off or its file system lacks the room (logged once)."""
         if self.directory is None or size == 0:
             return torch.empty(size, dtype=torch.uint8)
-        with self._lock:
-            self._count += 1
-            name = f"{os.getpid()}-{self._count}.bin"
+        name = f"{os.getpid()}-{next(self._numbers)}.bin"
         path = self.directory / name
         try:
             free = os.statvfs(self.directory)
@@ -204,29 +201,29 @@ class KeptSlots:
         name, size = entry
         assert self.directory is not None
         path = self.directory / name
-        if path.stat().st_size < size:  # a mapping past the end of a file faults on first read
-            raise KeptError(f"{path} has {path.stat().st_size} bytes, its header says {size}")
+        actual = path.stat().st_size
+        if actual < size:  # a mapping past the end of a file faults on first read
+            raise KeptError(f"{path} has {actual} bytes, its header says {size}")
         return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
-    def sweep(self, keep: set[str] | None = None) -> None:
-        """Remove every file of this folder (a predecessor's, this process's older ones) but those named in
-        ``keep``, and every header. Mapped buffers stay valid: a file's memory goes when its last mapping does."""
+    def sweep(self) -> None:
+        """Remove every file of this folder (a predecessor's, this process's older ones) and every header. Mapped
+        buffers stay valid: a file's memory goes when its last mapping does."""
         if self.directory is None:
             return
-        keep = keep or set()
         for path in self.directory.iterdir():
-            if path.name not in keep:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-        self._names = {ptr: name for ptr, name in self._names.items() if name in keep}
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._names = {}
 
     def release(self, buffer: torch.Tensor | None) -> None:
         """Remove the file of a buffer that is being replaced (its memory goes with its last mapping)."""
         named = self.name(buffer)
-        if named is not None and self.directory is not None and buffer is not None:
-            self._names.pop(buffer.data_ptr(), None)
-            with contextlib.suppress(OSError):
-                (self.directory / named[0]).unlink()
+        if buffer is None or named is None or self.directory is None:
+            return
+        del self._names[buffer.data_ptr()]
+        with contextlib.suppress(OSError):
+            (self.directory / named[0]).unlink()
 
     def _anonymous(self, why: str) -> None:
         """From now on, anonymous memory only: the headers go first, since the kept buffers' bytes will change
