@@ -5,14 +5,15 @@ data, and the cost of a shadow step (a rank with no micro-batch) relative to a r
   and a mean loss. Reported as the median step and the ratio pliant / plain (goal >= 0.99), without and with the
   rescale protocol's commit vote (three int32 all-reduced, spaced as under ``pliant run``: about every 0.1 s). On a
   2-core host the ratio of one chunk of 25 steps moves by 20 % and that of a run of 600 steps by a few percent: use
-  ``--steps 2000`` or more for a figure to 1-2 %.
+  ``--steps 2000`` or more for a figure to 1-2 %. The quartiles of the ratios of adjacent chunks show that spread.
+  ``--no-shadow`` times these three runs only.
 - shadow: global batch 64 (one micro-batch: rank 1 is idle every step, so it shadows) against global batch 128 (both
   ranks real). Reported as the idle rank's step time / a real step time.
 - ``--tiny``: the same runs on a model of one 8 x 8 layer, whose step is little more than the gradient all-reduce's
   latency: the difference between the engine's median step and plain DDP's is pliant's fixed cost per step, in
   microseconds, which the ratios on the real model cannot resolve on a 2-core host.
 
-Usage: ``.venv/bin/python bench/engine.py [--steps 200] [--tiny]``
+Usage: ``.venv/bin/python bench/engine.py [--steps 200] [--tiny] [--no-shadow]``
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pliant.env import WorkerEnv
 from pliant.worker.rescale import Protocol
 
 MICRO = 64
+CHUNK = 25  # steps of one run timed before the next run's
 
 
 TINY = 8  # --tiny: features and classes of the one-layer model
@@ -106,18 +108,28 @@ def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int, vote
     return lambda _i: engine.step(next(batches), loss_fn)
 
 
-def interleaved(steps: int, runs: dict[str, object], chunk: int = 25) -> dict[str, list[float]]:
-    """Time the step functions in alternating chunks (A B A B ...), so that drift on a busy machine hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
+def interleaved(steps: int, runs: dict[str, object], chunk: int = CHUNK) -> dict[str, list[list[float]]]:
+    """Time the step functions in alternating chunks (A B A B ...), so that drift on a busy machine hits all alike.
+    Returns each one's step times, chunk by chunk."""
+    times: dict[str, list[list[float]]] = {name: [] for name in runs}
     for step in runs.values():
         timed(0, 10, step)  # warm-up
     for start in range(0, steps, chunk):
         for name, step in runs.items():
-            times[name] += timed(min(chunk, steps - start), 0, step)
+            times[name].append(timed(min(chunk, steps - start), 0, step))
     return times
 
 
-def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue, tiny: bool = False) -> None:
+def paired(plain: list[float], ours: list[float]) -> tuple[float, float, float]:
+    """Quartiles (25 %, 50 %, 75 %) of the throughput ratio plain / ours over the pairs of adjacent chunks (one chunk's
+    median step each): the spread a single figure hides."""
+    ratios = sorted(p / o for p, o in zip(plain, ours, strict=True))
+    q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return q1, q2, q3
+
+
+def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue, tiny: bool = False,
+              shadow: bool = True) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     torch.set_num_threads(1)
@@ -126,12 +138,17 @@ def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue, tin
         "plain ddp": plain_ddp_step(rank, world, tiny),
         "pliant ddp": pliant_engine_step(rank, world, "ddp", MICRO * world, tiny=tiny),
         "pliant ddp, commit vote": pliant_engine_step(rank, world, "ddp", MICRO * world, vote=True, tiny=tiny),
-        "pliant ddp, one micro-batch": pliant_engine_step(rank, world, "ddp", MICRO, tiny=tiny),
-        "pliant fsdp": pliant_engine_step(rank, world, "fsdp", MICRO * world, tiny=tiny),
-        "pliant fsdp, one micro-batch": pliant_engine_step(rank, world, "fsdp", MICRO, tiny=tiny),
     }
+    if shadow:
+        runs |= {
+            "pliant ddp, one micro-batch": pliant_engine_step(rank, world, "ddp", MICRO, tiny=tiny),
+            "pliant fsdp": pliant_engine_step(rank, world, "fsdp", MICRO * world, tiny=tiny),
+            "pliant fsdp, one micro-batch": pliant_engine_step(rank, world, "fsdp", MICRO, tiny=tiny),
+        }
     dist.barrier()
-    results = {name: statistics.median(t) for name, t in interleaved(steps, runs).items()}
+    times = interleaved(steps, runs)
+    results = {name: statistics.median(t for chunk in chunks for t in chunk) for name, chunks in times.items()}
+    results |= {f"{name} chunks": [statistics.median(chunk) for chunk in chunks] for name, chunks in times.items()}
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -140,25 +157,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="a one-layer 8 x 8 model: pliant's fixed cost per step")
+    parser.add_argument("--no-shadow", action="store_true",
+                        help="the throughput ratios only (no shadow steps, no FSDP2)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    mp.start_processes(rank_main, args=(2, port, args.steps, queue, args.tiny), nprocs=2, start_method="fork")
+    mp.start_processes(rank_main, args=(2, port, args.steps, queue, args.tiny, not args.no_shadow), nprocs=2,
+                       start_method="fork")
     results = dict(queue.get() for _ in range(2))
     plain, ours = results[0]["plain ddp"], results[0]["pliant ddp"]
     model = f"one {TINY} x {TINY} layer" if args.tiny else "256-512-512-10 MLP"
-    print(f"\nmedian step time, 2 ranks, {model}, {args.steps} steps each, interleaved in chunks of 25 (rank 0)")
+    print(f"\nmedian step time, 2 ranks, {model}, {args.steps} steps each, interleaved in chunks of {CHUNK} (rank 0)")
     print(f"  plain torch DDP            {plain * 1e3:8.2f} ms")
     voted = results[0]["pliant ddp, commit vote"]
     print(f"  pliant DDP engine          {ours * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / ours:.3f}")
     print(f"  ... with the commit vote   {voted * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / voted:.3f} "
           f"(as under pliant run)")  # fmt: skip
+    for name in ("pliant ddp", "pliant ddp, commit vote"):
+        q1, q2, q3 = paired(results[0]["plain ddp chunks"], results[0][f"{name} chunks"])
+        print(f"  {name}: ratio per pair of adjacent chunks, median {q2:.3f}, middle half {q1:.3f}-{q3:.3f}")
     print(f"  pliant's fixed cost per step: {(ours - plain) * 1e6:+.0f} us, {(voted - plain) * 1e6:+.0f} us with the "
           f"vote (medians; meaningful with --tiny)")  # fmt: skip
-    for kind in ("ddp", "fsdp"):
+    for kind in ("ddp", "fsdp") if not args.no_shadow else ():
         real = results[1][f"pliant {kind}"]
         shadow = results[1][f"pliant {kind}, one micro-batch"]
         busy = results[0][f"pliant {kind}, one micro-batch"]
