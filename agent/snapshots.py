@@ -15,9 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import psutil
-
 from pliant.errors import ConfigError
+from pliant.spawn import alive
 
 __all__ = ["DEFAULT_PARENT", "PREFIX", "make", "remove", "sweep", "usable"]
 
@@ -75,19 +74,9 @@ def sweep(parent: str) -> list[str]:
             pid = int((directory / _PID_FILE).read_text())
         except (OSError, ValueError):
             continue  # being made, or not ours
-        if not _alive(pid):
+        if not alive(pid):
             shutil.rmtree(directory, ignore_errors=True)
             gone.append(str(directory))
     if gone:
         logger.info("removed %d snapshot directories of agents that are gone: %s", len(gone), gone)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    """The process lives (a zombie is gone)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True

@@ -30,6 +30,7 @@ from pliant.agent.contract import AgentError, GroupResult
 from pliant.agent.storehost import StoreHost
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
 from pliant.progress import Directive, in_place_ready, read_directive, read_record, write_directive
+from pliant.spawn import alive as process_alive
 from pliant.spawn import die_with_parent
 
 __all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_env"]
@@ -207,7 +208,7 @@ class Zygote:
         with self._lock:
             if pid in self._exits:
                 return self._exits.pop(pid)
-        if not self.alive and not _pid_alive(pid):
+        if not self.alive and not process_alive(pid):
             return -signal.SIGKILL
         return None
 
@@ -218,16 +219,6 @@ class Zygote:
         _kill_group(self.proc, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Worker:

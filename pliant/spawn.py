@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-__all__ = ["die_with_parent"]
+__all__ = ["alive", "die_with_parent"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -24,6 +24,19 @@ def die_with_parent(cmd: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(cmd)
     return [sys.executable, "-m", "pliant.spawn", str(os.getpid()), "--", *cmd]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a zombie (dead, not yet reaped) does not; one this user may not inspect
+    does."""
+    import psutil  # here, not at the top: the shim's own start stays light
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
 
 
 def _main(argv: list[str]) -> None:

@@ -246,7 +246,7 @@ class BuddyCopies:
         self._track = track_fds
         self._metrics = metrics
         self.kept = KeptSlots(kept_dir)
-        self._lock = threading.RLock()  # the kept headers: written by the training thread and by arrival watchers
+        self._lock = threading.RLock()  # the kept headers: written by the training, copy and arrival threads
         self._adopted: dict[int, KeptSlot] = {}  # a fresh worker's: its dead predecessor's copies, by step
         self._launched_s = 0.0  # the training thread's time in snapshot() for the copy not yet settled
         self.generation = -1

@@ -12,6 +12,7 @@ import pytest
 
 from bench import common
 from bench.common import batches_counted, counted_samples, longest_pause, max_param_diff, read_jsonl, scrape
+from pliant.spawn import alive as process_alive
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
     "ELASTIC",
@@ -107,18 +108,11 @@ def worker_processes(agent_pid: int) -> list[psutil.Process]:
         return []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def assert_all_gone(pids: list[int], timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     alive: list[int] = []
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if process_alive(p)]
         if not alive:
             return
         time.sleep(0.1)
