@@ -24,11 +24,13 @@ from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
 from pliant.agent.contract import AgentConfig, AgentError
+from pliant.agent.credentials import Credentials
 from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
+from pliant.bootstrap import BootstrapError
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import (
     AlreadyExists,
@@ -38,6 +40,7 @@ from pliant.coordinator.contract import (
     NotFound,
     PermissionDenied,
     Unauthenticated,
+    Unavailable,
     WatchEvent,
 )
 from pliant.env import WorkerEnv
@@ -77,6 +80,7 @@ class Agent:
         self.zygote = zygote
         self.address = ""
         self.tls = config.tls.load(expect=Role.AGENT) if config.tls else None
+        # With a bootstrap join the certificate comes in run(); the channels made here are replaced before any call.
         self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
         self.join_token = config.join_token
         self.state = core.CoreState(config.node_id, config=core.CoreConfig(config.hang_timeout_s,
@@ -91,6 +95,7 @@ class Agent:
         self._events: queue.Queue[object] = queue.Queue()
         self._reports: queue.Queue[core.Report] = queue.Queue()
         self._stop = threading.Event()
+        self.credentials = Credentials(config, self.client, self._stop)  # bootstrap in run(), then heartbeat thread
         self._left = threading.Event()
         registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.metrics = AgentMetrics(registry, config.spec.job_id, config.node_id)
@@ -126,14 +131,17 @@ class Agent:
                 logger.warning("agent %s: no --checkpoint-dir: unless the script saves its own checkpoints, every "
                                "rescale or worker failure restarts training from step 0; pass --checkpoint-dir DIR "
                                "(shared by the nodes) to keep progress", self.config.node_id)  # fmt: skip
+            if self.config.ca_cert_hash:
+                self.tls = self.credentials.bootstrap(self.join_token)
             self._join()
             for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
                                  (self._report_loop, "reporter")):  # fmt: skip
                 threading.Thread(target=target, name=name, daemon=True).start()
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
-            self.store = NodeStore(self._stores, self.config.host, listening)
+            self.store = NodeStore(self._stores, self.config.host, listening,
+                                   port + 1 if self.config.store_port else 0)  # fmt: skip
             return self._loop()
-        except (CoordinatorError, AgentError) as exc:
+        except (CoordinatorError, AgentError, BootstrapError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)
             print(f"pliant agent: error: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -152,6 +160,30 @@ class Agent:
                 self.metrics_server.close()
             self.metrics.close()
             snapshots.remove(self.progress_dir, self.snapshot_dir)
+
+    def _control_plane_owner(self) -> str:
+        """Which node of the current generation hosts the coordinator this agent talks to ("" when none does: a
+        standalone control plane)."""
+        gen = self.state.generation
+        hosts = {c.rsplit(":", 1)[0].strip("[]") for c in self.config.coordinator}
+        for member in gen.members if gen else ():
+            if member.address.rsplit(":", 1)[0].strip("[]") in hosts:
+                return member.node_id
+        return ""
+
+    def _say_unreachable(self, since: float) -> None:
+        """One line, once per outage: the control plane is gone, what still works and what to do."""
+        owner = self._control_plane_owner()
+        where = f"embedded in node {owner}'s `pliant run`" if owner else "its replicas"
+        line = (f"pliant agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} "
+                f"({where}) has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but "
+                f"no node can join or leave and the job's end cannot be recorded until it is back. "
+                + (f"Restart `pliant run` on node {owner} with the same flags and --listen, " if owner else
+                   "Restart a coordinator replica, ")
+                + "or run standalone coordinator replicas for a control plane that outlives any node (README: Two "
+                  "machines)")  # fmt: skip
+        logger.error("%s", line)
+        print(line, file=sys.stderr, flush=True)
 
     def _create_job(self) -> None:
         """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.
@@ -179,6 +211,10 @@ class Agent:
                              f"PLIANT_JOIN_TOKEN): the one printed when the job was created")  # fmt: skip
         self.join_token = token
         logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
+        if created and admin is None:  # no one else was told the token: say it, as `pliant job create` does
+            coordinators = ",".join(self.config.coordinator)
+            print(f"pliant: job {spec.job_id} created; other nodes join it with --coordinator {coordinators} --job "
+                  f"{spec.job_id} --join-token={token}", flush=True)  # fmt: skip
 
     def _join(self) -> None:
         job = self.config.spec.job_id
@@ -227,7 +263,7 @@ class Agent:
                 self._renewing = renewing
 
     def _heartbeat_loop(self) -> None:
-        failing = False
+        failing, down_since, said = False, 0.0, False
         while not self._stop.is_set():
             grant = self.grant
             assert grant is not None
@@ -240,8 +276,13 @@ class Agent:
                                       misses_generation=misses)  # fmt: skip
                 self._events.put(core.HeartbeatOk())
                 if failing:
-                    logger.info("agent %s: heartbeats reach the coordinator again", self.config.node_id)
-                failing = False
+                    logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", self.config.node_id,
+                                time.monotonic() - down_since)  # fmt: skip
+                    if said:
+                        print(f"pliant agent {self.config.node_id}: the control plane is reachable again",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                failing, said = False, False
+                self.tls = self.credentials.renew_if_due() or self.tls
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
                 if self._left.is_set():
                     return
@@ -251,8 +292,13 @@ class Agent:
                 self.metrics.heartbeat_failures.inc()
                 self._events.put(core.HeartbeatFailed())
                 if not failing:
+                    # The call retried for heartbeat_retry_s before it failed: the outage began about then.
+                    down_since = time.monotonic() - self.config.heartbeat_retry_s
                     logger.warning("agent %s: heartbeat failed (%s); retrying, workers keep training",
                                    self.config.node_id, exc)  # fmt: skip
+                if not said and isinstance(exc, Unavailable):
+                    self._say_unreachable(down_since)
+                    said = True
                 failing = True
 
     def _probe(self, timeout_s: float) -> tuple[int, int]:
@@ -284,15 +330,17 @@ class Agent:
                 self._events.put(_JoinRefused(str(exc)))
                 return
             except CoordinatorError as exc:
-                logger.warning("agent %s: join failed (%s); retrying", self.config.node_id, exc)
+                log = logger.warning if delay == 0.2 else logger.debug  # said once; the retries are quiet
+                log("agent %s: join failed (%s); retrying", self.config.node_id, exc)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)
 
     def _watch_loop(self) -> None:
-        next_number = 0
+        next_number, failing = 0, False
         while not self._stop.is_set():
             try:
                 for event in self.client.watch(self.config.spec.job_id, next_number):
+                    failing = False
                     if event.generation is not None:
                         next_number = event.generation.number + 1
                         self._newest_seen = event.generation.number  # read by the main thread's waits
@@ -302,7 +350,9 @@ class Agent:
             except CoordinatorError as exc:
                 if self._stop.is_set():
                     return
-                logger.warning("agent %s: generation watch failed (%s); resuming", self.config.node_id, exc)
+                log = logger.debug if failing else logger.warning  # said once per outage
+                log("agent %s: generation watch failed (%s); resuming", self.config.node_id, exc)
+                failing = True
                 self._stop.wait(1.0)
 
     def _report_loop(self) -> None:
@@ -322,8 +372,9 @@ class Agent:
                                    report.generation, exc)  # fmt: skip
                     break
                 except CoordinatorError as exc:
-                    logger.warning("agent %s: %s of generation %d queued, the coordinator did not take it (%s); "
-                                   "retrying", self.config.node_id, report.kind, report.generation, exc)  # fmt: skip
+                    log = logger.warning if delay == 0.5 else logger.debug  # said once per report
+                    log("agent %s: %s of generation %d queued, the coordinator did not take it (%s); retrying",
+                        self.config.node_id, report.kind, report.generation, exc)  # fmt: skip
                     self._stop.wait(delay)
                     delay = min(delay * 2, 5.0)
 

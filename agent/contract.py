@@ -83,6 +83,9 @@ class AgentConfig:
             the token it chose.
         admin_tls: an admin certificate the agent creates the job with when it does not exist (``pliant run``'s
             embedded control plane); None: the agent's own certificate.
+        ca_cert_hash: ``sha256:<hex>`` of the coordinator CA's public key: without ``tls`` the agent joins by
+            bootstrap (:mod:`pliant.bootstrap`), pinning that CA; "": no bootstrap.
+        bootstrap: the Bootstrap services' HOST:PORT, tried in order (with ``ca_cert_hash``).
     """
 
     coordinator: tuple[str, ...]
@@ -109,6 +112,8 @@ class AgentConfig:
     tls: TlsConfig | None = None
     join_token: str = ""
     admin_tls: TlsConfig | None = None
+    ca_cert_hash: str = ""
+    bootstrap: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.coordinator:
@@ -133,6 +138,11 @@ class AgentConfig:
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ConfigError(f"--snapshot-every {self.snapshot_every} must be 'auto' or at least 1 (committed steps "
                               f"between a sharded engine's buddy copies)")  # fmt: skip
+        if self.ca_cert_hash and (self.tls is not None or not self.bootstrap or not self.join_token):
+            raise ConfigError("a bootstrap join (--ca-cert-hash) needs the job's --join-token and a coordinator, and "
+                              "no --tls-dir (which names a certificate made beforehand)")  # fmt: skip
+        for address in self.bootstrap:
+            parse_host_port(address, what="--bootstrap")
         if self.start_timeout_s < 0:
             raise ConfigError(f"--start-timeout {self.start_timeout_s:g} must be >= 0 seconds (0: never)")
 

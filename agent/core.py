@@ -88,6 +88,7 @@ HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were k
 # returning coordinator gives every member one TTL before it evicts anyone, and nodes reconnect at different moments,
 # so a shorter streak does not yet show that this node alone is cut off.
 FENCE_AFTER = 1.5
+DONE_UNHEARD_S = 30.0  # workers done and the control plane unreachable this long: the agent exits 0
 _STEP_SAMPLES = 64  # recent step intervals the median is taken over
 
 
@@ -144,6 +145,7 @@ class CoreState:
     ready: bool = False  # every live worker of the group announced that it re-forms in place
     handed: int | None = None  # the generation last handed to the running group in place
     trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
+    done_at: float | None = None  # when every worker of this node exited 0 (the job's end not yet seen)
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
 
@@ -324,7 +326,7 @@ def _in_place(state: CoreState) -> bool:
 def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreState, list[Action]]:
     if state.generation is not None and gen.number <= state.generation.number:
         return state, []
-    state = replace(state, generation=gen)
+    state = replace(state, generation=gen, done_at=None)
     actions: list[Action] = []
     mine = next((m for m in gen.members if m.node_id == state.node_id), None)
     if mine is not None and mine.node_rank == 0:
@@ -375,6 +377,7 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     state = _no_group(state)
     if result.succeeded:
         report = Report("success", result.generation)
+        state = replace(state, done_at=now)
         return _set(state, AgentState.WAITING, "workers done; waiting for the job to finish"), [Stop(), Send(report)]
     if result.saved_for_rescale:
         gen = state.generation
@@ -447,6 +450,14 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
     return state, []
 
 
+def _done_unheard(state: CoreState, now: float) -> bool:
+    """Every worker of this node exited 0 and the control plane has been unreachable since for DONE_UNHEARD_S at
+    least (and a few TTLs): nothing is left to do here, and no one may ever say that the job finished."""
+    if state.done_at is None or state.group is not None or state.renewing_since is not None:
+        return False
+    return now - max(state.renewed_at, state.done_at) > max(DONE_UNHEARD_S, 3 * state.ttl_s)
+
+
 def _watch_membership(state: CoreState, now: float) -> tuple[CoreState, list[Action]]:
     """Ask the peers once per half TTL while this agent cannot renew and its workers run."""
     silent = now - state.renewed_at > FENCE_AFTER * state.ttl_s
@@ -508,6 +519,10 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         actions = [Stop(rescale=True)] if state.group is not None else []
         return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
     if isinstance(event, Tick):
+        if _done_unheard(state, now):
+            why = (f"this node's workers finished, and the control plane has not been reached for "
+                   f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting")
+            return _set(state, AgentState.SUCCEEDED, why), [Exit(0)]
         if state.group is not None and state.generation is not None:
             mine = (state.generation.epoch, state.group)
             if state.generation.epoch and event.fence > mine:

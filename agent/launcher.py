@@ -13,22 +13,23 @@ import logging
 import os
 import shlex
 import shutil
-import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pliant.agent import snapshots
 from pliant.agent.contract import AgentConfig, default_node_id
+from pliant.bootstrap import bootstrap_address, parse_pin
 from pliant.coordinator.contract import JobSpec
 from pliant.env import AUTO, parse_every
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
-from pliant.net import parse_host_port
+from pliant.net import is_loopback, is_wildcard, local_address, parse_host_port
 from pliant.tls import Role, TlsConfig, add_tls_flags, read_token_file, tls_from_flags
 
 if TYPE_CHECKING:
-    from pliant.agent.bootstrap import RunCerts
+    from pliant.agent.runcerts import RunCerts
     from pliant.agent.workers import Zygote
 
 __all__ = ["add_launch_flags", "agent_main", "config_from_args", "run_main"]
@@ -95,6 +96,20 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         )
     add_tls_flags(parser, "agent")
     parser.add_argument(
+        "--ca-cert-hash",
+        default=env("PLIANT_CA_CERT_HASH", ""),
+        help="sha256:HEX of the coordinator CA's public key, as the first node's join command prints it (env "
+        "PLIANT_CA_CERT_HASH): without --tls-dir the agent joins by bootstrap, pinning that CA before it sends the "
+        "join token, making its own key and having its certificate signed (kubeadm join's "
+        "--discovery-token-ca-cert-hash)",
+    )
+    parser.add_argument(
+        "--bootstrap",
+        default="",
+        help="HOST:PORT[,...] of the coordinators' bootstrap service (default: each --coordinator address with its "
+        "port + 1)",
+    )
+    parser.add_argument(
         "--join-token",
         default=env("PLIANT_JOIN_TOKEN", ""),
         help="the job's join token (env PLIANT_JOIN_TOKEN): printed by `pliant run`'s join command or `pliant job "
@@ -120,10 +135,17 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         *_names("--local-addr"),
         dest="host",
         default="",
-        help="address other nodes reach this node on (default 127.0.0.1 with the embedded control "
-        "plane, else this host's name)",
+        help="IP address other nodes reach this node on (default: the local address of the route to the "
+        "coordinator; with the embedded control plane the --listen address, or for 0.0.0.0 the first interface "
+        "that is up and not loopback)",
     )
-    parser.add_argument("--store-port", type=int, default=0, help="port of this node's agent store (default free)")
+    parser.add_argument(
+        "--store-port",
+        type=int,
+        default=0,
+        help="port of this node's agent store; the stores of each generation (node rank 0) use the next ports "
+        "(default: free ports)",
+    )
     add_metrics_port_flag(parser, "the agent's and its workers', with the embedded control plane also the "
                           "coordinator's, on --host")  # fmt: skip
     parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
@@ -295,8 +317,9 @@ def config_from_args(
         if not Path(script).is_file():
             raise ConfigError(f"training script {script!r} not found (cwd {os.getcwd()}); pass a path to a .py file")
         command = (script, *args.training_script_args)
-    host = args.host or ("127.0.0.1" if embedded else socket.gethostname())
+    host = args.host or advertised_host(args, coordinator, embedded)
     node_id = args.node_id
+    pin = parse_pin(args.ca_cert_hash) if args.ca_cert_hash and tls is None and not embedded else ""
     if tls is not None:
         identity = tls.load(expect=Role.AGENT).identity
         assert identity is not None
@@ -307,6 +330,10 @@ def config_from_args(
             )
         node_id = identity.name
     token = read_token_file(args.join_token_file) if args.join_token_file else args.join_token
+    if pin and not token:
+        raise ConfigError("--ca-cert-hash joins by bootstrap, which needs the job's join token: add --join-token=TOKEN "
+                          "from the join command the first node printed")  # fmt: skip
+    bootstrap = tuple(b.strip() for b in args.bootstrap.split(",") if b.strip()) if pin else ()
     return AgentConfig(
         coordinator=tuple(coordinator),
         spec=spec,
@@ -331,17 +358,39 @@ def config_from_args(
         metrics_port=args.metrics_port,
         tls=tls,
         join_token=token,
+        ca_cert_hash=pin,
+        bootstrap=bootstrap or tuple(bootstrap_address(c) for c in coordinator) if pin else (),
     )
 
 
-def _join_command(args: argparse.Namespace, address: str, tls_dir: Path | None, token: str) -> str:
-    parts = ["pliant", "run", "--coordinator", address]
-    parts += ["--tls-dir", str(tls_dir)] if tls_dir else ["--insecure"]
+def advertised_host(args: argparse.Namespace, coordinator: Sequence[str], embedded: bool) -> str:
+    """The address this node's peers reach it on when ``--host`` is not given: with the embedded control plane the
+    --listen host (loopback stays loopback: one machine), or for a wildcard the first interface that is up and not
+    loopback; joining a coordinator, the local address of the route to it."""
+    if embedded:
+        listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
+        return local_address() if is_wildcard(listen_host) else listen_host
+    return local_address(toward=coordinator[0])
+
+
+def pliant_command() -> list[str]:
+    """How this machine runs pliant: ``pliant`` when that is on PATH and is this installation, else this interpreter
+    with ``-m pliant`` (an absolute path)."""
+    found = shutil.which("pliant")
+    if found and Path(found).resolve().parent == Path(sys.executable).resolve().parent:
+        return ["pliant"]
+    return [sys.executable, "-m", "pliant"]
+
+
+def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) -> str:
+    """The one line other machines run to join: the coordinator's address, the job, its token and, with TLS, the CA's
+    fingerprint (no file of this machine's is named but the shared checkpoint directory)."""
+    parts = [*pliant_command(), "run", "--coordinator", address]
     # --join-token=TOKEN, never two words: a URL-safe token may start with "-", which argparse would take for a flag.
-    parts += [f"--join-token={token}", "--job", args.job, "--nnodes", args.nnodes,
-              "--nproc-per-node", str(args.nproc_per_node)]  # fmt: skip
+    parts += [f"--join-token={token}"] + (["--ca-cert-hash", pin] if pin else ["--insecure"])
+    parts += ["--job", args.job, "--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node)]
     if args.checkpoint_dir:  # every node must save to and restore from the same directory
-        parts += ["--checkpoint-dir", args.checkpoint_dir]
+        parts += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
     if args.module:
         parts.append("-m")
     if args.no_python:
@@ -356,7 +405,10 @@ def agent_main(args: argparse.Namespace) -> int:
 
     _ignored_notes(args)
     coordinator = [c.strip() for c in args.coordinator.split(",") if c.strip()]
-    tls = tls_from_flags(args.tls_dir, args.insecure, "agent")
+    if args.ca_cert_hash and (args.tls_dir or args.insecure):
+        raise ConfigError("--ca-cert-hash joins by bootstrap (the coordinator signs this node's certificate); drop "
+                          f"{'--tls-dir' if args.tls_dir else '--insecure'}, or drop --ca-cert-hash")  # fmt: skip
+    tls = None if args.ca_cert_hash else tls_from_flags(args.tls_dir, args.insecure, "agent")
     return Agent(config_from_args(args, coordinator, embedded=False, tls=tls)).run()
 
 
@@ -369,20 +421,24 @@ def run_main(args: argparse.Namespace) -> int:
 
     import secrets
 
-    from pliant.agent.bootstrap import make_run_certs
+    from pliant.agent.runcerts import make_run_certs
     from pliant.agent.workers import Zygote, worker_base_env
 
     _ignored_notes(args)
     if args.tls_dir:
         raise ConfigError("--tls-dir is for joining a running coordinator (with --coordinator); the embedded control "
                           "plane makes its own certificates (see --certs-dir)")  # fmt: skip
+    if args.ca_cert_hash:
+        raise ConfigError("--ca-cert-hash is for joining a running coordinator (with --coordinator); the embedded "
+                          "control plane makes its own CA and prints its fingerprint")  # fmt: skip
     # Validate every flag before creating or starting anything.
     draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
     listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
+    args.host = draft.host
     certs = None
     if not args.insecure:  # secure by default: an ephemeral CA for this run
         args.node_id = draft.node_id
-        certs = make_run_certs(args.certs_dir, args.node_id, listen_host, max(1, draft.spec.max_nodes - 1))
+        certs = make_run_certs(args.certs_dir, args.node_id, [listen_host, draft.host])
     token = draft.join_token or secrets.token_urlsafe(32)
     args.join_token, args.join_token_file = token, None
     # The worker zygote imports torch while etcd and the coordinator start; the agent owns and closes it.
@@ -403,26 +459,36 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
     from pliant.agent.agent import Agent
     from pliant.coordinator.etcd_server import EtcdServer
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+    from pliant.coordinator.signer import Signer
 
     log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
     if log_path:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
+    # A wildcard --listen serves every interface; the join command names the address this node advertises.
     with EtcdServer(log_path=log_path, die_with_parent=True) as etcd:
         coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
                                          replica_id="embedded", tls=certs.coordinator if certs else None,
-                                         insecure=certs is None)  # fmt: skip
+                                         insecure=certs is None,
+                                         signer=Signer(certs.ca) if certs else None)  # fmt: skip
         registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
         with CoordinatorServer(coord_config, registry) as coordinator:
-            address = coordinator.address
-            joiner = certs.joiners[0] if certs and certs.joiners else None
+            host = args.host if is_wildcard(listen_host) else listen_host
+            address = f"{host}:{coordinator.port}"
             security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
+            ports = f"ports {coordinator.port}" + (f" and {coordinator.bootstrap_port}" if certs else "")
             print(f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint}); other nodes join "
-                  f"with:\n  {_join_command(args, address, joiner, token)}", flush=True)  # fmt: skip
+                  f"with:\n  {_join_command(args, address, certs.fingerprint if certs else '', token)}",
+                  flush=True)  # fmt: skip
+            if is_loopback(host):
+                print("pliant: the coordinator listens on loopback: only this machine can join; pass --listen "
+                      "0.0.0.0:29400 to let other machines join", flush=True)  # fmt: skip
+            else:
+                print(f"pliant: other machines need TCP {ports} of {host} open, and this node's store port "
+                      f"(--store-port; docs/operations.md lists every port)", flush=True)  # fmt: skip
             if certs:
-                more = f"; {certs.directory}/join-2 .. join-{len(certs.joiners)} for more nodes" \
-                    if len(certs.joiners) > 1 else ""
-                print(f"pliant: `pliant status --coordinator {address} --tls-dir {certs.directory / 'admin'}` shows "
-                      f"the job{more}", flush=True)  # fmt: skip
+                print(f"pliant: `{shlex.join(pliant_command())} status --coordinator {address} --tls-dir "
+                      f"{certs.directory / 'admin'}` shows the job", flush=True)  # fmt: skip
             config = config_from_args(args, [address], embedded=True, tls=certs.agent if certs else None)
             config = dataclasses.replace(config, admin_tls=certs.admin if certs else None)
             return Agent(config, zygote=zygote, registry=registry).run()

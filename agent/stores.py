@@ -27,6 +27,7 @@ __all__ = ["ARRIVED_KEY", "NodeStore", "reachable", "reserve"]
 logger = logging.getLogger(__name__)
 
 _KEEP = 2  # generation stores kept alive (the current and the previous one)
+_GENERATION_PORTS = _KEEP + 1  # fixed generation store ports used in turn: the kept ones and the next
 PORT_ATTEMPT_S = 2.0  # one attempt to read a generation's store port; see NodeStore.generation_port
 
 
@@ -72,9 +73,13 @@ class NodeStore:
         host: the address other nodes reach this node on.
         port: the long-lived store's listening socket (:func:`reserve`; handed to the host and closed here), or its
             port (0: a free one).
+        generation_ports: with a fixed store port P, the generation stores use P+1, P+2 and P+3 in turn (three, so
+            the two kept open and the next never share one), so that a firewall can be opened ahead; 0: free ports.
     """
 
-    def __init__(self, stores: StoreHost, host: str, port: int | socket.socket = 0) -> None:
+    def __init__(
+        self, stores: StoreHost, host: str, port: int | socket.socket = 0, generation_ports: int = 0
+    ) -> None:
         self.stores = stores
         self.host = host
         listening = reserve(host, port) if isinstance(port, int) else port
@@ -87,6 +92,7 @@ class NodeStore:
             listening.close()  # the host holds its own descriptor of it
         self.address = f"{host}:{bound}"
         self._generation_ports: dict[int, int] = {}
+        self._first_generation_port = generation_ports
 
     def set_renewing(self, streak_s: int, generation: int = 0) -> None:
         """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing),
@@ -119,7 +125,15 @@ class NodeStore:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
         if generation in self._generation_ports:  # opened already (before the old group stopped)
             return self._generation_ports[generation]
-        port = int(self.stores.request("serve", START_TIMEOUT_S, host=self.host, port=0))
+        wanted = self._first_generation_port + generation % _GENERATION_PORTS if self._first_generation_port else 0
+        try:
+            port = int(self.stores.request("serve", START_TIMEOUT_S, host=self.host, port=wanted))
+        except StoreHostError as exc:
+            if not wanted:
+                raise
+            logger.warning("generation %d: store port %d is taken (%s); serving on a free port instead", generation,
+                           wanted, exc)  # fmt: skip
+            port = int(self.stores.request("serve", START_TIMEOUT_S, host=self.host, port=0))
         self._generation_ports[generation] = port
         for old in sorted(self._generation_ports)[:-_KEEP]:
             self.stores.request("close", REPLY_MARGIN_S, port=self._generation_ports.pop(old))

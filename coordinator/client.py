@@ -27,7 +27,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.convert import generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
 from pliant.net import parse_host_port
-from pliant.tls import TlsMaterial, channel_credentials
+from pliant.tls import Role, TlsMaterial, channel_credentials, new_csr
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -88,16 +88,31 @@ class CoordinatorClient:
                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # current gRPC's wait for an answer
                    ("grpc.http2.max_pings_without_data", 0),
                    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS)]  # fmt: skip
-        if tls is None:
-            self._channels = [grpc.insecure_channel(t, options) for t in self.targets]
-        else:
-            creds = channel_credentials(tls)
-            self._channels = [grpc.secure_channel(t, creds, options) for t in self.targets]  # type: ignore[arg-type]
-        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._options = options
+        self.tls = tls
+        self._channels: list[grpc.Channel] = []
+        self._retired: list[grpc.Channel] = []
+        self._stubs: list[pb_grpc.CoordinatorStub] = []
+        self._connect(tls)
         self._current = 0
 
+    def _connect(self, tls: TlsMaterial | None) -> None:
+        """Open a channel per replica with ``tls`` and make it the one every later call uses; calls in flight (a
+        watch stream) finish on the channels they started on, which are closed with the client."""
+        if tls is None:
+            channels = [grpc.insecure_channel(t, self._options) for t in self.targets]
+        else:
+            creds = channel_credentials(tls)
+            channels = [grpc.secure_channel(t, creds, self._options) for t in self.targets]  # type: ignore[arg-type]
+        self._retired += self._channels
+        self._channels, self._stubs, self.tls = channels, [pb_grpc.CoordinatorStub(c) for c in channels], tls
+
+    def use_tls(self, tls: TlsMaterial) -> None:
+        """Present ``tls`` (a renewed certificate) on every connection from now on."""
+        self._connect(tls)
+
     def close(self) -> None:
-        for channel in self._channels:
+        for channel in self._channels + self._retired:
             channel.close()
 
     def __enter__(self) -> CoordinatorClient:
@@ -224,6 +239,23 @@ class CoordinatorClient:
         resp = self._call("ReportSuccess", req)
         return resp.accepted, resp.current_generation
 
+    def renew_certificate(self, job_id: str) -> tuple[TlsMaterial, float]:
+        """A fresh agent certificate for this client's node id (a new key, made here) while it is a live member of
+        ``job_id``; the client uses it from then on. Returns (the new TLS material, its expiry in seconds since the
+        epoch).
+
+        Raises:
+            FailedPrecondition: the replica holds no signing key. PermissionDenied: this node is no live member.
+        """
+        from pliant.bootstrap import material
+
+        assert self.tls is not None and self.tls.identity is not None, "renewal needs this client's certificate"
+        key_pem, csr_pem = new_csr(Role.AGENT, self.tls.identity.name)
+        answer = self._call("RenewAgentCertificate", pb.RenewAgentCertificateRequest(job_id=job_id, csr_pem=csr_pem))
+        fresh = material(self.tls.ca_pem, answer.cert_pem, key_pem)
+        self.use_tls(fresh)
+        return fresh, answer.not_after
+
     def watch(self, job_id: str, from_generation: int = 0) -> Iterator[WatchEvent]:
         """Yield generations (in order, from ``from_generation``; 0: the current one) and job state changes.
 
@@ -256,7 +288,8 @@ class CoordinatorClient:
                         f"watch of job {job_id!r}: no coordinator answered at {','.join(self.targets)} for "
                         f"{self.retry_for_s:g}s ({exc.details()})"
                     ) from exc
-                logger.info(
+                log = logger.info if down_since == now else logger.debug  # once per outage, not once a second
+                log(
                     "watch of job %s broke (%s); resuming from generation %d on the next replica",
                     job_id,
                     exc.code().name,

@@ -20,17 +20,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from pliant.bootstrap import bootstrap_address
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.reconciler import Reconciler
 from pliant.coordinator.servicer import CoordinatorServicer
+from pliant.coordinator.signer import BootstrapServicer, Signer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
 from pliant.errors import ConfigError
 from pliant.metrics import MetricsServer, serve_metrics
-from pliant.net import parse_host_port
+from pliant.net import free_port_pair, local_address, parse_host_port
 from pliant.tls import Role, TlsConfig, server_credentials
-from pliant.v1 import coordinator_pb2, coordinator_pb2_grpc
+from pliant.v1 import bootstrap_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = ["CoordinatorConfig", "CoordinatorServer"]
 
@@ -69,6 +71,10 @@ class CoordinatorConfig:
         outage_tolerance_s: the TTL of members' etcd leases: the longest whole control-plane outage (every replica,
             or etcd) that evicts nobody. The leader evicts a silent member after the job's heartbeat TTL, counted only
             while it could hear it (see :mod:`pliant.coordinator.policy`).
+        signer: the CA key this replica signs agent certificates with (the bootstrap join and renewals); None: it
+            signs none and serves no bootstrap port.
+        bootstrap_listen: HOST:PORT of the Bootstrap service (TLS that checks the server only), with ``signer``;
+            "": the API's host and its port + 1 (:func:`pliant.bootstrap.bootstrap_address`).
     """
 
     etcd_endpoints: tuple[str, ...]
@@ -90,6 +96,8 @@ class CoordinatorConfig:
     max_watch_streams: int = 0
     max_concurrent_rpcs: int = 0
     outage_tolerance_s: float = 3600.0
+    signer: Signer | None = None
+    bootstrap_listen: str = ""
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -113,6 +121,10 @@ class CoordinatorConfig:
             )  # fmt: skip
         if not 10 <= self.outage_tolerance_s <= 7 * 24 * 3600:
             raise ConfigError(f"--outage-tolerance {self.outage_tolerance_s:g} must be between 10 seconds and a week")
+        if self.signer is not None and self.tls is None:
+            raise ConfigError("--signing-ca-dir needs --tls-dir: the bootstrap join is served over TLS")
+        if self.bootstrap_listen:
+            parse_host_port(self.bootstrap_listen, what="--bootstrap-listen", allow_zero=True)
         if self.health_listen:
             parse_host_port(self.health_listen, what="--health-port address", allow_zero=True)
         if self.max_jobs < 0 or self.finished_job_ttl_s < 0:
@@ -160,7 +172,8 @@ class CoordinatorServer:
                                             poke=self.reconciler.poke,
                                             progress_interval_s=config.progress_interval_s,
                                             max_jobs=config.max_jobs,
-                                            max_watch_streams=config.max_watch_streams)  # fmt: skip
+                                            max_watch_streams=config.max_watch_streams,
+                                            signer=config.signer)  # fmt: skip
         self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
@@ -174,15 +187,19 @@ class CoordinatorServer:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.health_server: grpc.Server | None = None
+        self.bootstrap_server: grpc.Server | None = None
         self.port = 0
         self.health_port = 0
+        self.bootstrap_port = 0
         self._stopped = threading.Event()
 
     @property
     def address(self) -> str:
+        """HOST:PORT of the API; for a wildcard listen address, this machine's routable address (never a name that a
+        peer's resolver may not know)."""
         host, _ = parse_host_port(self.config.listen, allow_zero=True)
         if host in ("0.0.0.0", "::"):
-            host = socket.gethostname()
+            host = local_address()
         return f"{host}:{self.port}"
 
     def _set_health(self, ok: bool) -> None:
@@ -197,6 +214,8 @@ class CoordinatorServer:
             ConfigError: the listen address cannot be bound.
         """
         host, port = parse_host_port(self.config.listen, allow_zero=True)
+        if port == 0 and self.config.signer is not None and not self.config.bootstrap_listen:
+            port = free_port_pair(host)  # the bootstrap port is the API port + 1
         try:
             if self.tls is not None:
                 assert self.config.tls is not None
@@ -218,6 +237,8 @@ class CoordinatorServer:
             if self.health_port == 0:
                 raise ConfigError(f"cannot listen on health address {self.config.health_listen}; is the port taken?")
             self.health_server.start()
+        if self.config.signer is not None:
+            self._start_bootstrap(host)
         if self.config.metrics_listen:
             self.metrics_server = serve_metrics(self.registry, self.config.metrics_listen)
         self._set_health(True)
@@ -234,6 +255,42 @@ class CoordinatorServer:
         )
         return self
 
+    def _start_bootstrap(self, host: str) -> None:
+        """Serve the Bootstrap service over TLS that checks the server only (a joining node has no certificate yet),
+        presenting the CA certificate after the coordinator's, so the node can pin it before it sends its token.
+
+        Raises:
+            ConfigError: the bootstrap address cannot be bound.
+        """
+        assert self.tls is not None and self.config.signer is not None
+        listen = self.config.bootstrap_listen or bootstrap_address(f"{host}:{self.port}")
+        self.bootstrap_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="bootstrap"),
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
+            maximum_concurrent_rpcs=32,
+        )
+        servicer = BootstrapServicer(self.store, self.config.signer, observe=self.metrics.observe_rpc)
+        bootstrap_pb2_grpc.add_BootstrapServicer_to_server(servicer, self.bootstrap_server)
+        chain = self.tls.cert_pem.rstrip(b"\n") + b"\n" + self.tls.ca_pem
+        creds = grpc.ssl_server_credentials([(self.tls.key_pem, chain)])
+        try:
+            self.bootstrap_port = self.bootstrap_server.add_secure_port(listen, creds)
+        except RuntimeError:
+            self.bootstrap_port = 0
+        if self.bootstrap_port == 0:
+            raise ConfigError(
+                f"cannot serve the bootstrap join on {listen}; is the port taken? Pick another with "
+                f"--bootstrap-listen (agents then pass --bootstrap HOST:PORT)"
+            )
+        self.bootstrap_server.start()
+
+    @property
+    def bootstrap_address(self) -> str:
+        """HOST:PORT of the Bootstrap service ("" when this replica serves none)."""
+        if not self.bootstrap_port:
+            return ""
+        return f"{parse_host_port(self.address)[0]}:{self.bootstrap_port}"
+
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving, resign leadership and close etcd connections. Safe to call twice."""
         if self._stopped.is_set():
@@ -243,6 +300,8 @@ class CoordinatorServer:
         self.server.stop(grace_s)
         if self.health_server is not None:
             self.health_server.stop(0)
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop(0)
         self.reconciler.stop()
         self.hub.close()
         self.election.stop(resign=True)

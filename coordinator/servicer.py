@@ -23,6 +23,7 @@ from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, requi
 from pliant.coordinator.contract import (
     CoordinatorError,
     CorruptRecord,
+    FailedPrecondition,
     FailureReport,
     InvalidArgument,
     JobInfo,
@@ -38,9 +39,11 @@ from pliant.coordinator.contract import (
     validate_slots,
 )
 from pliant.coordinator.convert import generation_to_pb, job_info_to_pb, spec_from_pb, state_to_pb, without_addresses
+from pliant.coordinator.signer import Signer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
 from pliant.tls import peer_identity
+from pliant.v1 import bootstrap_pb2 as bpb
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -117,6 +120,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             RESOURCE_EXHAUSTED.
         max_watch_streams: open WatchGenerations streams this replica serves at most (each holds a server thread);
             past it a new stream is RESOURCE_EXHAUSTED, so streams never starve heartbeats of threads.
+        signer: the CA key that renews agent certificates (None: this replica renews none).
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         progress_interval_s: float = 5.0,
         max_jobs: int = 0,
         max_watch_streams: int = 0,
+        signer: Signer | None = None,
     ) -> None:
         self._store = store
         self._hub = hub
@@ -142,6 +147,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._probed: dict[tuple[str, str], tuple[int, int]] = {}  # (job, node) -> its spare agent's last probe
         self._max_jobs = max_jobs
         self._max_watch_streams = max_watch_streams
+        self._signer = signer
         self._watch_streams = 0
         self._watch_lock = threading.Lock()
 
@@ -168,6 +174,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     )
         elif method == "Join":
             require_node(caller, request.node_id, method)
+        elif method == "RenewAgentCertificate":  # an agent, for its own node id, while a live member of the job
+            job = validate_id(request.job_id, "job_id")
+            node = caller.node_id
+            if node is None or not self._store.is_member(job, node):
+                raise PermissionDenied(
+                    f"{method} refused: {caller} is not a live member of job {job!r}; only an agent of the job renews "
+                    f"its own certificate"
+                )
         else:  # Heartbeat, Leave, ReportFailure, ReportSuccess: the caller's own node, with its own lease
             require_node(caller, request.node_id, method)
             job = validate_id(request.job_id, "job_id")
@@ -301,6 +315,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise InvalidArgument("generation 0 in ReportSuccess; report the generation the workers completed")
         accepted, current = self._store.report_success(job, node, request.generation, self._clock())
         return pb.ReportSuccessResponse(accepted=accepted, current_generation=current)
+
+    @_rpc
+    def RenewAgentCertificate(self, request: pb.RenewAgentCertificateRequest, caller: Caller) -> bpb.AgentCertificate:
+        if self._signer is None:
+            raise FailedPrecondition(
+                "this coordinator holds no signing key (--signing-ca-dir), so it renews no certificates; issue the "
+                "agent a new one with `pliant certs create-agent`"
+            )
+        assert caller.node_id is not None  # checked by _authorize
+        return self._signer.sign(request.csr_pem, caller.node_id)
 
     # -- watch ---------------------------------------------------------------------------------------------------------
 

@@ -66,20 +66,7 @@ class MemberStore(EtcdBase):
         spec, spec_revision = self._spec(job)
         member_key = self.job_key(job, "members", member.node_id)
         token_key = self.job_key(job, "token")
-        digest = token_digest(token)
-        cached = self._token_digests.get(job)
-        if cached is None or not hmac.compare_digest(cached, digest):  # the transaction below re-checks a cached one
-            value = self.client.get(token_key)[0]
-            cached = value.decode() if value is not None else ""
-            if len(self._token_digests) > 10_000:
-                self._token_digests.clear()
-            self._token_digests[job] = cached
-        if not token or not hmac.compare_digest(cached, digest):
-            raise Unauthenticated(
-                f"{'no' if not token else 'a wrong'} join token for job {job!r}; pass the token the job's creator was "
-                f"given (the join command `pliant run` prints, `pliant job create`) with --join-token or "
-                f"PLIANT_JOIN_TOKEN"
-            )
+        digest = self._check_token(job, token)
         ttl_s = spec.heartbeat_ttl_s
         # A long lease: the leader, not etcd, decides when a silent member goes (coordinator.policy), so a
         # control-plane outage shorter than the lease evicts nobody.
@@ -150,6 +137,38 @@ class MemberStore(EtcdBase):
             self._specs.clear()
         self._specs[job] = decode(self.job_key(job, "spec"), JobSpec.from_json, value), meta.create_revision
         return self._specs[job]
+
+    def _check_token(self, job: str, token: str) -> str:
+        """Raise Unauthenticated unless ``token`` is ``job``'s join token; return its digest. A digest that matches the
+        cached one is not read again (the caller's transaction re-checks it where it writes)."""
+        digest = token_digest(token)
+        cached = self._token_digests.get(job)
+        if cached is None or not hmac.compare_digest(cached, digest):
+            value = self.client.get(self.job_key(job, "token"))[0]
+            cached = value.decode() if value is not None else ""
+            if len(self._token_digests) > 10_000:
+                self._token_digests.clear()
+            self._token_digests[job] = cached
+        if not token or not hmac.compare_digest(cached, digest):
+            raise Unauthenticated(
+                f"{'no' if not token else 'a wrong'} join token for job {job!r}; pass the token the job's creator was "
+                f"given (the join command `pliant run` prints, `pliant job create`) with --join-token or "
+                f"PLIANT_JOIN_TOKEN"
+            )
+        return digest
+
+    @etcd_call
+    def check_token(self, job: str, token: str) -> None:
+        """Prove that ``token`` is ``job``'s join token (the bootstrap join's proof that a node may join).
+
+        Raises:
+            NotFound: no such job. FailedPrecondition: the job finished. Unauthenticated: the token is missing or wrong.
+        """
+        self._spec(job)
+        self._check_token(job, token)
+        state = self.client.get(self.job_key(job, "state"))[0]
+        if state is not None and decode(self.job_key(job, "state"), JobStatus.from_json, state).state.terminal:
+            raise FailedPrecondition(f"job {job!r} has finished; start a new job to train again")
 
     @etcd_call
     def check_member(self, job: str, node_id: str, lease_id: int) -> None:

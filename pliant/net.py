@@ -1,12 +1,14 @@
-"""Small network helpers shared by every role: host:port parsing and free loopback ports."""
+"""Small network helpers shared by every role: host:port parsing, free ports, and the address a node advertises."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import socket
 
 from pliant.errors import ConfigError
 
-__all__ = ["free_port", "parse_host_port"]
+__all__ = ["free_port", "free_port_pair", "is_loopback", "is_wildcard", "local_address", "parse_host_port"]
 
 
 def parse_host_port(
@@ -44,3 +46,66 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_pair(host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A port P such that P and P + 1 are both free on ``host`` right now (a coordinator's API and bootstrap ports).
+
+    Raises:
+        ConfigError: no such pair was found.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(attempts):
+        port = free_port(host)
+        if port >= 65535:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise ConfigError(f"no two adjacent free ports on {host}; pass --listen {host}:PORT with PORT and PORT+1 free")
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """True for an address that means every interface (``0.0.0.0``, ``::``)."""
+    return host in ("0.0.0.0", "::", "[::]", "")
+
+
+def local_address(toward: str = "") -> str:
+    """The IP address this machine's peers reach it on.
+
+    Toward a known peer (``toward``, HOST or HOST:PORT), the source address of the route to it (a UDP socket's
+    connect picks it; nothing is sent). Otherwise the first IPv4 address of an interface that is up and not loopback
+    (psutil), else 127.0.0.1 (a machine with no network: everything is on this host).
+    """
+    if toward:
+        host = toward.rsplit(":", 1)[0].strip("[]") if toward.count(":") == 1 or "]" in toward else toward
+        with contextlib.suppress(OSError, UnicodeError):
+            family, _type, _proto, _name, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect(sockaddr)
+                return str(sock.getsockname()[0])
+    import psutil
+
+    stats = psutil.net_if_stats()
+    for name, addresses in psutil.net_if_addrs().items():
+        if name in stats and not stats[name].isup:
+            continue
+        for item in addresses:
+            if item.family == socket.AF_INET:
+                ip = ipaddress.ip_address(item.address)
+                if not (ip.is_loopback or ip.is_link_local):
+                    return item.address
+    return "127.0.0.1"

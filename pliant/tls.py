@@ -38,13 +38,20 @@ __all__ = [
     "TlsConfig",
     "TlsMaterial",
     "add_tls_flags",
+    "ca_fingerprint",
     "channel_credentials",
+    "csr_identity",
     "identity_from_pem",
+    "identity_from_subject",
     "issue_cert",
     "new_ca",
+    "new_csr",
+    "not_after",
     "peer_identity",
     "read_token_file",
     "server_credentials",
+    "sign_csr",
+    "subject_name",
     "tls_from_flags",
     "write_tls_dir",
 ]
@@ -158,9 +165,29 @@ def issue_cert(
     Raises:
         ConfigError: the CA files do not parse or ``name`` is empty.
     """
+    key = _new_key()
+    start = not_before or _now() - datetime.timedelta(minutes=5)
+    cert_pem = _sign(ca, key.public_key(), role, name, hosts, start, start + datetime.timedelta(days=lifetime_days))
+    return IssuedCert(cert_pem, _key_pem(key))
+
+
+def _sign(
+    ca: IssuedCert,
+    public_key: object,
+    role: Role,
+    name: str,
+    hosts: Sequence[str],
+    start: datetime.datetime,
+    end: datetime.datetime,
+) -> bytes:
+    """A PEM certificate for ``public_key`` naming ``role``/``name``, valid from ``start`` to ``end``, signed by ``ca``.
+
+    Raises:
+        ConfigError: the CA files do not parse or ``name`` is empty.
+    """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     if not name or len(name) > 128:
         raise ConfigError(f"certificate name {name[:100]!r} must be 1-128 characters (a node id or user name)")
@@ -171,8 +198,6 @@ def issue_cert(
         raise ConfigError(
             f"the CA certificate or key does not parse ({exc}); create one with pliant certs create-ca"
         ) from exc
-    key = _new_key()
-    start = not_before or _now() - datetime.timedelta(minutes=5)
     sans: list[x509.GeneralName] = []
     for host in dict.fromkeys(hosts):
         try:
@@ -184,21 +209,103 @@ def issue_cert(
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
     builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
-                                 x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
-                                 x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .subject_name(subject_name(role, name))
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)  # type: ignore[arg-type]
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
-        .not_valid_after(start + datetime.timedelta(days=lifetime_days))
+        .not_valid_after(min(end, ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    return IssuedCert(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+    cert = builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def subject_name(role: Role, name: str) -> object:
+    """The subject of a pliant certificate: ``O=pliant, OU=<role>, CN=<name>``."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
+                      x509.NameAttribute(NameOID.COMMON_NAME, name)])  # fmt: skip
+
+
+def new_csr(role: Role, name: str) -> tuple[bytes, bytes]:
+    """A fresh private key and a certificate signing request for ``role``/``name`` made with it.
+
+    Returns:
+        (key PEM, CSR PEM): the key never leaves the process that made it; only the request is sent.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    key = _new_key()
+    csr = x509.CertificateSigningRequestBuilder().subject_name(subject_name(role, name)).sign(key, hashes.SHA256())
+    return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
+
+
+def csr_identity(csr_pem: bytes) -> Identity | None:
+    """The role and name a certificate signing request asks for (None: no pliant role).
+
+    Raises:
+        ValueError: the request does not parse, or its signature does not verify.
+    """
+    from cryptography import x509
+
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as exc:
+        raise ValueError(f"the certificate request is not a PEM PKCS#10 request ({exc})") from None
+    if not csr.is_signature_valid:
+        raise ValueError("the certificate request's signature does not verify")
+    return identity_from_subject(csr.subject)
+
+
+def sign_csr(ca: IssuedCert, csr_pem: bytes, role: Role, name: str, lifetime_s: float) -> bytes:
+    """Sign ``csr_pem`` as a certificate for exactly ``role``/``name``, valid for ``lifetime_s`` from now (never past
+    the CA's own expiry), for client use only.
+
+    Raises:
+        ValueError: the request does not parse, its signature does not verify, or it asks for another role or name.
+    """
+    from cryptography import x509
+
+    asked = csr_identity(csr_pem)
+    if asked != Identity(role, name):
+        raise ValueError(f"the request asks for {asked or 'no pliant role'}; only the {Identity(role, name)} is signed")
+    public_key = x509.load_pem_x509_csr(csr_pem).public_key()
+    start = _now() - datetime.timedelta(minutes=5)
+    return _sign(ca, public_key, role, name, (), start, _now() + datetime.timedelta(seconds=lifetime_s))
+
+
+def ca_fingerprint(ca_pem: bytes) -> str:
+    """``sha256:<hex>`` of the CA certificate's SubjectPublicKeyInfo (kubeadm's --discovery-token-ca-cert-hash).
+
+    Raises:
+        ConfigError: ``ca_pem`` is not a PEM certificate.
+    """
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(ca_pem)
+    except ValueError as exc:
+        raise ConfigError(f"the CA certificate is not a PEM certificate ({exc})") from exc
+    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return "sha256:" + hashlib.sha256(spki).hexdigest()
+
+
+def not_after(cert_pem: bytes) -> datetime.datetime:
+    """When a PEM certificate expires (UTC)."""
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc
 
 
 def write_tls_dir(directory: str | os.PathLike[str], ca_cert_pem: bytes, issued: IssuedCert) -> Path:
@@ -247,14 +354,20 @@ class LocalCA:
 def identity_from_pem(cert_pem: bytes) -> Identity | None:
     """The role and name a pliant certificate carries; None when its subject names no pliant role."""
     from cryptography import x509
-    from cryptography.x509.oid import NameOID
 
     try:
         subject = x509.load_pem_x509_certificate(cert_pem).subject
     except ValueError:
         return None
-    ous = subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
-    cns = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return identity_from_subject(subject)
+
+
+def identity_from_subject(subject: object) -> Identity | None:
+    """The role and name of a certificate's (or request's) subject; None when it names no pliant role."""
+    from cryptography.x509.oid import NameOID
+
+    get = subject.get_attributes_for_oid  # type: ignore[attr-defined]
+    ous, cns = get(NameOID.ORGANIZATIONAL_UNIT_NAME), get(NameOID.COMMON_NAME)
     if len(ous) != 1 or len(cns) != 1:
         return None
     try:

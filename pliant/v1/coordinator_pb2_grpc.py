@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pliant.v1 import bootstrap_pb2 as pliant_dot_v1_dot_bootstrap__pb2
 from pliant.v1 import coordinator_pb2 as pliant_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -94,6 +95,11 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsResponse.FromString,
                 _registered_method=True)
+        self.RenewAgentCertificate = channel.unary_unary(
+                '/pliant.v1.Coordinator/RenewAgentCertificate',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.RenewAgentCertificateRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_bootstrap__pb2.AgentCertificate.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -174,6 +180,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewAgentCertificate(self, request, context):
+        """A fresh agent certificate for the calling agent's own node id (it must be a live member of the job), before its
+        bootstrap-issued one expires. FAILED_PRECONDITION when this replica holds no signing key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +250,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchGenerations,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsResponse.SerializeToString,
+            ),
+            'RenewAgentCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewAgentCertificate,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.RenewAgentCertificateRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_bootstrap__pb2.AgentCertificate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +581,33 @@ class Coordinator:
             '/pliant.v1.Coordinator/WatchGenerations',
             pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsRequest.SerializeToString,
             pliant_dot_v1_dot_coordinator__pb2.WatchGenerationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewAgentCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/RenewAgentCertificate',
+            pliant_dot_v1_dot_coordinator__pb2.RenewAgentCertificateRequest.SerializeToString,
+            pliant_dot_v1_dot_bootstrap__pb2.AgentCertificate.FromString,
             options,
             channel_credentials,
             insecure,

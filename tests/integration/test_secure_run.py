@@ -23,36 +23,32 @@ def _printed(proc_output: callable, pattern: str) -> re.Match[str]:
     return wait_for(lambda: re.search(pattern, proc_output()), 60, f"output matching {pattern!r}")  # type: ignore[return-value]
 
 
-def _as_python(command: str) -> list[str]:
-    """The printed ``pliant ...`` command as this test runs it (``python -m pliant ...``)."""
-    argv = shlex.split(command)
-    assert argv[0] == "pliant"
-    return [sys.executable, "-m", "pliant", *argv[1:]]
-
-
 def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> None:
     events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
     first = spawn([sys.executable, "-m", "pliant", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
                    "--certs-dir", str(certs), "--heartbeat-ttl", "3", "--join-grace", "0.3", str(SCRIPT),
                    "--steps", "100000", "--step-time", "0.03", "--events", str(events)], name="first")  # fmt: skip
-    join = _printed(first.output, r"other nodes join with:\n  (pliant run .*)\n").group(1)
-    assert f"--tls-dir {certs}/join-1" in join and "--join-token" in join
+    join = _printed(first.output, r"other nodes join with:\n  (\S+ .*run .*)\n").group(1)
+    assert "--ca-cert-hash sha256:" in join and "--join-token" in join and "--tls-dir" not in join
     assert "mutual TLS, certificates in" in first.output()
-    for name in ("ca.crt", "coordinator/tls.key", "admin/tls.crt", "self/tls.crt", "join-1/tls.crt"):
+    for name in ("ca.crt", "coordinator/tls.key", "admin/tls.crt", "self/tls.crt"):
         assert (certs / name).is_file(), name
+    assert not (certs / "ca.key").exists(), "the CA's key stays in the run's memory"
     wait_for(lambda: any(s.world == 1 for s in read_steps(events)), 60, "the first node stepping")
 
     # A wrong token is refused at once, with where the right one comes from.
     wrong = re.sub(r"--join-token=\S+", "--join-token=not-the-token-0123456789", join)
-    bad = subprocess.run(_as_python(wrong), capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(shlex.split(wrong), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "a wrong join token for job 'default'" in bad.stderr, bad.stderr[-2000:]
 
-    second = spawn(_as_python(join), name="second")
+    argv = shlex.split(join)
+    argv[argv.index("run") + 1 : argv.index("run") + 1] = ["--node-id", "second"]
+    second = spawn(argv, name="second")
     wait_for(lambda: {s.rank for s in read_steps(events) if s.world == 2} == {0, 1}, 90, "world 2 stepping")
     status = subprocess.run([sys.executable, "-m", "pliant", "status", "--coordinator",
                              re.search(r"--coordinator (\S+)", join).group(1), "--tls-dir", str(certs / "admin"),
                              "--json"], capture_output=True, text=True, timeout=30)  # fmt: skip
-    assert status.returncode == 0 and '"node_id": "join-1"' in status.stdout, status.stderr
+    assert status.returncode == 0 and '"node_id": "second"' in status.stdout, status.stderr
     pids = [first.pid, second.pid, *descendants(first.pid), *descendants(second.pid)]
     second.kill(15)  # a graceful leave
     wait_for(lambda: second.proc.poll() is not None, 30, "the second node to leave")

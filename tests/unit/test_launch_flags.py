@@ -77,18 +77,53 @@ def test_workers_get_huge_pages_for_large_host_tensors_unless_the_user_chose() -
     assert worker_base_env(2, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
-def test_the_printed_join_command_keeps_the_shared_checkpoint_dir() -> None:
+PIN = "sha256:" + "ab" * 32
+
+
+def test_the_printed_join_command_names_no_file_of_this_machine_but_the_shared_checkpoint_dir() -> None:
+    import shlex
+    import sys
+
     from pliant.agent.launcher import _join_command
 
-    args = parse("run", "--checkpoint-dir", "/shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
-    command = _join_command(args, "10.0.0.1:29400", Path("/run/certs/join-1"), "-TOKEN")
-    assert command.startswith("pliant run --coordinator 10.0.0.1:29400 --tls-dir /run/certs/join-1 --join-token=-TOKEN "
-                              "--job default --nnodes 1:2")  # fmt: skip
-    assert "--checkpoint-dir /shared/ckpt" in command and command.endswith("--steps 5")
+    args = parse("run", "--checkpoint-dir", "shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
+    command = _join_command(args, "10.0.0.1:29400", PIN, "-TOKEN")
+    argv = shlex.split(command)
+    assert argv[0] == "pliant" or argv[:3] == [sys.executable, "-m", "pliant"], argv
+    rest = argv[argv.index("run") + 1 :]
+    assert rest[:8] == ["--coordinator", "10.0.0.1:29400", "--join-token=-TOKEN", "--ca-cert-hash", PIN, "--job",
+                        "default", "--nnodes"]  # fmt: skip
+    assert "--tls-dir" not in rest
+    assert f"--checkpoint-dir {Path('shared/ckpt').resolve()}" in command and command.endswith("--steps 5")
     # Pasted, it parses back to the same token, even one that starts with "-" (as a URL-safe token may).
-    import shlex
+    parsed = parse("run", *rest)
+    assert parsed.join_token == "-TOKEN" and parsed.ca_cert_hash == PIN
+    insecure = shlex.split(_join_command(args, "10.0.0.1:29400", "", "T" * 20))
+    assert "--insecure" in insecure and "--join-token=" + "T" * 20 in insecure
 
-    assert parse("run", *shlex.split(command)[2:]).join_token == "-TOKEN"
+
+def test_a_bootstrap_join_needs_a_token_and_a_well_formed_pin() -> None:
+    agent = ("--coordinator", "10.0.0.1:29400")
+    upper = PIN.upper().replace("SHA", "sha")
+    flags = parse("run", *agent, "--ca-cert-hash", upper, "--join-token=" + "t" * 20, SCRIPT)
+    config = config_from_args(flags, ["10.0.0.1:29400"], embedded=False)
+    assert config.ca_cert_hash == PIN and config.bootstrap == ("10.0.0.1:29401",) and config.tls is None
+    with pytest.raises(ConfigError, match="needs the job's join token"):
+        config_from_args(parse("run", *agent, "--ca-cert-hash", PIN, SCRIPT), ["10.0.0.1:29400"], embedded=False)
+    with pytest.raises(ConfigError, match="is not sha256:<64 hex digits>"):
+        config_from_args(parse("run", *agent, "--ca-cert-hash", "md5:00", "--join-token=" + "t" * 20, SCRIPT),
+                         ["10.0.0.1:29400"], embedded=False)  # fmt: skip
+
+
+def test_the_advertised_address_is_the_listen_address_or_the_route_to_the_coordinator() -> None:
+    assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).host == "127.0.0.1"
+    assert config_from_args(parse("run", "--listen", "127.0.0.3:0", SCRIPT), ["h:1"], embedded=True).host == "127.0.0.3"
+    wildcard = config_from_args(parse("run", "--listen", "0.0.0.0:29400", SCRIPT), ["h:1"], embedded=True).host
+    assert wildcard and wildcard != "0.0.0.0"
+    joined = config_from_args(parse("agent", "--coordinator", "127.0.0.1:9", SCRIPT), ["127.0.0.1:9"], embedded=False)
+    assert joined.host == "127.0.0.1", "the route to a coordinator on this machine is loopback"
+    given = parse("run", "--host", "10.1.2.3", SCRIPT)
+    assert config_from_args(given, ["h:1"], embedded=True).host == "10.1.2.3"
 
 
 def test_metrics_port_flag_and_env(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

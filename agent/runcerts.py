@@ -1,0 +1,79 @@
+"""The PKI of one ``pliant run`` with its embedded control plane: secure by default, with no step to take.
+
+At start the run makes an ephemeral CA. Its key stays in this process's memory (the embedded coordinator signs the
+agent certificates of joining nodes with it: the bootstrap join, :mod:`pliant.bootstrap`) and dies with the run. Into
+the run's certificates directory go:
+
+- ``ca.crt``: the CA certificate (its fingerprint is the join command's ``--ca-cert-hash``);
+- ``coordinator/``: the embedded coordinator's server certificate, for loopback, this host's name and addresses and
+  the address the run advertises;
+- ``admin/``: an admin certificate (the run creates its job with it; ``pliant status --tls-dir DIR/admin`` uses it);
+- ``self/``: this node's agent certificate, naming its node id.
+
+Each holds ``ca.crt``, ``tls.crt`` and ``tls.key``, the ``--tls-dir`` layout. Nothing in it is needed on another
+machine: joining nodes make their own keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pliant.tls import IssuedCert, LocalCA, Role, TlsConfig, ca_fingerprint
+
+__all__ = ["RunCerts", "make_run_certs"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunCerts:
+    """Where the run's certificates are, and the CA that signs joining nodes' certificates.
+
+    Attributes:
+        directory: the run's certificates directory.
+        ca: the CA certificate and its key (in memory only).
+        fingerprint: ``sha256:<hex>`` of the CA's public key, the join command's pin.
+        coordinator: the embedded coordinator's TLS files.
+        admin: the run's admin certificate.
+        agent: this node's agent certificate.
+    """
+
+    directory: Path
+    ca: IssuedCert
+    fingerprint: str
+    coordinator: TlsConfig
+    admin: TlsConfig
+    agent: TlsConfig
+
+
+def _server_hosts(hosts: Sequence[str]) -> list[str]:
+    names = ["127.0.0.1", "localhost", "::1"]
+    name = socket.gethostname()
+    names.append(name)
+    with contextlib.suppress(OSError):
+        names += sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+    names += [h for h in hosts if h not in ("", "0.0.0.0", "::")]
+    return list(dict.fromkeys(h.split("%")[0] for h in names))
+
+
+def make_run_certs(directory: str, node_id: str, hosts: Sequence[str]) -> RunCerts:
+    """Create the run's CA and certificates in ``directory`` (a new temporary one when "").
+
+    Args:
+        directory: where to write them; created with mode 0700.
+        node_id: this node's id (its agent certificate's name).
+        hosts: the addresses the embedded coordinator is reached on (added to its certificate's names).
+    """
+    path = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="pliant-certs-"))
+    ca = LocalCA(path, lifetime_days=90)
+    coordinator = ca.issue("coordinator", Role.COORDINATOR, "embedded", _server_hosts(hosts))
+    admin = ca.issue("admin", Role.ADMIN, "run-admin")
+    agent = ca.issue("self", Role.AGENT, node_id)
+    logger.info("run certificates (ephemeral CA) in %s: coordinator, admin, self", path)
+    return RunCerts(path, ca.ca, ca_fingerprint(ca.ca.cert_pem), coordinator, admin, agent)

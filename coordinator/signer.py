@@ -1,0 +1,138 @@
+"""Agent certificates signed by the coordinator: the bootstrap join's Bootstrap service, and the renewal that
+``RenewAgentCertificate`` serves over mutual TLS.
+
+A replica signs when it holds the CA's key (:class:`Signer`): ``pliant run``'s embedded coordinator holds its
+ephemeral CA in memory; a standalone replica reads ``ca.crt`` and ``ca.key`` from ``--signing-ca-dir`` (a file, or a
+Kubernetes Secret mounted there), the way kube-controller-manager gets ``--cluster-signing-key-file``. Every replica
+given the key can sign; one without it refuses renewals with FAILED_PRECONDITION and serves no Bootstrap port.
+
+What is signed is decided by :meth:`Signer.sign`: only the agent role, only the node id the request is for. Who may
+ask: a node that holds the job's join token, for a node id no live member holds (:class:`BootstrapServicer`); or the
+agent itself, a live member, over mutual TLS (the servicer's ``RenewAgentCertificate``, authorized where every call
+is). Certificates are short-lived (``lifetime_s``) and for client use only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from pliant.coordinator.contract import (
+    AlreadyExists,
+    CoordinatorError,
+    InvalidArgument,
+    PermissionDenied,
+    status_for_error,
+    validate_id,
+)
+from pliant.coordinator.store import EtcdStore
+from pliant.errors import ConfigError
+from pliant.tls import IssuedCert, Role, csr_identity, not_after, sign_csr
+from pliant.v1 import bootstrap_pb2 as bpb
+from pliant.v1 import bootstrap_pb2_grpc as bpb_grpc
+
+__all__ = ["DEFAULT_AGENT_CERT_LIFETIME_S", "MAX_CSR_BYTES", "BootstrapServicer", "Signer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_AGENT_CERT_LIFETIME_S = 24 * 3600.0
+MAX_CSR_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True)
+class Signer:
+    """The CA key a replica signs agent certificates with.
+
+    Attributes:
+        ca: the CA certificate and its private key.
+        lifetime_s: validity of each agent certificate it signs (agents renew at two thirds of it).
+    """
+
+    ca: IssuedCert
+    lifetime_s: float = DEFAULT_AGENT_CERT_LIFETIME_S
+
+    def __post_init__(self) -> None:
+        if not 10 <= self.lifetime_s <= 366 * 24 * 3600:
+            raise ConfigError(f"--agent-cert-lifetime {self.lifetime_s:g} must be between 10 seconds and a year")
+
+    def sign(self, csr_pem: bytes, node_id: str) -> bpb.AgentCertificate:
+        """Sign ``csr_pem`` as the agent certificate of ``node_id``.
+
+        Raises:
+            InvalidArgument: the request is too large, does not parse or is not signed by its key.
+            PermissionDenied: it asks for another role or another node id.
+        """
+        if len(csr_pem) > MAX_CSR_BYTES:
+            raise InvalidArgument(f"certificate request of {len(csr_pem)} bytes; the limit is {MAX_CSR_BYTES}")
+        try:
+            asked = csr_identity(csr_pem)
+        except ValueError as exc:
+            raise InvalidArgument(f"{exc}; make it with `pliant run --ca-cert-hash ...` (the agent does)") from None
+        if asked is None or asked.role is not Role.AGENT:
+            raise PermissionDenied(
+                f"refused: the request asks for {asked or 'a certificate with no pliant role'}; a join token gets "
+                f"agent certificates only (admin and coordinator certificates come from `pliant certs`)"
+            )
+        if asked.name != node_id:
+            raise PermissionDenied(
+                f"refused: the request is for node {asked.name[:100]!r}, the call for node {node_id[:100]!r}; a node "
+                f"gets a certificate for its own id only"
+            )
+        cert_pem = sign_csr(self.ca, csr_pem, Role.AGENT, node_id, self.lifetime_s)
+        expires = not_after(cert_pem).timestamp()
+        return bpb.AgentCertificate(cert_pem=cert_pem, ca_pem=self.ca.cert_pem, not_after=expires)
+
+
+def _held_by_live_member(store: EtcdStore, job: str, node: str) -> None:
+    if store.is_member(job, node):
+        raise AlreadyExists(
+            f"node id {node!r} is held by a live member of job {job!r}; give this node another --node-id (the "
+            f"default, HOSTNAME-PID, is unique), or wait until that member is gone"
+        )
+
+
+class BootstrapServicer(bpb_grpc.BootstrapServicer):
+    """The Bootstrap service (served on the replica's bootstrap port, TLS that checks the server only).
+
+    Args:
+        store: the etcd store (join tokens, live members).
+        signer: the CA key.
+        observe: called with (method, status code, seconds) after each call.
+    """
+
+    def __init__(self, store: EtcdStore, signer: Signer, observe=None) -> None:  # type: ignore[no-untyped-def]
+        self._store = store
+        self._signer = signer
+        self._observe = observe or (lambda method, code, seconds: None)
+
+    def IssueAgentCertificate(
+        self, request: bpb.IssueAgentCertificateRequest, context: grpc.ServicerContext
+    ) -> bpb.AgentCertificate:
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            job = validate_id(request.job_id, "job_id")
+            node = validate_id(request.node_id, "node_id")
+            self._store.check_token(job, request.join_token)
+            _held_by_live_member(self._store, job, node)
+            issued = self._signer.sign(request.csr_pem, node)
+            logger.info(
+                "bootstrap: agent certificate for node %s of job %s signed (valid %.0fs)",
+                node,
+                job,
+                self._signer.lifetime_s,
+            )
+            return issued
+        except CoordinatorError as exc:
+            code = status_for_error(exc)
+            logger.info("bootstrap refused (%s): %s", code.name, exc)
+            context.abort(code, str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            logger.exception("IssueAgentCertificate failed unexpectedly")
+            context.abort(code, "IssueAgentCertificate failed inside the coordinator; see its log")
+        finally:
+            self._observe("IssueAgentCertificate", code, time.perf_counter() - started)
+        raise AssertionError("unreachable")  # context.abort raises
