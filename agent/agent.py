@@ -45,6 +45,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.env import WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
+from pliant.net import interface_of, is_loopback
 from pliant.progress import read_fence
 from pliant.tls import Role
 
@@ -77,6 +78,9 @@ class Agent:
         self.config = config
         self.command = WorkerCommand.from_launch(config.command, config.no_python)
         self.base_env = worker_base_env(config.nproc_per_node)
+        ifname = "" if is_loopback(config.host) else interface_of(config.host)
+        if ifname:  # gloo binds the interface of the address peers reach this node on, unless the user chose one
+            self.base_env.setdefault("GLOO_SOCKET_IFNAME", ifname)
         self.zygote = zygote
         self.address = ""
         self.tls = config.tls.load(expect=Role.AGENT) if config.tls else None

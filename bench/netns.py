@@ -62,11 +62,16 @@ class Node:
     host_if: str
     procs: list[subprocess.Popen] = field(default_factory=list)
 
-    def spawn(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Run ``argv`` inside this node's namespace (its own session), output to ``log``."""
+    def spawn(
+        self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None, gloo_ifname: bool = True
+    ) -> subprocess.Popen:
+        """Run ``argv`` inside this node's namespace (its own session), output to ``log``; ``gloo_ifname=False``
+        leaves ``GLOO_SOCKET_IFNAME`` to the processes (as a user who sets nothing)."""
         # The nodes share this machine's cores: one torch thread per worker unless the caller's environment says
         # otherwise (a real node of one worker would use all of its cores).
         full = {"OMP_NUM_THREADS": "1", **os.environ, "GLOO_SOCKET_IFNAME": self.ifname, **(env or {})}
+        if not gloo_ifname:
+            full.pop("GLOO_SOCKET_IFNAME", None)
         with open(log, "ab") as out:
             proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], stdout=out, stderr=subprocess.STDOUT,
                                     env=full, start_new_session=True)  # fmt: skip

@@ -83,7 +83,9 @@ def main() -> None:
             seen = [int(i) for micro in batch.micro_batches for i in micro[2]]
             events.write(json.dumps({"generation": session.env.generation, "step": batch.step, "rank": session.rank,
                                      "world": session.world_size, "epoch": batch.plan.epoch, "samples": seen,
-                                     "pid": os.getpid(), "time": time.time(), "loss": loss}) + "\n")  # fmt: skip
+                                     "pid": os.getpid(), "time": time.time(), "loss": loss,
+                                     "master_addr": session.env.master_addr,
+                                     "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME", "")}) + "\n")  # fmt: skip
             events.flush()
         if session.rank == 0 and batch.step % 10 == 0:
             print(f"step {batch.step} world {session.world_size} loss {loss:.4f}", flush=True)

@@ -8,7 +8,15 @@ import socket
 
 from pliant.errors import ConfigError
 
-__all__ = ["free_port", "free_port_pair", "is_loopback", "is_wildcard", "local_address", "parse_host_port"]
+__all__ = [
+    "free_port",
+    "free_port_pair",
+    "interface_of",
+    "is_loopback",
+    "is_wildcard",
+    "local_address",
+    "parse_host_port",
+]
 
 
 def parse_host_port(
@@ -109,3 +117,13 @@ def local_address(toward: str = "") -> str:
                 if not (ip.is_loopback or ip.is_link_local):
                     return item.address
     return "127.0.0.1"
+
+
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface that holds IP ``address`` ("" when none does)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(item.address.split("%")[0] == address for item in addresses):
+            return name
+    return ""

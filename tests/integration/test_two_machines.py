@@ -1,0 +1,182 @@
+"""The README's "Two machines" recipe, verbatim, on machines that share nothing but a network.
+
+Each machine is a network namespace with its own address (bench/netns.py), its own host name (a UTS namespace) and
+its own view of the files (a mount namespace): a joining machine sees none of the first machine's files (every
+directory under /tmp but its own is hidden behind an empty tmpfs: the first node's run and certificate directories
+among them),
+runs from its own working directory with its own copy of the script, and is told nothing but the one line the first
+node printed. Nothing sets GLOO_SOCKET_IFNAME: pliant picks the interface of the address it advertises. Root only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.netns import Fabric, Node, unavailable
+from pliant.coordinator.client import CoordinatorClient
+from pliant.tls import Role, TlsConfig
+from tests.conftest import wait_for
+from tests.integration.harness import ELASTIC, SAMPLES, read_jsonl
+
+WHY = unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(bool(WHY), reason=WHY)]
+
+PORT = 29400
+SCRIPT_ARGS = ("--samples", str(SAMPLES), "--global-batch", "64", "--micro-batch", "8", "--step-time", "0.05",
+               "--events", "events.jsonl", "--stop-file", "stop")  # fmt: skip
+
+
+@pytest.fixture
+def fabric():  # type: ignore[no-untyped-def]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    made = Fabric(prefix=f"plm{worker}", net=5 - worker)  # 10.213.5.0/24, 10.213.4.0/24: no other test's
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+class Machine:
+    """One "machine": a namespace, a host name, a working directory with its copy of the script, a private /tmp."""
+
+    def __init__(self, fabric: Fabric, name: str, root: Path) -> None:
+        self.node: Node = fabric.node(name)
+        self.hostname = f"host{name}"
+        self.cwd = root / name
+        self.cwd.mkdir(parents=True)
+        shutil.copy(ELASTIC, self.cwd / "train.py")
+        self.log = root / f"{name}.log"
+        self.procs: list = []
+
+    def run(self, argv: list[str], hide_tmp: bool) -> None:
+        """Run ``argv`` on this machine, from its working directory (``hide_tmp``: with an empty /tmp)."""
+        cwd = shlex.quote(str(self.cwd))
+        setup = f"hostname {self.hostname}"
+        if hide_tmp:  # an empty /tmp with only this machine's working directory in it (bound back in place)
+            setup += (f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=64m tmpfs /tmp && mkdir -p {cwd} && "
+                      f"mount --bind /mnt {cwd}")  # fmt: skip
+        setup += f" && cd {cwd}"
+        shell = ["unshare", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c", f'{setup} && exec "$@"',
+                 "sh", *argv]  # fmt: skip
+        self.procs.append(self.node.spawn(shell, self.log, gloo_ifname=False))
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.cwd / "events.jsonl")
+
+    def stop_at(self, step: int) -> None:
+        (self.cwd / "stop.part").write_text(str(step))
+        os.replace(self.cwd / "stop.part", self.cwd / "stop")
+
+
+def _ranks_at(machines: list[Machine], world: int, since: float = 0.0) -> set[int]:
+    return {e["rank"] for m in machines for e in m.events() if e["world"] == world and e["time"] >= since}
+
+
+def _first_step_at(machines: list[Machine], world: int, since: float, ranks: int) -> float:
+    """When every one of ``ranks`` ranks had stepped in a world of ``world`` after ``since`` (wall time)."""
+    firsts: dict[int, float] = {}
+    for m in machines:
+        for e in m.events():
+            if e["world"] == world and e["time"] >= since:
+                firsts[e["rank"]] = min(firsts.get(e["rank"], e["time"]), e["time"])
+    assert len(firsts) == ranks, firsts
+    return max(firsts.values())
+
+
+def _worker_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def _recipe(tmp_path: Path, fabric: Fabric, nproc: int, nodes: int) -> tuple[list[Machine], str]:
+    """The first machine's command from the README, and the join line it prints."""
+    machines = [Machine(fabric, name, tmp_path) for name in "abc"[:nodes]]
+    first = machines[0]
+    argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", f"1:{nodes}",
+            "--nproc-per-node", str(nproc), "train.py", "--steps", "100000", *SCRIPT_ARGS]  # fmt: skip
+    first.run(argv, hide_tmp=False)
+    found = wait_for(lambda: re.search(r"other nodes join with:\n  (.+)\n", first.output()), 90, "the join command")
+    return machines, found.group(1)  # type: ignore[union-attr]
+
+
+def _check_addresses(first: Machine, machines: list[Machine], world: int) -> None:
+    """Every address pliant advertised to another node is that node's own, never loopback: member addresses, the
+    store, and the workers' MASTER_ADDR; and gloo runs on the interface of that address."""
+    admin_dir = re.search(r"--tls-dir (\S+/admin)` shows the job", first.output()).group(1)  # type: ignore[union-attr]
+    own = {m.node.address for m in machines}
+    with CoordinatorClient(f"{first.node.address}:{PORT}", TlsConfig.from_dir(admin_dir).load(expect=Role.ADMIN)) as c:
+        job = c.get_job("default")
+    assert job.generation is not None and job.generation.world_size == world
+    hosts = {m.address.rsplit(":", 1)[0] for m in job.members} | {job.generation.store_address.rsplit(":", 1)[0]}
+    assert hosts <= own and not any(ipaddress.ip_address(h).is_loopback for h in hosts), hosts
+    assert job.generation.store_address.rsplit(":", 1)[0] == first.node.address, "node rank 0 hosts the store"
+    for machine in machines:
+        seen = [e for e in machine.events() if e["world"] == world]
+        assert seen and {e["master_addr"] for e in seen} == {first.node.address}, machine.hostname
+        assert {e["gloo_ifname"] for e in seen} == {machine.node.ifname}, "gloo on the advertised address's interface"
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp_path: Path, nproc: int) -> None:
+    machines, join = _recipe(tmp_path, fabric, nproc, nodes=2)
+    first, second = machines
+    assert f"--coordinator {first.node.address}:{PORT} " in join, join
+    assert "127.0.0.1" not in join and str(tmp_path) not in join and "--tls-dir" not in join
+    assert "open, and this node's store port" in first.output()
+    wait_for(lambda: _ranks_at([first], nproc) == set(range(nproc)), 120, "the first machine stepping")
+
+    started = time.time()
+    second.run(shlex.split(join), hide_tmp=True)
+    wait_for(lambda: _ranks_at(machines, 2 * nproc, started) == set(range(2 * nproc)), 120, "world 2 stepping")
+    joined_s = _first_step_at(machines, 2 * nproc, started, 2 * nproc) - started
+    assert "certificate signed at" in second.output(), second.output()[-3000:]
+    _check_addresses(first, machines, 2 * nproc)
+
+    killed = time.time()
+    second.node.kill_all()  # kill -9 of the whole machine
+    wait_for(lambda: _ranks_at([first], nproc, killed) == set(range(nproc)), 60, "the survivors stepping")
+    survivors_s = _first_step_at([first], nproc, killed, nproc) - killed
+
+    rejoined = time.time()
+    second.run(shlex.split(join), hide_tmp=True)  # the same line again
+    wait_for(lambda: _ranks_at(machines, 2 * nproc, rejoined) == set(range(2 * nproc)), 120, "world 2 again")
+    rejoin_s = _first_step_at(machines, 2 * nproc, rejoined, 2 * nproc) - rejoined
+
+    newest = max(e["step"] for m in machines for e in m.events())
+    for m in machines:
+        m.stop_at(newest + 10)
+    wait_for(lambda: all(p.poll() is not None for p in (first.procs[0], second.procs[-1])), 90, "both to exit")
+    assert first.procs[0].returncode == 0, first.output()[-3000:]
+    assert second.procs[-1].returncode == 0, second.output()[-3000:]
+    print(f"two machines, {nproc} worker(s) each: join -> world 2 stepping {joined_s:.2f}s, kill -9 -> survivors "
+          f"stepping {survivors_s:.2f}s, rejoin -> world 2 {rejoin_s:.2f}s")  # fmt: skip
+
+
+@pytest.mark.long
+def test_a_third_machine_joins_with_the_same_line(fabric, tmp_path: Path) -> None:
+    machines, join = _recipe(tmp_path, fabric, 1, nodes=3)
+    wait_for(lambda: _ranks_at(machines[:1], 1) == {0}, 120, "the first machine stepping")
+    started = time.time()
+    for machine in machines[1:]:
+        machine.run(shlex.split(join), hide_tmp=True)
+    wait_for(lambda: _ranks_at(machines, 3, started) == {0, 1, 2}, 150, "world 3 stepping")
+    _check_addresses(machines[0], machines, 3)
+    assert len({m.hostname for m in machines}) == 3
+    newest = max(e["step"] for m in machines for e in m.events())
+    for m in machines:
+        m.stop_at(newest + 10)
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in machines), 90, "every machine to exit")
+    assert [m.procs[-1].returncode for m in machines] == [0, 0, 0], [m.output()[-2000:] for m in machines]
