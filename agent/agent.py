@@ -186,8 +186,7 @@ class Agent:
                    "Restart a coordinator replica, ")
                 + "or run standalone coordinator replicas for a control plane that outlives any node (README: Two "
                   "machines)")  # fmt: skip
-        logger.error("%s", line)
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)  # the user's line (not logged too: it would show twice)
 
     def _create_job(self) -> None:
         """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.

@@ -180,3 +180,34 @@ def test_a_third_machine_joins_with_the_same_line(fabric, tmp_path: Path) -> Non
         m.stop_at(newest + 10)
     wait_for(lambda: all(m.procs[-1].poll() is not None for m in machines), 90, "every machine to exit")
     assert [m.procs[-1].returncode for m in machines] == [0, 0, 0], [m.output()[-2000:] for m in machines]
+
+
+@pytest.mark.long
+def test_without_its_embedded_control_plane_the_job_trains_on_says_so_and_ends_cleanly(fabric, tmp_path) -> None:
+    import psutil
+
+    machines, join = _recipe(tmp_path, fabric, 1, nodes=2)
+    first, second = machines
+    wait_for(lambda: _ranks_at([first], 1) == {0}, 120, "the first machine stepping")
+    started = time.time()
+    second.run(shlex.split(join), hide_tmp=True)
+    wait_for(lambda: _ranks_at(machines, 2, started) == {0, 1}, 120, "world 2 stepping")
+    # The control plane goes (its etcd killed), the node and its workers stay.
+    etcd = [p for p in psutil.Process(first.procs[0].pid).children(recursive=True) if "etcd" in p.name()]
+    assert len(etcd) == 1, etcd
+    gone = time.time()
+    etcd[0].kill()
+    said = wait_for(lambda: re.search(r".*has been unreachable for.*", second.output()), 30, "the agent's line")
+    said_s = time.time() - gone
+    line = said.group(0)  # type: ignore[union-attr]
+    assert f"{first.node.address}:{PORT}" in line and "embedded in node hosta-" in line, line
+    assert "Restart `pliant run` on node hosta-" in line and "standalone coordinator replicas" in line, line
+    assert second.output().count("has been unreachable") == 1, "said once"
+    wait_for(lambda: _ranks_at(machines, 2, time.time()) == {0, 1}, 30, "world 2 training on")
+    newest = max(e["step"] for m in machines for e in m.events())
+    for m in machines:
+        m.stop_at(newest + 10)
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in machines), 120, "both to exit")
+    assert [m.procs[-1].returncode for m in machines] == [0, 0], [m.output()[-2000:] for m in machines]
+    assert "the job's end cannot be recorded; exiting" in second.output()
+    print(f"control plane gone -> the agent's line after {said_s:.1f}s")
