@@ -7,6 +7,7 @@ The commands follow CockroachDB's ``cockroach cert``::
     pliant certs create-agent node-7 --certs-dir certs             # -> certs/agent-node-7/
     pliant certs create-admin alice --certs-dir certs              # -> certs/admin-alice/
     pliant certs list --certs-dir certs
+    pliant certs fingerprint --certs-dir certs                     # sha256:... : the --ca-cert-hash nodes pin
 
 Each issued certificate lands in its own directory holding ``ca.crt``, ``tls.crt`` and ``tls.key``: the layout that
 ``--tls-dir`` reads (and a Kubernetes TLS Secret mounts).
@@ -20,7 +21,7 @@ import os
 from pathlib import Path
 
 from pliant.errors import ConfigError
-from pliant.tls import CA_CERT, TLS_CERT, IssuedCert, Role, issue_cert, new_ca, write_tls_dir
+from pliant.tls import CA_CERT, TLS_CERT, IssuedCert, Role, ca_fingerprint, issue_cert, new_ca, write_tls_dir
 
 __all__ = ["add_certs_commands", "certs_main", "load_ca"]
 
@@ -60,6 +61,10 @@ def add_certs_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     admin = actions.add_parser("create-admin", help="issue an admin (client) certificate")
     admin.add_argument("name", nargs="?", default="admin", help="who holds it (default admin)")
     common(admin)
+    fingerprint = actions.add_parser(
+        "fingerprint", help="print the CA's fingerprint, the --ca-cert-hash that nodes pin for a bootstrap join"
+    )
+    fingerprint.add_argument("--certs-dir", required=True, help="directory of the CA (ca.crt)")
     listing = actions.add_parser("list", help="list the certificates under a directory")
     common(listing, issue=False)
     certs.set_defaults(func=lambda args: certs_main(args))
@@ -140,6 +145,11 @@ def certs_main(args: argparse.Namespace) -> int:
         message = _issue(args, Role.AGENT, args.node_id, [])
     elif action == "create-admin":
         message = _issue(args, Role.ADMIN, args.name, [])
+    elif action == "fingerprint":
+        path = Path(args.certs_dir) / CA_CERT
+        if not path.is_file():
+            raise ConfigError(f"{path} not found; create the CA: pliant certs create-ca --certs-dir {args.certs_dir}")
+        message = ca_fingerprint(path.read_bytes())
     else:
         message = _list(args)
     print(message, flush=True)

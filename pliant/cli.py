@@ -71,6 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--max-watch-streams", type=int, default=0,
                        help="WatchGenerations streams one replica serves at once (default: max workers less 10%%)")
     coord.add_argument(
+        "--signing-ca-dir",
+        default=_env("PLIANT_SIGNING_CA_DIR"),
+        help="directory with ca.crt and ca.key (pliant certs create-ca; a mounted Secret): this replica signs the "
+        "agent certificates of nodes that join by bootstrap (--ca-cert-hash) and renews them, and serves the "
+        "bootstrap port (env PLIANT_SIGNING_CA_DIR)",
+    )
+    coord.add_argument(
+        "--bootstrap-listen",
+        default=_env("PLIANT_BOOTSTRAP_LISTEN", ""),
+        help="HOST:PORT of the bootstrap service with --signing-ca-dir (default: --listen's port + 1)",
+    )
+    coord.add_argument(
+        "--agent-cert-lifetime",
+        type=float,
+        default=86400.0,
+        help="seconds an agent certificate signed by bootstrap is valid; agents renew it at two thirds (default 86400)",
+    )
+    coord.add_argument(
         "--prefix",
         default=_env("PLIANT_ETCD_PREFIX", "/pliant/v1"),
         help="root of pliant's etcd keys (env PLIANT_ETCD_PREFIX, default /pliant/v1)",
@@ -150,9 +168,11 @@ def _wait_for_signal() -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from pliant.certs import load_ca
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
+    from pliant.coordinator.signer import Signer
     from pliant.errors import ConfigError
-    from pliant.tls import TlsConfig
+    from pliant.tls import TlsConfig, ca_fingerprint
 
     if not args.etcd:
         raise SystemExit(
@@ -177,9 +197,16 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         finished_job_ttl_s=args.finished_job_ttl,
         max_watch_streams=args.max_watch_streams,
         outage_tolerance_s=args.outage_tolerance,
+        signer=Signer(load_ca(args.signing_ca_dir), args.agent_cert_lifetime) if args.signing_ca_dir else None,
+        bootstrap_listen=args.bootstrap_listen,
     )
     server = CoordinatorServer(config).start()
     print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)
+    if server.bootstrap_port:
+        fingerprint = ca_fingerprint(config.signer.ca.cert_pem)  # type: ignore[union-attr]
+        print(f"pliant coordinator {config.replica_id}: bootstrap join on {server.bootstrap_address}; nodes join "
+              f"with --coordinator {server.address} --ca-cert-hash {fingerprint} --join-token=TOKEN (pliant job "
+              f"create prints the token)", flush=True)  # fmt: skip
     try:
         _wait_for_signal()
     finally:
