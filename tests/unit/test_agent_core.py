@@ -363,3 +363,28 @@ def test_a_world_that_took_the_restart_path_after_a_hand_over_starts_fresh_worke
     saved = GroupResult(2, {0: RESCALE_EXIT_CODE, 1: RESCALE_EXIT_CODE})  # ...but the world checkpointed and exited
     assert agent.on(core.GroupExited(saved)) == [core.Stop(), core.Start(_gen(2, "a", "b"))]
     assert agent.state.group == 2 and agent.state.phase is AgentState.RUNNING
+
+
+def test_workers_done_and_no_control_plane_for_long_ends_the_agent_cleanly() -> None:
+    agent = Agent()
+    agent.on(core.Joined(3.0))
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    agent.on(core.GroupExited(GroupResult(1, {0: 0, 1: 0})))  # the success report is queued
+    agent.on(core.HeartbeatFailed(), after=1.0)
+    assert agent.on(core.Tick(), after=core.DONE_UNHEARD_S - 2) == [], "not yet"
+    assert agent.on(core.Tick(), after=3.0) == [core.Exit(0)]
+    assert agent.state.phase is AgentState.SUCCEEDED and "cannot be recorded" in agent.state.reason
+
+
+def test_workers_done_with_the_control_plane_there_wait_for_the_jobs_end() -> None:
+    agent = Agent()
+    agent.on(core.Joined(3.0))
+    agent.on(core.GenerationSeen(_gen(1, "a", "b")))
+    agent.on(core.GroupExited(GroupResult(1, {0: 0, 1: 0})))
+    for _ in range(10):
+        agent.on(core.HeartbeatOk(), after=core.DONE_UNHEARD_S)
+        assert agent.on(core.Tick()) == [], "heard from the control plane: the job's end will come"
+    # A new world that includes this node again forgets that its workers were done.
+    agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    agent.on(core.HeartbeatFailed())
+    assert core.Exit(0) not in agent.on(core.Tick(), after=10 * core.DONE_UNHEARD_S)
