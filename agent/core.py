@@ -88,7 +88,7 @@ HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were k
 # returning coordinator gives every member one TTL before it evicts anyone, and nodes reconnect at different moments,
 # so a shorter streak does not yet show that this node alone is cut off.
 FENCE_AFTER = 1.5
-DONE_UNHEARD_S = 30.0  # workers done and the control plane unreachable this long: the agent exits 0
+DONE_UNHEARD_S = 15.0  # workers done and the control plane unreachable this long (and 3 TTLs): the agent exits 0
 _STEP_SAMPLES = 64  # recent step intervals the median is taken over
 
 
