@@ -59,8 +59,11 @@ def test_a_node_gets_a_short_lived_agent_certificate_for_its_own_id_and_joins_wi
     tls = request_certificate(server.bootstrap_address, pin, "job", "node-1", token)
     cert = x509.load_pem_x509_certificate(tls.cert_pem)
     subject = {a.oid: a.value for a in cert.subject}
-    assert subject == {NameOID.ORGANIZATION_NAME: "pliant", NameOID.ORGANIZATIONAL_UNIT_NAME: "agent",
-                       NameOID.COMMON_NAME: "node-1"}  # fmt: skip
+    assert subject == {
+        NameOID.ORGANIZATION_NAME: "pliant",
+        NameOID.ORGANIZATIONAL_UNIT_NAME: "agent",
+        NameOID.COMMON_NAME: "node-1",
+    }
     usages = list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
     assert usages == [ExtendedKeyUsageOID.CLIENT_AUTH], "client use only"
     left = (cert.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
@@ -116,18 +119,22 @@ def test_each_refusal_says_why_in_one_line(signing, fleet) -> None:
     ca_pem = pinned_ca(server.bootstrap_address, pin)
     with grpc.secure_channel(server.bootstrap_address, grpc.ssl_channel_credentials(ca_pem)) as channel:
         stub = bootstrap_pb2_grpc.BootstrapStub(channel)
-        for role, name, needle in ((Role.ADMIN, "node-9", "agent certificates only"),
-                                   (Role.COORDINATOR, "node-9", "agent certificates only"),
-                                   (Role.AGENT, "node-8", "for its own id only")):  # fmt: skip
+        for role, name, needle in (
+            (Role.ADMIN, "node-9", "agent certificates only"),
+            (Role.COORDINATOR, "node-9", "agent certificates only"),
+            (Role.AGENT, "node-8", "for its own id only"),
+        ):
             _key, csr = new_csr(role, name)
-            request = bootstrap_pb2.IssueAgentCertificateRequest(job_id="job", node_id="node-9",
-                                                                 join_token=fresh_token, csr_pem=csr)  # fmt: skip
+            request = bootstrap_pb2.IssueAgentCertificateRequest(
+                job_id="job", node_id="node-9", join_token=fresh_token, csr_pem=csr
+            )
             with pytest.raises(grpc.RpcError) as caught:
                 stub.IssueAgentCertificate(request, timeout=5)
             assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value
             assert needle in caught.value.details() and "\n" not in caught.value.details()
-        garbage = bootstrap_pb2.IssueAgentCertificateRequest(job_id="job", node_id="node-9", join_token=fresh_token,
-                                                             csr_pem=b"not a request")  # fmt: skip
+        garbage = bootstrap_pb2.IssueAgentCertificateRequest(
+            job_id="job", node_id="node-9", join_token=fresh_token, csr_pem=b"not a request"
+        )
         with pytest.raises(grpc.RpcError) as caught:
             stub.IssueAgentCertificate(garbage, timeout=5)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

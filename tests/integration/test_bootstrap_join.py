@@ -34,27 +34,101 @@ def test_a_standalone_replica_signs_and_the_agent_renews_while_it_trains(etcd, p
     _pliant("certs", "create-admin", "alice", "--certs-dir", str(certs))
     pin = _pliant("certs", "fingerprint", "--certs-dir", str(certs)).strip()
     address = f"127.0.0.1:{free_port_pair()}"
-    coordinator = spawn([*PLIANT, "coordinator", "--etcd", etcd.endpoint, "--listen", address, "--prefix", prefix,
-                         "--tls-dir", str(certs / "coordinator-coordinator"), "--signing-ca-dir", str(certs),
-                         "--agent-cert-lifetime", "10", "--leader-ttl", "2"], name="coordinator")  # fmt: skip
-    wait_for(lambda: "bootstrap join on" in coordinator.output() or coordinator.proc.poll() is not None, 30,
-             "the coordinator's bootstrap port")  # fmt: skip
+    coordinator = spawn(
+        [
+            *PLIANT,
+            "coordinator",
+            "--etcd",
+            etcd.endpoint,
+            "--listen",
+            address,
+            "--prefix",
+            prefix,
+            "--tls-dir",
+            str(certs / "coordinator-coordinator"),
+            "--signing-ca-dir",
+            str(certs),
+            "--agent-cert-lifetime",
+            "10",
+            "--leader-ttl",
+            "2",
+        ],
+        name="coordinator",
+    )
+    wait_for(
+        lambda: "bootstrap join on" in coordinator.output() or coordinator.proc.poll() is not None,
+        30,
+        "the coordinator's bootstrap port",
+    )
     assert f"--ca-cert-hash {pin}" in coordinator.output(), coordinator.output()[-2000:]
     token_file = tmp_path / "token"
     token_file.write_text("a-token-of-the-operators-choice-0123\n")
-    _pliant("job", "create", "j1", "--coordinator", address, "--tls-dir", str(certs / "admin-alice"), "--nnodes", "1:2",
-            "--nproc-per-node", "1", "--heartbeat-ttl", "3", "--join-token-file", str(token_file))  # fmt: skip
+    _pliant(
+        "job",
+        "create",
+        "j1",
+        "--coordinator",
+        address,
+        "--tls-dir",
+        str(certs / "admin-alice"),
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--heartbeat-ttl",
+        "3",
+        "--join-token-file",
+        str(token_file),
+    )
 
     # A wrong pin: refused before the token is sent, in one line.
-    wrong = subprocess.run([*PLIANT, "agent", "--coordinator", address, "--job", "j1", "--join-token-file",
-                            str(token_file), "--ca-cert-hash", "sha256:" + "0" * 64, str(SCRIPT)],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    wrong = subprocess.run(
+        [
+            *PLIANT,
+            "agent",
+            "--coordinator",
+            address,
+            "--job",
+            "j1",
+            "--join-token-file",
+            str(token_file),
+            "--ca-cert-hash",
+            "sha256:" + "0" * 64,
+            str(SCRIPT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert wrong.returncode == 1 and "not sending the join token" in wrong.stderr, wrong.stderr[-2000:]
 
     events = tmp_path / "events.jsonl"
-    agent = spawn([*PLIANT, "agent", "--coordinator", address, "--job", "j1", "--join-token-file", str(token_file),
-                   "--ca-cert-hash", pin, "--nnodes", "1:2", "--nproc-per-node", "1", str(SCRIPT), "--steps", "120",
-                   "--step-time", "0.1", "--events", str(events)], name="agent")  # fmt: skip
+    agent = spawn(
+        [
+            *PLIANT,
+            "agent",
+            "--coordinator",
+            address,
+            "--job",
+            "j1",
+            "--join-token-file",
+            str(token_file),
+            "--ca-cert-hash",
+            pin,
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            str(SCRIPT),
+            "--steps",
+            "120",
+            "--step-time",
+            "0.1",
+            "--events",
+            str(events),
+        ],
+        name="agent",
+    )
     wait_for(lambda: agent.proc.poll() is not None, 120, "the job to finish")
     output = agent.output()
     assert agent.proc.returncode == 0, output[-3000:]

@@ -31,8 +31,20 @@ WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(bool(WHY), reason=WHY)]
 
 PORT = 29400
-SCRIPT_ARGS = ("--samples", str(SAMPLES), "--global-batch", "64", "--micro-batch", "8", "--step-time", "0.05",
-               "--events", "events.jsonl", "--stop-file", "stop")  # fmt: skip
+SCRIPT_ARGS = (
+    "--samples",
+    str(SAMPLES),
+    "--global-batch",
+    "64",
+    "--micro-batch",
+    "8",
+    "--step-time",
+    "0.05",
+    "--events",
+    "events.jsonl",
+    "--stop-file",
+    "stop",
+)
 
 
 @pytest.fixture
@@ -62,11 +74,24 @@ class Machine:
         cwd = shlex.quote(str(self.cwd))
         setup = f"hostname {self.hostname}"
         if hide_tmp:  # an empty /tmp with only this machine's working directory in it (bound back in place)
-            setup += (f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=64m tmpfs /tmp && mkdir -p {cwd} && "
-                      f"mount --bind /mnt {cwd}")  # fmt: skip
+            setup += (
+                f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=64m tmpfs /tmp && mkdir -p {cwd} && "
+                f"mount --bind /mnt {cwd}"
+            )
         setup += f" && cd {cwd}"
-        shell = ["unshare", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c", f'{setup} && exec "$@"',
-                 "sh", *argv]  # fmt: skip
+        shell = [
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            f'{setup} && exec "$@"',
+            "sh",
+            *argv,
+        ]
         self.procs.append(self.node.spawn(shell, self.log, gloo_ifname=False))
 
     def output(self) -> str:
@@ -104,8 +129,22 @@ def _recipe(tmp_path: Path, fabric: Fabric, nproc: int, nodes: int) -> tuple[lis
     """The first machine's command from the README, and the join line it prints."""
     machines = [Machine(fabric, name, tmp_path) for name in "abc"[:nodes]]
     first = machines[0]
-    argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", f"1:{nodes}",
-            "--nproc-per-node", str(nproc), "train.py", "--steps", "100000", *SCRIPT_ARGS]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pliant",
+        "run",
+        "--listen",
+        f"0.0.0.0:{PORT}",
+        "--nnodes",
+        f"1:{nodes}",
+        "--nproc-per-node",
+        str(nproc),
+        "train.py",
+        "--steps",
+        "100000",
+        *SCRIPT_ARGS,
+    ]
     first.run(argv, hide_tmp=False)
     found = wait_for(lambda: re.search(r"other nodes join with:\n  (.+)\n", first.output()), 90, "the join command")
     return machines, found.group(1)  # type: ignore[union-attr]
@@ -166,9 +205,11 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     assert second.procs[-1].returncode == 0, second.output()[-3000:]
     if said_s:
         assert "the job's end cannot be recorded; exiting" in second.output()
-    print(f"two machines, {nproc} worker(s) each: join -> world 2 stepping {joined_s:.2f}s, kill -9 -> survivors "
-          f"stepping {survivors_s:.2f}s, rejoin -> world 2 {rejoin_s:.2f}s" +
-          (f"; control plane gone -> the agent's line after {said_s:.1f}s" if said_s else ""))  # fmt: skip
+    print(
+        f"two machines, {nproc} worker(s) each: join -> world 2 stepping {joined_s:.2f}s, kill -9 -> survivors "
+        f"stepping {survivors_s:.2f}s, rejoin -> world 2 {rejoin_s:.2f}s"
+        + (f"; control plane gone -> the agent's line after {said_s:.1f}s" if said_s else "")
+    )
 
 
 def _without_the_control_plane(machines: list[Machine]) -> float:
@@ -206,4 +247,3 @@ def test_a_third_machine_joins_with_the_same_line(fabric, tmp_path: Path) -> Non
         m.stop_at(newest + 10)
     wait_for(lambda: all(m.procs[-1].poll() is not None for m in machines), 90, "every machine to exit")
     assert [m.procs[-1].returncode for m in machines] == [0, 0, 0], [m.output()[-2000:] for m in machines]
-
