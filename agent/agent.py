@@ -83,6 +83,7 @@ class Agent:
             self.base_env.setdefault("GLOO_SOCKET_IFNAME", ifname)
         self.zygote = zygote
         self.address = ""
+        # Set here or by the bootstrap (main thread) before the threads start; then by the heartbeat thread only.
         self.tls = config.tls.load(expect=Role.AGENT) if config.tls else None
         # With a bootstrap join the certificate comes in run(); the channels made here are replaced before any call.
         self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
@@ -182,10 +183,9 @@ class Agent:
         line = (f"pliant agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} "
                 f"({where}) has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but "
                 f"no node can join or leave and the job's end cannot be recorded until it is back. "
-                + (f"Restart `pliant run` on node {owner} with the same flags and --listen, " if owner else
-                   "Restart a coordinator replica, ")
-                + "or run standalone coordinator replicas for a control plane that outlives any node (README: Two "
-                  "machines)")  # fmt: skip
+                + (f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone "
+                   f"coordinator replicas for a control plane that outlives any node (README: Two machines)" if owner
+                   else "Check that a coordinator replica runs and reaches etcd (pliant status)"))  # fmt: skip
         print(line, file=sys.stderr, flush=True)  # the user's line (not logged too: it would show twice)
 
     def _create_job(self) -> None:

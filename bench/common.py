@@ -122,14 +122,14 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 
 def join_flags(log: Path, timeout_s: float = 60.0) -> list[str]:
-    """``--tls-dir DIR --join-token=TOKEN`` from the join command a ``pliant run`` with the embedded control plane
-    printed to ``log`` (another node joins with them; its node id is the one in that certificate)."""
+    """``--join-token=TOKEN --ca-cert-hash sha256:HEX`` from the join command a ``pliant run`` with the embedded
+    control plane printed to ``log`` (another node joins with them by bootstrap)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
-        found = re.search(r"pliant run --coordinator \S+ --tls-dir (\S+) (--join-token=\S+)", text)
+        found = re.search(r"pliant run --coordinator \S+ (--join-token=\S+) --ca-cert-hash (\S+)", text)
         if found:
-            return ["--tls-dir", found[1], found[2]]
+            return [found[1], "--ca-cert-hash", found[2]]
         time.sleep(0.1)
     raise TimeoutError(f"no join command in {log} within {timeout_s:g}s")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -103,7 +104,9 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         observe: called with (method, status code, seconds) after each call.
     """
 
-    def __init__(self, store: EtcdStore, signer: Signer, observe=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, store: EtcdStore, signer: Signer, observe: Callable[[str, grpc.StatusCode, float], None] | None = None
+    ) -> None:
         self._store = store
         self._signer = signer
         self._observe = observe or (lambda method, code, seconds: None)
