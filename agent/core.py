@@ -451,11 +451,11 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
 
 
 def _done_unheard(state: CoreState, now: float) -> bool:
-    """Every worker of this node exited 0 and the control plane has been unreachable since for DONE_UNHEARD_S at
-    least (and a few TTLs): nothing is left to do here, and no one may ever say that the job finished."""
+    """Every worker of this node exited 0, and nothing has been heard from the control plane for DONE_UNHEARD_S (and
+    three TTLs): nothing is left to do here, and no one may ever say that the job finished."""
     if state.done_at is None or state.group is not None or state.renewing_since is not None:
         return False
-    return now - max(state.renewed_at, state.done_at) > max(DONE_UNHEARD_S, 3 * state.ttl_s)
+    return now - state.renewed_at > max(DONE_UNHEARD_S, 3 * state.ttl_s)
 
 
 def _watch_membership(state: CoreState, now: float) -> tuple[CoreState, list[Action]]:

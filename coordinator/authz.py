@@ -13,7 +13,12 @@ Join                          the agent whose certificate names the node id join
 Heartbeat, Leave,             the agent of that node, with the lease its Join returned (checked against etcd by the
 ReportFailure, ReportSuccess  servicer); reports only from members of the generation named; admin with the lease
 WatchGenerations              admin; an agent that is a member of the job
+RenewAgentCertificate         an agent that is a live member of the job, for its own node id (the signer checks the
+                              request names it); not admin
 ============================  =======================================================================================
+
+The Bootstrap service (:mod:`pliant.coordinator.signer`) is served on a port of its own, to callers without a
+certificate; the job's join token is its credential.
 
 A coordinator certificate serves; it may not call. On a plaintext channel (``--insecure``) there is no identity: every
 caller may do what an admin may, and only the lease and token checks remain.

@@ -163,25 +163,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         caller = Caller(peer_identity(context))
         if method in ADMIN_METHODS:
             require_admin(caller, method)
-        elif method in ("GetJob", "WatchGenerations"):
-            if not caller.is_admin:
+        elif method in ("GetJob", "WatchGenerations", "RenewAgentCertificate"):
+            # A member of the job; admins too, except for a renewal (an agent's, for its own node id).
+            if not caller.is_admin or method == "RenewAgentCertificate":
                 job = validate_id(request.job_id, "job_id")
                 node = caller.node_id
                 if node is None or not self._store.is_member(job, node):
+                    may = "renew their certificates" if method == "RenewAgentCertificate" else "and admins see a job"
                     raise PermissionDenied(
-                        f"{method} of job {job!r} refused: {caller} is not a member of it; only its members and "
-                        f"admins see a job"
+                        f"{method} of job {job!r} refused: {caller} is not a member of it; only its members {may}"
                     )
         elif method == "Join":
             require_node(caller, request.node_id, method)
-        elif method == "RenewAgentCertificate":  # an agent, for its own node id, while a live member of the job
-            job = validate_id(request.job_id, "job_id")
-            node = caller.node_id
-            if node is None or not self._store.is_member(job, node):
-                raise PermissionDenied(
-                    f"{method} refused: {caller} is not a live member of job {job!r}; only an agent of the job renews "
-                    f"its own certificate"
-                )
         else:  # Heartbeat, Leave, ReportFailure, ReportSuccess: the caller's own node, with its own lease
             require_node(caller, request.node_id, method)
             job = validate_id(request.job_id, "job_id")

@@ -95,7 +95,7 @@ def test_a_certificate_is_renewed_over_mutual_tls_with_a_fresh_key_and_only_for_
                 node._call("RenewAgentCertificate", pb.RenewAgentCertificateRequest(job_id="job", csr_pem=csr))
     # A node that is not a live member of the job renews nothing.
     other = request_certificate(server.bootstrap_address, pin, "job", "node-3", token)
-    with CoordinatorClient(server.address, other) as stranger, pytest.raises(PermissionDenied, match="not a live"):
+    with CoordinatorClient(server.address, other) as stranger, pytest.raises(PermissionDenied, match="not a member"):
         stranger.renew_certificate("job")
 
 

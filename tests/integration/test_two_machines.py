@@ -170,10 +170,11 @@ def _check_addresses(first: Machine, machines: list[Machine], world: int) -> Non
 @pytest.mark.long
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp_path: Path, nproc: int) -> None:
-    """With one worker per node, the first machine's control plane then goes (its etcd killed): both train on, the
-    joiner's agent says so in one line, and both exit 0 once their workers finish."""
-    machines, join = _recipe(tmp_path, fabric, nproc, nodes=2)
-    first, second = machines
+    """With one worker per node, a third machine then joins with the same line, and the first machine's control
+    plane goes (its etcd killed): all train on, the joiners' agents say so in one line, and all exit 0 once their
+    workers finish."""
+    machines, join = _recipe(tmp_path, fabric, nproc, nodes=3 if nproc == 1 else 2)
+    first, second = machines[:2]
     assert f"--coordinator {first.node.address}:{PORT} " in join, join
     assert "127.0.0.1" not in join and str(tmp_path) not in join and "--tls-dir" not in join
     assert "open, and this node's store port" in first.output()
@@ -184,7 +185,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     wait_for(lambda: _ranks_at(machines, 2 * nproc, started) == set(range(2 * nproc)), 120, "world 2 stepping")
     joined_s = _first_step_at(machines, 2 * nproc, started, 2 * nproc) - started
     assert "certificate signed at" in second.output(), second.output()[-3000:]
-    _check_addresses(first, machines, 2 * nproc)
+    _check_addresses(first, machines[:2], 2 * nproc)
 
     killed = time.time()
     second.node.kill_all()  # kill -9 of the whole machine
@@ -196,54 +197,46 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     wait_for(lambda: _ranks_at(machines, 2 * nproc, rejoined) == set(range(2 * nproc)), 120, "world 2 again")
     rejoin_s = _first_step_at(machines, 2 * nproc, rejoined, 2 * nproc) - rejoined
 
-    said_s = _without_the_control_plane(machines) if nproc == 1 else 0.0
-    newest = max(e["step"] for m in machines for e in m.events())
-    for m in machines:
-        m.stop_at(newest + 10)
-    wait_for(lambda: all(p.poll() is not None for p in (first.procs[0], second.procs[-1])), 90, "both to exit")
-    assert first.procs[0].returncode == 0, first.output()[-3000:]
-    assert second.procs[-1].returncode == 0, second.output()[-3000:]
-    if said_s:
-        assert "the job's end cannot be recorded; exiting" in second.output()
-    print(
-        f"two machines, {nproc} worker(s) each: join -> world 2 stepping {joined_s:.2f}s, kill -9 -> survivors "
-        f"stepping {survivors_s:.2f}s, rejoin -> world 2 {rejoin_s:.2f}s"
-        + (f"; control plane gone -> the agent's line after {said_s:.1f}s" if said_s else "")
-    )
-
-
-def _without_the_control_plane(machines: list[Machine]) -> float:
-    """Kill the first machine's embedded etcd (the node and its workers stay): the workers train on, and the other
-    agent says so in one line, once. Returns how long that line took."""
-    import psutil
-
-    first, second = machines
-    etcd = [p for p in psutil.Process(first.procs[0].pid).children(recursive=True) if "etcd" in p.name()]
-    assert len(etcd) == 1, etcd
-    gone = time.time()
-    etcd[0].kill()
-    said = wait_for(lambda: re.search(r".*has been unreachable for.*", second.output()), 30, "the agent's line")
-    said_s = time.time() - gone
-    line = said.group(0)  # type: ignore[union-attr]
-    assert f"{first.node.address}:{PORT}" in line and "embedded in node hosta-" in line, line
-    assert "Restart `pliant run` on node hosta-" in line and "standalone coordinator replicas" in line, line
-    assert second.output().count("has been unreachable") == 1, "said once"
-    wait_for(lambda: _ranks_at(machines, 2, time.time()) == {0, 1}, 30, "world 2 training on")
-    return said_s
-
-
-@pytest.mark.long
-def test_a_third_machine_joins_with_the_same_line(fabric, tmp_path: Path) -> None:
-    machines, join = _recipe(tmp_path, fabric, 1, nodes=3)
-    wait_for(lambda: _ranks_at(machines[:1], 1) == {0}, 120, "the first machine stepping")
-    started = time.time()
-    for machine in machines[1:]:
-        machine.run(shlex.split(join), hide_tmp=True)
-    wait_for(lambda: _ranks_at(machines, 3, started) == {0, 1, 2}, 150, "world 3 stepping")
-    _check_addresses(machines[0], machines, 3)
-    assert len({m.hostname for m in machines}) == 3
+    said_s = 0.0
+    if len(machines) == 3:
+        third = machines[2]
+        grown = time.time()
+        third.run(shlex.split(join), hide_tmp=True)
+        wait_for(lambda: _ranks_at(machines, 3, grown) == {0, 1, 2}, 120, "world 3 stepping")
+        _check_addresses(first, machines, 3)
+        assert len({m.hostname for m in machines}) == 3
+        said_s = _without_the_control_plane(machines)
     newest = max(e["step"] for m in machines for e in m.events())
     for m in machines:
         m.stop_at(newest + 10)
     wait_for(lambda: all(m.procs[-1].poll() is not None for m in machines), 90, "every machine to exit")
-    assert [m.procs[-1].returncode for m in machines] == [0, 0, 0], [m.output()[-2000:] for m in machines]
+    assert [m.procs[-1].returncode for m in machines] == [0] * len(machines), [m.output()[-2000:] for m in machines]
+    if said_s:
+        assert all("the job's end cannot be recorded; exiting" in m.output() for m in machines[1:])
+    print(
+        f"two machines, {nproc} worker(s) each: join -> world 2 stepping {joined_s:.2f}s, kill -9 -> survivors "
+        f"stepping {survivors_s:.2f}s, rejoin -> world 2 {rejoin_s:.2f}s"
+        + (f"; control plane gone -> the agents' line after {said_s:.1f}s" if said_s else "")
+    )
+
+
+def _without_the_control_plane(machines: list[Machine]) -> float:
+    """Kill the first machine's embedded etcd (the node and its workers stay): the workers train on, and every other
+    agent says so in one line, once. Returns how long the last of those lines took."""
+    import psutil
+
+    first, others = machines[0], machines[1:]
+    etcd = [p for p in psutil.Process(first.procs[0].pid).children(recursive=True) if "etcd" in p.name()]
+    assert len(etcd) == 1, etcd
+    gone = time.time()
+    etcd[0].kill()
+    for machine in others:
+        said = wait_for(lambda m=machine: re.search(r".*has been unreachable for.*", m.output()), 30, "the line")
+        line = said.group(0)  # type: ignore[union-attr]
+        assert f"{first.node.address}:{PORT}" in line and "embedded in node hosta-" in line, line
+        assert "Restart `pliant run` on node hosta-" in line and "standalone coordinator replicas" in line, line
+        assert machine.output().count("has been unreachable") == 1, "said once"
+    said_s = time.time() - gone
+    world = len(machines)
+    wait_for(lambda: _ranks_at(machines, world, time.time()) == set(range(world)), 30, "the world training on")
+    return said_s
