@@ -81,54 +81,16 @@ def test_a_standalone_replica_signs_and_the_agent_renews_while_it_trains(etcd, p
         str(token_file),
     )
 
+    # The agent knows the coordinator's address, the job, its token and the CA's fingerprint: nothing else.
+    joining = [*PLIANT, "agent", "--coordinator", address, "--job", "j1", "--join-token-file", str(token_file)]
     # A wrong pin: refused before the token is sent, in one line.
-    wrong = subprocess.run(
-        [
-            *PLIANT,
-            "agent",
-            "--coordinator",
-            address,
-            "--job",
-            "j1",
-            "--join-token-file",
-            str(token_file),
-            "--ca-cert-hash",
-            "sha256:" + "0" * 64,
-            str(SCRIPT),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    wrong_pin = ["--ca-cert-hash", "sha256:" + "0" * 64, str(SCRIPT)]
+    wrong = subprocess.run([*joining, *wrong_pin], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "not sending the join token" in wrong.stderr, wrong.stderr[-2000:]
 
     events = tmp_path / "events.jsonl"
-    agent = spawn(
-        [
-            *PLIANT,
-            "agent",
-            "--coordinator",
-            address,
-            "--job",
-            "j1",
-            "--join-token-file",
-            str(token_file),
-            "--ca-cert-hash",
-            pin,
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "1",
-            str(SCRIPT),
-            "--steps",
-            "120",
-            "--step-time",
-            "0.1",
-            "--events",
-            str(events),
-        ],
-        name="agent",
-    )
+    script = [str(SCRIPT), "--steps", "120", "--step-time", "0.1", "--events", str(events)]
+    agent = spawn([*joining, "--ca-cert-hash", pin, "--nnodes", "1:2", "--nproc-per-node", "1", *script], name="agent")
     wait_for(lambda: agent.proc.poll() is not None, 120, "the job to finish")
     output = agent.output()
     assert agent.proc.returncode == 0, output[-3000:]
