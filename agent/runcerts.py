@@ -70,7 +70,7 @@ def make_run_certs(directory: str, node_id: str, hosts: Sequence[str]) -> RunCer
         node_id: this node's id (its agent certificate's name).
         hosts: the addresses the embedded coordinator is reached on (added to its certificate's names).
     """
-    path = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="pliant-certs-"))
+    path = Path(directory).resolve() if directory else Path(tempfile.mkdtemp(prefix="pliant-certs-"))
     ca = LocalCA(path, lifetime_days=90)
     coordinator = ca.issue("coordinator", Role.COORDINATOR, "embedded", _server_hosts(hosts))
     admin = ca.issue("admin", Role.ADMIN, "run-admin")
