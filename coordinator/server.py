@@ -271,8 +271,8 @@ class CoordinatorServer:
         )
         servicer = BootstrapServicer(self.store, self.config.signer, observe=self.metrics.observe_rpc)
         bootstrap_pb2_grpc.add_BootstrapServicer_to_server(servicer, self.bootstrap_server)
-        chain = self.tls.cert_pem.rstrip(b"\n") + b"\n" + self.tls.ca_pem
-        creds = grpc.ssl_server_credentials([(self.tls.key_pem, chain)])
+        assert self.config.tls is not None
+        creds = server_credentials(self.config.tls, self.tls, bootstrap=True)  # rotated files are picked up too
         try:
             self.bootstrap_port = self.bootstrap_server.add_secure_port(listen, creds)
         except RuntimeError:

@@ -503,15 +503,20 @@ class TlsConfig:
 # gRPC credentials
 
 
-def server_credentials(config: TlsConfig, material: TlsMaterial) -> object:
+def server_credentials(config: TlsConfig, material: TlsMaterial, bootstrap: bool = False) -> object:
     """Server credentials that require a client certificate from the CA, and pick up rotated files by themselves.
 
     The files are checked again whenever their modification time changes (gRPC asks before each handshake); a
-    rotation that does not load keeps the previous certificates and logs why.
+    rotation that does not load keeps the previous certificates and logs why. With ``bootstrap``: the credentials of
+    the bootstrap join's port, which ask for no client certificate and present the CA after the server's own
+    certificate (a joining node pins it; :mod:`pliant.bootstrap`).
     """
     import grpc
 
     def build(m: TlsMaterial) -> object:
+        if bootstrap:
+            chain = m.cert_pem.rstrip(b"\n") + b"\n" + m.ca_pem
+            return grpc.ssl_server_certificate_configuration([(m.key_pem, chain)])
         return grpc.ssl_server_certificate_configuration([(m.key_pem, m.cert_pem)], root_certificates=m.ca_pem)
 
     seen = [config.mtimes()]
@@ -529,7 +534,7 @@ def server_credentials(config: TlsConfig, material: TlsMaterial) -> object:
         logger.info("TLS certificates reloaded from %s", config.cert)
         return build(fresh)
 
-    return grpc.dynamic_ssl_server_credentials(build(material), fetch, require_client_authentication=True)
+    return grpc.dynamic_ssl_server_credentials(build(material), fetch, require_client_authentication=not bootstrap)
 
 
 def channel_credentials(material: TlsMaterial) -> object:
