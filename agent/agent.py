@@ -143,8 +143,8 @@ class Agent:
                                  (self._report_loop, "reporter")):  # fmt: skip
                 threading.Thread(target=target, name=name, daemon=True).start()
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
-            self.store = NodeStore(self._stores, self.config.host, listening,
-                                   port + 1 if self.config.store_port else 0)  # fmt: skip
+            generation_ports = port + 1 if self.config.store_port else 0
+            self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
             return self._loop()
         except (CoordinatorError, AgentError, BootstrapError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)
@@ -180,12 +180,18 @@ class Agent:
         """One line, once per outage: the control plane is gone, what still works and what to do."""
         owner = self._control_plane_owner()
         where = f"embedded in node {owner}'s `pliant run`" if owner else "its replicas"
-        line = (f"pliant agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} "
-                f"({where}) has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but "
-                f"no node can join or leave and the job's end cannot be recorded until it is back. "
-                + (f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone "
-                   f"coordinator replicas for a control plane that outlives any node (README: Two machines)" if owner
-                   else "Check that a coordinator replica runs and reaches etcd (pliant status)"))  # fmt: skip
+        if owner:
+            fix = (
+                f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone coordinator "
+                f"replicas for a control plane that outlives any node (README: Two machines)"
+            )
+        else:
+            fix = "Check that a coordinator replica runs and reaches etcd (pliant status)"
+        line = (
+            f"pliant agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} ({where}) "
+            f"has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but no node can "
+            f"join or leave and the job's end cannot be recorded until it is back. {fix}"
+        )
         print(line, file=sys.stderr, flush=True)  # the user's line (not logged too: it would show twice)
 
     def _create_job(self) -> None:
@@ -216,8 +222,11 @@ class Agent:
         logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
         if created and admin is None:  # no one else was told the token: say it, as `pliant job create` does
             coordinators = ",".join(self.config.coordinator)
-            print(f"pliant: job {spec.job_id} created; other nodes join it with --coordinator {coordinators} --job "
-                  f"{spec.job_id} --join-token={token}", flush=True)  # fmt: skip
+            print(
+                f"pliant: job {spec.job_id} created; other nodes join it with --coordinator {coordinators} --job "
+                f"{spec.job_id} --join-token={token}",
+                flush=True,
+            )
 
     def _join(self) -> None:
         job = self.config.spec.job_id
@@ -226,7 +235,7 @@ class Agent:
         # A node restarted at once (kill -9, a pod restart) finds its earlier agent's membership still live until
         # the leader drops that silent member: it waits for that, as long as a heartbeat TTL allows, then gives up
         # with the error (two live agents given the same --node-id).
-        patience = 2 * self.config.spec.heartbeat_ttl_s + 10
+        patience = self.config.held_membership_wait_s
         deadline, waited = time.monotonic() + patience, False
         while True:
             try:
@@ -266,6 +275,7 @@ class Agent:
                 self._renewing = renewing
 
     def _heartbeat_loop(self) -> None:
+        node = self.config.node_id
         failing, down_since, said = False, 0.0, False
         while not self._stop.is_set():
             grant = self.grant
@@ -279,11 +289,10 @@ class Agent:
                                       misses_generation=misses)  # fmt: skip
                 self._events.put(core.HeartbeatOk())
                 if failing:
-                    logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", self.config.node_id,
-                                time.monotonic() - down_since)  # fmt: skip
+                    back_after = time.monotonic() - down_since
+                    logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", node, back_after)
                     if said:
-                        print(f"pliant agent {self.config.node_id}: the control plane is reachable again",
-                              file=sys.stderr, flush=True)  # fmt: skip
+                        print(f"pliant agent {node}: the control plane is reachable again", file=sys.stderr, flush=True)
                 failing, said = False, False
                 self.tls = self.credentials.renew_if_due() or self.tls
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
@@ -376,8 +385,8 @@ class Agent:
                     break
                 except CoordinatorError as exc:
                     log = logger.warning if delay == 0.5 else logger.debug  # said once per report
-                    log("agent %s: %s of generation %d queued, the coordinator did not take it (%s); retrying",
-                        self.config.node_id, report.kind, report.generation, exc)  # fmt: skip
+                    why = f"{report.kind} of generation {report.generation} queued, the coordinator did not take it"
+                    log("agent %s: %s (%s); retrying", self.config.node_id, why, exc)
                     self._stop.wait(delay)
                     delay = min(delay * 2, 5.0)
 

@@ -115,6 +115,12 @@ class AgentConfig:
     ca_cert_hash: str = ""
     bootstrap: tuple[str, ...] = ()
 
+    @property
+    def held_membership_wait_s(self) -> float:
+        """How long a restarted node waits for its earlier agent's membership (same node id) to be dropped before it
+        gives up: the leader drops a silent member within a heartbeat TTL or two."""
+        return 2 * self.spec.heartbeat_ttl_s + 10
+
     def __post_init__(self) -> None:
         if not self.coordinator:
             raise ConfigError("no coordinator address: pass --coordinator HOST:PORT")
@@ -139,8 +145,10 @@ class AgentConfig:
             raise ConfigError(f"--snapshot-every {self.snapshot_every} must be 'auto' or at least 1 (committed steps "
                               f"between a sharded engine's buddy copies)")  # fmt: skip
         if self.ca_cert_hash and (self.tls is not None or not self.bootstrap or not self.join_token):
-            raise ConfigError("a bootstrap join (--ca-cert-hash) needs the job's --join-token and a coordinator, and "
-                              "no --tls-dir (which names a certificate made beforehand)")  # fmt: skip
+            raise ConfigError(
+                "a bootstrap join (--ca-cert-hash) needs the job's --join-token and a coordinator, and no --tls-dir "
+                "(which names a certificate made beforehand)"
+            )
         for address in self.bootstrap:
             parse_host_port(address, what="--bootstrap")
         if self.start_timeout_s < 0:

@@ -145,7 +145,7 @@ class CoreState:
     ready: bool = False  # every live worker of the group announced that it re-forms in place
     handed: int | None = None  # the generation last handed to the running group in place
     trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
-    done_at: float | None = None  # when every worker of this node exited 0 (the job's end not yet seen)
+    done: bool = False  # every worker of this node exited 0 (the job's end not yet seen)
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
 
@@ -326,7 +326,7 @@ def _in_place(state: CoreState) -> bool:
 def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreState, list[Action]]:
     if state.generation is not None and gen.number <= state.generation.number:
         return state, []
-    state = replace(state, generation=gen, done_at=None)
+    state = replace(state, generation=gen, done=False)
     actions: list[Action] = []
     mine = next((m for m in gen.members if m.node_id == state.node_id), None)
     if mine is not None and mine.node_rank == 0:
@@ -377,7 +377,7 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     state = _no_group(state)
     if result.succeeded:
         report = Report("success", result.generation)
-        state = replace(state, done_at=now)
+        state = replace(state, done=True)
         return _set(state, AgentState.WAITING, "workers done; waiting for the job to finish"), [Stop(), Send(report)]
     if result.saved_for_rescale:
         gen = state.generation
@@ -453,7 +453,7 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
 def _done_unheard(state: CoreState, now: float) -> bool:
     """Every worker of this node exited 0, and nothing has been heard from the control plane for DONE_UNHEARD_S (and
     three TTLs): nothing is left to do here, and no one may ever say that the job finished."""
-    if state.done_at is None or state.group is not None or state.renewing_since is not None:
+    if not state.done or state.group is not None or state.renewing_since is not None:
         return False
     return now - state.renewed_at > max(DONE_UNHEARD_S, 3 * state.ttl_s)
 

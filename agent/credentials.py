@@ -51,7 +51,7 @@ class Credentials:
         """
         config = self.config
         deadline = time.monotonic() + config.heartbeat_retry_s
-        held_until = time.monotonic() + 2 * config.spec.heartbeat_ttl_s + 10
+        held_until = time.monotonic() + config.held_membership_wait_s
         attempt = 0
         while True:
             address = config.bootstrap[attempt % len(config.bootstrap)]

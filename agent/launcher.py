@@ -331,8 +331,10 @@ def config_from_args(
         node_id = identity.name
     token = read_token_file(args.join_token_file) if args.join_token_file else args.join_token
     if pin and not token:
-        raise ConfigError("--ca-cert-hash joins by bootstrap, which needs the job's join token: add --join-token=TOKEN "
-                          "from the join command the first node printed")  # fmt: skip
+        raise ConfigError(
+            "--ca-cert-hash joins by bootstrap, which needs the job's join token: add --join-token=TOKEN from the "
+            "join command the first node printed"
+        )
     bootstrap = tuple(b.strip() for b in args.bootstrap.split(",") if b.strip()) if pin else ()
     return AgentConfig(
         coordinator=tuple(coordinator),
@@ -406,8 +408,11 @@ def agent_main(args: argparse.Namespace) -> int:
     _ignored_notes(args)
     coordinator = [c.strip() for c in args.coordinator.split(",") if c.strip()]
     if args.ca_cert_hash and (args.tls_dir or args.insecure):
-        raise ConfigError("--ca-cert-hash joins by bootstrap (the coordinator signs this node's certificate); drop "
-                          f"{'--tls-dir' if args.tls_dir else '--insecure'}, or drop --ca-cert-hash")  # fmt: skip
+        other = "--tls-dir" if args.tls_dir else "--insecure"
+        raise ConfigError(
+            f"--ca-cert-hash joins by bootstrap (the coordinator signs this node's certificate); drop {other}, or drop "
+            f"--ca-cert-hash"
+        )
     tls = None if args.ca_cert_hash else tls_from_flags(args.tls_dir, args.insecure, "agent")
     return Agent(config_from_args(args, coordinator, embedded=False, tls=tls)).run()
 
@@ -429,8 +434,10 @@ def run_main(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-dir is for joining a running coordinator (with --coordinator); the embedded control "
                           "plane makes its own certificates (see --certs-dir)")  # fmt: skip
     if args.ca_cert_hash:
-        raise ConfigError("--ca-cert-hash is for joining a running coordinator (with --coordinator); the embedded "
-                          "control plane makes its own CA and prints its fingerprint")  # fmt: skip
+        raise ConfigError(
+            "--ca-cert-hash is for joining a running coordinator (with --coordinator); the embedded control plane "
+            "makes its own CA and prints its fingerprint"
+        )
     # Validate every flag before creating or starting anything.
     draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
     listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
@@ -477,18 +484,27 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
             address = f"{host}:{coordinator.port}"
             security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
             ports = f"ports {coordinator.port}" + (f" and {coordinator.bootstrap_port}" if certs else "")
-            print(f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint}); other nodes join "
-                  f"with:\n  {_join_command(args, address, certs.fingerprint if certs else '', token)}",
-                  flush=True)  # fmt: skip
+            join = _join_command(args, address, certs.fingerprint if certs else "", token)
+            print(
+                f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint}); other nodes join "
+                f"with:\n  {join}",
+                flush=True,
+            )
             if is_loopback(host):
-                print("pliant: the coordinator listens on loopback: only this machine can join; pass --listen "
-                      "0.0.0.0:29400 to let other machines join", flush=True)  # fmt: skip
+                print(
+                    "pliant: the coordinator listens on loopback: only this machine can join; pass --listen "
+                    "0.0.0.0:29400 to let other machines join",
+                    flush=True,
+                )
             else:
-                print(f"pliant: other machines need TCP {ports} of {host} open, and this node's store port "
-                      f"(--store-port; docs/operations.md lists every port)", flush=True)  # fmt: skip
+                print(
+                    f"pliant: other machines need TCP {ports} of {host} open, and this node's store port "
+                    f"(--store-port; docs/operations.md lists every port)",
+                    flush=True,
+                )
             if certs:
-                print(f"pliant: `{shlex.join(pliant_command())} status --coordinator {address} --tls-dir "
-                      f"{certs.directory / 'admin'}` shows the job", flush=True)  # fmt: skip
+                status = f"{shlex.join(pliant_command())} status --coordinator {address}"
+                print(f"pliant: `{status} --tls-dir {certs.directory / 'admin'}` shows the job", flush=True)
             config = config_from_args(args, [address], embedded=True, tls=certs.agent if certs else None)
             config = dataclasses.replace(config, admin_tls=certs.admin if certs else None)
             return Agent(config, zygote=zygote, registry=registry).run()

@@ -131,8 +131,8 @@ class NodeStore:
         except StoreHostError as exc:
             if not wanted:
                 raise
-            logger.warning("generation %d: store port %d is taken (%s); serving on a free port instead", generation,
-                           wanted, exc)  # fmt: skip
+            why = f"store port {wanted} is taken ({exc})"
+            logger.warning("generation %d: %s; serving on a free port instead", generation, why)
             port = int(self.stores.request("serve", START_TIMEOUT_S, host=self.host, port=0))
         self._generation_ports[generation] = port
         for old in sorted(self._generation_ports)[:-_KEEP]:

@@ -204,9 +204,12 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)
     if server.bootstrap_port:
         fingerprint = ca_fingerprint(config.signer.ca.cert_pem)  # type: ignore[union-attr]
-        print(f"pliant coordinator {config.replica_id}: bootstrap join on {server.bootstrap_address}; nodes join "
-              f"with --coordinator {server.address} --ca-cert-hash {fingerprint} --join-token=TOKEN (pliant job "
-              f"create prints the token)", flush=True)  # fmt: skip
+        print(
+            f"pliant coordinator {config.replica_id}: bootstrap join on {server.bootstrap_address}; nodes join with "
+            f"--coordinator {server.address} --ca-cert-hash {fingerprint} --join-token=TOKEN (pliant job create "
+            f"prints the token)",
+            flush=True,
+        )
     try:
         _wait_for_signal()
     finally:

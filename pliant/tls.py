@@ -229,9 +229,13 @@ def subject_name(role: Role, name: str) -> object:
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
-                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
-                      x509.NameAttribute(NameOID.COMMON_NAME, name)])  # fmt: skip
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]
+    )
 
 
 def new_csr(role: Role, name: str) -> tuple[bytes, bytes]:
