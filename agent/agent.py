@@ -46,7 +46,7 @@ from pliant.coordinator.contract import (
 from pliant.env import WorkerEnv
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import interface_of, is_loopback
-from pliant.progress import read_fence
+from pliant.seal import Fence, SealError, read_fence
 from pliant.tls import Role
 
 __all__ = ["Agent"]
@@ -112,7 +112,8 @@ class Agent:
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._handover: tuple[Generation, list[WorkerEnv], HandOver] | None = None
-        self._fence, self._fence_read_at = (0, 0), -FENCE_READ_S
+        self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
+        self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -419,10 +420,26 @@ class Agent:
             if result is not None and not result.stopped:
                 return core.GroupExited(result, self._describe(result), self.group.alive)
         now = time.monotonic()
-        if self.config.checkpoint_dir and now - self._fence_read_at >= FENCE_READ_S:
-            self._fence, self._fence_read_at = read_fence(self.config.checkpoint_dir), now
+        if self.config.checkpoint_dir and self.grant is not None and now - self._fence_read_at >= FENCE_READ_S:
+            self._fence, self._fence_read_at = self._read_fence(), now
         ready = self.group is not None and self.group.ready()
         return core.Tick(self.group.progress() if self.group is not None else {}, self._fence, ready)
+
+    def _read_fence(self) -> Fence | None:
+        """The checkpoint directory's fence if it is sealed with the job's key; one that is not (forged, or from a
+        deployment with another sealing secret) is ignored, and said once, since the next world replaces it."""
+        assert self.grant is not None
+        try:
+            fence = read_fence(self.config.checkpoint_dir, self.grant.checkpoint_key)
+        except SealError as exc:
+            problem = str(exc)
+            if problem != self._fence_problem:
+                logger.warning("agent %s: ignoring the fence file in %s: %s; the next world that opens the directory "
+                               "replaces it", self.config.node_id, self.config.checkpoint_dir, problem)  # fmt: skip
+            self._fence_problem = problem
+            return None
+        self._fence_problem = ""
+        return fence
 
     def _loop(self) -> int:
         next_tick = time.monotonic()
@@ -611,7 +628,8 @@ class Agent:
                       master_addr=master_addr, master_port=master_port, job_id=config.spec.job_id,
                       generation=gen.number, max_restarts=config.spec.max_restarts, node_id=config.node_id,
                       agent_store=self.store.address, checkpoint_dir=config.checkpoint_dir,
-                      metrics_dir=self.metrics.worker_dir, job_epoch=gen.epoch,
+                      metrics_dir=self.metrics.worker_dir, incarnation=gen.incarnation,
+                      checkpoint_key=self.grant.checkpoint_key.hex() if self.grant is not None else "",
                       allow_fresh_start=config.allow_fresh_start, rescale=config.rescale,
                       progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
                       snapshot_every=config.snapshot_every, snapshot_dir=self.snapshot_dir)

@@ -29,7 +29,8 @@ The rules:
   workers are still the world's: they keep going. Otherwise the control plane is down (or just back) for everyone,
   and the workers keep going. A world with no peer to ask (one node) is
   fenced by the checkpoint directory instead: once a newer generation opened it (its fence file), the old group is
-  stopped, and its commits are refused anyway.
+  stopped (and reported), and its commits are refused anyway. A new incarnation of the job (started again after every
+  node was lost) takes the directory over; the fence then stops any world of the older one.
 - **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
   phase that makes no progress for the hang timeout (by default ``HANG_MULTIPLE`` x the median step time, at least
   ``HANG_FLOOR_S``), or that stays in the start or save phase for the start timeout, is hung: the agent dumps every
@@ -45,8 +46,10 @@ from dataclasses import dataclass, field, replace
 
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, JobState
+from pliant.seal import Fence
 
 __all__ = [
+    "FENCED_EXIT_CODE",
     "FENCE_AFTER",
     "HANG_EXIT_CODE",
     "HANG_FLOOR_S",
@@ -84,6 +87,7 @@ __all__ = [
 HANG_FLOOR_S = 60.0
 HANG_MULTIPLE = 10.0
 HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were killed by the agent)
+FENCED_EXIT_CODE = -3  # the exit code a fenced world is reported with (the agent stopped its workers)
 # Peers are asked after this many TTLs without a renewal, and a peer's unbroken renewals must have lasted as long: a
 # returning coordinator gives every member one TTL before it evicts anyone, and nodes reconnect at different moments,
 # so a shorter streak does not yet show that this node alone is cut off.
@@ -211,11 +215,11 @@ class SignalReceived:
 @dataclass(frozen=True)
 class Tick:
     """Periodic, with the workers' progress as read now (local rank -> (step, phase) or (step, phase, generation), for
-    ranks that write one; the generation a "wait" names) and the checkpoint directory's fence ((job epoch, generation)
-    of the newest world that opened it; (0, 0): none)."""
+    ranks that write one; the generation a "wait" names) and the checkpoint directory's fence, checked against the
+    job's key (:mod:`pliant.seal`; None: none, or one that is not sealed with the key)."""
 
     progress: Mapping[int, tuple[int, str] | tuple[int, str, int]] = field(default_factory=dict)
-    fence: tuple[int, int] = (0, 0)
+    fence: Fence | None = None
     ready: bool = False  # every live worker announced that it re-forms in place
 
 
@@ -397,6 +401,19 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     return _set(state, AgentState.WAITING, "worker failure reported"), [Stop(), Send(report)]
 
 
+def _fenced_by(state: CoreState, fence: Fence | None) -> str:
+    """Why the checkpoint directory's ``fence`` says that this node's running world was superseded ("" if not)."""
+    gen = state.generation
+    if fence is None or state.group is None or gen is None or fence.job != gen.job_id:
+        return ""
+    if not fence.supersedes(gen.incarnation, state.group):
+        return ""
+    if fence.owner == gen.incarnation:
+        return f"fenced: generation {fence.generation} owns the checkpoint directory, this group runs {state.group}"
+    return (f"fenced: another incarnation of job {gen.job_id} (started again) took the checkpoint directory over; "
+            f"this world (generation {state.group}) stops")
+
+
 def _failure(state: CoreState, generation: int, code: int, message: str) -> Report:
     """A failure report of ``generation``, saying whether this node's workers trained a step in it."""
     return Report("failure", generation, code, message, state.trained_in >= generation)
@@ -523,11 +540,11 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
             why = (f"this node's workers finished, and the control plane has not been reached for "
                    f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting")
             return _set(state, AgentState.SUCCEEDED, why), [Exit(0)]
-        if state.group is not None and state.generation is not None:
-            mine = (state.generation.epoch, state.group)
-            if state.generation.epoch and event.fence > mine:
-                why = f"fenced: generation {event.fence[1]} owns the checkpoint directory, this group runs {mine[1]}"
-                return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
+        fenced = _fenced_by(state, event.fence)
+        if fenced:
+            # Reported, so that the control plane that runs this world learns why it stopped.
+            report = _failure(state, state.group or 0, FENCED_EXIT_CODE, fenced)
+            return _set(_no_group(state), AgentState.WAITING, fenced), [Stop(), Send(report)]
         state, actions = _watch_progress(state, event, now)
         if actions:
             return state, actions

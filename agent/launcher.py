@@ -26,6 +26,7 @@ from pliant.env import AUTO, parse_every
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
 from pliant.net import is_loopback, is_wildcard, local_address, parse_host_port
+from pliant.seal import load_or_create_root
 from pliant.tls import Role, TlsConfig, add_tls_flags, read_token_file, tls_from_flags
 
 if TYPE_CHECKING:
@@ -122,6 +123,14 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
             default="",
             help="where the embedded control plane writes the certificates of this run (its own CA, made at start; "
             "default: a new temporary directory)",
+        )
+        parser.add_argument(
+            "--seal-root-file",
+            default=env("PLIANT_SEAL_ROOT_FILE", "") or default_seal_root_file(),
+            help="the embedded control plane's sealing secret, made on first use (mode 0600): the job's checkpoint "
+            "key derives from it, so a run started again on this machine resumes from the checkpoints it sealed; "
+            "copy it to start the first node elsewhere (env PLIANT_SEAL_ROOT_FILE; default "
+            "$XDG_STATE_HOME/pliant/seal-root, else ~/.local/state/pliant/seal-root)",
         )
     parser.add_argument(
         "--checkpoint-dir",
@@ -365,6 +374,12 @@ def config_from_args(
     )
 
 
+def default_seal_root_file() -> str:
+    """Where ``pliant run`` keeps its sealing secret by default: the user's state directory (XDG)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "pliant", "seal-root")
+
+
 def advertised_host(args: argparse.Namespace, coordinator: Sequence[str], embedded: bool) -> str:
     """The address this node's peers reach it on when ``--host`` is not given: with the embedded control plane the
     --listen host (loopback stays loopback: one machine), or for a wildcard the first interface that is up and not
@@ -477,7 +492,8 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
         coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
                                          replica_id="embedded", tls=certs.coordinator if certs else None,
                                          insecure=certs is None,
-                                         signer=Signer(certs.ca) if certs else None)  # fmt: skip
+                                         signer=Signer(certs.ca) if certs else None,
+                                         seal_root=load_or_create_root(args.seal_root_file))  # fmt: skip
         registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
         with CoordinatorServer(coord_config, registry) as coordinator:
             host = args.host if is_wildcard(listen_host) else listen_host

@@ -41,13 +41,15 @@ KEEPALIVE_TIMEOUT_MS = 2000  # ... and a call breaks when one is not answered wi
 
 
 class JoinGrant:
-    """What Join returns: the lease to heartbeat, its TTL and interval, and the current generation number."""
+    """What Join returns: the lease to heartbeat, its TTL and interval, the current generation number and the job's
+    checkpoint key."""
 
     def __init__(self, msg: pb.JoinResponse) -> None:
         self.lease_id: int = msg.lease_id
         self.heartbeat_ttl_s: float = msg.heartbeat_ttl_s
         self.heartbeat_interval_s: float = msg.heartbeat_interval_s
         self.generation: int = msg.generation
+        self.checkpoint_key: bytes = msg.checkpoint_key  # the job's key for the checkpoint directory (pliant.seal)
 
 
 class CoordinatorClient:

@@ -24,6 +24,7 @@ __all__ = [
     "MAX_REASON_BYTES",
     "MAX_WORLD_SIZE",
     "WAIT_EXIT_CODE",
+    "Admission",
     "AlreadyExists",
     "CoordinatorError",
     "CorruptRecord",
@@ -429,7 +430,7 @@ class Generation:
     reason: str
     restarts_used: int = 0
     created_at: float = 0.0
-    epoch: int = 0  # the job's incarnation: its spec key's etcd create revision
+    incarnation: str = ""  # the job's incarnation: a UUID the control plane wrote once, when it created the job
 
     @property
     def world_size(self) -> int:
@@ -453,6 +454,17 @@ class Generation:
         data = json.loads(text)
         members = tuple(_from_mapping(GenerationMember, m) for m in data.pop("members", []))
         return _from_mapping(cls, {**data, "members": members})
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a Join grants: the membership lease, the current generation number (0: none yet), the heartbeat TTL, and
+    the job's checkpoint key (:mod:`pliant.seal`)."""
+
+    lease_id: int
+    generation: int
+    heartbeat_ttl_s: float
+    checkpoint_key: bytes = b""
 
 
 WAIT_EXIT_CODE = -2  # a FailureReport of workers that wait in place after a peer failed
@@ -509,7 +521,8 @@ class JobSnapshot:
         departed: node ids that left gracefully (Leave) recently.
         generation_mod_revision: mod revision of the current-generation key (0 if absent): the fence of the next write.
         status_mod_revision: mod revision of the state key (0 if absent).
-        epoch: create revision of the spec key: the job's incarnation (a job re-created under its id has a higher one).
+        incarnation: the job's incarnation, a UUID written once when the job was created (a job created again under
+            its id, or in a rebuilt etcd, has another one).
         strikes: nodes evicted as unreachable by their peers, recently (held back from rejoining for a while).
     """
 
@@ -521,7 +534,7 @@ class JobSnapshot:
     departed: frozenset[str] = field(default_factory=frozenset)
     generation_mod_revision: int = 0
     status_mod_revision: int = 0
-    epoch: int = 0
+    incarnation: str = ""
     strikes: tuple[Strike, ...] = ()
 
 

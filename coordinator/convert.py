@@ -90,13 +90,13 @@ def generation_to_pb(gen: Generation) -> pb.Generation:
         reason=gen.reason,
         restarts_used=gen.restarts_used,
         created_at=gen.created_at,
-        epoch=gen.epoch,
+        incarnation=gen.incarnation,
     )
 
 
 def generation_from_pb(msg: pb.Generation) -> Generation:
     members = tuple(GenerationMember(m.node_id, m.node_rank, m.rank_offset, m.nproc, m.address) for m in msg.members)
-    return Generation(msg.job_id, msg.number, members, msg.reason, msg.restarts_used, msg.created_at, msg.epoch)
+    return Generation(msg.job_id, msg.number, members, msg.reason, msg.restarts_used, msg.created_at, msg.incarnation)
 
 
 def _member_to_pb(m: Member, progress: MemberProgress) -> pb.Member:

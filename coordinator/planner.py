@@ -88,7 +88,7 @@ def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: 
     since = {m.node_id: m.since for m in snap.generation.members} if snap.generation else {}
     members = tuple(dataclasses.replace(m, since=since.get(m.node_id) or number)
                     for m in assign_ranks(snap.spec, nodes))  # fmt: skip
-    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.epoch)
+    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation)
     return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
 
 

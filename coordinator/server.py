@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -75,6 +75,8 @@ class CoordinatorConfig:
             signs none and serves no bootstrap port.
         bootstrap_listen: HOST:PORT of the Bootstrap service (TLS that checks the server only), with ``signer``;
             "": the API's host and its port + 1 (:func:`pliant.bootstrap.bootstrap_address`).
+        seal_root: the sealing secret jobs' checkpoint keys derive from (:mod:`pliant.seal`; ``--seal-root-file``);
+            None: the one in etcd (made once). Replicas of one deployment share it.
     """
 
     etcd_endpoints: tuple[str, ...]
@@ -98,6 +100,7 @@ class CoordinatorConfig:
     outage_tolerance_s: float = 3600.0
     signer: Signer | None = None
     bootstrap_listen: str = ""
+    seal_root: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -159,7 +162,8 @@ class CoordinatorServer:
             etcd_files = config.etcd_tls.load(need_role=False)
             etcd_creds = grpc.ssl_channel_credentials(etcd_files.ca_pem, etcd_files.key_pem, etcd_files.cert_pem)
         self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s, credentials=etcd_creds,
-                               membership_lease_s=config.outage_tolerance_s)  # fmt: skip
+                               membership_lease_s=config.outage_tolerance_s,
+                               seal_root=config.seal_root)  # fmt: skip
         self.health = health.HealthServicer()
         self.election = LeaderElection(self.store, config.replica_id, config.leader_ttl_s, self._set_health)
         self.metrics = CoordinatorMetrics(self.registry, lambda: self.election.is_leader)

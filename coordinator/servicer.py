@@ -247,10 +247,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         node = validate_id(request.node_id, "node_id")
         slots = validate_slots(request.slots)
         member = Member(node, validate_address(request.address), slots, self._clock())
-        lease_id, generation, ttl = self._store.join(job, member, request.join_token)
+        admitted = self._store.join(job, member, request.join_token)
         self._poke()
+        ttl = admitted.heartbeat_ttl_s
         return pb.JoinResponse(
-            lease_id=lease_id, heartbeat_ttl_s=ttl, heartbeat_interval_s=max(0.2, ttl / 4), generation=generation
+            lease_id=admitted.lease_id,
+            heartbeat_ttl_s=ttl,
+            heartbeat_interval_s=max(0.2, ttl / 4),
+            generation=admitted.generation,
+            checkpoint_key=admitted.checkpoint_key,
         )
 
     @_rpc

@@ -5,6 +5,7 @@ Key layout under the prefix (default ``/pliant/v1``)::
     leader                              elected replica id (leased; its create revision is the fencing token)
     jobs/<job>/spec                     JobSpec JSON
     jobs/<job>/token                    "sha256:<hex>" of the job's join token (never the token itself)
+    jobs/<job>/incarnation              a UUID written once with the spec: the job's incarnation (pliant.seal's fence)
     jobs/<job>/state                    JobStatus JSON (waiting | running | succeeded | failed)
     jobs/<job>/members/<node>           Member JSON, attached to the node's lease
     jobs/<job>/generation               the current Generation JSON
@@ -13,6 +14,7 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
     jobs/<job>/strikes/<node>           {"address", "count", "lifted", "lifts"}: failed readmissions (policy.struck;
                                         on a lease that lapses STRIKE_WINDOW_S after the last strike; see policy)
+    seal-root                           the sealing secret, hex (pliant.seal), unless the coordinator is given one
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
                                         jobs/ so that its writes never wake the reconciler
@@ -28,6 +30,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import uuid
 from typing import Any
 
 from pliant.coordinator.contract import (
@@ -134,6 +137,7 @@ class EtcdStore(MemberStore):
                 self.tx.put(spec_key, spec.to_json()),
                 self.tx.put(self.job_key(job, "state"), JobStatus(JobState.WAITING, now).to_json()),
                 self.tx.put(token_key, token_digest(token)),
+                self.tx.put(self.job_key(job, "incarnation"), uuid.uuid4().hex),
                 self.tx.put(self.index_key(job), ""),
             ],
             failure=[self.tx.get(spec_key), self.tx.get(token_key)],
@@ -214,7 +218,7 @@ class EtcdStore(MemberStore):
             NotFound: no such job.
         """
         key = functools.partial(self.job_key, job)
-        _, (spec, state, members, current, failures, departed, strikes) = self._txn(
+        _, (spec, state, members, current, failures, departed, strikes, incarnation) = self._txn(
             compare=[],
             success=[
                 self.tx.get(key("spec")),
@@ -224,6 +228,7 @@ class EtcdStore(MemberStore):
                 self._prefix_get(key("failures") + "/"),
                 self._prefix_get(key("departed") + "/"),
                 self._prefix_get(key("strikes") + "/"),
+                self.tx.get(key("incarnation")),
             ],
         )
         if not spec:
@@ -247,7 +252,8 @@ class EtcdStore(MemberStore):
             strikes=tuple(_strike(v, m) for v, m in strikes),
             generation_mod_revision=current[0][1].mod_revision if current else 0,
             status_mod_revision=state[0][1].mod_revision if state else 0,
-            epoch=spec[0][1].create_revision,
+            # A job created before incarnations were written: its spec key's create revision stands in.
+            incarnation=incarnation[0][0].decode() if incarnation else f"rev-{spec[0][1].create_revision}",
         )
 
     @etcd_call

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import logging
+import secrets
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import grpc
 from pliant.coordinator.contract import (
     CoordinatorError,
     CorruptRecord,
+    FailedPrecondition,
     Generation,
     InvalidArgument,
     JobSpec,
@@ -34,6 +36,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
+from pliant.seal import KEY_BYTES, job_key
 
 __all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "StrikeRecord", "decode", "etcd_call", "range_end",
            "read_strike", "token_digest"]
@@ -176,8 +179,10 @@ class EtcdBase:
         observer: EtcdObserver | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         membership_lease_s: float = 3600.0,
+        seal_root: bytes | None = None,
     ) -> None:
         self.observer = observer
+        self._seal_root = seal_root  # the sealing secret (pliant.seal); None: the one in etcd, read or made once
         self.membership_lease_s = membership_lease_s
         self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
@@ -224,6 +229,38 @@ class EtcdBase:
 
     def history_key(self, job: str, number: int) -> str:
         return self.job_key(job, "generations", f"{number:012d}")
+
+    @property
+    def seal_root_key(self) -> str:
+        return f"{self.prefix}/seal-root"
+
+    @etcd_call
+    def seal_root(self) -> bytes:
+        """The control plane's sealing secret (:mod:`pliant.seal`): the one configured, else the one in etcd, which
+        the first replica to need it creates."""
+        if self._seal_root is None:
+            made = secrets.token_hex(KEY_BYTES)
+            ok, responses = self._txn(
+                [self.tx.create(self.seal_root_key) == 0],
+                [self.tx.put(self.seal_root_key, made)],
+                [self.tx.get(self.seal_root_key)],
+            )
+            text = made if ok else responses[0][0][0].decode()
+            try:
+                root = bytes.fromhex(text)
+            except ValueError:
+                root = b""
+            if len(root) != KEY_BYTES:
+                raise FailedPrecondition(
+                    f"etcd key {self.seal_root_key} does not hold a {KEY_BYTES}-byte sealing root; restore it from a "
+                    f"backup (checkpoints sealed with it load only with it) or delete it to make a new one"
+                )
+            self._seal_root = root
+        return self._seal_root
+
+    def checkpoint_key(self, job: str) -> bytes:
+        """``job``'s checkpoint key (:func:`pliant.seal.job_key`)."""
+        return job_key(self.seal_root(), job)
 
     def _txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
         return self.client.transaction(compare=compare, success=success, failure=failure or [])

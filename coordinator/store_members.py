@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from etcd3 import etcdrpc
 
 from pliant.coordinator.contract import (
+    Admission,
     AlreadyExists,
     FailedPrecondition,
     FailureReport,
@@ -50,14 +51,14 @@ class MemberStore(EtcdBase):
     """The member operations of the store (see :class:`pliant.coordinator.store.EtcdStore`)."""
 
     @etcd_call
-    def join(self, job: str, member: Member, token: str, _retry: bool = True) -> tuple[int, int, float]:
+    def join(self, job: str, member: Member, token: str, _retry: bool = True) -> Admission:
         """Check the join token, grant a lease of the job's heartbeat TTL and write ``member``'s key on it.
 
         The token's digest is compared inside the transaction that writes the member key, so a token rotated on
         another replica takes effect at once; a wrong token is refused before any lease is granted.
 
         Returns:
-            (lease id, current generation number or 0, heartbeat TTL in seconds).
+            the lease, the current generation number (0: none yet), the heartbeat TTL and the job's checkpoint key.
 
         Raises:
             NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
@@ -119,7 +120,7 @@ class MemberStore(EtcdBase):
         generation = decode(self.job_key(job, "generation"), Generation.from_json, gen_kv[0][0]).number if gen_kv else 0
         self._bound[lease.id] = (job, member.node_id)
         logger.info("node %s joined job %s (address %s)", member.node_id, job, member.address)
-        return lease.id, generation, ttl_s
+        return Admission(lease.id, generation, ttl_s, self.checkpoint_key(job))
 
     def _spec(self, job: str) -> tuple[JobSpec, int]:
         """The job's spec and its key's create revision; cached, since a job's spec never changes.

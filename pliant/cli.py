@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT of the bootstrap service with --signing-ca-dir (default: --listen's port + 1)",
     )
     coord.add_argument(
+        "--seal-root-file",
+        default=_env("PLIANT_SEAL_ROOT_FILE", ""),
+        help="file holding the sealing secret that jobs' checkpoint keys derive from (made on first use, mode 0600; "
+        "a mounted Secret), shared by every replica; default: a secret kept in etcd, made once (env "
+        "PLIANT_SEAL_ROOT_FILE)",
+    )
+    coord.add_argument(
         "--agent-cert-lifetime",
         type=float,
         default=86400.0,
@@ -172,6 +179,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
     from pliant.coordinator.signer import Signer
     from pliant.errors import ConfigError
+    from pliant.seal import load_or_create_root
     from pliant.tls import TlsConfig, ca_fingerprint
 
     if not args.etcd:
@@ -199,6 +207,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         outage_tolerance_s=args.outage_tolerance,
         signer=Signer(load_ca(args.signing_ca_dir), args.agent_cert_lifetime) if args.signing_ca_dir else None,
         bootstrap_listen=args.bootstrap_listen,
+        seal_root=load_or_create_root(args.seal_root_file) if args.seal_root_file else None,
     )
     server = CoordinatorServer(config).start()
     print(f"pliant coordinator {config.replica_id} listening on {server.address}", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from pliant.errors import ConfigError
 
@@ -78,8 +78,10 @@ class WorkerEnv:
         metrics_dir: prometheus_client multiprocess directory ("" when not configured).
         allow_fresh_start: when checkpoints exist but none loads, train from step 0 instead of failing
             (``--allow-fresh-start``).
-        job_epoch: the job's incarnation (0 outside a pliant agent); with ``generation`` it orders worlds for
-            checkpoint fencing.
+        incarnation: the job's incarnation, a UUID the control plane wrote when it created the job ("" outside a
+            pliant agent); with ``generation`` it fences the checkpoint directory (:mod:`pliant.seal`).
+        checkpoint_key: the job's checkpoint key, hex ("" outside a pliant agent: records are not sealed); the
+            checkpoint directory's fence and commit markers are sealed and checked with it (:mod:`pliant.seal`).
         progress_file: where the worker writes its step and phase for the agent's hang detection
             (:mod:`pliant.progress`; "" when no agent watches).
         rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
@@ -106,7 +108,8 @@ class WorkerEnv:
     agent_store: str = ""
     checkpoint_dir: str = ""
     metrics_dir: str = ""
-    job_epoch: int = 0
+    incarnation: str = ""
+    checkpoint_key: str = field(default="", repr=False)
     progress_file: str = ""
     allow_fresh_start: bool = False
     rescale: str = "restart"
@@ -119,6 +122,11 @@ class WorkerEnv:
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ConfigError(f"PLIANT_SNAPSHOT_EVERY={self.snapshot_every} must be 'auto' or at least 1 (steps "
                               f"between buddy copies; --snapshot-every)")  # fmt: skip
+        if self.checkpoint_key and not _is_key(self.checkpoint_key):
+            raise ConfigError(
+                "PLIANT_CHECKPOINT_KEY must be 64 hex digits (the job's checkpoint key, set by the pliant agent); "
+                "unset it outside an agent"
+            )
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
@@ -159,7 +167,8 @@ class WorkerEnv:
             "PLIANT_CHECKPOINT_DIR": self.checkpoint_dir,
             "PLIANT_METRICS_DIR": self.metrics_dir,
             "PLIANT_PROGRESS_FILE": self.progress_file,
-            "PLIANT_JOB_EPOCH": str(self.job_epoch),
+            "PLIANT_JOB_INCARNATION": self.incarnation,
+            "PLIANT_CHECKPOINT_KEY": self.checkpoint_key,
             "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
             "PLIANT_RESCALE": self.rescale,
             "PLIANT_SNAPSHOT_EVERY": AUTO if self.snapshot_every is None else str(self.snapshot_every),
@@ -211,9 +220,17 @@ class WorkerEnv:
             checkpoint_dir=env.get("PLIANT_CHECKPOINT_DIR", ""),
             metrics_dir=env.get("PLIANT_METRICS_DIR", ""),
             progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
-            job_epoch=integer("PLIANT_JOB_EPOCH", 0),
+            incarnation=env.get("PLIANT_JOB_INCARNATION", ""),
+            checkpoint_key=env.get("PLIANT_CHECKPOINT_KEY", ""),
             allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
             rescale=env.get("PLIANT_RESCALE") or defaults["rescale"],
             snapshot_every=parse_every(env.get("PLIANT_SNAPSHOT_EVERY", ""), "PLIANT_SNAPSHOT_EVERY"),
             snapshot_dir=env.get("PLIANT_SNAPSHOT_DIR", ""),
         )
+
+
+def _is_key(text: str) -> bool:
+    try:
+        return len(bytes.fromhex(text)) == 32
+    except ValueError:
+        return False

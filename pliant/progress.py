@@ -1,4 +1,4 @@
-"""What workers tell their agent through files: progress (for hang detection) and the checkpoint fence.
+"""What workers and their agent tell each other through files: progress (for hang detection) and directives.
 
 **The progress file** says, cheaply, that a worker is alive and where it is.
 
@@ -19,8 +19,7 @@ through a temporary file and a rename, then the rescale signal. Modes: ``in-plac
 generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it can take directives
 by creating ``<progress file>.inplace``.
 
-**The fence file** ``pliant-fence.json`` in the checkpoint directory holds the (job epoch, generation) of the newest
-world that opened it (written by :mod:`pliant.worker.checkpoint`); an agent whose running world is older stops it.
+The checkpoint directory's fence file, which an agent also reads, is :mod:`pliant.seal`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from pathlib import Path
 
 __all__ = [
     "DIRECTIVE_MODES",
-    "FENCE",
     "PHASES",
     "RECORD_BYTES",
     "Directive",
@@ -42,13 +40,11 @@ __all__ = [
     "announce_in_place",
     "in_place_ready",
     "read_directive",
-    "read_fence",
     "read_progress",
     "read_record",
     "write_directive",
 ]
 
-FENCE = "pliant-fence.json"
 RECORD_BYTES = 32
 PHASES = ("start", "step", "save", "wait", "done")
 DIRECTIVE_MODES = ("in-place", "leave", "restart")
@@ -103,15 +99,6 @@ def read_record(path: str) -> tuple[int, str, int] | None:
     if len(text) not in (2, 3) or text[1] not in PHASES or not all(t.isdigit() for t in text[:1] + text[2:]):
         return None
     return int(text[0]), text[1], int(text[2]) if len(text) == 3 else 0
-
-
-def read_fence(directory: str | os.PathLike[str]) -> tuple[int, int]:
-    """(epoch, generation) recorded in ``directory``'s fence file; (0, 0) when there is none (or it is unreadable)."""
-    try:
-        data = json.loads((Path(directory) / FENCE).read_text())
-        return int(data["epoch"]), int(data["generation"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0, 0
 
 
 @dataclass(frozen=True)

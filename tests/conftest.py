@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user state directory (``XDG_STATE_HOME``) of every ``pliant run`` the tests start: their sealing secret
+    (pliant.seal) is the session's, not the user's."""
+    path = tmp_path_factory.mktemp("state")
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[object]:
     """One real etcd server for the session; tests isolate themselves with their own key prefix."""

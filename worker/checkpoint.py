@@ -1,20 +1,28 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), committed atomically, loadable at any world size.
 
 Layout: ``DIR/step-<step:012d>/`` holds DCP's files (plain ``torch.distributed.checkpoint`` can read them) and, last,
-pliant's commit marker ``pliant-commit.json`` (job, step, generation, world size, model fingerprint), written by rank 0
-through a temporary file, fsync and rename once every rank's shards and DCP's ``.metadata`` are on disk. A directory
-without the marker is partial: never loaded, and removed once a newer checkpoint is committed. The last ``keep``
-committed checkpoints are kept; nothing is deleted that a committed checkpoint has not superseded.
+pliant's commit marker ``pliant-commit.json`` (job, step, generation, world size, model fingerprint, the SHA-256 of
+DCP's ``.metadata``), sealed with the job's key (:mod:`pliant.seal`) and written by rank 0 through a temporary file,
+fsync and rename once every rank's shards and DCP's ``.metadata`` are on disk. A directory without the marker is
+partial: never loaded, and removed once a newer checkpoint is committed. The last ``keep`` committed checkpoints are
+kept; nothing is deleted that a committed checkpoint has not superseded. Files are 0640, directories 0750.
+
+Checkpoints are data (:mod:`pliant.worker.sealed`): a marker counts only when its seal holds and its step is its
+directory's; ``.metadata`` is read only when its digest is the marker's, and with an allowlist unpickler; non-tensor
+items load with ``weights_only``. Paths come from the directory's listing (real directories named ``step-*``), never
+from a marker, so pruning removes only checkpoint directories of this directory.
 
 A checkpoint holds the model and optimizer (DCP's state-dict helpers: DDP and FSDP2 shard or replicate as they train;
 ZeRO by parameter name), the loader's cursor, the step, and user extras. Loading reshards to the current world size.
 
 Fencing and edges:
 
-- Under a pliant agent (a job epoch, see :class:`pliant.env.WorkerEnv`), rank 0 of each generation records
-  (epoch, generation) in ``pliant-fence.json`` when its manager opens; a commit from an older world (a zombie that was
-  evicted and kept running) is refused, so two worlds never both commit into one directory, and the agent stops a
-  group whose world the fence shows superseded. A job created again under its id has a higher epoch.
+- Under a pliant agent (a job incarnation, see :class:`pliant.env.WorkerEnv`), rank 0 of each generation records
+  (incarnation, generation) in the sealed fence ``pliant-fence.json`` when its manager opens; a commit from a
+  superseded world (a zombie that was evicted and kept running) is refused, so two worlds never both commit into one
+  directory, and the agent stops a group whose world the fence shows superseded. A new incarnation of the same job
+  (the job started again after every node was lost) takes the directory over and resumes from its newest checkpoint;
+  a directory fenced by another job is refused at open.
 - Rank 0 alone picks the checkpoints to try (newest first) and sends the list to every rank, so ranks with different
   views of a shared filesystem still load the same step together. A checkpoint that fails to load on any rank is
   skipped on every rank and, once an older one loaded, renamed aside to ``corrupt-step-<step>-<time>`` (kept for
@@ -30,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -38,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +54,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pliant.progress import FENCE, read_fence
+from pliant.seal import FENCE, Fence, SealError, read_fence, seal, unseal
 from pliant.worker.contract import Engine, Staged, WorkerError
-from pliant.worker.directio import DirectWriter
+from pliant.worker.directio import DIR_MODE, FILE_MODE, DirectWriter
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
+from pliant.worker.sealed import DataLoadPlanner, SealedReader, metadata_digest, restrict_objects, unrestrict
 from pliant.worker.staging import (
     BackgroundWriter,
     from_snapshot,
@@ -76,7 +84,7 @@ class CheckpointError(WorkerError):
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A committed checkpoint's marker."""
+    """A committed checkpoint's marker (``path``: its directory, from the listing, never from the marker)."""
 
     path: str
     step: int
@@ -85,6 +93,29 @@ class CheckpointInfo:
     job_id: str
     fingerprint: str
     saved_at: float
+    metadata_sha256: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "kind": "commit",
+            "job": self.job_id,
+            "step": self.step,
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "fingerprint": self.fingerprint,
+            "saved_at": self.saved_at,
+            "metadata_sha256": self.metadata_sha256,
+        }
+
+    @classmethod
+    def from_record(cls, path: Path, record: dict[str, Any]) -> CheckpointInfo:
+        """Raises: SealError: a field is missing or of the wrong type."""
+        try:
+            return cls(str(path), int(record["step"]), int(record["generation"]), int(record["world_size"]),
+                       str(record["job"]), str(record["fingerprint"]), float(record["saved_at"]),
+                       str(record["metadata_sha256"]))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SealError(f"commit record lacks a valid field ({exc})") from None
 
 
 def _fingerprint(engine: Engine) -> str:
@@ -144,7 +175,9 @@ class CheckpointManager:
         engine: the engine whose model and optimizer are saved.
         loader: an object with ``state_dict``/``load_state_dict`` (the elastic loader), or None.
         job_id, generation: recorded in the marker; a checkpoint of another job is refused.
-        epoch: the job's incarnation (``PLIANT_JOB_EPOCH``); 0 (outside an agent) disables generation fencing.
+        incarnation: the job's incarnation (``PLIANT_JOB_INCARNATION``); "" (outside an agent) disables fencing.
+        key: the job's checkpoint key (``PLIANT_CHECKPOINT_KEY``); None (outside an agent): markers and the fence are
+            written unsealed and read unchecked (metadata is still read as data).
         keep: committed checkpoints to keep.
         async_save: write in the background (one save in flight at most; the next save waits for it).
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
@@ -166,8 +199,9 @@ class CheckpointManager:
         every_steps: int = 0,
         metrics: WorkerMetrics | None = None,
         allow_fresh_start: bool = False,
-        epoch: int = 0,
+        incarnation: str = "",
         direct_io: bool = True,
+        key: bytes | None = None,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
@@ -178,9 +212,11 @@ class CheckpointManager:
         self.fingerprint = _fingerprint(engine)
         # Async saves' collectives run on a background thread: a group of their own, or they interleave and hang.
         self.group = dist.new_group(backend="gloo")
+        restrict_objects(self.group)  # what DCP's planning sends over it is unpickled as data
         self.extras: dict[str, Any] = {}
         self.allow_fresh_start = allow_fresh_start
-        self.epoch = epoch
+        self.incarnation, self.key = incarnation, key or None
+        self._ignored: dict[str, str] = {}  # checkpoint path -> why its marker is ignored (said once)
         self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
         self.snapshot_of: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
         self.peer_failed: Callable[[BaseException], bool] | None = None  # its "a peer failed; the next step re-forms"
@@ -191,18 +227,18 @@ class CheckpointManager:
         self.stalled_s = 0.0  # the last save's stall: save() blocked, plus the optimizer step's wait for an async copy
         self._stager: Any = None  # async saves' DCP stager: its host copies of the state are reused from save to save
         if dist.get_rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._raise_fence()
+            self._open_directory(first=True)
 
     def reopen(self, generation: int) -> None:
         """The world was re-formed in place (generation ``generation``): open this manager's group in it (collective,
         in the order the script made its managers) and raise the fence."""
+        unrestrict(self.group)
         self.group = dist.new_group(backend="gloo")
+        restrict_objects(self.group)
         self.generation = generation
         self.close()  # this rank's share of the state is cut anew in this world
         if dist.get_rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._raise_fence()
+            self._open_directory()
 
     def close(self) -> None:
         """Free the host copies that async saves reuse (the next async save makes them again)."""
@@ -225,13 +261,41 @@ class CheckpointManager:
 
     # -- the generation fence ------------------------------------------------------------------------------------------
 
-    def fence(self) -> tuple[int, int]:
-        """(epoch, generation) of the newest world that opened this directory ((0, 0): none)."""
-        return read_fence(self.directory)
+    def fence(self) -> Fence | None:
+        """The directory's fence, if it is sealed with the job's key (one that is not counts as none)."""
+        try:
+            return read_fence(self.directory, self.key)
+        except SealError as exc:
+            logger.warning("the fence file in %s is ignored: %s; this world replaces it", self.directory, exc)
+            return None
 
-    def _raise_fence(self) -> None:
-        if self.epoch and self.fence() < (self.epoch, self.generation):
-            _write_durably(self.directory / FENCE, json.dumps({"epoch": self.epoch, "generation": self.generation}))
+    def _open_directory(self, first: bool = False) -> None:
+        """Rank 0: create the directory (0750) and raise the fence for this world (taking the directory over from an
+        earlier incarnation of the job).
+
+        Raises:
+            CheckpointError: the directory is fenced by another job. When the manager is made (``first``), a fence
+                that names another job refuses the directory even when its seal is another job's: a new job does not
+                train over another job's checkpoints.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        if not self.incarnation:
+            return
+        fence = self.fence()
+        owner = fence.job if fence is not None else (_claimed_job(self.directory) if first else "")
+        if owner and owner != self.job_id:
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} belongs to job {owner!r}, not {self.job_id!r}; point "
+                f"--checkpoint-dir at this job's directory (its fence {self.directory / FENCE} names the job)"
+            )
+        opened = (fence or Fence(self.job_id, "", 0)).opened_by(self.incarnation, self.generation)
+        if opened is None:
+            return
+        if fence is not None and fence.owner and fence.owner != self.incarnation:
+            logger.warning("checkpoint directory %s: this incarnation of job %s takes it over from an earlier one "
+                           "(the job was started again); that one's worlds are fenced", self.directory,
+                           self.job_id)  # fmt: skip
+        _write_durably(self.directory / FENCE, seal(self.key, opened.to_record()))
 
     def after_step(self, steps_done: int) -> None:
         """Call after every optimizer step with the number of steps done: saves every ``every_steps`` steps, and
@@ -391,39 +455,62 @@ class CheckpointManager:
             CheckpointError: a newer generation owns the directory; nothing was committed.
         """
         if dist.get_rank() == 0:
-            epoch, newer = self.fence()
-            if self.epoch and (epoch, newer) > (self.epoch, self.generation):
+            fence = self.fence() if self.incarnation else None
+            if fence is not None and fence.supersedes(self.incarnation, self.generation):
+                owner = f"generation {fence.generation}" if fence.owner == self.incarnation else "a newer incarnation"
                 raise CheckpointError(
-                    f"commit of {path} refused: generation {newer} already owns {self.directory} and this worker runs "
-                    f"generation {self.generation} (its node was evicted and its world superseded); stop this worker"
+                    f"commit of {path} refused: {owner} of job {self.job_id} owns {self.directory} and this worker "
+                    f"runs generation {self.generation} (its world was superseded); stop this worker"
                 )
             info = CheckpointInfo(str(path), step, self.generation, dist.get_world_size(), self.job_id,
-                                  self.fingerprint, time.time())  # fmt: skip
-            _write_durably(path / COMMIT, json.dumps(asdict(info)))
+                                  self.fingerprint, time.time(), metadata_digest(path))  # fmt: skip
+            _write_durably(path / COMMIT, seal(self.key, info.to_record()))
             _fsync_dir(self.directory)  # the step directory's own entry
             logger.info("checkpoint of step %d committed at %s", step, path)
             self._prune()
 
     def _prune(self) -> None:
+        """Remove committed checkpoints past ``keep`` and partial ones older than the newest: directories of this
+        directory's listing only (a marker names no path)."""
         committed = self.committed()
         newest = committed[0].step if committed else -1
         for info in committed[self.keep :]:
             shutil.rmtree(info.path, ignore_errors=True)
-        for path in self.directory.glob(f"{_PREFIX}*"):
+        for path in self._step_dirs():
             if not (path / COMMIT).exists() and _step_of(path) < newest:
                 logger.warning("removing partial checkpoint %s (superseded by step %d)", path, newest)
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- loading -------------------------------------------------------------------------------------------------------
 
+    def _step_dirs(self) -> list[Path]:
+        """The checkpoint directories: real directories (not links) named ``step-<step>``."""
+        if not self.directory.is_dir():
+            return []
+        return [p for p in self.directory.iterdir() if _step_of(p) >= 0 and p.is_dir() and not p.is_symlink()]
+
+    def _marker(self, path: Path) -> CheckpointInfo | None:
+        """The checkpoint at ``path``: its marker, if it is sealed with the job's key and names ``path``'s step.
+        Markers that are not are ignored (and said once): they are never loaded, counted or pruned."""
+        try:
+            text = (path / COMMIT).read_bytes()
+        except OSError:
+            return None  # partial (or unreadable here)
+        try:
+            info = CheckpointInfo.from_record(path, unseal(self.key, text, "commit"))
+            if info.step != _step_of(path):
+                raise SealError(f"it names step {info.step}")
+        except SealError as exc:
+            if str(path) not in self._ignored:
+                logger.warning("checkpoint %s is ignored: its commit marker is not this job's (%s)", path, exc)
+            self._ignored[str(path)] = f"its commit marker is not this job's ({exc})"
+            return None
+        self._ignored.pop(str(path), None)
+        return info
+
     def committed(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, newest first (partial ones are ignored)."""
-        out = []
-        for path in self.directory.glob(f"{_PREFIX}*"):
-            try:
-                out.append(CheckpointInfo(**json.loads((path / COMMIT).read_text())))
-            except (OSError, ValueError, TypeError):
-                continue
+        """Committed checkpoints, newest first (partial ones, and ones whose marker does not hold, are ignored)."""
+        out = [info for info in map(self._marker, self._step_dirs()) if info is not None]
         return sorted(out, key=lambda i: i.step, reverse=True)
 
     def _candidates(self) -> list[int]:
@@ -437,10 +524,7 @@ class CheckpointManager:
 
     def _info(self, step: int) -> CheckpointInfo | None:
         path = self.directory / f"{_PREFIX}{step:012d}"
-        try:
-            return CheckpointInfo(**json.loads((path / COMMIT).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
+        return self._marker(path) if path.is_dir() and not path.is_symlink() else None
 
     def restore(self) -> int | None:
         """Load the newest usable checkpoint that rank 0 sees (collective). Returns its step, or None when there is
@@ -469,12 +553,14 @@ class CheckpointManager:
                     f"checkpoint {info.path} was saved from another model (fingerprint {info.fingerprint}, this "
                     f"model {self.fingerprint}); use the same model definition or another --checkpoint-dir"
                 )
-            state = self._state(step, scheduler=self._has_scheduler(path))
+            digest = info.metadata_sha256 if info is not None else ""
+            state = self._state(step, scheduler=self._has_scheduler(path, digest))
             error = "" if info is not None else f"its marker {path / COMMIT} is unreadable on this rank"
             started = time.perf_counter()
             if not error:
                 try:
-                    dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+                    dcp.load(state, storage_reader=SealedReader(path, digest), planner=DataLoadPlanner(),
+                             process_group=self.group)  # fmt: skip
                 except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
                     error = f"{type(exc).__name__}: {str(exc)[:300]}"
             flag = torch.tensor([1 if error else 0], dtype=torch.int64)
@@ -496,13 +582,13 @@ class CheckpointManager:
             return step
         return self._nothing_loaded(unusable)
 
-    def _has_scheduler(self, path: Path) -> bool:
+    def _has_scheduler(self, path: Path, digest: str) -> bool:
         """Whether the checkpoint at ``path`` holds the engine's learning-rate scheduler (one saved before the script
         gave ``scheduler=`` does not: the scheduler then starts from its first step, with a warning)."""
         if self.engine.scheduler is None:
             return False
         try:
-            keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            keys = SealedReader(path, digest).read_metadata().state_dict_metadata
         except Exception:  # unreadable metadata: the load fails and says so
             return True
         if any(key.startswith("train.scheduler.") for key in keys):
@@ -528,6 +614,10 @@ class CheckpointManager:
             _fsync_dir(self.directory)
 
     def _nothing_loaded(self, unusable: list[tuple[Path, str]]) -> int | None:
+        """No checkpoint loaded: None (train from step 0) when there is none; else raise, since some exist (markers
+        that do not hold count: sealed with another key, the job's checkpoints need the deployment's sealing secret)."""
+        ignored = [(p, why) for p, why in self._ignored.items() if (Path(p) / COMMIT).exists()]
+        unusable = [*unusable, *((Path(p), why) for p, why in ignored)]
         aside = sorted(p.name for p in self.directory.glob(f"{_ASIDE}*")) if self.directory.is_dir() else []
         if not unusable and not aside:
             return None
@@ -539,15 +629,26 @@ class CheckpointManager:
         details = "; ".join(f"{p}: {why}" for p, why in unusable) or "only checkpoints moved aside earlier remain"
         raise CheckpointError(
             f"checkpoints exist in {self.directory} but none can be loaded ({details}); nothing was deleted. Repair or "
-            f"restore them, point --checkpoint-dir elsewhere, or train from step 0 with --allow-fresh-start (pliant "
-            f"run / agent) or allow_fresh_start=True (session.checkpoints)"
+            f"restore them (markers sealed with another key load with the sealing secret they were made under: "
+            f"--seal-root-file), point --checkpoint-dir elsewhere, or train from step 0 with --allow-fresh-start "
+            f"(pliant run / agent) or allow_fresh_start=True (session.checkpoints)"
         )
 
 
+def _claimed_job(directory: Path) -> str:
+    """The job a fence file in ``directory`` names, sealed or not ("" when there is none, or it names none)."""
+    try:
+        return str(unseal(None, (directory / FENCE).read_bytes(), "fence")["job"])
+    except (OSError, SealError, KeyError):
+        return ""
+
+
 def _write_durably(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and rename, then fsync the directory."""
+    """Write ``text`` to ``path`` (0640) through a temporary file, fsync and rename, then fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as out:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover (or someone else's) file: this one is made new, with this mode
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as out:
         out.write(text)
         out.flush()
         os.fsync(out.fileno())
@@ -575,10 +676,9 @@ def _save_error(path: Path | None, exc: BaseException) -> CheckpointError:
 
 
 def _step_of(path: Path) -> int:
-    try:
-        return int(path.name[len(_PREFIX) :])
-    except ValueError:
-        return -1
+    """The step of a directory named ``step-<digits>``; -1 for any other name."""
+    digits = path.name[len(_PREFIX) :]
+    return int(digits) if path.name.startswith(_PREFIX) and digits.isdigit() and digits.isascii() else -1
 
 
 def _without(tree: Any, name: str) -> Any:

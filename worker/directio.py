@@ -12,6 +12,9 @@ padded, cuts the file to its length and ``fsync``-s it (a file is durable once c
 exactly DCP's own: any reader (any world size, torch's own ``FileSystemReader``) loads them. A file system that
 refuses ``O_DIRECT`` (tmpfs, some FUSE and network file systems; a platform without it) gets an ordinary buffered
 file, with the same result, and the choice is logged once per directory.
+
+Modes: files are made :data:`FILE_MODE` (0640) and directories :data:`DIR_MODE` (0750), whatever the umask: a
+checkpoint is readable by its owner's group (a sidecar that uploads it), writable by its owner only.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-__all__ = ["ALIGN", "CHUNK", "DirectFileSystem", "DirectStream", "DirectWriter"]
+__all__ = ["ALIGN", "CHUNK", "DIR_MODE", "FILE_MODE", "DirectFileSystem", "DirectStream", "DirectWriter"]
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096  # offsets and lengths of O_DIRECT writes: a multiple of any device's logical block size
 CHUNK = 8 << 20  # bytes gathered before one write (a multiple of ALIGN)
+FILE_MODE = 0o640
+DIR_MODE = 0o750
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: buffered files
 _buffers = threading.local()  # each writing thread's aligned buffer, reused from file to file
 _told: set[str] = set()  # directories whose buffered fallback was logged
@@ -143,18 +148,29 @@ class DirectStream(io.RawIOBase):
 
 class DirectFileSystem(FileSystem):
     """DCP's local file system, with files for writing opened as :class:`DirectStream` where ``O_DIRECT`` is
-    accepted (else as DCP's own buffered files)."""
+    accepted and ``direct`` (else as DCP's own buffered files), made :data:`FILE_MODE` in directories made
+    :data:`DIR_MODE`."""
+
+    def __init__(self, direct: bool = True) -> None:
+        super().__init__()
+        self.direct = direct
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         path = Path(path)
-        fd = _open_direct(path) if mode == "wb" else None
+        fd = _open_direct(path) if mode == "wb" and self.direct else None
         if fd is None:
+            if mode == "wb":
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE))
+                os.chmod(path, FILE_MODE)  # an existing file keeps its mode at open
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
         with DirectStream(path, fd) as stream:
             yield stream
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
 
 
 def _open_direct(path: Path) -> int | None:
@@ -163,7 +179,9 @@ def _open_direct(path: Path) -> int | None:
         _buffered_in(path.parent, "this platform has no O_DIRECT")
         return None
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode at open
+        return fd
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -186,5 +204,4 @@ class DirectWriter(dcp.FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = True) -> None:
         super().__init__(path)
-        if direct:
-            self.fs = DirectFileSystem()
+        self.fs = DirectFileSystem(direct)

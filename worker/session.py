@@ -278,8 +278,8 @@ class Session:
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
         manager = self.tracked(lambda: CheckpointManager(
             directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep, async_save=async_save,
-            every_steps=every_steps, metrics=self.metrics, allow_fresh_start=fresh, epoch=env.job_epoch,
-            direct_io=direct_io))  # fmt: skip
+            every_steps=every_steps, metrics=self.metrics, allow_fresh_start=fresh, incarnation=env.incarnation,
+            direct_io=direct_io, key=bytes.fromhex(env.checkpoint_key)))  # fmt: skip
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
             self.protocol.parts.append(manager)
             manager.from_peers = self.protocol.sync_pending

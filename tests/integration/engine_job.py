@@ -65,7 +65,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             if args.fail_async_save:
                 _fail_async_saves()
             ckpt = CheckpointManager(args.ckpt, engine, loader, job_id="equivalence", async_save=args.async_save,
-                                     generation=args.generation, every_steps=args.every, epoch=1)  # fmt: skip
+                                     generation=args.generation, every_steps=args.every,
+                                     incarnation="equivalence-1")  # fmt: skip
             if args.resume:
                 assert ckpt.restore() == args.resume, "resumed from the expected step"
         seen: list[int] = []

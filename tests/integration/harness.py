@@ -28,6 +28,7 @@ __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with
     "counted_samples",
     "descendants",
     "elastic_agent",
+    "elastic_script",
     "end_soon",
     "longest_pause",
     "max_param_diff",
@@ -139,10 +140,17 @@ def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int
         sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
         "--nnodes", "1:3", "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
         "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "0",
-        *ckpt, "--log-dir", str(tmp / "logs"), *extra,
+        *ckpt, "--log-dir", str(tmp / "logs"), *extra, *elastic_script(tmp, steps, step_time), *script,
+    ]  # fmt: skip
+
+
+def elastic_script(tmp: Path, steps: int, step_time: float = 0.1) -> list[str]:
+    """examples/train_elastic.py and its arguments: ``steps`` steps of ``step_time`` s, events, final parameters and
+    the stop file under ``tmp`` (what :func:`static_params` runs statically)."""
+    return [
         str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
         "--micro-batch", "8", "--step-time", str(step_time), "--events", str(tmp / "events.jsonl"),
-        "--params-out", str(tmp / "final.pt"), "--stop-file", str(tmp / "stop"), *EXACT, *script,
+        "--params-out", str(tmp / "final.pt"), "--stop-file", str(tmp / "stop"), *EXACT,
     ]  # fmt: skip
 
 

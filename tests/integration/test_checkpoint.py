@@ -101,7 +101,7 @@ def test_a_superseded_generation_cannot_commit(tmp_path: Path) -> None:
          "--out", str(tmp_path))  # fmt: skip
     result = _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "5", "--generation", "1",
                   "--expect-error", "--out", str(tmp_path))  # fmt: skip
-    assert "commit of" in result.stderr and "refused: generation 2 already owns" in result.stderr
+    assert "commit of" in result.stderr and "refused: generation 2 of job equivalence owns" in result.stderr
     assert sorted(p.name for p in ckpt.glob("step-*/pliant-commit.json")) == ["pliant-commit.json"]
     assert not (ckpt / "step-000000000005" / "pliant-commit.json").exists()
 

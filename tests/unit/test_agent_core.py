@@ -10,6 +10,7 @@ from pliant.agent import core
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
+from pliant.seal import Fence
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -187,14 +188,27 @@ def test_job_end_signal_and_start_failure() -> None:
     assert leaving.state.phase is AgentState.LEFT
 
 
-def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node() -> None:
+def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node_and_says_so() -> None:
     agent = Agent()
-    gen = Generation("job", 4, (GenerationMember("a", 0, 0, 2, "a:1"),), "join", epoch=7)
+    gen = Generation("job", 4, (GenerationMember("a", 0, 0, 2, "a:1"),), "join", incarnation="u7")
     agent.on(core.GenerationSeen(gen))
-    assert agent.on(core.Tick({}, fence=(7, 4))) == []  # its own world's fence
-    assert agent.on(core.Tick({}, fence=(3, 9))) == []  # an older incarnation of the job
-    assert agent.on(core.Tick({}, fence=(7, 5))) == [core.Stop()]
+    assert agent.on(core.Tick({}, fence=Fence("job", "u7", 4))) == []  # its own world's fence
+    assert agent.on(core.Tick({}, fence=Fence("job", "u3", 9))) == []  # an earlier incarnation: this one takes over
+    assert agent.on(core.Tick({}, fence=Fence("other", "u8", 9, ("u7",)))) == []  # another job's: its worker refuses
+    actions = agent.on(core.Tick({}, fence=Fence("job", "u7", 5)))
+    assert actions[0] == core.Stop() and isinstance(actions[1], core.Send)
+    assert actions[1].report.kind == "failure" and actions[1].report.exit_code == core.FENCED_EXIT_CODE
     assert "fenced: generation 5 owns the checkpoint directory" in agent.state.reason
+    assert agent.state.reason in actions[1].report.message
+
+
+def test_a_world_of_an_incarnation_that_was_taken_over_is_fenced() -> None:
+    agent = Agent()
+    gen = Generation("job", 12, (GenerationMember("a", 0, 0, 2, "a:1"),), "join", incarnation="old")
+    agent.on(core.GenerationSeen(gen))
+    actions = agent.on(core.Tick({}, fence=Fence("job", "new", 1, ("old",))))
+    assert actions[0] == core.Stop()
+    assert "another incarnation of job job" in agent.state.reason
 
 
 def test_the_renewal_streak_peers_read() -> None:

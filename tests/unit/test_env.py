@@ -11,7 +11,8 @@ from pliant.errors import ConfigError
 def test_round_trip() -> None:
     env = WorkerEnv(rank=5, local_rank=1, world_size=6, local_world_size=2, node_rank=2, num_nodes=3,
                     master_addr="10.0.0.1", master_port=29500, job_id="job", generation=4, max_restarts=3,
-                    node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt", job_epoch=77,
+                    node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt", incarnation="u1",
+                    checkpoint_key="ab" * 32,
                     progress_file="/tmp/p", allow_fresh_start=True, snapshot_every=16)  # fmt: skip
     variables = env.to_env()
     assert variables["RANK"] == "5" and variables["GROUP_RANK"] == "2" and variables["GROUP_WORLD_SIZE"] == "3"
@@ -58,8 +59,8 @@ def test_bad_values_are_named(variables: dict[str, str], needle: str) -> None:
         WorkerEnv.from_env(variables)
 
 
-def test_progress_and_fence_files(tmp_path) -> None:
-    from pliant.progress import ProgressFile, read_fence, read_progress, read_record
+def test_progress_files(tmp_path) -> None:
+    from pliant.progress import ProgressFile, read_progress, read_record
 
     path = str(tmp_path / "rank-0")
     assert read_progress(path) is None
@@ -77,8 +78,8 @@ def test_progress_and_fence_files(tmp_path) -> None:
     assert read_record(path) == (12346, "wait", 8)
     progress.close()
     ProgressFile("").write(1, "step")  # no agent watches: a no-op
-    assert read_fence(tmp_path) == (0, 0)
-    (tmp_path / "pliant-fence.json").write_text('{"epoch": 3, "generation": 9}')
-    assert read_fence(tmp_path) == (3, 9)
-    (tmp_path / "pliant-fence.json").write_text("{")
-    assert read_fence(tmp_path) == (0, 0)
+
+
+def test_a_checkpoint_key_that_is_not_one_is_refused_with_its_variable() -> None:
+    with pytest.raises(ConfigError, match="PLIANT_CHECKPOINT_KEY must be 64 hex digits"):
+        WorkerEnv.from_env({"PLIANT_CHECKPOINT_KEY": "not-hex"})

@@ -1,0 +1,198 @@
+"""The checkpoint directory's records that decide anything, sealed with the job's key: the fence and the commit markers.
+
+A checkpoint directory may sit on storage that more than the job can write (a shared volume that every agent pod
+mounts). Nothing pliant reads there steers a worker or an agent unless it carries a valid seal: a forged or altered
+record is ignored (and overwritten where pliant writes one), never trusted.
+
+**The job's key** is 32 bytes, ``HMAC-SHA256(root, b"pliant checkpoint key v1\\0" + job_id)``, where ``root`` is the
+control plane's sealing secret (32 random bytes: the embedded control plane keeps it in a file of the first node's
+state directory, :func:`load_or_create_root`; a standalone coordinator in ``--seal-root-file`` or, by default, in etcd
+under ``/pliant/seal-root``, created once). The key therefore survives the loss of every node, and, with the root kept
+outside etcd, the loss of etcd too. A member receives its job's key in ``JoinResponse.checkpoint_key``; its workers in
+``PLIANT_CHECKPOINT_KEY`` (hex). Without a key (a script run outside an agent) records carry no seal and are read as
+they are.
+
+**A sealed record** is one UTF-8 JSON object whose ``"mac"`` is the lowercase hex
+``HMAC-SHA256(key, json.dumps(rest, sort_keys=True, separators=(",", ":")))`` of the object without ``"mac"``. Its
+``"kind"`` says what it is, so that no record stands in for another:
+
+- ``pliant-fence.json``: ``{"kind": "fence", "job": ID, "owner": INCARNATION, "generation": N, "superseded":
+  [INCARNATION, ...]}``. The owner is the incarnation (a UUID the control plane writes once when it creates the job)
+  of the newest world that opened the directory; ``superseded`` lists earlier owners (newest last, at most
+  :data:`MAX_SUPERSEDED`). A world is superseded when its incarnation is listed, or is the owner at a higher
+  generation (:meth:`Fence.supersedes`). A new incarnation of the same job takes the directory over when its first
+  world opens it (:meth:`Fence.opened_by`): resuming after the loss of every node is the default for the same job id.
+- ``step-<step>/pliant-commit.json``: ``{"kind": "commit", "job": ID, "step": S, "generation": N, "world_size": W,
+  "fingerprint": F, "saved_at": T, "metadata_sha256": H}``, where ``H`` is the SHA-256 of DCP's ``.metadata`` file
+  in that directory and ``S`` equals the directory's step (:func:`read_marker` checks both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pliant.errors import PliantError
+
+__all__ = [
+    "FENCE",
+    "KEY_BYTES",
+    "MAX_SUPERSEDED",
+    "Fence",
+    "SealError",
+    "job_key",
+    "load_or_create_root",
+    "read_fence",
+    "seal",
+    "unseal",
+]
+
+FENCE = "pliant-fence.json"
+KEY_BYTES = 32
+MAX_SUPERSEDED = 16
+_KEY_LABEL = b"pliant checkpoint key v1\0"
+
+
+class SealError(PliantError):
+    """A record is not what its seal says (forged, altered, sealed with another key, or not a record at all)."""
+
+
+def job_key(root: bytes, job_id: str) -> bytes:
+    """The checkpoint key of ``job_id`` under the control plane's sealing ``root``."""
+    return hmac.new(root, _KEY_LABEL + job_id.encode(), hashlib.sha256).digest()
+
+
+def load_or_create_root(path: str | os.PathLike[str]) -> bytes:
+    """The sealing root kept in ``path`` (hex), created there (mode 0600, its directory 0700) when absent.
+
+    Raises:
+        SealError: the file exists but does not hold a root of :data:`KEY_BYTES` bytes, or is readable by others.
+    """
+    file = Path(path)
+    if not file.exists():  # made whole, then linked into place: two runs starting at once read the same root
+        file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(KEY_BYTES) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, file)
+        tmp.unlink()
+    if file.stat().st_mode & 0o077:
+        raise SealError(
+            f"sealing root {file} is readable by other users (mode {file.stat().st_mode & 0o777:o}); "
+            f"run chmod 600 {file}"
+        )
+    text = file.read_text().strip()
+    try:
+        root = bytes.fromhex(text)
+    except ValueError:
+        root = b""
+    if len(root) != KEY_BYTES:
+        raise SealError(
+            f"sealing root {file} must hold {KEY_BYTES} bytes as hex; restore it, or remove it to make a "
+            f"new one (checkpoints sealed with the old one will no longer load)"
+        )
+    return root
+
+
+def _canonical(record: Mapping[str, Any]) -> bytes:
+    return json.dumps({k: v for k, v in record.items() if k != "mac"}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(key: bytes | None, record: Mapping[str, Any]) -> str:
+    """``record`` as sealed JSON text (unsealed when ``key`` is None or empty)."""
+    out = dict(record)
+    out.pop("mac", None)
+    if key:
+        out["mac"] = hmac.new(key, _canonical(out), hashlib.sha256).hexdigest()
+    return json.dumps(out, sort_keys=True)
+
+
+def unseal(key: bytes | None, text: str | bytes, kind: str) -> dict[str, Any]:
+    """The record in ``text``, checked against ``key`` (not checked when ``key`` is None or empty).
+
+    Raises:
+        SealError: not a JSON object of that ``kind``, or (with a key) its seal is missing or wrong.
+    """
+    try:
+        record = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SealError(f"not a JSON record ({exc})") from None
+    if not isinstance(record, dict) or record.get("kind") != kind:
+        raise SealError(f"not a {kind} record")
+    if key:
+        mac = record.get("mac")
+        expected = hmac.new(key, _canonical(record), hashlib.sha256).hexdigest()
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+            raise SealError(f"its seal does not match this job's key ({'missing' if mac is None else 'wrong'})")
+    return record
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Who owns a checkpoint directory: the newest world (incarnation, generation) that opened it."""
+
+    job: str
+    owner: str
+    generation: int
+    superseded: tuple[str, ...] = ()
+
+    def supersedes(self, incarnation: str, generation: int) -> bool:
+        """Whether the world ``(incarnation, generation)`` of this fence's job has been superseded."""
+        if not incarnation:
+            return False
+        return incarnation in self.superseded or (incarnation == self.owner and generation < self.generation)
+
+    def opened_by(self, incarnation: str, generation: int) -> Fence | None:
+        """The fence after the world ``(incarnation, generation)`` opens the directory; None when it writes nothing
+        (it is superseded, or already owns the directory at that generation or a newer one)."""
+        if self.supersedes(incarnation, generation) or (incarnation == self.owner and generation == self.generation):
+            return None
+        if incarnation == self.owner:
+            return Fence(self.job, incarnation, generation, self.superseded)
+        earlier = (*[s for s in self.superseded if s != self.owner], self.owner) if self.owner else self.superseded
+        return Fence(self.job, incarnation, generation, earlier[-MAX_SUPERSEDED:])
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "kind": "fence",
+            "job": self.job,
+            "owner": self.owner,
+            "generation": self.generation,
+            "superseded": list(self.superseded),
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Fence:
+        """Raises: SealError: a field is missing or of the wrong type."""
+        try:
+            superseded = tuple(str(s) for s in record.get("superseded", ()))
+            return cls(str(record["job"]), str(record["owner"]), int(record["generation"]), superseded)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SealError(f"fence record lacks a valid field ({exc})") from None
+
+
+def read_fence(directory: str | os.PathLike[str], key: bytes | None) -> Fence | None:
+    """The fence of ``directory``; None when it has none.
+
+    Raises:
+        SealError: a fence file is there but is not a fence sealed with ``key``.
+    """
+    try:
+        text = (Path(directory) / FENCE).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SealError(f"{Path(directory) / FENCE} is unreadable ({exc})") from None
+    return Fence.from_record(unseal(key, text, "fence"))
