@@ -488,9 +488,11 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
     # A wildcard --listen serves every interface; the join command names the address this node advertises.
-    with EtcdServer(log_path=log_path, die_with_parent=True) as etcd:
+    # etcd serves mutual TLS from a CA of its own (the coordinator is its one client), unless the run is --insecure.
+    with EtcdServer(log_path=log_path, die_with_parent=True, tls=certs.etcd_server if certs else None) as etcd:
         coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
                                          replica_id="embedded", tls=certs.coordinator if certs else None,
+                                         etcd_tls=certs.etcd_client if certs else None,
                                          insecure=certs is None,
                                          signer=Signer(certs.ca) if certs else None,
                                          seal_root=load_or_create_root(args.seal_root_file))  # fmt: skip

@@ -8,7 +8,10 @@ the run's certificates directory go:
 - ``coordinator/``: the embedded coordinator's server certificate, for loopback, this host's name and addresses and
   the address the run advertises;
 - ``admin/``: an admin certificate (the run creates its job with it; ``pliant status --tls-dir DIR/admin`` uses it);
-- ``self/``: this node's agent certificate, naming its node id.
+- ``self/``: this node's agent certificate, naming its node id;
+- ``etcd/``: the embedded etcd's own PKI, from a second ephemeral CA that signs nothing else: ``etcd/server/`` (etcd's
+  certificate, for loopback) and ``etcd/client/`` (the coordinator's, the only client etcd accepts). No agent or
+  admin certificate opens etcd.
 
 Each holds ``ca.crt``, ``tls.crt`` and ``tls.key``, the ``--tls-dir`` layout. Nothing in it is needed on another
 machine: joining nodes make their own keys.
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pliant.coordinator.etcd_server import etcd_pki
 from pliant.tls import IssuedCert, LocalCA, Role, TlsConfig, ca_fingerprint
 
 __all__ = ["RunCerts", "make_run_certs"]
@@ -42,6 +46,8 @@ class RunCerts:
         coordinator: the embedded coordinator's TLS files.
         admin: the run's admin certificate.
         agent: this node's agent certificate.
+        etcd_server: the embedded etcd's server certificate (clients and its peer port need one of etcd's CA).
+        etcd_client: the embedded coordinator's etcd client certificate.
     """
 
     directory: Path
@@ -50,6 +56,8 @@ class RunCerts:
     coordinator: TlsConfig
     admin: TlsConfig
     agent: TlsConfig
+    etcd_server: TlsConfig
+    etcd_client: TlsConfig
 
 
 def _server_hosts(hosts: Sequence[str]) -> list[str]:
@@ -75,5 +83,6 @@ def make_run_certs(directory: str, node_id: str, hosts: Sequence[str]) -> RunCer
     coordinator = ca.issue("coordinator", Role.COORDINATOR, "embedded", _server_hosts(hosts))
     admin = ca.issue("admin", Role.ADMIN, "run-admin")
     agent = ca.issue("self", Role.AGENT, node_id)
-    logger.info("run certificates (ephemeral CA) in %s: coordinator, admin, self", path)
-    return RunCerts(path, ca.ca, ca_fingerprint(ca.ca.cert_pem), coordinator, admin, agent)
+    etcd_server, etcd_client = etcd_pki(path / "etcd")
+    logger.info("run certificates (ephemeral CAs) in %s: coordinator, admin, self, etcd", path)
+    return RunCerts(path, ca.ca, ca_fingerprint(ca.ca.cert_pem), coordinator, admin, agent, etcd_server, etcd_client)

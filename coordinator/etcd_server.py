@@ -25,7 +25,7 @@ from pliant.net import free_port
 from pliant.spawn import die_with_parent
 from pliant.tls import TlsConfig
 
-__all__ = ["EtcdServer", "EtcdServerError", "find_etcd_binary"]
+__all__ = ["EtcdServer", "EtcdServerError", "etcd_pki", "find_etcd_binary"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,17 @@ def find_etcd_binary() -> str:
     )
 
 
+def etcd_pki(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> tuple[TlsConfig, TlsConfig]:
+    """A PKI for one local etcd, from an ephemeral CA of its own (its key dies with this process): ``DIR/server``
+    (etcd's certificate, for ``host``) and ``DIR/client`` (the one client it serves, a coordinator). Returns (server,
+    client)."""
+    from pliant.tls import LocalCA, Role
+
+    ca = LocalCA(directory, lifetime_days=90)
+    hosts = [host] if host not in ("", "0.0.0.0", "::") else ["127.0.0.1"]
+    return ca.issue("server", Role.COORDINATOR, "etcd", hosts), ca.issue("client", Role.COORDINATOR, "etcd-client")
+
+
 class EtcdServer:
     """One etcd member on loopback with its own data directory.
 
@@ -71,8 +82,9 @@ class EtcdServer:
             :data:`PICK_ATTEMPTS` starts).
         log_path: file for etcd's own output; discarded when None.
         die_with_parent: SIGKILL etcd when this process dies, even by kill -9 (the embedded etcd of ``pliant run``).
-        tls: serve clients over TLS with this certificate (its names must include ``host``) and require client
-            certificates from its CA (``--client-cert-auth``); None: plaintext.
+        tls: serve clients and the peer port over TLS with this certificate (its names must include ``host``) and
+            require certificates from its CA on both (``--client-cert-auth``, ``--peer-client-cert-auth``); None:
+            plaintext.
     """
 
     def __init__(
@@ -124,7 +136,7 @@ class EtcdServer:
                 self.peer_port = free_port(self.host) if self._picked[1] else self.peer_port
 
     def _start(self, timeout_s: float) -> None:
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.peer_port}"
         cmd = [
             self.binary,
             "--name", "pliant",
@@ -141,7 +153,8 @@ class EtcdServer:
         creds = None
         if self.tls is not None:
             cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
-                    "--client-cert-auth"]  # fmt: skip
+                    "--client-cert-auth", "--peer-cert-file", self.tls.cert, "--peer-key-file", self.tls.key,
+                    "--peer-trusted-ca-file", self.tls.ca, "--peer-client-cert-auth"]  # fmt: skip
             files = self.tls.load(need_role=False)
             creds = grpc.ssl_channel_credentials(files.ca_pem, files.key_pem, files.cert_pem)
         if self.die_with_parent:

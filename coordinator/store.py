@@ -11,6 +11,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/generation               the current Generation JSON
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
+    jobs/<job>/successes/<n:012d>/<node> a member's report that its workers of generation n all exited 0; the job
+                                        succeeds once every member of the current generation has one
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
     jobs/<job>/strikes/<node>           {"address", "count", "lifted", "lifts"}: failed readmissions (policy.struck;
                                         on a lease that lapses STRIKE_WINDOW_S after the last strike; see policy)
@@ -310,8 +312,9 @@ class EtcdStore(MemberStore):
             self.tx.delete(self.job_key(job, "departed") + "/", range_end(self.job_key(job, "departed") + "/")),
         ]
         if snap.generation:
-            old = self.job_key(job, "failures", f"{snap.generation.number:012d}") + "/"
-            ops.append(self.tx.delete(old, range_end(old)))
+            for kind in ("failures", "successes"):
+                old = self.job_key(job, kind, f"{snap.generation.number:012d}") + "/"
+                ops.append(self.tx.delete(old, range_end(old)))
         if generation.number > HISTORY:
             ops.append(self.tx.delete(self.history_key(job, generation.number - HISTORY)))
         self._guard(snap)

@@ -62,9 +62,15 @@ class MemberStore(EtcdBase):
 
         Raises:
             NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
-            Unauthenticated: the token is missing or wrong.
+            Unauthenticated: the token is missing or wrong. InvalidArgument: ``member.slots`` exceeds the spec's
+            ``nproc_per_node``.
         """
         spec, spec_revision = self._spec(job)
+        if member.slots > spec.nproc_per_node:
+            raise InvalidArgument(
+                f"slots={member.slots} exceeds job {job!r}'s nproc_per_node={spec.nproc_per_node}: a node runs at most "
+                f"that many workers; pass --nproc-per-node {spec.nproc_per_node} or less"
+            )
         member_key = self.job_key(job, "members", member.node_id)
         token_key = self.job_key(job, "token")
         digest = self._check_token(job, token)
@@ -403,13 +409,31 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:
-        """A node's workers of ``generation`` all exited 0: mark the job succeeded if that generation is current."""
-        current, _ = self._current(job)
+        """A node's workers of ``generation`` all exited 0: record it, if that generation is current; once every
+        member of it has, the job succeeded. No member decides for the others.
+
+        Returns:
+            (accepted, current generation number): not accepted when the report names another generation.
+        """
+        current, mod_revision = self._current(job)
         if current is None or generation != current.number:
             return False, current.number if current else 0
         if node_id not in current.node_ids:
             raise PermissionDenied(f"node {node_id!r} is not a member of job {job!r}'s generation {current.number}; "
                                    f"only its members report its success")  # fmt: skip
-        status = self.finish_job(job, True, f"node {node_id}'s workers completed generation {generation}", now)
-        return status.state is JobState.SUCCEEDED, current.number
+        prefix = self.job_key(job, "successes", f"{current.number:012d}") + "/"
+        ok, responses = self._txn(
+            [self.tx.mod(self.job_key(job, "generation")) == mod_revision],
+            [self.tx.put(prefix + node_id, str(now)), self._prefix_get(prefix)],
+        )
+        if not ok:  # a newer generation was published meanwhile: this report is stale
+            return False, self._current(job)[0].number  # type: ignore[union-attr]
+        done = {meta.key.decode()[len(prefix) :] for _value, meta in responses[1]}
+        waiting = [n for n in current.node_ids if n not in done]
+        if waiting:
+            logger.info("job %s generation %d: node %s's workers completed; waiting for %s", job, current.number,
+                        node_id, ", ".join(waiting))  # fmt: skip
+            return True, current.number
+        self.finish_job(job, True, f"every node's workers completed generation {generation}", now)
+        return True, current.number
 

@@ -12,9 +12,10 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from pliant import __version__
-from pliant.errors import PliantError
+from pliant.errors import ConfigError, PliantError
 from pliant.logsetup import setup_logging
 from pliant.metrics import add_metrics_port_flag
 from pliant.tls import add_tls_flags, tls_from_flags
@@ -163,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     etcd.add_argument("--data-dir", default=None, help="data directory (default: a temporary one, deleted on exit)")
     etcd.add_argument("--host", default="127.0.0.1")
     etcd.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
+    etcd.add_argument(
+        "--certs-dir",
+        default="",
+        help="where to write etcd's certificates (made at start by a CA of its own): etcd serves mutual TLS and "
+        "accepts only the client certificate in DIR/client, which the coordinator is given (default: a temporary "
+        "directory, removed on exit)",
+    )
+    etcd.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext with no client authentication: any local user can read and write every key",
+    )
     etcd.set_defaults(func=_cmd_etcd)
     return parser
 
@@ -178,7 +191,6 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pliant.certs import load_ca
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
     from pliant.coordinator.signer import Signer
-    from pliant.errors import ConfigError
     from pliant.seal import load_or_create_root
     from pliant.tls import TlsConfig, ca_fingerprint
 
@@ -245,11 +257,30 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_etcd(args: argparse.Namespace) -> int:
-    from pliant.coordinator.etcd_server import EtcdServer
+    import shutil
+    import tempfile
 
-    with EtcdServer(data_dir=args.data_dir, host=args.host, client_port=args.port) as server:
-        print(f"etcd serving {server.endpoint} (data {server.data_dir}); Ctrl-C stops it", flush=True)
-        _wait_for_signal()
+    from pliant.coordinator.etcd_server import EtcdServer, etcd_pki
+
+    if args.insecure and args.certs_dir:
+        raise ConfigError("--insecure and --certs-dir contradict each other; drop one")
+    certs = None if args.insecure else Path(args.certs_dir or tempfile.mkdtemp(prefix="pliant-etcd-certs-")).resolve()
+    server_tls, client = etcd_pki(certs, args.host) if certs else (None, None)
+    try:
+        with EtcdServer(data_dir=args.data_dir, host=args.host, client_port=args.port, tls=server_tls) as server:
+            print(f"etcd serving {server.endpoint} (data {server.data_dir}); Ctrl-C stops it", flush=True)
+            if client is not None:
+                print(
+                    f"etcd: mutual TLS; a coordinator connects with --etcd {server.endpoint} --etcd-cacert "
+                    f"{client.ca} --etcd-cert {client.cert} --etcd-key {client.key}",
+                    flush=True,
+                )
+            else:
+                print("etcd: PLAINTEXT, no client authentication (--insecure)", flush=True)
+            _wait_for_signal()
+    finally:
+        if certs and not args.certs_dir:
+            shutil.rmtree(certs, ignore_errors=True)
     return 0
 
 

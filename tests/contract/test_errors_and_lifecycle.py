@@ -403,13 +403,23 @@ def test_two_reports_at_once_evict_a_newcomer_once_and_strike_it_once(make_coord
         store.close()
 
 
-def test_report_success_finishes_the_job(make_coordinator, fleet) -> None:
+def test_the_job_succeeds_once_every_member_reported_success(make_coordinator, fleet) -> None:
+    """One member's success report never ends the job while another member trains: every member of the current
+    generation must report it."""
     server = make_coordinator()
     with fleet(server.address) as client:
-        client.create_job(JobSpec("job", 1, 1, join_grace_s=0))
+        client.create_job(JobSpec("job", 2, 2, join_grace_s=0))
         client.join("job", "a", "127.0.0.1:1")
-        gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
+        client.join("job", "b", "127.0.0.1:2")
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 2 and g, 10, "gen 1")
         assert client.report_success("job", "a", gen.number + 5) == (False, gen.number)
-        assert client.report_success("job", "a", gen.number) == (True, gen.number)
+        for _ in range(3):  # repeated by one member: still that member's one report
+            assert client.report_success("job", "a", gen.number) == (True, gen.number)
         info = client.get_job("job")
-        assert info.status.state is JobState.SUCCEEDED and "completed generation 1" in info.status.reason
+        assert info.status.state is JobState.RUNNING, "one member's success ended the job"
+        assert client.report_success("job", "b", gen.number) == (True, gen.number)
+        info = client.get_job("job")
+        assert (
+            info.status.state is JobState.SUCCEEDED
+            and "every node's workers completed generation 1" in info.status.reason
+        )

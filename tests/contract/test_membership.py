@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_join_grants_a_lease_and_the_member_is_visible(make_coordinator, fleet) -> None:
     server = make_coordinator()
     with fleet(server.address) as client:
-        client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=3))
+        client.create_job(JobSpec("job", 1, 2, nproc_per_node=2, heartbeat_ttl_s=3))
         grant = client.join("job", "node-a", "127.0.0.1:29500", slots=2)
         assert grant.lease_id != 0
         assert grant.heartbeat_ttl_s == 3

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_coordinator, fleet) -> None:
     server = make_coordinator(progress_interval_s=2.0)
     with fleet(server.address) as client:
-        client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=4, join_grace_s=0.1))
+        client.create_job(JobSpec("job", 1, 2, nproc_per_node=2, heartbeat_ttl_s=4, join_grace_s=0.1))
         grant = client.join("job", "a", "127.0.0.1:1", slots=2)
         before = client.get_job("job", progress=True).progress["a"]
         assert before.step == 0 and 0 <= before.heartbeat_age_s <= 1

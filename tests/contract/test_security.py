@@ -194,6 +194,8 @@ def test_bounded_inputs(probe: Probe) -> None:
         assert len(details) < 400, "a bad value is quoted in at most ~100 characters"
     join.address, join.slots = "127.0.0.1:80", 2**32 - 1
     probe.refused(a.Join, join, Code.INVALID_ARGUMENT, "slots=4294967295 must be between 1 and 1024")
+    join.slots = 2  # more than the admin's nproc_per_node: a member cannot take the world's ranks for itself
+    probe.refused(a.Join, join, Code.INVALID_ARGUMENT, "slots=2 exceeds job 'job''s nproc_per_node=1")
     # A long reason is kept, truncated to 4 KiB with a note; one over the message limit is RESOURCE_EXHAUSTED, which
     # the client does not retry.
     admin.FinishJob(pb.FinishJobRequest(job_id="job", succeeded=False, reason="r" * 1_000_000), timeout=10)

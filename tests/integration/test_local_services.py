@@ -1,0 +1,96 @@
+"""The node's local services are closed to other local users: the embedded etcd of ``pliant run`` and ``pliant etcd``
+serve mutual TLS from a CA of their own, so no client without the coordinator's etcd certificate reads or writes a
+key (not even one holding an agent certificate of the run)."""
+
+from __future__ import annotations
+
+import re
+import stat
+import sys
+from pathlib import Path
+
+import etcd3
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.harness import SCRIPT, read_steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _refused(host: str, port: int, **tls: str) -> str:
+    """What etcd answers a client with ``tls`` files (none: plaintext); "" if it served the request."""
+    client = etcd3.client(host=host, port=port, timeout=3, **tls)
+    try:
+        client.get("/pliant/v1/seal-root")
+    except Exception as exc:  # the handshake or the call fails: refused
+        return f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
+    finally:
+        client.close()
+    return ""
+
+
+def test_the_embedded_etcd_serves_only_the_coordinator(spawn, tmp_path: Path) -> None:
+    events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
+    run = spawn(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "run",
+            "--nproc-per-node",
+            "1",
+            "--certs-dir",
+            str(certs),
+            str(SCRIPT),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.03",
+            "--events",
+            str(events),
+        ],
+        name="run",
+    )
+    endpoint = wait_for(lambda: re.search(r"embedded etcd https://([\d.]+):(\d+)", run.output()), 60, "etcd's URL")
+    wait_for(lambda: read_steps(events), 60, "training through the TLS etcd")
+    host, port = endpoint.group(1), int(endpoint.group(2))  # type: ignore[union-attr]
+    assert _refused(host, port), "plaintext was served"
+    assert _refused(host, port, ca_cert=str(certs / "etcd" / "ca.crt")), "a client without a certificate was served"
+    agent = certs / "self"  # the run's own agent certificate: another CA's, not etcd's
+    assert _refused(
+        host,
+        port,
+        ca_cert=str(certs / "etcd" / "ca.crt"),
+        cert_cert=str(agent / "tls.crt"),
+        cert_key=str(agent / "tls.key"),
+    ), "an agent certificate opened etcd"
+    client = certs / "etcd" / "client"
+    assert not _refused(
+        host, port, ca_cert=str(client / "ca.crt"), cert_cert=str(client / "tls.crt"), cert_key=str(client / "tls.key")
+    ), "the coordinator's etcd certificate was refused"
+    for key in (client / "tls.key", certs / "etcd" / "server" / "tls.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+    assert stat.S_IMODE((certs / "etcd").stat().st_mode) == 0o700
+    run.kill(15)
+    wait_for(lambda: run.proc.poll() is not None, 30, "the run to stop")
+
+
+def test_pliant_etcd_serves_mutual_tls_and_prints_the_coordinators_flags(spawn, tmp_path: Path) -> None:
+    from pliant.net import free_port
+
+    port = free_port()
+    etcd = spawn(
+        [sys.executable, "-m", "pliant", "etcd", "--port", str(port), "--certs-dir", str(tmp_path / "c")], name="etcd"
+    )
+    flags = wait_for(
+        lambda: re.search(r"--etcd (\S+) --etcd-cacert (\S+) --etcd-cert (\S+) --etcd-key (\S+)", etcd.output()),
+        60,
+        "the coordinator's flags",
+    )
+    url, ca, cert, key = flags.groups()  # type: ignore[union-attr]
+    assert url == f"https://127.0.0.1:{port}"
+    assert _refused("127.0.0.1", port)
+    assert not _refused("127.0.0.1", port, ca_cert=ca, cert_cert=cert, cert_key=key)
+    etcd.kill(15)
+    wait_for(lambda: etcd.proc.poll() is not None, 30, "etcd to stop")
