@@ -431,6 +431,8 @@ class Generation:
     restarts_used: int = 0
     created_at: float = 0.0
     incarnation: str = ""  # the job's incarnation: a UUID the control plane wrote once, when it created the job
+    # Worker failures charged to each node so far, (node id, count), sorted: kept in etcd, not sent to agents.
+    charged: tuple[tuple[str, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -453,7 +455,8 @@ class Generation:
     def from_json(cls, text: str | bytes) -> Generation:
         data = json.loads(text)
         members = tuple(_from_mapping(GenerationMember, m) for m in data.pop("members", []))
-        return _from_mapping(cls, {**data, "members": members})
+        charged = tuple((str(n), int(c)) for n, c in data.pop("charged", []))
+        return _from_mapping(cls, {**data, "members": members, "charged": charged})
 
 
 @dataclass(frozen=True)

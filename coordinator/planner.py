@@ -25,9 +25,12 @@ Rules (see docs/architecture.md):
   :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
   whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
   third node, which reaches both, otherwise spent a restart and re-formed the same world again and again.
-- A worker failure reported for the current generation restarts it and spends one unit of the restart budget; scaling
-  events never do. With the budget spent, the next failure fails the job. Failures in a generation that also lost a
-  node are attributed to that loss and spend nothing.
+- A worker failure reported for the current generation restarts it and is charged to the node that reported it
+  (the nodes whose workers failed; when every report is a wait after a peer failed, the nodes that waited): each node
+  has ``max_restarts`` failures of its own. A node charged more than that is excluded (it waits as a spare for the
+  rest of the job), and the job fails only when fewer than ``min_nodes`` nodes remain that are not: one member
+  reporting failures again and again excludes itself, never spends the others' budget. Scaling events are never
+  charged; failures in a generation that also lost a node are attributed to that loss and charged to nobody.
 
 Generation reasons: ``start`` (first world), ``join``, ``leave``, ``failure`` (a node lost), ``restart`` (a worker
 failed).
@@ -83,13 +86,21 @@ def _admit(spec: JobSpec, survivors: Sequence[Member], newcomers: Sequence[Membe
     return admitted
 
 
-def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float) -> NewGeneration:
+def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float,
+             charged: dict[str, int] | None = None) -> NewGeneration:  # fmt: skip
+    """The next generation with ``nodes``; ``charged``: the failures charged to each node (default: unchanged)."""
     number = (snap.generation.number if snap.generation else 0) + 1
     since = {m.node_id: m.since for m in snap.generation.members} if snap.generation else {}
     members = tuple(dataclasses.replace(m, since=since.get(m.node_id) or number)
                     for m in assign_ranks(snap.spec, nodes))  # fmt: skip
-    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation)
+    counts = _charged(snap) if charged is None else charged
+    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation,
+                            tuple(sorted(counts.items())))  # fmt: skip
     return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
+
+
+def _charged(snap: JobSnapshot) -> dict[str, int]:
+    return dict(snap.generation.charged) if snap.generation else {}
 
 
 def _waiting_or_fail(snap: JobSnapshot, have: Sequence[Member], now: float) -> Decision:
@@ -142,7 +153,9 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     kept = {m.node_id for m in survivors}
     removed = [n for n in current_ids if n not in kept]
     held = held_back(snap.strikes, [m for m in live if m.node_id not in kept], now)  # never a member of the world
-    newcomers = [m for m in live if m.node_id not in kept and m.node_id not in held]
+    charged = _charged(snap)
+    excluded = {n for n, count in charged.items() if count > spec.max_restarts}  # their own failures: for good
+    newcomers = [m for m in live if m.node_id not in kept and m.node_id not in held and m.node_id not in excluded]
     admitted = _admit(spec, survivors, newcomers)
     target = survivors + admitted
     running = bool(gen and gen.members)
@@ -172,13 +185,19 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
             return WaitUntil(until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause",
                              JobState.RUNNING)  # fmt: skip
     if running and failed_nodes:
-        if restarts >= spec.max_restarts:
+        culprits = sorted({f.node_id for f in failures if f.exit_code != WAIT_EXIT_CODE}) or failed_nodes
+        for node in culprits:
+            charged[node] = charged.get(node, 0) + 1
+        over = [n for n in culprits if charged[n] > spec.max_restarts]
+        healthy = [m for m in target if m.node_id not in over]
+        if over and len(healthy) < spec.min_nodes:
             return FailJob(
-                f"job {spec.job_id!r} spent its restart budget (max_restarts={spec.max_restarts}) and a worker "
-                f"failed again on {', '.join(failed_nodes)}; see those nodes' worker logs, then fix the script or "
-                f"raise --max-restarts"
+                f"job {spec.job_id!r} spent its restart budget: a worker failed again on {', '.join(over)}, more "
+                f"than max_restarts={spec.max_restarts} times on that node, and {len(healthy)} other node(s) remain "
+                f"of the {spec.min_nodes} it needs; see those nodes' worker logs, then fix the script or raise "
+                f"--max-restarts"
             )
-        return _publish(snap, target if len(target) >= spec.min_nodes else (), "restart", restarts + 1, now)
+        return _publish(snap, healthy, "restart", restarts + 1, now, charged)
 
     if len(target) < spec.min_nodes:
         return _held(_waiting_or_fail(snap, target, now), held)

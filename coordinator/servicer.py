@@ -47,9 +47,11 @@ from pliant.v1 import bootstrap_pb2 as bpb
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CoordinatorServicer"]
+__all__ = ["STREAMS_PER_CALLER", "CoordinatorServicer"]
 
 logger = logging.getLogger(__name__)
+
+STREAMS_PER_CALLER = 4  # WatchGenerations streams one caller (one certificate identity) holds on a replica at most
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 RpcObserver = Callable[[str, grpc.StatusCode, float], None]
@@ -148,7 +150,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._max_jobs = max_jobs
         self._max_watch_streams = max_watch_streams
         self._signer = signer
-        self._watch_streams = 0
+        self._watch_streams = 0  # guarded by _watch_lock, as is:
+        self._streams_of: dict[str, int] = {}  # caller (its certificate's identity) -> its open streams here
         self._watch_lock = threading.Lock()
 
     # -- authorization: the one place ----------------------------------------------------------------------------------
@@ -329,21 +332,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WatchGenerations(
         self, request: pb.WatchGenerationsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.WatchGenerationsResponse]:
-        """Stream generations from ``from_generation`` on, in order, plus job state changes, until the client leaves."""
-        with self._watch_lock:
-            admitted = not self._max_watch_streams or self._watch_streams < self._max_watch_streams
-            self._watch_streams += admitted
+        """Stream generations from ``from_generation`` on, in order, plus job state changes, until the client leaves.
+        A replica serves ``max_watch_streams`` streams, and :data:`STREAMS_PER_CALLER` of one caller: a member that
+        opens streams without end locks out nobody but itself."""
+        caller = ""
         try:
-            if not admitted:
-                raise ResourceExhausted(
-                    f"this replica serves {self._max_watch_streams} WatchGenerations streams, its limit; retry on "
-                    f"another replica, or raise --max-watch-streams (with --max-workers)"
-                )
-            self._authorize("WatchGenerations", request, context)
-            sub = self._hub.subscribe(validate_id(request.job_id, "job_id"), request.from_generation)
-        except CoordinatorError as exc:
+            caller = str(self._authorize("WatchGenerations", request, context))
             with self._watch_lock:
-                self._watch_streams -= admitted
+                if self._streams_of.get(caller, 0) >= STREAMS_PER_CALLER:
+                    raise ResourceExhausted(
+                        f"{caller} already holds {STREAMS_PER_CALLER} WatchGenerations streams on this replica, the "
+                        f"most one caller may; close one (an agent needs one)"
+                    )
+                if self._max_watch_streams and self._watch_streams >= self._max_watch_streams:
+                    raise ResourceExhausted(
+                        f"this replica serves {self._max_watch_streams} WatchGenerations streams, its limit; retry on "
+                        f"another replica, or raise --max-watch-streams (with --max-workers)"
+                    )
+                self._watch_streams += 1
+                self._streams_of[caller] = self._streams_of.get(caller, 0) + 1
+            try:
+                sub = self._hub.subscribe(validate_id(request.job_id, "job_id"), request.from_generation)
+            except CoordinatorError:
+                self._stream_closed(caller)
+                raise
+        except CoordinatorError as exc:
             self.observe("WatchGenerations", status_for_error(exc), 0.0)
             _abort(context, exc)
             return
@@ -360,5 +373,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield msg
         finally:
             sub.close()
-            with self._watch_lock:
-                self._watch_streams -= 1
+            self._stream_closed(caller)
+
+    def _stream_closed(self, caller: str) -> None:
+        with self._watch_lock:
+            self._watch_streams -= 1
+            left = self._streams_of.pop(caller, 1) - 1
+            if left:
+                self._streams_of[caller] = left

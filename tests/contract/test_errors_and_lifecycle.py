@@ -147,7 +147,7 @@ def test_below_min_nodes_the_job_waits_then_fails_with_a_clear_reason(make_coord
         assert "--nnodes" in info.status.reason
 
 
-def test_restart_budget_is_spent_on_failures_only(make_coordinator, fleet) -> None:
+def test_restarts_are_charged_to_the_failing_node_on_failures_only(make_coordinator, fleet) -> None:
     server = make_coordinator()
     with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, join_grace_s=0, max_restarts=1))
@@ -160,9 +160,15 @@ def test_restart_budget_is_spent_on_failures_only(make_coordinator, fleet) -> No
         assert client.report_failure("job", "b", 2, 137, "worker 1 killed") == (True, 2)
         gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == 3 and g, 10, "generation 3")
         assert (gen.reason, gen.restarts_used, gen.node_ids) == ("restart", 1, ("a", "b"))
-        assert client.report_failure("job", "a", 3, 1)[0]
+        assert client.report_failure("job", "a", 3, 1)[0]  # a's first: within its own budget
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == 4 and g, 10, "generation 4")
+        assert (gen.reason, gen.restarts_used, gen.node_ids) == ("restart", 2, ("a", "b"))
+        assert client.report_failure("job", "a", 4, 1)[0]  # a's second: past its budget, excluded; b trains on
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number == 5 and g, 10, "generation 5")
+        assert gen.node_ids == ("b",)
+        assert client.report_failure("job", "b", 5, 1)[0]  # b's second: no node within its budget remains
         info = wait_for(lambda: (j := client.get_job("job")).status.state is JobState.FAILED and j, 10, "failure")
-        assert "max_restarts=1" in info.status.reason and "failed again on a" in info.status.reason
+        assert "max_restarts=1" in info.status.reason and "failed again on b" in info.status.reason
 
 
 def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make_coordinator, fleet) -> None:

@@ -250,6 +250,57 @@ def test_watch_streams_are_capped_and_never_starve_heartbeats(make_coordinator, 
             stream.close()
 
 
+def test_one_members_repeated_failure_reports_exclude_it_not_the_job(make_coordinator, fleet) -> None:
+    """Failures are charged to the node that reports them: past max_restarts it is excluded (a spare for good), and
+    the job goes on with the others."""
+    server = make_coordinator()
+    with fleet(server) as client:
+        client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=1))
+        client.join("job", "a", "127.0.0.1:1")
+        client.join("job", "b", "127.0.0.1:2")
+        gen = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 2 and g, 10, "a, b")
+        for _ in range(2):
+            assert client.report_failure("job", "a", gen.number, 1, "boom") == (True, gen.number)
+            gen = wait_for(lambda n=gen.number: (g := client.get_job("job").generation) and g.number > n and g, 10,
+                           "the next generation")  # fmt: skip
+        assert gen.node_ids == ("b",), "a, past its own budget, is excluded"
+        assert client.get_job("job").status.state is JobState.RUNNING, "b's budget is untouched"
+        with pytest.raises(Exception, match="'a' is not a member of job 'job''s generation"):
+            client.report_success("job", "a", gen.number)  # an excluded node speaks for no generation
+        assert client.get_job("job").status.state is JobState.RUNNING
+
+
+def test_one_member_opening_watch_streams_locks_out_only_itself(make_coordinator, fleet) -> None:
+    from pliant.coordinator.servicer import STREAMS_PER_CALLER
+
+    server = make_coordinator(max_workers=16, max_watch_streams=STREAMS_PER_CALLER + 2)
+    with fleet(server) as client:
+        client.create_job(JobSpec("job", 1, 2, join_grace_s=0))
+        client.join("job", "a", "127.0.0.1:1")
+        client.join("job", "b", "127.0.0.1:2")
+        streams = [client.node("a").watch("job") for _ in range(STREAMS_PER_CALLER)]
+        for stream in streams:
+            next(stream)
+        with pytest.raises(Exception, match=f"holds {STREAMS_PER_CALLER} WatchGenerations streams on this replica"):
+            next(client.node("a").watch("job"))
+        honest = client.node("b").watch("job")
+        assert next(honest) is not None, "another node still watches its job"
+        streams[0].close()
+
+        def reopened() -> object:
+            stream = client.node("a").watch("job")
+            try:
+                next(stream)
+            except Exception:
+                stream.close()
+                return None
+            return stream
+
+        again = wait_for(reopened, 10, "a closed stream to free its caller's place", interval_s=0.2)
+        for stream in [*streams[1:], honest, again]:
+            stream.close()
+
+
 def test_connections_without_a_valid_certificate_are_refused(make_coordinator, pki, tmp_path: Path) -> None:
     server = make_coordinator()
     request = pb.ListJobsRequest()

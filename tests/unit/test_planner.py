@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pliant.coordinator.contract import (
+    WAIT_EXIT_CODE,
     FailJob,
     FailureReport,
     Generation,
@@ -30,8 +31,9 @@ def member(node: str, order: int, joined_at: float = T0, slots: int = 0) -> Memb
     return Member(node, f"{node}.local:29500", slots, joined_at, order)
 
 
-def generation(number: int, nodes: list[Member], reason: str = "start", restarts: int = 0) -> Generation:
-    return Generation("job", number, assign_ranks(SPEC, nodes), reason, restarts, T0)
+def generation(number: int, nodes: list[Member], reason: str = "start", restarts: int = 0,
+               charged: tuple[tuple[str, int], ...] = ()) -> Generation:  # fmt: skip
+    return Generation("job", number, assign_ranks(SPEC, nodes), reason, restarts, T0, charged=charged)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Case:
     new_state: JobState | None = None
     deadline: float | None = None
     message: str | None = None  # substring of a FailJob reason
+    charged: tuple[tuple[str, int], ...] | None = None  # expected failures charged per node in a NewGeneration
 
 
 A, B, C, D, E = (member(n, i + 1, T0 + i * 0.4) for i, n in enumerate("abcde"))
@@ -105,12 +108,26 @@ CASES = [
     Case("enough nodes again after waiting starts a world", [A, B], gen=generation(2, []), since=T0 + 10,
          now=T0 + 30, expect=NewGeneration, nodes=("a", "b"), reason="join", new_state=JobState.RUNNING),
     # -- restart budget ------------------------------------------------------------------------------------------------
-    Case("a worker failure restarts the world and spends one restart", [A, B], gen=RUNNING_AB,
+    Case("a worker failure restarts the world and is charged to its node", [A, B], gen=RUNNING_AB,
          state=JobState.RUNNING, now=T0 + 5, failures=[FailureReport("b", 1, 137)], expect=NewGeneration,
-         nodes=("a", "b"), reason="restart", restarts=1),
-    Case("the budget spent, the next failure fails the job", [A, B], gen=generation(5, [A, B], "restart", 2),
-         state=JobState.RUNNING, now=T0 + 5, failures=[FailureReport("a", 5, 1)], expect=FailJob,
-         message="restart budget (max_restarts=2)"),
+         nodes=("a", "b"), reason="restart", restarts=1, charged=(("b", 1),)),
+    Case("waits after a peer failed are charged to the cause, not the waiters", [A, B, C],
+         gen=generation(2, [A, B, C], "join"), state=JobState.RUNNING, now=T0 + 5,
+         failures=[FailureReport("a", 2, WAIT_EXIT_CODE, reported_at=T0), FailureReport("c", 2, 1, reported_at=T0)],
+         expect=NewGeneration, nodes=("a", "b", "c"), charged=(("c", 1),)),
+    Case("a node past its own budget is excluded; the others train on", [A, B, C],
+         gen=generation(5, [A, B, C], "restart", 2, (("b", 2),)), state=JobState.RUNNING, now=T0 + 5,
+         failures=[FailureReport("b", 5, 1)], expect=NewGeneration, nodes=("a", "c"), reason="restart", restarts=3,
+         charged=(("b", 3),)),
+    Case("an excluded node waits as a spare for good", [A, B, C], gen=generation(6, [A, C], "restart", 3, (("b", 3),)),
+         state=JobState.RUNNING, now=T0 + 500, expect=Keep),
+    Case("one member's repeated failures never spend the others' budget", [A, B],
+         gen=generation(5, [A, B], "restart", 9, (("a", 1),)), state=JobState.RUNNING, now=T0 + 5,
+         failures=[FailureReport("a", 5, 1)], expect=NewGeneration, nodes=("a", "b"), charged=(("a", 2),)),
+    Case("fewer than min nodes left within their budget fails the job", [A, B],
+         gen=generation(5, [A, B], "restart", 2, (("a", 2),)), state=JobState.RUNNING, now=T0 + 5,
+         failures=[FailureReport("a", 5, 1)], expect=FailJob,
+         message="spent its restart budget: a worker failed again on a, more than max_restarts=2 times"),
     Case("scaling events keep the restart count", [A, B, C], gen=generation(5, [A, B], "restart", 2),
          state=JobState.RUNNING, now=C.joined_at + 2, expect=NewGeneration, reason="join", restarts=2),
     Case("a failure in a world that lost a node spends no restart", [A, C], gen=generation(5, [A, B, C], "join", 2),
@@ -146,6 +163,8 @@ def test_plan(case: Case) -> None:
             assert gen.reason == case.reason
         if case.restarts is not None:
             assert gen.restarts_used == case.restarts
+        if case.charged is not None:
+            assert gen.charged == case.charged
     if case.new_state is not None:
         assert decision.state is case.new_state  # type: ignore[union-attr]
     if case.deadline is not None:
