@@ -15,12 +15,14 @@ ReportFailure, ReportSuccess  servicer); reports only from members of the genera
 WatchGenerations              admin; an agent that is a member of the job
 RenewAgentCertificate         an agent that is a live member of the job, for its own node id (the signer checks the
                               request names it); not admin
+RevokeCertificate             admin
 ============================  =======================================================================================
 
 The Bootstrap service (:mod:`pliant.coordinator.signer`) is served on a port of its own, to callers without a
 certificate; the job's join token is its credential.
 
-A coordinator certificate serves; it may not call. On a plaintext channel (``--insecure``) there is no identity: every
+A certificate on the denylist (:mod:`pliant.coordinator.revocation`) may make no call at all. A coordinator
+certificate serves; it may not call. On a plaintext channel (``--insecure``) there is no identity: every
 caller may do what an admin may, and only the lease and token checks remain.
 """
 
@@ -33,14 +35,15 @@ from pliant.tls import Identity, Role
 
 __all__ = ["ADMIN_METHODS", "Caller", "require_admin", "require_node"]
 
-ADMIN_METHODS = frozenset({"CreateJob", "FinishJob", "DeleteJob", "RotateJoinToken", "ListJobs"})
+ADMIN_METHODS = frozenset({"CreateJob", "FinishJob", "DeleteJob", "RotateJoinToken", "ListJobs", "RevokeCertificate"})
 
 
 @dataclass(frozen=True)
 class Caller:
-    """The peer of one call: its certificate's identity, or None on a plaintext channel."""
+    """The peer of one call: its certificate's identity and serial number (None and 0 on a plaintext channel)."""
 
     identity: Identity | None
+    serial: int = 0
 
     @property
     def is_admin(self) -> bool:

@@ -161,6 +161,12 @@ class CoordinatorClient:
         resp = self._call("CreateJob", pb.CreateJobRequest(spec=spec_to_pb(spec), join_token=token))
         return job_info_from_pb(resp.job), resp.created, token if resp.created or join_token else ""
 
+    def revoke_certificate(self, cert_pem: bytes = b"", serial: str = "", reason: str = "") -> tuple[str, str]:
+        """Revoke a certificate (admin): its PEM, or its serial in hex. Returns (serial hex, subject)."""
+        req = pb.RevokeCertificateRequest(cert_pem=cert_pem, serial=serial, reason=reason)
+        resp = self._call("RevokeCertificate", req)
+        return resp.serial, resp.subject
+
     def delete_job(self, job_id: str) -> None:
         """Delete a finished job (admin)."""
         self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id))

@@ -49,6 +49,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "Revocation",
     "Strike",
     "Unauthenticated",
     "Unavailable",
@@ -457,6 +458,26 @@ class Generation:
         members = tuple(_from_mapping(GenerationMember, m) for m in data.pop("members", []))
         charged = tuple((str(n), int(c)) for n, c in data.pop("charged", []))
         return _from_mapping(cls, {**data, "members": members, "charged": charged})
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """A certificate the coordinator refuses from ``effective_at`` on (seconds since the epoch): its serial, whose it
+    was (the subject), why, and when it expires anyway (``not_after``; 0: unknown)."""
+
+    serial: int
+    subject: str = ""
+    reason: str = ""
+    revoked_at: float = 0.0
+    effective_at: float = 0.0
+    not_after: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Revocation:
+        return _from_mapping(cls, json.loads(text))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pliant.bootstrap import bootstrap_address
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.reconciler import Reconciler
+from pliant.coordinator.revocation import Denylist
 from pliant.coordinator.servicer import CoordinatorServicer
 from pliant.coordinator.signer import BootstrapServicer, Signer
 from pliant.coordinator.store import EtcdStore
@@ -172,12 +173,13 @@ class CoordinatorServer:
                                      finished_job_ttl_s=config.finished_job_ttl_s,
                                      jobs_prefix=self.store.jobs_prefix)  # fmt: skip
         self.hub = WatchHub(self.store)
+        self.denylist = Denylist(self.store)
         self.servicer = CoordinatorServicer(self.store, self.hub, observe=self.metrics.observe_rpc,
                                             poke=self.reconciler.poke,
                                             progress_interval_s=config.progress_interval_s,
                                             max_jobs=config.max_jobs,
                                             max_watch_streams=config.max_watch_streams,
-                                            signer=config.signer)  # fmt: skip
+                                            signer=config.signer, denylist=self.denylist)  # fmt: skip
         self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
@@ -246,6 +248,7 @@ class CoordinatorServer:
         if self.config.metrics_listen:
             self.metrics_server = serve_metrics(self.registry, self.config.metrics_listen)
         self._set_health(True)
+        self.denylist.start()
         self.server.start()
         self.election.start()
         self.reconciler.start()
@@ -273,7 +276,8 @@ class CoordinatorServer:
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
             maximum_concurrent_rpcs=32,
         )
-        servicer = BootstrapServicer(self.store, self.config.signer, observe=self.metrics.observe_rpc)
+        servicer = BootstrapServicer(self.store, self.config.signer, observe=self.metrics.observe_rpc,
+                                     denylist=self.denylist)  # fmt: skip
         bootstrap_pb2_grpc.add_BootstrapServicer_to_server(servicer, self.bootstrap_server)
         assert self.config.tls is not None
         creds = server_credentials(self.config.tls, self.tls, bootstrap=True)  # rotated files are picked up too
@@ -307,6 +311,7 @@ class CoordinatorServer:
         if self.bootstrap_server is not None:
             self.bootstrap_server.stop(0)
         self.reconciler.stop()
+        self.denylist.stop()
         self.hub.close()
         self.election.stop(resign=True)
         self.store.close()

@@ -32,6 +32,7 @@ from pliant.coordinator.contract import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     status_for_error,
     truncate_reason,
     validate_address,
@@ -39,10 +40,11 @@ from pliant.coordinator.contract import (
     validate_slots,
 )
 from pliant.coordinator.convert import generation_to_pb, job_info_to_pb, spec_from_pb, state_to_pb, without_addresses
+from pliant.coordinator.revocation import RENEWAL_OVERLAP_S, Denylist, replaced_certificate, revocation_of
 from pliant.coordinator.signer import Signer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
-from pliant.tls import peer_identity
+from pliant.tls import certificate_serial, identity_from_pem, peer_certificate
 from pliant.v1 import bootstrap_pb2 as bpb
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
@@ -123,6 +125,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         max_watch_streams: open WatchGenerations streams this replica serves at most (each holds a server thread);
             past it a new stream is RESOURCE_EXHAUSTED, so streams never starve heartbeats of threads.
         signer: the CA key that renews agent certificates (None: this replica renews none).
+        denylist: the revoked certificates this replica refuses (None: none are; a test's servicer without etcd).
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         max_jobs: int = 0,
         max_watch_streams: int = 0,
         signer: Signer | None = None,
+        denylist: Denylist | None = None,
     ) -> None:
         self._store = store
         self._hub = hub
@@ -150,6 +154,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._max_jobs = max_jobs
         self._max_watch_streams = max_watch_streams
         self._signer = signer
+        self._denylist = denylist
         self._watch_streams = 0  # guarded by _watch_lock, as is:
         self._streams_of: dict[str, int] = {}  # caller (its certificate's identity) -> its open streams here
         self._watch_lock = threading.Lock()
@@ -160,10 +165,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Check that the caller may make this call; return who it is.
 
         Raises:
+            Unauthenticated: the caller's certificate is revoked.
             PermissionDenied: the caller's role, node or lease does not allow the call (nothing was touched).
             NotFound: the call carries a lease for a membership that no longer exists.
         """
-        caller = Caller(peer_identity(context))
+        pem = peer_certificate(context)
+        caller = Caller(identity_from_pem(pem), certificate_serial(pem)) if pem else Caller(None)
+        why = self._denylist.why(caller.serial) if self._denylist is not None and caller.serial else ""
+        if why:
+            raise Unauthenticated(
+                f"{caller}'s certificate (serial {caller.serial:x}) is revoked ({why}); an agent joins again with "
+                f"the join token (--ca-cert-hash), others ask their admin for a new certificate"
+            )
         if method in ADMIN_METHODS:
             require_admin(caller, method)
         elif method in ("GetJob", "WatchGenerations", "RenewAgentCertificate"):
@@ -325,7 +338,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "agent a new one with `pliant certs create-agent`"
             )
         assert caller.node_id is not None  # checked by _authorize
-        return self._signer.sign(request.csr_pem, caller.node_id)
+        issued = self._signer.sign(request.csr_pem, caller.node_id)
+        # The certificate it replaces stays valid a moment, for calls already under way with it.
+        self._replaced(caller.node_id, issued.cert_pem, "renewed", RENEWAL_OVERLAP_S)
+        return issued
+
+    def _replaced(self, node: str, cert_pem: bytes, how: str, overlap_s: float) -> None:
+        """Node id ``node`` now holds ``cert_pem``: revoke its earlier agent certificate (after ``overlap_s``)."""
+        replaced_certificate(self._store, self._denylist, node, cert_pem, how, overlap_s, self._clock())
+
+    @_rpc
+    def RevokeCertificate(self, request: pb.RevokeCertificateRequest, caller: Caller) -> pb.RevokeCertificateResponse:
+        if self._denylist is None:
+            raise FailedPrecondition("this replica keeps no denylist")
+        record = revocation_of(request.cert_pem, request.serial, request.reason, str(caller), self._clock())
+        self._denylist.revoke(record)
+        return pb.RevokeCertificateResponse(serial=f"{record.serial:x}", subject=record.subject)
 
     # -- watch ---------------------------------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ given the key can sign; one without it refuses renewals with FAILED_PRECONDITION
 What is signed is decided by :meth:`Signer.sign`: only the agent role, only the node id the request is for. Who may
 ask: a node that holds the job's join token, for a node id no live member holds (:class:`BootstrapServicer`); or the
 agent itself, a live member, over mutual TLS (the servicer's ``RenewAgentCertificate``, authorized where every call
-is). Certificates are short-lived (``lifetime_s``) and for client use only.
+is). Certificates are short-lived (``lifetime_s``) and for client use only; a node id holds one: signing it another
+revokes the one before (:mod:`pliant.coordinator.revocation`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pliant.coordinator.contract import (
     status_for_error,
     validate_id,
 )
+from pliant.coordinator.revocation import Denylist, replaced_certificate
 from pliant.coordinator.store import EtcdStore
 from pliant.errors import ConfigError
 from pliant.tls import IssuedCert, Role, csr_identity, not_after, sign_csr
@@ -102,14 +104,20 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         store: the etcd store (join tokens, live members).
         signer: the CA key.
         observe: called with (method, status code, seconds) after each call.
+        denylist: where the agent certificate a node id held before is revoked when it is signed another.
     """
 
     def __init__(
-        self, store: EtcdStore, signer: Signer, observe: Callable[[str, grpc.StatusCode, float], None] | None = None
+        self,
+        store: EtcdStore,
+        signer: Signer,
+        observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
+        denylist: Denylist | None = None,
     ) -> None:
         self._store = store
         self._signer = signer
         self._observe = observe or (lambda method, code, seconds: None)
+        self._denylist = denylist
 
     def IssueAgentCertificate(
         self, request: bpb.IssueAgentCertificateRequest, context: grpc.ServicerContext
@@ -121,6 +129,8 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
             self._store.check_token(job, request.join_token)
             _held_by_live_member(self._store, job, node)
             issued = self._signer.sign(request.csr_pem, node)
+            # The node id's earlier agent is gone (no live member holds the id): its certificate goes at once.
+            replaced_certificate(self._store, self._denylist, node, issued.cert_pem, "signed again", 0.0, time.time())
             logger.info(
                 "bootstrap: agent certificate for node %s of job %s signed (valid %.0fs)",
                 node,

@@ -17,6 +17,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/strikes/<node>           {"address", "count", "lifted", "lifts"}: failed readmissions (policy.struck;
                                         on a lease that lapses STRIKE_WINDOW_S after the last strike; see policy)
     seal-root                           the sealing secret, hex (pliant.seal), unless the coordinator is given one
+    revoked/<serial hex>                a revoked certificate (Revocation JSON), on a lease that lapses after it expires
+    certs/<node>                        {"serial", "not_after"} of the agent certificate last signed for the node id
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
                                         jobs/ so that its writes never wake the reconciler
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import json
 import logging
 import uuid
 from typing import Any
@@ -48,6 +51,7 @@ from pliant.coordinator.contract import (
     Member,
     NotFound,
     ResourceExhausted,
+    Revocation,
     Strike,
     Unavailable,
 )
@@ -69,6 +73,7 @@ __all__ = ["HISTORY", "EtcdObserver", "EtcdStore", "Fence"]
 logger = logging.getLogger(__name__)
 
 _NO_STATE = JobStatus(JobState.WAITING, 0.0)
+REVOKED_KEEP_S = 400 * 24 * 3600.0  # a revocation whose certificate's expiry is unknown is kept this long
 
 
 def _strike(value: bytes, meta: Any) -> Strike:
@@ -289,6 +294,49 @@ class EtcdStore(MemberStore):
                 logger.info("job %s %s: %s", job, wanted.value, reason or "(no reason)")
                 return new
         raise Unavailable(f"job {job!r} state kept changing while finishing it; retry")
+
+    # -- certificates: the denylist and the agent certificate each node id holds -------------------------------------
+
+    @property
+    def revoked_prefix(self) -> str:
+        return f"{self.prefix}/revoked/"
+
+    @etcd_call
+    def revoke(self, record: Revocation, now: float) -> None:
+        """Add ``record`` to the denylist, on a lease that lapses once its certificate has expired anyway (a record
+        whose expiry is unknown lasts :data:`REVOKED_KEEP_S`)."""
+        left = record.not_after - now if record.not_after else REVOKED_KEEP_S
+        lease = self.client.lease(int(min(max(left, 0.0), REVOKED_KEEP_S)) + 3600)
+        self.client.put(f"{self.revoked_prefix}{record.serial:x}", record.to_json(), lease=lease.id)
+        logger.warning("certificate serial %x (%s) revoked: %s", record.serial, record.subject, record.reason)
+
+    @etcd_call
+    def revoked(self) -> dict[int, Revocation]:
+        """The denylist: serial -> its record (unreadable records are skipped, and logged)."""
+        out = {}
+        for value, meta in self.client.get_prefix(self.revoked_prefix):
+            try:
+                record = Revocation.from_json(value)
+            except (ValueError, TypeError) as exc:
+                logger.warning("denylist record %s is unreadable (%s); skipped", meta.key.decode(), exc)
+                continue
+            out[record.serial] = record
+        return out
+
+    @etcd_call
+    def replace_agent_cert(self, node: str, serial: int, not_after: float) -> tuple[int, float] | None:
+        """Record that node id ``node`` now holds the agent certificate ``serial``; returns the (serial, expiry) of
+        the one it held before, if any (the caller revokes it: one node id, one certificate)."""
+        key = f"{self.prefix}/certs/{node}"
+        record = json.dumps({"serial": f"{serial:x}", "not_after": not_after})
+        _, responses = self._txn([], [self.tx.get(key), self.tx.put(key, record)])
+        if not responses[0]:
+            return None
+        try:
+            old = json.loads(responses[0][0][0])
+            return int(old["serial"], 16), float(old["not_after"])
+        except (ValueError, KeyError, TypeError):
+            return None
 
     # -- generations and state (leader only) ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ The commands follow CockroachDB's ``cockroach cert``::
     pliant certs create-admin alice --certs-dir certs              # -> certs/admin-alice/
     pliant certs list --certs-dir certs
     pliant certs fingerprint --certs-dir certs                     # sha256:... : the --ca-cert-hash nodes pin
+    pliant certs revoke certs/agent-node-7/tls.crt --coordinator HOST:PORT --tls-dir certs/admin-alice
 
 Each issued certificate lands in its own directory holding ``ca.crt``, ``tls.crt`` and ``tls.key``: the layout that
 ``--tls-dir`` reads (and a Kubernetes TLS Secret mounts).
@@ -21,7 +22,18 @@ import os
 from pathlib import Path
 
 from pliant.errors import ConfigError
-from pliant.tls import CA_CERT, TLS_CERT, IssuedCert, Role, ca_fingerprint, issue_cert, new_ca, write_tls_dir
+from pliant.tls import (
+    CA_CERT,
+    TLS_CERT,
+    IssuedCert,
+    Role,
+    add_tls_flags,
+    ca_fingerprint,
+    issue_cert,
+    new_ca,
+    tls_from_flags,
+    write_tls_dir,
+)
 
 __all__ = ["add_certs_commands", "certs_main", "load_ca"]
 
@@ -67,6 +79,15 @@ def add_certs_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     fingerprint.add_argument("--certs-dir", required=True, help="directory of the CA (ca.crt)")
     listing = actions.add_parser("list", help="list the certificates under a directory")
     common(listing, issue=False)
+    revoke = actions.add_parser(
+        "revoke",
+        help="refuse a certificate from now on, on every coordinator replica (a lost node's, a departed admin's)",
+    )
+    revoke.add_argument("cert", nargs="?", default=None, help="the certificate file to revoke (its tls.crt)")
+    revoke.add_argument("--serial", default="", help="its serial number in hex, when the file is gone")
+    revoke.add_argument("--reason", default="", help="why (kept with the revocation, and in the refusals)")
+    revoke.add_argument("--coordinator", required=True, help="HOST:PORT[,...] of the coordinator replicas")
+    add_tls_flags(revoke, "admin")
     certs.set_defaults(func=lambda args: certs_main(args))
 
 
@@ -96,6 +117,7 @@ def _create_ca(args: argparse.Namespace) -> str:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     (path / CA_CERT).write_bytes(ca.cert_pem)
     fd = os.open(path / CA_KEY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an overwritten key gets this mode, whatever the old file had
     with os.fdopen(fd, "wb") as out:
         out.write(ca.key_pem)
     return f"CA written to {path / CA_CERT} and {path / CA_KEY} (keep the key offline; only ca.crt is distributed)"
@@ -150,7 +172,29 @@ def certs_main(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ConfigError(f"{path} not found; create the CA: pliant certs create-ca --certs-dir {args.certs_dir}")
         message = ca_fingerprint(path.read_bytes())
+    elif action == "revoke":
+        message = _revoke(args)
     else:
         message = _list(args)
     print(message, flush=True)
     return 0
+
+
+def _revoke(args: argparse.Namespace) -> str:
+    from pliant.coordinator.client import CoordinatorClient
+
+    if bool(args.cert) == bool(args.serial):
+        raise ConfigError("name the certificate to revoke: its file (pliant certs revoke PATH/tls.crt) or --serial HEX")
+    pem = b""
+    if args.cert:
+        try:
+            pem = Path(args.cert).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {args.cert}: {exc.strerror}; pass the certificate's tls.crt") from None
+    tls = tls_from_flags(args.tls_dir, args.insecure, "certs revoke")
+    client = CoordinatorClient(args.coordinator, tls.load() if tls else None, retry_for_s=5.0)
+    try:
+        serial, subject = client.revoke_certificate(pem, args.serial, args.reason)
+    finally:
+        client.close()
+    return f"revoked certificate serial {serial}{f' ({subject})' if subject else ''}: every replica refuses it"

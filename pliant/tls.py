@@ -39,6 +39,7 @@ __all__ = [
     "TlsMaterial",
     "add_tls_flags",
     "ca_fingerprint",
+    "certificate_serial",
     "channel_credentials",
     "csr_identity",
     "identity_from_pem",
@@ -47,6 +48,7 @@ __all__ = [
     "new_ca",
     "new_csr",
     "not_after",
+    "peer_certificate",
     "peer_identity",
     "read_token_file",
     "server_credentials",
@@ -320,6 +322,7 @@ def write_tls_dir(directory: str | os.PathLike[str], ca_cert_pem: bytes, issued:
     (path / TLS_CERT).write_bytes(issued.cert_pem)
     key_path = path / TLS_KEY
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file that existed keeps its mode at open: an overwritten key gets this one
     with os.fdopen(fd, "wb") as out:
         out.write(issued.key_pem)
     return path
@@ -552,9 +555,23 @@ def channel_credentials(material: TlsMaterial) -> object:
 
 def peer_identity(context: object) -> Identity | None:
     """The identity of the peer of a gRPC server call (None on a plaintext channel or without a pliant role)."""
+    pem = peer_certificate(context)
+    return identity_from_pem(pem) if pem else None
+
+
+def peer_certificate(context: object) -> bytes | None:
+    """The PEM client certificate of the peer of a gRPC server call (None on a plaintext channel)."""
     auth: Callable[[], dict[str, list[bytes]]] = context.auth_context  # type: ignore[attr-defined]
     pems = auth().get("x509_pem_cert")
-    return identity_from_pem(pems[0]) if pems else None
+    return pems[0] if pems else None
+
+
+@functools.lru_cache(maxsize=4096)
+def certificate_serial(cert_pem: bytes) -> int:
+    """A PEM certificate's serial number."""
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(cert_pem).serial_number
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -100,6 +100,11 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.RenewAgentCertificateRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_bootstrap__pb2.AgentCertificate.FromString,
                 _registered_method=True)
+        self.RevokeCertificate = channel.unary_unary(
+                '/pliant.v1.Coordinator/RevokeCertificate',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -168,7 +173,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportSuccess(self, request, context):
-        """All of a node's workers of the current generation exited 0: the coordinator marks the job succeeded.
+        """All of a node's workers of the current generation exited 0; once every member of it has said so, the
+        coordinator marks the job succeeded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +189,13 @@ class CoordinatorServicer:
     def RenewAgentCertificate(self, request, context):
         """A fresh agent certificate for the calling agent's own node id (it must be a live member of the job), before its
         bootstrap-issued one expires. FAILED_PRECONDITION when this replica holds no signing key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeCertificate(self, request, context):
+        """Refuse a certificate from now on, on every replica (admin): every call made with it is UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -255,6 +268,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RenewAgentCertificate,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.RenewAgentCertificateRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_bootstrap__pb2.AgentCertificate.SerializeToString,
+            ),
+            'RevokeCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeCertificate,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +626,33 @@ class Coordinator:
             '/pliant.v1.Coordinator/RenewAgentCertificate',
             pliant_dot_v1_dot_coordinator__pb2.RenewAgentCertificateRequest.SerializeToString,
             pliant_dot_v1_dot_bootstrap__pb2.AgentCertificate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/RevokeCertificate',
+            pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -166,3 +166,19 @@ def test_a_replica_without_the_signing_key_serves_no_bootstrap_and_renews_nothin
     with pytest.raises(Exception, match="holds no signing key"):
         node.renew_certificate("job")
     assert coordinator_tls(pki)  # the replica's own certificate is the tests' as ever
+
+
+def test_a_node_id_holds_one_certificate_the_one_it_replaces_is_revoked(signing) -> None:
+    """Signing a node id another certificate (a bootstrap join again, once its earlier agent is gone) revokes the one
+    before at once: a copy of the old key authenticates nothing."""
+    server, _admin, token, pin = signing
+    first = request_certificate(server.bootstrap_address, pin, "job", "node-1", token)
+    with CoordinatorClient(server.address, first) as node:
+        grant = node.join("job", "node-1", "127.0.0.1:1001", 1, token)
+        node.leave("job", "node-1", grant.lease_id)  # the node goes; it comes back with a fresh key
+    second = request_certificate(server.bootstrap_address, pin, "job", "node-1", token)
+    with CoordinatorClient(server.address, first, retry_for_s=0) as old, pytest.raises(Exception) as info:
+        old.join("job", "node-1", "127.0.0.1:1001", 1, token)
+    assert type(info.value).__name__ == "Unauthenticated" and "is revoked (replaced" in str(info.value)
+    with CoordinatorClient(server.address, second) as node:
+        assert node.join("job", "node-1", "127.0.0.1:1001", 1, token).lease_id

@@ -365,3 +365,52 @@ def test_etcd_size_errors_are_resource_exhausted_not_unavailable(etcd, prefix) -
         assert store.read_job("job").status.state is JobState.WAITING, "nothing was written"
     finally:
         store.close()
+
+
+def test_a_revoked_certificate_is_refused_on_every_replica(make_coordinator, fleet, pki) -> None:
+    """``pliant certs revoke`` (RevokeCertificate): from then on every call made with the certificate is refused with
+    UNAUTHENTICATED naming its serial, on the replica that revoked it at once and on the others within moments; the
+    node's other certificates, and other nodes, are untouched."""
+    first, second = make_coordinator("r1"), make_coordinator("r2")
+    stolen = pki.issue("agent-x-stolen", Role.AGENT, "x")
+    with fleet(first) as client:
+        client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=30, join_grace_s=0))
+        client.join("job", "b", "127.0.0.1:2")
+
+        def get_job(server: object) -> grpc.RpcError | None:
+            channel = grpc.secure_channel(server.address, channel_credentials(stolen.load()))
+            with channel:
+                try:
+                    pb_grpc.CoordinatorStub(channel).ListJobs(pb.ListJobsRequest(), timeout=5)
+                except grpc.RpcError as exc:
+                    return exc
+            return None
+
+        assert get_job(first).code() == Code.PERMISSION_DENIED, "an agent may not list jobs: reached authorization"
+        serial, subject = client.admin.revoke_certificate(Path(stolen.cert).read_bytes(), reason="laptop stolen")
+        assert subject == "CN=x,OU=agent,O=pliant" and int(serial, 16) > 0
+        for server in (first, second):
+            refused = wait_for(lambda s=server: (e := get_job(s)) and e.code() == Code.UNAUTHENTICATED and e, 10,
+                               "the revocation on every replica")  # fmt: skip
+            assert f"certificate (serial {serial}) is revoked (revoked by the admin 'test-admin': laptop stolen)" in (
+                refused.details()
+            )
+        assert client.get_job("job").members[0].node_id == "b", "other callers are served"
+        with pytest.raises(Exception, match="is not a certificate serial in hex"):
+            client.admin.revoke_certificate(serial="not-hex")
+
+
+def test_pliant_certs_revoke_revokes_a_certificate_file(make_coordinator, pki) -> None:
+    import subprocess
+    import sys
+
+    from tests.fleet import admin_tls
+
+    server = make_coordinator()
+    lost = pki.issue("agent-lost-node", Role.AGENT, "lost-node")
+    admin_dir = str(Path(admin_tls(pki).cert).parent)
+    argv = [sys.executable, "-m", "pliant", "certs", "revoke", "--coordinator", server.address, "--tls-dir", admin_dir]
+    done = subprocess.run([*argv, lost.cert, "--reason", "node retired"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "revoked certificate serial" in done.stdout and "lost-node" in done.stdout, done
+    both = subprocess.run([*argv, lost.cert, "--serial", "ab"], capture_output=True, text=True, timeout=60)
+    assert both.returncode != 0 and "its file (pliant certs revoke PATH/tls.crt) or --serial HEX" in both.stderr
