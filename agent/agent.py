@@ -146,6 +146,7 @@ class Agent:
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
             generation_ports = port + 1 if self.config.store_port else 0
             self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
+            self.store.key = self.grant.checkpoint_key if self.grant is not None else b""  # seals its records
             return self._loop()
         except (CoordinatorError, AgentError, BootstrapError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)

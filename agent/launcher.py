@@ -400,11 +400,12 @@ def pliant_command() -> list[str]:
 
 
 def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) -> str:
-    """The one line other machines run to join: the coordinator's address, the job, its token and, with TLS, the CA's
-    fingerprint (no file of this machine's is named but the shared checkpoint directory)."""
+    """The one line other machines run to join: the job's token in the environment (``PLIANT_JOIN_TOKEN=...``: a
+    process's environment is its user's alone, where its command line is every local user's), then the command with
+    the coordinator's address, the job and, with TLS, the CA's fingerprint (no file of this machine's is named but the
+    shared checkpoint directory)."""
     parts = [*pliant_command(), "run", "--coordinator", address]
-    # --join-token=TOKEN, never two words: a URL-safe token may start with "-", which argparse would take for a flag.
-    parts += [f"--join-token={token}"] + (["--ca-cert-hash", pin] if pin else ["--insecure"])
+    parts += ["--ca-cert-hash", pin] if pin else ["--insecure"]
     parts += ["--job", args.job, "--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node)]
     if args.checkpoint_dir:  # every node must save to and restore from the same directory
         parts += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
@@ -413,7 +414,7 @@ def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) 
     if args.no_python:
         parts.append("--no-python")
     parts += [args.training_script, *args.training_script_args]
-    return shlex.join(parts)
+    return f"PLIANT_JOIN_TOKEN={shlex.quote(token)} {shlex.join(parts)}"
 
 
 def agent_main(args: argparse.Namespace) -> int:

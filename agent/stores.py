@@ -7,12 +7,20 @@ agent publishes each generation's port in its long-lived store, where the other 
 
 Every store listens on the node's advertised address only (torch's TCPStore server would listen on every interface):
 the store host binds the socket itself and hands it over with ``master_listen_fd``. The stores run in the store host
-(:mod:`pliant.agent.storehost`), so that the agent never imports torch. TCPStore has no authentication; see
-docs/operations.md (Security) for what the NetworkPolicy closes.
+(:mod:`pliant.agent.storehost`), so that the agent never imports torch.
+
+TCPStore has no authentication: anyone who reaches a store's port (another local user, another host) may read and
+write its keys. The records pliant's agents act on are therefore sealed with the job's key (:func:`pliant.seal.tag`,
+which only members hold): ``/pliant/gen/<N>/master_port`` is ``"<port> <tag(key, "port", N, port)>"`` and
+``/pliant/agent/renewing`` is ``"<streak> <generation> <tag(key, "renewing", streak, generation)>"``. A record
+whose seal does not hold is taken as absent (a port not yet published; a peer that does not answer), so nobody but a
+member steers where workers meet or how the self-fence votes. Torch's own rendezvous keys in a generation store are
+not sealed (torch writes them); docs/operations.md (Security) says what closes the ports.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import time
@@ -21,6 +29,7 @@ from collections.abc import Callable
 from pliant.agent.contract import AgentError
 from pliant.agent.storehost import REPLY_MARGIN_S, START_TIMEOUT_S, StoreHost, StoreHostError, listen
 from pliant.net import parse_host_port
+from pliant.seal import tag
 
 __all__ = ["ARRIVED_KEY", "NodeStore", "reachable", "reserve"]
 
@@ -93,13 +102,15 @@ class NodeStore:
         self.address = f"{host}:{bound}"
         self._generation_ports: dict[int, int] = {}
         self._first_generation_port = generation_ports
+        self.key = b""  # the job's key, set once the agent joined (its main thread), before any record is written
 
     def set_renewing(self, streak_s: int, generation: int = 0) -> None:
         """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing),
         and the newest generation it has seen; see :meth:`peer_renewing`. A duration on this agent's own clock: no
         clocks are compared across nodes."""
+        seal = tag(self.key, "renewing", streak_s, generation)
         self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_RENEWING_KEY,
-                            value=f"{streak_s} {generation}")  # fmt: skip
+                            value=f"{streak_s} {generation} {seal}")  # fmt: skip
 
     def peer_renewing(self, address: str, timeout_s: float = 1.0) -> tuple[float, int]:
         """(for how long the agent whose store is at ``address`` has renewed its membership without a break, the
@@ -110,8 +121,12 @@ class NodeStore:
                                         timeout=timeout_s, check=True)  # fmt: skip
             if value is None:
                 return -1.0, -1
-            streak, _, generation = str(value).partition(" ")
-            return float(streak), int(generation) if generation else -1
+            streak, generation, seal = str(value).split(" ")
+            if not hmac.compare_digest(seal, tag(self.key, "renewing", streak, generation)):
+                logger.warning("the renewal record in the agent store at %s is not sealed with the job's key; "
+                               "ignored", address)  # fmt: skip
+                return -1.0, -1
+            return float(streak), int(generation)
         except (StoreHostError, ValueError):  # unreachable, or not an agent store
             return -1.0, -1
 
@@ -137,7 +152,8 @@ class NodeStore:
         self._generation_ports[generation] = port
         for old in sorted(self._generation_ports)[:-_KEEP]:
             self.stores.request("close", REPLY_MARGIN_S, port=self._generation_ports.pop(old))
-        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_port_key(generation), value=str(port))
+        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_port_key(generation),
+                            value=f"{port} {tag(self.key, 'port', generation, port)}")  # fmt: skip
         logger.info("generation %d: store serving on %s:%d", generation, self.host, port)
         return port
 
@@ -156,8 +172,9 @@ class NodeStore:
             attempt = max(0.1, min(PORT_ATTEMPT_S, deadline - time.monotonic()))
             started = time.monotonic()
             try:
-                return int(self.stores.request("get", attempt + REPLY_MARGIN_S, address=store_address,
-                                               key=_port_key(generation), timeout=attempt))  # fmt: skip
+                value = self.stores.request("get", attempt + REPLY_MARGIN_S, address=store_address,
+                                            key=_port_key(generation), timeout=attempt)  # fmt: skip
+                return self._sealed_port(str(value), generation, store_address)
             except (StoreHostError, TypeError, ValueError) as exc:
                 if superseded():
                     raise AgentError(f"generation {generation} was superseded while its store port was read from "
@@ -168,6 +185,18 @@ class NodeStore:
                         f"store port within {timeout_s:g}s ({exc})"
                     ) from exc
                 time.sleep(max(0.0, min(0.1, attempt - (time.monotonic() - started))))  # a refused connect: not a spin
+
+    def _sealed_port(self, value: str, generation: int, store_address: str) -> int:
+        """The port in a generation's port record.
+
+        Raises:
+            ValueError: the record is not sealed with the job's key (someone else wrote it: it is not the port).
+        """
+        port, _, seal = value.partition(" ")
+        if not hmac.compare_digest(seal, tag(self.key, "port", generation, port)):
+            raise ValueError(f"the port record of generation {generation} at {store_address} is not sealed with the "
+                             f"job's key (written by another process than its agent)")  # fmt: skip
+        return int(port)
 
     def arrivals(self, host: str, port: int) -> int:
         """How many fresh workers announced that they are about to join the generation whose store is at

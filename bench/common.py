@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -127,9 +128,9 @@ def join_flags(log: Path, timeout_s: float = 60.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
-        found = re.search(r"pliant run --coordinator \S+ (--join-token=\S+) --ca-cert-hash (\S+)", text)
+        found = re.search(r"PLIANT_JOIN_TOKEN=(\S+) .*run --coordinator \S+ --ca-cert-hash (\S+)", text)
         if found:
-            return [found[1], "--ca-cert-hash", found[2]]
+            return [f"--join-token={shlex.split(found[1])[0]}", "--ca-cert-hash", found[2]]
         time.sleep(0.1)
     raise TimeoutError(f"no join command in {log} within {timeout_s:g}s")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from pliant.coordinator.client import CoordinatorClient
@@ -88,7 +89,9 @@ def job_main(args: argparse.Namespace) -> int:
                 print(f"job {spec.job_id} already exists with this spec; its join token is unchanged", flush=True)
                 return 0
             _write_token(args.write_token, token)
-            print(f"job {spec.job_id} created; agents join with:\n  --join-token={token}", flush=True)
+            print(f"job {spec.job_id} created; agents join with its token in their environment (never on a command "
+                  f"line, which every local user can read), or in a file (--join-token-file):\n"
+                  f"  PLIANT_JOIN_TOKEN={shlex.quote(token)}", flush=True)  # fmt: skip
         elif args.job_command == "finish":
             info = client.finish_job(args.job_id, not args.failed, args.reason)
             print(f"job {args.job_id} {info.status.state.value}", flush=True)
@@ -98,8 +101,8 @@ def job_main(args: argparse.Namespace) -> int:
         else:
             token = client.rotate_join_token(args.job_id, given)
             _write_token(args.write_token, token)
-            print(f"job {args.job_id}: new join token (the old one no longer joins):\n  --join-token={token}",
-                  flush=True)  # fmt: skip
+            print(f"job {args.job_id}: new join token (the old one no longer joins):\n"
+                  f"  PLIANT_JOIN_TOKEN={shlex.quote(token)}", flush=True)  # fmt: skip
     except CoordinatorError as exc:
         print(f"pliant job {args.job_command}: error: {exc}", file=sys.stderr)
         return 1

@@ -44,8 +44,11 @@ to its smaller part, or flapping it forever:
   two strikes (:data:`LIFTS_PER_STRIKE`): a connect that succeeds from the node proves nothing about connects to it,
   and a cut that only the node's own connects get through would otherwise cost a try every few seconds forever; and
   a hold past its backoff ends either way. A node evicted while it was an established member (a
-  partition, a death, a cut that then heals) gets no strike, so churn never holds anyone back; a node back at another
-  address (its agent was restarted, or it was replaced) starts its count again.
+  partition, a death, a cut that then heals) gets no strike, so churn the fleet causes never holds anyone back; a node
+  back at another address (its agent was restarted, or it was replaced) starts its count again;
+- a node that *itself* leaves gracefully a second time within :data:`CHURN_WINDOW_S` gets a strike for it, and one
+  for each leave after: one member that leaves and joins again and again is held back ever longer (each such cycle
+  costs the others two re-formations), while a spot node preempted once a minute or less never is.
 
 **One clock**: deadlines (join batching, the min-nodes timeout, the finished-job TTL) are measured on the leader's
 monotonic clock, from when the leader first saw the record that starts them (identified by its etcd revision), never
@@ -78,6 +81,7 @@ __all__ = [
 ]
 
 STRIKE_WINDOW_S = 600  # a node's strikes lapse this long after its last (etcd's lease on them)
+CHURN_WINDOW_S = 60  # a node's second graceful leave within this long earns it a strike, and each after it
 REPORT_GRACE_S = 2.0  # reports of workers waiting after a peer failed wait this long for the failure's cause
 BACKOFF_BASE_S = 10.0  # the hold after a first strike; doubled for each strike after it ...
 BACKOFF_MAX_S = 300.0  # ... up to this

@@ -40,6 +40,7 @@ __all__ = ["CoordinatorConfig", "CoordinatorServer"]
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not completed its TLS handshake by then is closed
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,10 @@ class CoordinatorServer:
             # carry no data; gRPC's default answers pings more often than every 5 minutes with GOAWAY
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 1 << 20),
                      ("grpc.keepalive_permit_without_calls", 1),
-                     ("grpc.http2.min_ping_interval_without_data_ms", 1000)],
+                     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                     # a connection that has not finished its TLS handshake is dropped after this (gRPC: 120 s), so
+                     # idle connections never hold the server's slots for long
+                     ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)
@@ -273,7 +277,8 @@ class CoordinatorServer:
         listen = self.config.bootstrap_listen or bootstrap_address(f"{host}:{self.port}")
         self.bootstrap_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="bootstrap"),
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10),
+                     ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))],
             maximum_concurrent_rpcs=32,
         )
         servicer = BootstrapServicer(self.store, self.config.signer, observe=self.metrics.observe_rpc,

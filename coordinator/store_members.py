@@ -33,6 +33,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.policy import (
     BACKOFF_MAX_S,
+    CHURN_WINDOW_S,
     LIFTS_PER_STRIKE,
     REPORT_GRACE_S,
     STRIKE_WINDOW_S,
@@ -157,11 +158,7 @@ class MemberStore(EtcdBase):
                 self._token_digests.clear()
             self._token_digests[job] = cached
         if not token or not hmac.compare_digest(cached, digest):
-            raise Unauthenticated(
-                f"{'no' if not token else 'a wrong'} join token for job {job!r}; pass the token the job's creator was "
-                f"given (the join command `pliant run` prints, `pliant job create`) with --join-token or "
-                f"PLIANT_JOIN_TOKEN"
-            )
+            raise _token_refused(job, token)
         return digest
 
     @etcd_call
@@ -169,9 +166,13 @@ class MemberStore(EtcdBase):
         """Prove that ``token`` is ``job``'s join token (the bootstrap join's proof that a node may join).
 
         Raises:
-            NotFound: no such job. FailedPrecondition: the job finished. Unauthenticated: the token is missing or wrong.
+            Unauthenticated: the token is missing or wrong, or there is no such job (the same answer: a caller without
+                the token learns nothing, not even whether the job exists). FailedPrecondition: the job finished.
         """
-        self._spec(job)
+        try:
+            self._spec(job)
+        except NotFound:
+            raise _token_refused(job, token) from None
         self._check_token(job, token)
         state = self.client.get(self.job_key(job, "state"))[0]
         if state is not None and decode(self.job_key(job, "state"), JobStatus.from_json, state).state.terminal:
@@ -248,7 +249,26 @@ class MemberStore(EtcdBase):
             self._revoke_quietly(lease_id)
             self._bound.pop(lease_id, None)
             logger.info("node %s left job %s", node_id, job)
+            self._count_churn(job, node_id, decode(member_key, Member.from_json, value).address)
         return ok
+
+    def _count_churn(self, job: str, node_id: str, address: str) -> None:
+        """Count a graceful leave of ``node_id``; from the second within :data:`CHURN_WINDOW_S` on, each earns a
+        strike at ``address`` (:func:`pliant.coordinator.policy.held_back`): a node that leaves and joins again and
+        again waits ever longer before it is admitted, so one member cannot make a generation a second."""
+        churn_key, strike_key = self.job_key(job, "churn", node_id), self.job_key(job, "strikes", node_id)
+        value, _ = self.client.get(churn_key)
+        count = (int(value) if value is not None and value.isdigit() else 0) + 1
+        self.client.put(churn_key, str(count), lease=self.client.lease(CHURN_WINDOW_S).id)
+        if count < 2:
+            return
+        raw, _ = self.client.get(strike_key)
+        old = read_strike(strike_key, raw) if raw else StrikeRecord(0, address)
+        same = old.address == address
+        record = StrikeRecord(old.count + 1 if same else 1, address, lifts=old.lifts if same else 0)
+        self.client.put(strike_key, record.to_json(), lease=self.client.lease(STRIKE_WINDOW_S).id)
+        logger.warning("node %s left job %s %d times in %gs: held back %gs before it is admitted again", node_id, job,
+                       count, CHURN_WINDOW_S, backoff_s(record.count))  # fmt: skip
 
     @etcd_call
     def record_probe(self, job: str, node_id: str, generation: int, reaches: bool) -> bool:
@@ -437,3 +457,9 @@ class MemberStore(EtcdBase):
         self.finish_job(job, True, f"every node's workers completed generation {generation}", now)
         return True, current.number
 
+
+def _token_refused(job: str, token: str) -> Unauthenticated:
+    return Unauthenticated(
+        f"{'no' if not token else 'a wrong'} join token for job {job!r}; pass the token the job's creator was given "
+        f"(the join command `pliant run` prints, `pliant job create`) with --join-token-file or PLIANT_JOIN_TOKEN"
+    )

@@ -52,6 +52,7 @@ __all__ = [
     "load_or_create_root",
     "read_fence",
     "seal",
+    "tag",
     "unseal",
 ]
 
@@ -68,6 +69,12 @@ class SealError(PliantError):
 def job_key(root: bytes, job_id: str) -> bytes:
     """The checkpoint key of ``job_id`` under the control plane's sealing ``root``."""
     return hmac.new(root, _KEY_LABEL + job_id.encode(), hashlib.sha256).digest()
+
+
+def tag(key: bytes, *parts: object) -> str:
+    """A short seal (HMAC-SHA256, 32 hex digits) of ``parts`` under ``key``: what a node's store records carry
+    (:mod:`pliant.agent.stores`)."""
+    return hmac.new(key, "\0".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def load_or_create_root(path: str | os.PathLike[str]) -> bytes:

@@ -36,9 +36,9 @@ def signing(make_coordinator, pki, fleet):  # type: ignore[no-untyped-def]
     return server, admin, token, ca_fingerprint(pki.ca.cert_pem)
 
 
-def _refusal(server, pin: str, node: str, token: str) -> BootstrapError:  # type: ignore[no-untyped-def]
+def _refusal(server, pin: str, node: str, token: str, job: str = "job") -> BootstrapError:  # type: ignore[no-untyped-def]
     with pytest.raises(BootstrapError) as caught:
-        request_certificate(server.bootstrap_address, pin, "job", node, token)
+        request_certificate(server.bootstrap_address, pin, job, node, token)
     return caught.value
 
 
@@ -105,6 +105,9 @@ def test_each_refusal_says_why_in_one_line(signing, fleet) -> None:
     assert wrong.code == "UNAUTHENTICATED" and "a wrong join token for job 'job'" in str(wrong)
     missing = _refusal(server, pin, "node-1", "")
     assert missing.code == "UNAUTHENTICATED" and "no join token" in str(missing)
+    # A job that does not exist gets the answer a wrong token gets: a stranger learns no job's name.
+    nojob = _refusal(server, pin, "node-1", "not-the-token-0123456789", job="no-such-job")
+    assert nojob.code == "UNAUTHENTICATED" and "a wrong join token for job 'no-such-job'" in str(nojob)
     # A rotated token: the old one no longer bootstraps.
     fresh_token = admin.admin.rotate_join_token("job")
     rotated = _refusal(server, pin, "node-1", token)

@@ -18,7 +18,7 @@ from pliant.coordinator.store import EtcdStore
 from pliant.tls import LocalCA, Role, TlsConfig, channel_credentials, issue_cert, write_tls_dir
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import wait_for
+from tests.conftest import health_serving, wait_for
 from tests.fleet import agent_tls, secure_channel
 
 pytestmark = pytest.mark.timeout(90)
@@ -414,3 +414,49 @@ def test_pliant_certs_revoke_revokes_a_certificate_file(make_coordinator, pki) -
     assert done.returncode == 0 and "revoked certificate serial" in done.stdout and "lost-node" in done.stdout, done
     both = subprocess.run([*argv, lost.cert, "--serial", "ab"], capture_output=True, text=True, timeout=60)
     assert both.returncode != 0 and "its file (pliant certs revoke PATH/tls.crt) or --serial HEX" in both.stderr
+
+
+def test_a_member_that_leaves_and_joins_again_and_again_is_held_back(make_coordinator, fleet) -> None:
+    """Join/leave churn by one member: its second leave within a minute earns a strike, so it waits as a spare for
+    the backoff before it is admitted again; the generations it can cause are few."""
+    from pliant.coordinator.policy import BACKOFF_BASE_S
+
+    server = make_coordinator()
+    with fleet(server) as client:
+        client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=30, join_grace_s=0))
+        client.join("job", "a", "127.0.0.1:1")
+        wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",), 10, "a's world")
+        started = client.get_job("job").generation.number
+        admitted_after: list[float] = []
+        for _ in range(3):
+            grant = client.join("job", "b", "127.0.0.1:2")
+            joined = time.monotonic()
+            wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 30, "b admitted")
+            admitted_after.append(time.monotonic() - joined)
+            client.leave("job", "b", grant.lease_id)
+            wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b gone")
+        assert admitted_after[0] < 2 and admitted_after[1] < 2, "a first leave and rejoin costs nothing"
+        assert admitted_after[2] >= BACKOFF_BASE_S - 1, admitted_after
+        assert client.get_job("job", progress=True).progress["a"].strikes == 0
+        assert client.get_job("job").generation.number - started <= 6
+
+
+def test_connections_that_never_finish_their_handshake_are_closed(make_coordinator, pki) -> None:
+    """Idle connections opened without a TLS handshake hold nothing for long: each is closed after HANDSHAKE_TIMEOUT_S
+    (gRPC's own default is 120 s), and clients are served meanwhile."""
+    import socket
+
+    from pliant.coordinator.server import HANDSHAKE_TIMEOUT_S
+
+    server = make_coordinator()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
+    started = time.monotonic()
+    try:
+        assert health_serving(server.address, pki), "a client is served while they hang"
+        for sock in idle:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S + 10)
+            assert sock.recv(16) == b"", "the server closed it"
+        assert time.monotonic() - started < HANDSHAKE_TIMEOUT_S + 5
+    finally:
+        for sock in idle:
+            sock.close()

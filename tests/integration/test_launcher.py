@@ -32,7 +32,7 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert "other nodes join with:" in out and "pliant run --coordinator 127.0.0.1:" in out
-    assert "mutual TLS, certificates in" in out and "--tls-dir" in out and "--join-token" in out
+    assert "mutual TLS, certificates in" in out and "--tls-dir" in out and "PLIANT_JOIN_TOKEN=" in out
     join = next(line for line in out.splitlines() if "pliant run --coordinator 127.0.0.1:" in line)
     assert "--checkpoint-dir" not in join, "only when one is given"
     assert "no --checkpoint-dir: unless the script saves its own checkpoints" in out, "the warning at start"

@@ -101,7 +101,7 @@ def test_pliant_run_started_again_after_every_node_died_resumes(spawn, tmp_path:
     procs = [first]
     if rescaled:
         join = wait_for(lambda: re.search(r"other nodes join with:\n  (\S+ .*run .*)\n", first.output()), 60, "join")
-        argv = shlex.split(join.group(1))  # type: ignore[union-attr]
+        argv = ["env", *shlex.split(join.group(1))]  # type: ignore[union-attr]
         argv[argv.index("run") + 1 : argv.index("run") + 1] = ["--node-id", "second"]
         procs.append(spawn(argv, name="second"))
         wait_for(lambda: [e for e in _events(tmp_path) if e["world"] == 2], 90, "world 2 stepping")

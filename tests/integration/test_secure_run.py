@@ -29,7 +29,8 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
                    "--certs-dir", str(certs), "--heartbeat-ttl", "3", "--join-grace", "0.3", str(SCRIPT),
                    "--steps", "100000", "--step-time", "0.03", "--events", str(events)], name="first")  # fmt: skip
     join = _printed(first.output, r"other nodes join with:\n  (\S+ .*run .*)\n").group(1)
-    assert "--ca-cert-hash sha256:" in join and "--join-token" in join and "--tls-dir" not in join
+    assert join.startswith("PLIANT_JOIN_TOKEN=") and "--ca-cert-hash sha256:" in join and "--tls-dir" not in join
+    assert "--join-token" not in join, "the token stays off the command line (ps shows it to every local user)"
     assert "mutual TLS, certificates in" in first.output()
     for name in ("ca.crt", "coordinator/tls.key", "admin/tls.crt", "self/tls.crt"):
         assert (certs / name).is_file(), name
@@ -37,11 +38,11 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
     wait_for(lambda: any(s.world == 1 for s in read_steps(events)), 60, "the first node stepping")
 
     # A wrong token is refused at once, with where the right one comes from.
-    wrong = re.sub(r"--join-token=\S+", "--join-token=not-the-token-0123456789", join)
-    bad = subprocess.run(shlex.split(wrong), capture_output=True, text=True, timeout=60)
+    wrong = re.sub(r"PLIANT_JOIN_TOKEN=\S+", "PLIANT_JOIN_TOKEN=not-the-token-0123456789", join)
+    bad = subprocess.run(["env", *shlex.split(wrong)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "a wrong join token for job 'default'" in bad.stderr, bad.stderr[-2000:]
 
-    argv = shlex.split(join)
+    argv = ["env", *shlex.split(join)]  # what a shell does with the pasted line
     argv[argv.index("run") + 1 : argv.index("run") + 1] = ["--node-id", "second"]
     second = spawn(argv, name="second")
     wait_for(lambda: {s.rank for s in read_steps(events) if s.world == 2} == {0, 1}, 90, "world 2 stepping")
@@ -65,7 +66,7 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
                               "--tls-dir", admin, "--nnodes", "1:2", "--nproc-per-node", "1", "--heartbeat-ttl", "3",
                               "--join-token-file", str(_token_file(tmp_path))],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert created.returncode == 0 and f"--join-token={TEST_JOIN_TOKEN}" in created.stdout, created.stderr
+    assert created.returncode == 0 and f"PLIANT_JOIN_TOKEN={TEST_JOIN_TOKEN}" in created.stdout, created.stderr
     events = tmp_path / "events.jsonl"
     agent = spawn([sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "j1",
                    "--tls-dir", str(Path(agent_tls(pki, "n1").cert).parent), "--join-token-file",

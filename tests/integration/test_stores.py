@@ -31,6 +31,7 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
     try:
         node0 = NodeStore(zygote.stores, "127.0.0.1")
         node1 = NodeStore(other, "127.0.0.1")
+        node0.key = node1.key = b"k" * 32  # the job's key, which members hold
         wait_for(lambda: zygote.stores_pid is not None, 10, "the zygote to report its store host")
         host = psutil.Process(zygote.stores_pid)
         assert host.ppid() == zygote.proc.pid and host.name() == PROCESS_NAME, "ps tells it from the workers"
@@ -53,8 +54,17 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         gone = f"127.0.0.1:{free_port()}"
         assert node1.longest_renewing([gone, node0.address]) == (42.0, 7)
         assert node1.longest_renewing([gone]) == (-1.0, -1)
-        node0.stores.request("set", 5.0, address=node0.address, key="/pliant/agent/renewing", value="12")
-        assert node1.peer_renewing(node0.address) == (12.0, -1), "an older agent's value: no generation"
+        # Another local user writes the records agents act on: without the job's key its values are ignored.
+        stranger = dist.TCPStore("127.0.0.1", int(node0.address.rsplit(":", 1)[1]), is_master=False,
+                                 timeout=timedelta(seconds=5))  # fmt: skip
+        stranger.set("/pliant/agent/renewing", "9999 99")
+        assert node1.peer_renewing(node0.address) == (-1.0, -1), "a forged renewal streak does not vote"
+        stranger.set("/pliant/agent/renewing", f"9999 99 {'0' * 32}")
+        assert node1.peer_renewing(node0.address) == (-1.0, -1)
+        stranger.set("/pliant/gen/50/master_port", "1234")
+        with pytest.raises(AgentError, match=r"generation 50's store port .* is not sealed with the job's key"):
+            node1.generation_port(node0.address, 50, timeout_s=1)
+        node0.set_renewing(42, 7)
 
         for generation in (8, 9):  # the current and the previous generation's stores stay open
             node0.open_generation(generation)

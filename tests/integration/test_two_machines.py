@@ -181,7 +181,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     wait_for(lambda: _ranks_at([first], nproc) == set(range(nproc)), 120, "the first machine stepping")
 
     started = time.time()
-    second.run(shlex.split(join), hide_tmp=True)
+    second.run(["env", *shlex.split(join)], hide_tmp=True)
     wait_for(lambda: _ranks_at(machines, 2 * nproc, started) == set(range(2 * nproc)), 120, "world 2 stepping")
     joined_s = _first_step_at(machines, 2 * nproc, started, 2 * nproc) - started
     assert "certificate signed at" in second.output(), second.output()[-3000:]
@@ -193,7 +193,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     survivors_s = _first_step_at([first], nproc, killed, nproc) - killed
 
     rejoined = time.time()
-    second.run(shlex.split(join), hide_tmp=True)  # the same line again
+    second.run(["env", *shlex.split(join)], hide_tmp=True)  # the same line again
     wait_for(lambda: _ranks_at(machines, 2 * nproc, rejoined) == set(range(2 * nproc)), 120, "world 2 again")
     rejoin_s = _first_step_at(machines, 2 * nproc, rejoined, 2 * nproc) - rejoined
 
@@ -201,7 +201,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     if len(machines) == 3:
         third = machines[2]
         grown = time.time()
-        third.run(shlex.split(join), hide_tmp=True)
+        third.run(["env", *shlex.split(join)], hide_tmp=True)
         wait_for(lambda: _ranks_at(machines, 3, grown) == {0, 1, 2}, 120, "world 3 stepping")
         _check_addresses(first, machines, 3)
         assert len({m.hostname for m in machines}) == 3
