@@ -36,7 +36,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
-from pliant.seal import KEY_BYTES, job_key
+from pliant.seal import KEY_BYTES, job_key, parse_root
 
 __all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "StrikeRecord", "decode", "etcd_call", "range_end",
            "read_strike", "token_digest"]
@@ -245,12 +245,8 @@ class EtcdBase:
                 [self.tx.put(self.seal_root_key, made)],
                 [self.tx.get(self.seal_root_key)],
             )
-            text = made if ok else responses[0][0][0].decode()
-            try:
-                root = bytes.fromhex(text)
-            except ValueError:
-                root = b""
-            if len(root) != KEY_BYTES:
+            root = parse_root(made if ok else responses[0][0][0].decode())
+            if not root:
                 raise FailedPrecondition(
                     f"etcd key {self.seal_root_key} does not hold a {KEY_BYTES}-byte sealing root; restore it from a "
                     f"backup (checkpoints sealed with it load only with it) or delete it to make a new one"

@@ -50,6 +50,7 @@ __all__ = [
     "SealError",
     "job_key",
     "load_or_create_root",
+    "parse_root",
     "read_fence",
     "seal",
     "tag",
@@ -77,6 +78,15 @@ def tag(key: bytes, *parts: object) -> str:
     return hmac.new(key, "\0".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()[:32]
 
 
+def parse_root(text: str) -> bytes:
+    """The sealing root written as ``text`` (hex); b"" when it is not one of :data:`KEY_BYTES` bytes."""
+    try:
+        root = bytes.fromhex(text.strip())
+    except ValueError:
+        return b""
+    return root if len(root) == KEY_BYTES else b""
+
+
 def load_or_create_root(path: str | os.PathLike[str]) -> bytes:
     """The sealing root kept in ``path`` (hex), created there (mode 0600, its directory 0700) when absent.
 
@@ -100,12 +110,8 @@ def load_or_create_root(path: str | os.PathLike[str]) -> bytes:
             f"sealing root {file} is readable by other users (mode {file.stat().st_mode & 0o777:o}); "
             f"run chmod 600 {file}"
         )
-    text = file.read_text().strip()
-    try:
-        root = bytes.fromhex(text)
-    except ValueError:
-        root = b""
-    if len(root) != KEY_BYTES:
+    root = parse_root(file.read_text())
+    if not root:
         raise SealError(
             f"sealing root {file} must hold {KEY_BYTES} bytes as hex; restore it, or remove it to make a "
             f"new one (checkpoints sealed with the old one will no longer load)"

@@ -236,7 +236,8 @@ def _without_the_control_plane(machines: list[Machine]) -> float:
         assert f"{first.node.address}:{PORT}" in line and "embedded in node hosta-" in line, line
         assert "Restart `pliant run` on node hosta-" in line and "standalone coordinator replicas" in line, line
         assert machine.output().count("has been unreachable") == 1, "said once"
-    said_s = time.time() - gone
+    said = time.time()
+    said_s = said - gone
     world = len(machines)
-    wait_for(lambda: _ranks_at(machines, world, time.time()) == set(range(world)), 30, "the world training on")
+    wait_for(lambda: _ranks_at(machines, world, said) == set(range(world)), 30, "the world training on")
     return said_s

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -88,18 +90,20 @@ def test_the_printed_join_command_names_no_file_of_this_machine_but_the_shared_c
 
     args = parse("run", "--checkpoint-dir", "shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
     command = _join_command(args, "10.0.0.1:29400", PIN, "-TOKEN")
-    argv = shlex.split(command)
+    assign, *argv = shlex.split(command)
+    assert assign == "PLIANT_JOIN_TOKEN=-TOKEN", "the token is in the environment, off the command line ps shows"
     assert argv[0] == "pliant" or argv[:3] == [sys.executable, "-m", "pliant"], argv
     rest = argv[argv.index("run") + 1 :]
-    expected = ["--coordinator", "10.0.0.1:29400", "--join-token=-TOKEN", "--ca-cert-hash", PIN, "--job", "default"]
-    assert rest[:7] == expected
+    expected = ["--coordinator", "10.0.0.1:29400", "--ca-cert-hash", PIN, "--job", "default"]
+    assert rest[:6] == expected and "-TOKEN" not in rest
     assert "--tls-dir" not in rest
     assert f"--checkpoint-dir {Path('shared/ckpt').resolve()}" in command and command.endswith("--steps 5")
     # Pasted, it parses back to the same token, even one that starts with "-" (as a URL-safe token may).
-    parsed = parse("run", *rest)
+    with mock.patch.dict(os.environ, {"PLIANT_JOIN_TOKEN": assign.split("=", 1)[1]}):
+        parsed = parse("run", *rest)
     assert parsed.join_token == "-TOKEN" and parsed.ca_cert_hash == PIN
     insecure = shlex.split(_join_command(args, "10.0.0.1:29400", "", "T" * 20))
-    assert "--insecure" in insecure and "--join-token=" + "T" * 20 in insecure
+    assert "--insecure" in insecure and insecure[0] == "PLIANT_JOIN_TOKEN=" + "T" * 20
 
 
 def test_a_bootstrap_join_needs_a_token_and_a_well_formed_pin() -> None:
