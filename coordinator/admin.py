@@ -51,6 +51,12 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     finish.add_argument("--failed", action="store_true", help="mark it failed (default: succeeded)")
     finish.add_argument("--reason", default="finished by an admin", help="why (at most 4 KiB kept)")
     delete = actions.add_parser("delete", help="delete a finished job and all its keys")
+    delete.add_argument(
+        "--force",
+        action="store_true",
+        help="delete it even though it has not finished (its agents' workers stop); the way to free space when "
+        "etcd refuses every write (its NOSPACE alarm)",
+    )
     common(delete)
     rotate = actions.add_parser("rotate-token", help="give a job a new join token (joined nodes are not affected)")
     common(rotate)
@@ -96,7 +102,7 @@ def job_main(args: argparse.Namespace) -> int:
             info = client.finish_job(args.job_id, not args.failed, args.reason)
             print(f"job {args.job_id} {info.status.state.value}", flush=True)
         elif args.job_command == "delete":
-            client.delete_job(args.job_id)
+            client.delete_job(args.job_id, force=args.force)
             print(f"job {args.job_id} deleted", flush=True)
         else:
             token = client.rotate_join_token(args.job_id, given)

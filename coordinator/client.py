@@ -167,9 +167,9 @@ class CoordinatorClient:
         resp = self._call("RevokeCertificate", req)
         return resp.serial, resp.subject
 
-    def delete_job(self, job_id: str) -> None:
-        """Delete a finished job (admin)."""
-        self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id))
+    def delete_job(self, job_id: str, force: bool = False) -> None:
+        """Delete a finished job (admin); with ``force``, an unfinished one too."""
+        self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id, force=force))
 
     def rotate_join_token(self, job_id: str, join_token: str = "") -> str:
         """Give the job a new join token (admin); returns it."""

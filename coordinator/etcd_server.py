@@ -82,6 +82,8 @@ class EtcdServer:
             :data:`PICK_ATTEMPTS` starts).
         log_path: file for etcd's own output; discarded when None.
         die_with_parent: SIGKILL etcd when this process dies, even by kill -9 (the embedded etcd of ``pliant run``).
+        quota_bytes: etcd's backend quota (``--quota-backend-bytes``; past it, its NOSPACE alarm refuses writes);
+            0: etcd's default.
         tls: serve clients and the peer port over TLS with this certificate (its names must include ``host``) and
             require certificates from its CA on both (``--client-cert-auth``, ``--peer-client-cert-auth``); None:
             plaintext.
@@ -96,6 +98,7 @@ class EtcdServer:
         log_path: str | None = None,
         die_with_parent: bool = False,
         tls: TlsConfig | None = None,
+        quota_bytes: int = 0,
     ) -> None:
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
@@ -108,6 +111,7 @@ class EtcdServer:
         self.log_path = log_path
         self.die_with_parent = die_with_parent
         self.tls = tls
+        self.quota_bytes = quota_bytes
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -150,6 +154,8 @@ class EtcdServer:
             "--election-timeout", "250",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.quota_bytes:
+            cmd += ["--quota-backend-bytes", str(self.quota_bytes)]
         creds = None
         if self.tls is not None:
             cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,

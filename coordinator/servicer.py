@@ -246,7 +246,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_rpc
     def DeleteJob(self, request: pb.DeleteJobRequest, caller: Caller) -> pb.DeleteJobResponse:
-        self._store.delete_job(validate_id(request.job_id, "job_id"))
+        self._store.delete_job(validate_id(request.job_id, "job_id"), force=request.force)
         return pb.DeleteJobResponse()
 
     @_rpc

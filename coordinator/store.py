@@ -173,19 +173,28 @@ class EtcdStore(MemberStore):
         return sorted(meta.key.decode()[len(prefix) :] for _v, meta in self.client.get_prefix(prefix, keys_only=True))
 
     @etcd_call
-    def delete_job(self, job: str) -> None:
-        """Delete a finished job: every key of it, and the leases of members still holding one.
+    def delete_job(self, job: str, force: bool = False) -> None:
+        """Delete a finished job (with ``force``, any job): every key of it, and the leases of members still holding
+        one. A forced delete uses plain deletes, which etcd serves under its NOSPACE alarm (where a job cannot be
+        finished first), so it is how space is freed then.
 
         Raises:
-            NotFound: no such job. FailedPrecondition: the job has not finished.
+            NotFound: no such job. FailedPrecondition: the job has not finished (and no ``force``).
         """
         snap = self.read_job(job)
+        prefix = self.job_key(job) + "/"
+        if force:
+            self.client.delete_prefix(prefix)
+            self.client.delete_prefix(self.progress_key(job))
+            self.client.delete(self.index_key(job))
+            self._forget(job, snap)
+            logger.warning("job %s deleted while %s (forced)", job, snap.status.state.value)
+            return
         if not snap.status.state.terminal:
             raise FailedPrecondition(
                 f"job {job!r} is {snap.status.state.value}; finish it first (FinishJob / pliant job finish), then "
-                f"delete it"
+                f"delete it, or delete it unfinished with --force"
             )
-        prefix = self.job_key(job) + "/"
         ok, _ = self._txn(
             compare=[self.tx.mod(self.job_key(job, "state")) == snap.status_mod_revision],
             success=[
@@ -196,6 +205,10 @@ class EtcdStore(MemberStore):
         )
         if not ok:
             raise Unavailable(f"job {job!r} changed while it was being deleted; retry")
+        self._forget(job, snap)
+
+    def _forget(self, job: str, snap: JobSnapshot) -> None:
+        """``job`` was deleted: revoke its members' leases and drop what this replica cached of it."""
         for member in snap.members:
             self._revoke_quietly(member.lease_id)
         self._specs.pop(job, None)
@@ -219,31 +232,28 @@ class EtcdStore(MemberStore):
 
     @etcd_call
     def read_job(self, job: str) -> JobSnapshot:
-        """Read everything the planner needs about ``job`` in one transaction (a single etcd revision).
+        """Read everything the planner needs about ``job`` at a single etcd revision: one range read of the job's
+        keys (a read, so it is served under etcd's NOSPACE alarm too, where every transaction is refused).
 
         Raises:
             NotFound: no such job.
         """
         key = functools.partial(self.job_key, job)
-        _, (spec, state, members, current, failures, departed, strikes, incarnation) = self._txn(
-            compare=[],
-            success=[
-                self.tx.get(key("spec")),
-                self.tx.get(key("state")),
-                self._prefix_get(key("members") + "/"),
-                self.tx.get(key("generation")),
-                self._prefix_get(key("failures") + "/"),
-                self._prefix_get(key("departed") + "/"),
-                self._prefix_get(key("strikes") + "/"),
-                self.tx.get(key("incarnation")),
-            ],
-        )
-        if not spec:
+        prefix = key() + "/"
+        found: dict[str, list[tuple[bytes, Any]]] = {}
+        for value, meta in self.client.get_prefix(prefix):
+            name = meta.key.decode()[len(prefix) :]
+            kind = name.split("/", 1)[0] if "/" in name else name
+            found.setdefault(kind, []).append((value, meta))
+        if "spec" not in found:
             raise NotFound(f"job {job!r} does not exist; create it first (pliant run / CreateJob) or check --job")
+        spec, state, current = found["spec"][0], found.get("state"), found.get("generation")
+        incarnation = found.get("incarnation")
         generation = decode(key("generation"), Generation.from_json, current[0][0]) if current else None
         gen_prefix = key("failures", f"{generation.number:012d}") + "/" if generation else None
+        members = found.get("members", [])
         return JobSnapshot(
-            spec=decode(key("spec"), JobSpec.from_json, spec[0][0]),
+            spec=decode(key("spec"), JobSpec.from_json, spec[0]),
             status=decode(key("state"), JobStatus.from_json, state[0][0]) if state else _NO_STATE,
             members=tuple(
                 decode(m.key, lambda v, m=m: Member.from_json(v, order=m.create_revision, lease_id=m.lease_id), v)
@@ -252,15 +262,15 @@ class EtcdStore(MemberStore):
             generation=generation,
             failures=tuple(
                 decode(m.key, FailureReport.from_json, v)
-                for v, m in failures
+                for v, m in found.get("failures", [])
                 if gen_prefix and m.key.decode().startswith(gen_prefix)
             ),
-            departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in departed),
-            strikes=tuple(_strike(v, m) for v, m in strikes),
+            departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in found.get("departed", [])),
+            strikes=tuple(_strike(v, m) for v, m in found.get("strikes", [])),
             generation_mod_revision=current[0][1].mod_revision if current else 0,
             status_mod_revision=state[0][1].mod_revision if state else 0,
             # A job created before incarnations were written: its spec key's create revision stands in.
-            incarnation=incarnation[0][0].decode() if incarnation else f"rev-{spec[0][1].create_revision}",
+            incarnation=incarnation[0][0].decode() if incarnation else f"rev-{spec[1].create_revision}",
         )
 
     @etcd_call

@@ -80,7 +80,14 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
         except grpc.RpcError as exc:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
             details = (exc.details() if callable(getattr(exc, "details", None)) else "") or ""
-            if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in details or "space exceeded" in details:
+            if "space exceeded" in details:
+                raise ResourceExhausted(
+                    f"etcd refused {fn.__name__}: it is out of space (its NOSPACE alarm: only reads and deletes pass); "
+                    f"free space by deleting jobs (pliant job delete JOB --force deletes one unfinished), then "
+                    f"compact, defragment and disarm etcd (etcdctl compact, defrag, alarm disarm), or raise "
+                    f"--quota-backend-bytes"
+                ) from exc
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in details:
                 raise ResourceExhausted(
                     f"etcd refused {fn.__name__}: {details[:200]}; the request is too large or etcd's space quota is "
                     f"full (compact and defragment etcd, or raise --quota-backend-bytes); retrying will not help"

@@ -429,3 +429,39 @@ def test_the_job_succeeds_once_every_member_reported_success(make_coordinator, f
             info.status.state is JobState.SUCCEEDED
             and "every node's workers completed generation 1" in info.status.reason
         )
+
+
+def test_under_etcds_nospace_alarm_jobs_are_read_and_deleted_to_free_space(make_coordinator, fleet) -> None:
+    """etcd out of space refuses every write and every transaction: the coordinator still reads jobs (one range
+    read), says what to do when a write is refused, and deletes a job that cannot be finished (--force: plain
+    deletes, which etcd still serves); once etcd is compacted, defragmented and disarmed, jobs are created again."""
+    import etcd3
+
+    from pliant.coordinator.etcd_server import EtcdServer
+
+    with EtcdServer(quota_bytes=4 << 20) as etcd:
+        server = make_coordinator(endpoints=(etcd.endpoint,))
+        raw = etcd3.client(host=etcd.host, port=etcd.client_port)
+        with fleet(server.address) as client:
+            client.create_job(JobSpec("job", 1, 2, heartbeat_ttl_s=30, join_grace_s=0))
+            client.join("job", "a", "127.0.0.1:1")
+            wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
+            with pytest.raises(Exception, match="space exceeded"):
+                for i in range(1000):
+                    raw.put(f"/junk/{i % 20}", "x" * 100_000)
+            assert client.get_job("job").generation.node_ids == ("a",), "reads are served"
+            with pytest.raises(Exception, match=r"out of space \(its NOSPACE alarm.*pliant job delete JOB --force"):
+                client.finish_job("job", False, "no space")
+            with pytest.raises(Exception, match="or delete it unfinished with --force"):
+                client.delete_job("job")
+            client.admin.delete_job("job", force=True)
+            with pytest.raises(NotFound):
+                client.get_job("job")
+            freed = raw.delete_prefix("/junk/")  # (an operator frees space: etcdctl del, compact, defrag, disarm)
+            raw.compact(freed.header.revision)
+            raw.defragment()
+            for alarm in raw.list_alarms():
+                raw.disarm_alarm(alarm.member_id)
+            client.create_job(JobSpec("again", 1, 1))
+            assert client.get_job("again").spec.job_id == "again"
+        raw.close()
