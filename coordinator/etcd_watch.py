@@ -24,6 +24,8 @@ class PrefixWatch:
         prefix: the key prefix to watch.
         on_change: called from the watch thread; keep it short (set an event).
         key_filter: if given, only changes of keys for which it returns True poke the owner.
+        on_keys: if given, called (from the watch thread, before ``on_change``) with the keys each response changed.
+        on_rearm: if given, called (before ``on_change``) after each re-arm: anything may have changed meanwhile.
     """
 
     def __init__(
@@ -32,11 +34,15 @@ class PrefixWatch:
         prefix: str,
         on_change: Callable[[], None],
         key_filter: Callable[[str], bool] | None = None,
+        on_keys: Callable[[list[str]], None] | None = None,
+        on_rearm: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
         self._prefix = prefix
         self._on_change = on_change
         self._key_filter = key_filter
+        self._on_keys = on_keys
+        self._on_rearm = on_rearm
         self._stop = threading.Event()
         self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch {prefix}", daemon=True)
@@ -54,9 +60,14 @@ class PrefixWatch:
         if isinstance(response, Exception):
             self._broken.set()
             return
-        events = getattr(response, "events", ())
-        if self._key_filter is None or any(self._key_filter(e.key.decode()) for e in events):
-            self._on_change()
+        keys = [e.key.decode() for e in getattr(response, "events", ())]
+        if self._key_filter is not None:
+            keys = [k for k in keys if self._key_filter(k)]
+            if not keys:
+                return
+        if self._on_keys is not None:
+            self._on_keys(keys)
+        self._on_change()
 
     def _run(self) -> None:
         delay, failing = 0.05, False
@@ -68,6 +79,8 @@ class PrefixWatch:
                 if failing:
                     logger.info("watch on %s re-armed", self._prefix)
                 failing, delay = False, 0.05
+                if self._on_rearm is not None:
+                    self._on_rearm()
                 self._on_change()  # anything may have changed while the watch was down
                 self._broken.wait()
             except Exception as exc:

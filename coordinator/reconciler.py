@@ -1,8 +1,11 @@
 """The reconciler: while this replica leads, read each job, ask the policies and the planner, and execute, fenced.
 
 It wakes on any change under the jobs prefix (a prefix watch that survives etcd restarts), at the earliest deadline a
-planner or the liveness sweep asked for, and every ``resync_s`` regardless. It is the only writer of generations, of
-evictions, and of job state transitions that are not API calls.
+planner or the liveness sweep asked for, and every ``resync_s`` regardless. A pass reads only the jobs that changed
+(the keys the watch saw, the jobs an API call poked) and those whose deadline came; every ``resync_s``, after a new
+term, a re-armed watch or a pass that etcd broke, it reads them all. So a leader of many jobs that wait and change
+nothing reads none of them between those full passes. It is the only writer of generations, of evictions, and of job
+state transitions that are not API calls.
 
 Each job is reconciled on its own: a job whose records cannot be read (or whose pass raises anything) is logged,
 counted (``pliant_coordinator_unreadable_jobs``) and skipped, and every other job goes on. etcd not answering ends the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -59,7 +63,7 @@ class Reconciler:
         clock: the leader's monotonic clock: every deadline (the planner's ``now``, the sweep, the finished-job TTL).
         wall: wall clock, only for the times written for people to read (a state's ``since``, a generation's
             ``created_at``).
-        resync_s: longest sleep between passes.
+        resync_s: every job is read at least this often, whatever the watch saw (a full pass).
         metrics: the replica's metrics (plan latency, per-job gauges, generations by reason).
         finished_job_ttl_s: a finished job is deleted this long after it finished (0: never), as Kubernetes'
             ``ttlSecondsAfterFinished``.
@@ -71,7 +75,7 @@ class Reconciler:
         election: LeaderElection | None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        resync_s: float = 5.0,
+        resync_s: float = 30.0,
         metrics: CoordinatorMetrics | None = None,
         finished_job_ttl_s: float = 0.0,
         jobs_prefix: str = "",
@@ -89,7 +93,18 @@ class Reconciler:
         self._finished_job_ttl_s = finished_job_ttl_s
         self._dirty = threading.Event()
         self._stop = threading.Event()
-        self._watch = PrefixWatch(store, jobs_prefix, self._dirty.set) if jobs_prefix else None
+        # What the next pass reads: the watch thread and API calls add, the loop takes (under _lock).
+        self._lock = threading.Lock()
+        self._changed: set[str] = set()  # jobs whose keys changed
+        self._full = True  # every job
+        self._due: dict[str, float] = {}  # job -> leader-clock time its next look is due (loop thread only)
+        self._full_at = 0.0  # leader-clock time of the next full pass (loop thread only)
+        self._jobs_prefix = jobs_prefix
+        self._watch = (
+            PrefixWatch(store, jobs_prefix, self._dirty.set, on_keys=self._keys_changed, on_rearm=self.poke)
+            if jobs_prefix
+            else None
+        )
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
 
     def start(self) -> Reconciler:
@@ -106,15 +121,27 @@ class Reconciler:
         if self._thread.is_alive():
             self._thread.join(10)
 
-    def poke(self) -> None:
-        """Ask for a pass now (e.g. after an API call changed a job)."""
+    def poke(self, job: str = "") -> None:
+        """Ask for a pass now that reads ``job`` (after an API call changed it), or every job ("")."""
+        with self._lock:
+            if job:
+                self._changed.add(job)
+            else:
+                self._full = True
         self._dirty.set()
+
+    def _keys_changed(self, keys: list[str]) -> None:
+        """The watch saw ``keys`` change: the jobs they belong to are read at the next pass."""
+        jobs = {k[len(self._jobs_prefix) :].split("/", 1)[0] for k in keys if k.startswith(self._jobs_prefix)}
+        with self._lock:
+            self._changed |= jobs
 
     def lead(self) -> None:
         """A new term: forget the last term's clocks, and give every member a full TTL before any eviction."""
         self._times.reset()
         self._next_sweep.clear()
         self._heard_since = self._clock()
+        self.poke()
 
     def _run(self) -> None:
         assert self._election is not None
@@ -131,8 +158,9 @@ class Reconciler:
             self._dirty.clear()
             started = time.perf_counter()
             try:
-                wake = self.pass_once(fence)
+                wake = self._pass(fence)
             except CoordinatorError as exc:
+                self.poke()  # the pass was cut short: the next reads every job
                 if not etcd_failing:
                     logger.warning("reconcile pass failed (%s); retrying with backoff", exc)
                 etcd_failing = True
@@ -156,22 +184,50 @@ class Reconciler:
             self._stop.wait(min(PACING_MAX_S, PACING_FACTOR * (time.perf_counter() - started)))
             self._dirty.wait(max(0.0, wake - self._clock()))
 
+    def _pass(self, fence: Fence) -> float:
+        """One pass: every job when a full one is wanted or due, else the jobs that changed and those whose deadline
+        came. Returns the leader-clock time of the next pass."""
+        now = self._clock()
+        with self._lock:
+            full, self._full = self._full or now >= self._full_at, False
+            changed, self._changed = self._changed, set()
+        if full:
+            return self.pass_once(fence)
+        jobs = changed | {job for job, due in self._due.items() if due <= now}
+        self._reconcile_each(sorted(jobs), fence)
+        return min([self._full_at, *self._due.values()])
+
     def pass_once(self, fence: Fence) -> float:
-        """Reconcile every job once, each on its own. Returns the leader-clock time of the next pass.
+        """Reconcile every job once, each on its own (a full pass). Returns the leader-clock time of the next pass.
 
         Raises:
             CoordinatorError: etcd did not answer (the pass is over; nothing half-done is left).
         """
-        wake = self._clock() + self._resync_s
+        self._full_at = self._clock() + self._resync_s
         jobs = self._store.list_job_ids()
+        self._due = {job: due for job, due in self._due.items() if job in set(jobs)}
+        self._reconcile_each(jobs, fence)
+        for gone in set(self.unreadable) - set(jobs):
+            del self.unreadable[gone]
+        if self._metrics:
+            self._metrics.unreadable_jobs.set(len(self.unreadable))
+        return min([self._full_at, *self._due.values()])
+
+    def _reconcile_each(self, jobs: list[str], fence: Fence) -> None:
+        """Reconcile ``jobs``, each on its own, and note when each is due again.
+
+        Raises:
+            Unavailable: etcd did not answer (the pass is over).
+        """
         for job in jobs:
+            self._due.pop(job, None)
             try:
                 deadline = self.reconcile(job, fence)
             except Unavailable:
                 raise
             except FencingError as exc:
                 logger.info("job %s: %s; re-reading", job, exc)
-                self._dirty.set()
+                self.poke(job)
                 continue
             except Exception as exc:  # one job's bad record or bug never stops the others
                 self._skip(job, exc)
@@ -179,12 +235,9 @@ class Reconciler:
             if self.unreadable.pop(job, None) is not None:
                 logger.info("job %s is readable again", job)
             if deadline is not None:
-                wake = min(wake, deadline)
-        for gone in set(self.unreadable) - set(jobs):
-            del self.unreadable[gone]
+                self._due[job] = deadline
         if self._metrics:
             self._metrics.unreadable_jobs.set(len(self.unreadable))
-        return wake
 
     def _skip(self, job: str, exc: Exception) -> None:
         why = f"{type(exc).__name__}: {exc}"
@@ -246,20 +299,23 @@ class Reconciler:
         oldest one does (ages grow at one second per second at most), so the next sweep is due then.
         """
         job, ttl = snap.spec.job_id, snap.spec.heartbeat_ttl_s
+        if not snap.members:  # nobody to evict until someone joins, which is a change (the watch, a poke)
+            self._next_sweep.pop(job, None)
+            return math.inf
         due = self._next_sweep.get(job, 0.0)
         if now < due:
             return due
         if now - self._heard_since < ttl:
             self._next_sweep[job] = self._heard_since + ttl
             return self._next_sweep[job]
-        ages = self._store.lease_ages(job, snap.members) if snap.members else {}
+        ages = self._store.lease_ages(job, snap.members)
         gone = overdue_members(ages, ttl, self._heard_since, now)
         if gone:
             self._store.evict(snap, gone, fence)
             if self._metrics:
                 self._metrics.evictions.labels(job).inc(len(gone))
             logger.warning("job %s: evicted %s: no heartbeat for %gs", job, ", ".join(gone), ttl)
-            self._dirty.set()
+            self.poke(job)
             self._next_sweep.pop(job, None)
             return None
         oldest = max((age for age in ages.values() if age >= 0), default=0.0)
@@ -283,7 +339,7 @@ class Reconciler:
         named_by = sorted({f.node_id for f in reports if f.node_id in reporters and set(due) & set(f.unreachable)})
         logger.warning("job %s: evicted %s: named unreachable by %s, and no report from them in %gs", job,
                        ", ".join(due), ", ".join(named_by), REPORT_GRACE_S)  # fmt: skip
-        self._dirty.set()
+        self.poke(job)
         return True
 
     def _execute(self, snap: JobSnapshot, decision: object, fence: Fence) -> float | None:

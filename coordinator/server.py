@@ -55,7 +55,8 @@ class CoordinatorConfig:
         replica_id: this replica's name (default: hostname-pid).
         etcd_timeout_s: deadline of each etcd request.
         max_workers: gRPC worker threads; each open WatchGenerations stream holds one.
-        resync_s: longest pause between two reconciler passes.
+        resync_s: every job is read at least this often, whatever the watch saw (between, a pass reads only the jobs
+            that changed or whose deadline came).
         metrics_listen: HOST:PORT to serve Prometheus metrics on (port 0: a free one); "" serves none (the metrics
             are still kept in ``CoordinatorServer.registry``).
         progress_interval_s: a node's reported training step is written to etcd at most this often.
@@ -88,7 +89,7 @@ class CoordinatorConfig:
     replica_id: str = ""
     etcd_timeout_s: float = 5.0
     max_workers: int = 1100
-    resync_s: float = 5.0
+    resync_s: float = 30.0
     metrics_listen: str = ""
     progress_interval_s: float = 5.0
     tls: TlsConfig | None = None

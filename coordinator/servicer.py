@@ -116,7 +116,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         hub: the replica's watch hub.
         clock: wall clock for timestamps.
         observe: called with (method, status code, seconds) after each unary call.
-        poke: called after a write that the reconciler should look at soon.
+        poke: called with the job's id after a write to it that the reconciler should look at soon.
         stream_poll_s: how often a WatchGenerations stream checks that its client is still there.
         progress_interval_s: a node's reported step is written to etcd at most this often (heartbeats themselves
             write nothing).
@@ -134,7 +134,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         hub: WatchHub,
         clock: Callable[[], float] = time.time,
         observe: RpcObserver | None = None,
-        poke: Callable[[], None] | None = None,
+        poke: Callable[[str], None] | None = None,
         stream_poll_s: float = 1.0,
         progress_interval_s: float = 5.0,
         max_jobs: int = 0,
@@ -146,7 +146,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._hub = hub
         self._clock = clock
         self.observe: RpcObserver = observe or (lambda method, code, seconds: None)
-        self._poke = poke or (lambda: None)
+        self._poke = poke or (lambda job: None)
         self._stream_poll_s = stream_poll_s
         self._progress_interval_s = progress_interval_s
         self._progress_written: dict[tuple[str, str], tuple[float, int]] = {}  # (job, node) -> (monotonic, step)
@@ -215,7 +215,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         given = _token(request.join_token)
         token = given or new_token()
         _spec, created = self._store.create_job(spec, self._clock(), token, self._max_jobs, same_token=bool(given))
-        self._poke()
+        self._poke(spec.job_id)
         info = job_info_to_pb(self._info(spec.job_id))
         return pb.CreateJobResponse(job=info, created=created, join_token=token if created else "")
 
@@ -264,7 +264,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         slots = validate_slots(request.slots)
         member = Member(node, validate_address(request.address), slots, self._clock())
         admitted = self._store.join(job, member, request.join_token)
-        self._poke()
+        self._poke(job)
         ttl = admitted.heartbeat_ttl_s
         return pb.JoinResponse(
             lease_id=admitted.lease_id,
@@ -283,7 +283,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         probe = (request.reaches_generation, request.misses_generation)
         if any(probe) and self._probed.get(key) != probe:  # a spare's probe of the members: one look per outcome
             if self._store.record_probe(*key, max(probe), reaches=bool(request.reaches_generation)):
-                self._poke()
+                self._poke(request.job_id)
             if len(self._probed) > 100_000:  # nodes come and go: forget them all now and then
                 self._probed.clear()
             self._probed[key] = probe
@@ -307,7 +307,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         node = validate_id(request.node_id, "node_id")
         self._store.read_job(job)  # NotFound for an unknown job
         self._store.leave(job, node, _lease_id(request.lease_id, node))
-        self._poke()
+        self._poke(job)
         return pb.LeaveResponse()
 
     @_rpc
@@ -319,7 +319,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         report = FailureReport(node, request.generation, request.exit_code, truncate_reason(request.message),
                                self._clock(), tuple(dict.fromkeys(unreachable)), request.arrived)  # fmt: skip
         accepted, current = self._store.report_failure(job, report)
-        self._poke()
+        self._poke(job)
         return pb.ReportFailureResponse(accepted=accepted, current_generation=current)
 
     @_rpc

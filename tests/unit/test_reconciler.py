@@ -198,3 +198,35 @@ def test_a_report_from_the_smaller_side_evicts_the_silent_named_nodes_after_the_
     assert store.evicted == [("job", ("b", "c"))]
     last = store.jobs["job"].generation
     assert last is not None and (last.node_ids, last.reason, last.restarts_used) == (("a",), "failure", 0)
+
+
+def test_a_pass_reads_only_the_jobs_that_changed_or_came_due_and_all_of_them_every_resync() -> None:
+    """A leader of many jobs that wait and change nothing reads none of them between full passes: the watch (or an
+    API call's poke) names a job that changed, and each job's own deadline brings it back."""
+    store, clock = FakeStore(), Clock()
+    for i in range(50):
+        store.add_job(_spec(f"idle-{i}", min_nodes_timeout_s=3600.0))
+    store.add_job(_spec("busy", join_grace_s=2.0))
+    rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9, resync_s=30.0)
+    rec.lead()
+    reads: list[str] = []
+    read_job = store.read_job
+    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    rec._pass(store.fence)
+    assert len(reads) == 51, "a new term reads every job"
+    reads.clear()
+    clock.now += 1
+    rec._pass(store.fence)
+    assert reads == [], "nothing changed, nothing is due: nothing is read"
+    store.join("busy", "a")  # the watch (or the Join's poke) names the job
+    rec.poke("busy")
+    rec._pass(store.fence)
+    assert reads == ["busy"]
+    reads.clear()
+    clock.now += 2.5  # the join grace ends: the job is due
+    rec._pass(store.fence)
+    assert reads == ["busy"] and store.published[-1].node_ids == ("a",)
+    reads.clear()
+    clock.now += 30  # the full resync
+    rec._pass(store.fence)
+    assert len(reads) == 51
