@@ -435,8 +435,12 @@ class Agent:
         except SealError as exc:
             problem = str(exc)
             if problem != self._fence_problem:
-                logger.warning("agent %s: ignoring the fence file in %s: %s; the next world that opens the directory "
-                               "replaces it", self.config.node_id, self.config.checkpoint_dir, problem)  # fmt: skip
+                logger.warning(
+                    "agent %s: ignoring the fence file in %s: %s; the next world that opens the directory replaces it",
+                    self.config.node_id,
+                    self.config.checkpoint_dir,
+                    problem,
+                )
             self._fence_problem = problem
             return None
         self._fence_problem = ""
@@ -540,8 +544,10 @@ class Agent:
     def _why_restart(self) -> str:
         if self.config.rescale != "in-place":
             return "--rescale restart"
-        return "not every worker announced in-place support (a script without pliant.worker, an engine that cannot "\
-               "move in place, or a worker still starting)"
+        return (
+            "not every worker announced in-place support (a script without pliant.worker, an engine that cannot "
+            "move in place, or a worker still starting)"
+        )
 
     def _reconfigure(self, gen: Generation) -> None:
         """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`); with newcomers, once their
@@ -678,4 +684,3 @@ class Agent:
         exits = [e for g in self._tracked for e in g.exits()]
         self.metrics.track(exits, self.group.exits() if self.group else [])
         self._tracked = [g for g in self._tracked if g is self.group or any(c is None for _p, c in g.exits())]
-

@@ -86,9 +86,7 @@ class NodeStore:
             the two kept open and the next never share one), so that a firewall can be opened ahead; 0: free ports.
     """
 
-    def __init__(
-        self, stores: StoreHost, host: str, port: int | socket.socket = 0, generation_ports: int = 0
-    ) -> None:
+    def __init__(self, stores: StoreHost, host: str, port: int | socket.socket = 0, generation_ports: int = 0) -> None:
         self.stores = stores
         self.host = host
         listening = reserve(host, port) if isinstance(port, int) else port
@@ -109,8 +107,9 @@ class NodeStore:
         and the newest generation it has seen; see :meth:`peer_renewing`. A duration on this agent's own clock: no
         clocks are compared across nodes."""
         seal = tag(self.key, "renewing", streak_s, generation)
-        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_RENEWING_KEY,
-                            value=f"{streak_s} {generation} {seal}")  # fmt: skip
+        self.stores.request(
+            "set", REPLY_MARGIN_S, address=self.address, key=_RENEWING_KEY, value=f"{streak_s} {generation} {seal}"
+        )
 
     def peer_renewing(self, address: str, timeout_s: float = 1.0) -> tuple[float, int]:
         """(for how long the agent whose store is at ``address`` has renewed its membership without a break, the
@@ -123,8 +122,9 @@ class NodeStore:
                 return -1.0, -1
             streak, generation, seal = str(value).split(" ")
             if not hmac.compare_digest(seal, tag(self.key, "renewing", streak, generation)):
-                logger.warning("the renewal record in the agent store at %s is not sealed with the job's key; "
-                               "ignored", address)  # fmt: skip
+                logger.warning(
+                    "the renewal record in the agent store at %s is not sealed with the job's key; ignored", address
+                )
                 return -1.0, -1
             return float(streak), int(generation)
         except (StoreHostError, ValueError):  # unreachable, or not an agent store
@@ -152,8 +152,13 @@ class NodeStore:
         self._generation_ports[generation] = port
         for old in sorted(self._generation_ports)[:-_KEEP]:
             self.stores.request("close", REPLY_MARGIN_S, port=self._generation_ports.pop(old))
-        self.stores.request("set", REPLY_MARGIN_S, address=self.address, key=_port_key(generation),
-                            value=f"{port} {tag(self.key, 'port', generation, port)}")  # fmt: skip
+        self.stores.request(
+            "set",
+            REPLY_MARGIN_S,
+            address=self.address,
+            key=_port_key(generation),
+            value=f"{port} {tag(self.key, 'port', generation, port)}",
+        )
         logger.info("generation %d: store serving on %s:%d", generation, self.host, port)
         return port
 
@@ -172,8 +177,9 @@ class NodeStore:
             attempt = max(0.1, min(PORT_ATTEMPT_S, deadline - time.monotonic()))
             started = time.monotonic()
             try:
-                value = self.stores.request("get", attempt + REPLY_MARGIN_S, address=store_address,
-                                            key=_port_key(generation), timeout=attempt)  # fmt: skip
+                value = self.stores.request(
+                    "get", attempt + REPLY_MARGIN_S, address=store_address, key=_port_key(generation), timeout=attempt
+                )
                 return self._sealed_port(str(value), generation, store_address)
             except (StoreHostError, TypeError, ValueError) as exc:
                 if superseded():
@@ -194,8 +200,10 @@ class NodeStore:
         """
         port, _, seal = value.partition(" ")
         if not hmac.compare_digest(seal, tag(self.key, "port", generation, port)):
-            raise ValueError(f"the port record of generation {generation} at {store_address} is not sealed with the "
-                             f"job's key (written by another process than its agent)")  # fmt: skip
+            raise ValueError(
+                f"the port record of generation {generation} at {store_address} is not sealed with the "
+                f"job's key (written by another process than its agent)"
+            )
         return int(port)
 
     def arrivals(self, host: str, port: int) -> int:

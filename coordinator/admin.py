@@ -43,8 +43,11 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     create.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
     create.add_argument("--join-grace", type=float, default=1.0, help="join batching window, s (default 1)")
     create.add_argument("--min-nodes-timeout", type=float, default=600.0, help="wait below min nodes, s")
-    create.add_argument("--join-token-file", default=None,
-                        help="use the token in this file (e.g. a Kubernetes Secret) instead of a generated one")
+    create.add_argument(
+        "--join-token-file",
+        default=None,
+        help="use the token in this file (e.g. a Kubernetes Secret) instead of a generated one",
+    )
     create.add_argument("--write-token", default=None, help="also write the token to this file (mode 0600)")
     finish = actions.add_parser("finish", help="mark a job succeeded or failed")
     common(finish)
@@ -95,9 +98,12 @@ def job_main(args: argparse.Namespace) -> int:
                 print(f"job {spec.job_id} already exists with this spec; its join token is unchanged", flush=True)
                 return 0
             _write_token(args.write_token, token)
-            print(f"job {spec.job_id} created; agents join with its token in their environment (never on a command "
-                  f"line, which every local user can read), or in a file (--join-token-file):\n"
-                  f"  PLIANT_JOIN_TOKEN={shlex.quote(token)}", flush=True)  # fmt: skip
+            print(
+                f"job {spec.job_id} created; agents join with its token in their environment (never on a command "
+                f"line, which every local user can read), or in a file (--join-token-file):\n"
+                f"  PLIANT_JOIN_TOKEN={shlex.quote(token)}",
+                flush=True,
+            )
         elif args.job_command == "finish":
             info = client.finish_job(args.job_id, not args.failed, args.reason)
             print(f"job {args.job_id} {info.status.state.value}", flush=True)
@@ -107,8 +113,11 @@ def job_main(args: argparse.Namespace) -> int:
         else:
             token = client.rotate_join_token(args.job_id, given)
             _write_token(args.write_token, token)
-            print(f"job {args.job_id}: new join token (the old one no longer joins):\n"
-                  f"  PLIANT_JOIN_TOKEN={shlex.quote(token)}", flush=True)  # fmt: skip
+            print(
+                f"job {args.job_id}: new join token (the old one no longer joins):\n"
+                f"  PLIANT_JOIN_TOKEN={shlex.quote(token)}",
+                flush=True,
+            )
     except CoordinatorError as exc:
         print(f"pliant job {args.job_command}: error: {exc}", file=sys.stderr)
         return 1

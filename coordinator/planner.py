@@ -86,16 +86,23 @@ def _admit(spec: JobSpec, survivors: Sequence[Member], newcomers: Sequence[Membe
     return admitted
 
 
-def _publish(snap: JobSnapshot, nodes: Sequence[Member], reason: str, restarts: int, now: float,
-             charged: dict[str, int] | None = None) -> NewGeneration:  # fmt: skip
+def _publish(
+    snap: JobSnapshot,
+    nodes: Sequence[Member],
+    reason: str,
+    restarts: int,
+    now: float,
+    charged: dict[str, int] | None = None,
+) -> NewGeneration:
     """The next generation with ``nodes``; ``charged``: the failures charged to each node (default: unchanged)."""
     number = (snap.generation.number if snap.generation else 0) + 1
     since = {m.node_id: m.since for m in snap.generation.members} if snap.generation else {}
     members = tuple(dataclasses.replace(m, since=since.get(m.node_id) or number)
                     for m in assign_ranks(snap.spec, nodes))  # fmt: skip
     counts = _charged(snap) if charged is None else charged
-    generation = Generation(snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation,
-                            tuple(sorted(counts.items())))  # fmt: skip
+    generation = Generation(
+        snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation, tuple(sorted(counts.items()))
+    )
     return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
 
 

@@ -267,8 +267,14 @@ class MemberStore(EtcdBase):
         same = old.address == address
         record = StrikeRecord(old.count + 1 if same else 1, address, lifts=old.lifts if same else 0)
         self.client.put(strike_key, record.to_json(), lease=self.client.lease(STRIKE_WINDOW_S).id)
-        logger.warning("node %s left job %s %d times in %gs: held back %gs before it is admitted again", node_id, job,
-                       count, CHURN_WINDOW_S, backoff_s(record.count))  # fmt: skip
+        logger.warning(
+            "node %s left job %s %d times in %gs: held back %gs before it is admitted again",
+            node_id,
+            job,
+            count,
+            CHURN_WINDOW_S,
+            backoff_s(record.count),
+        )
 
     @etcd_call
     def record_probe(self, job: str, node_id: str, generation: int, reaches: bool) -> bool:
@@ -451,8 +457,13 @@ class MemberStore(EtcdBase):
         done = {meta.key.decode()[len(prefix) :] for _value, meta in responses[1]}
         waiting = [n for n in current.node_ids if n not in done]
         if waiting:
-            logger.info("job %s generation %d: node %s's workers completed; waiting for %s", job, current.number,
-                        node_id, ", ".join(waiting))  # fmt: skip
+            logger.info(
+                "job %s generation %d: node %s's workers completed; waiting for %s",
+                job,
+                current.number,
+                node_id,
+                ", ".join(waiting),
+            )
             return True, current.number
         self.finish_job(job, True, f"every node's workers completed generation {generation}", now)
         return True, current.number

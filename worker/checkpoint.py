@@ -111,9 +111,16 @@ class CheckpointInfo:
     def from_record(cls, path: Path, record: dict[str, Any]) -> CheckpointInfo:
         """Raises: SealError: a field is missing or of the wrong type."""
         try:
-            return cls(str(path), int(record["step"]), int(record["generation"]), int(record["world_size"]),
-                       str(record["job"]), str(record["fingerprint"]), float(record["saved_at"]),
-                       str(record["metadata_sha256"]))  # fmt: skip
+            return cls(
+                str(path),
+                int(record["step"]),
+                int(record["generation"]),
+                int(record["world_size"]),
+                str(record["job"]),
+                str(record["fingerprint"]),
+                float(record["saved_at"]),
+                str(record["metadata_sha256"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise SealError(f"commit record lacks a valid field ({exc})") from None
 
@@ -292,9 +299,12 @@ class CheckpointManager:
         if opened is None:
             return
         if fence is not None and fence.owner and fence.owner != self.incarnation:
-            logger.warning("checkpoint directory %s: this incarnation of job %s takes it over from an earlier one "
-                           "(the job was started again); that one's worlds are fenced", self.directory,
-                           self.job_id)  # fmt: skip
+            logger.warning(
+                "checkpoint directory %s: this incarnation of job %s takes it over from an earlier one "
+                "(the job was started again); that one's worlds are fenced",
+                self.directory,
+                self.job_id,
+            )
         _write_durably(self.directory / FENCE, seal(self.key, opened.to_record()))
 
     def after_step(self, steps_done: int) -> None:

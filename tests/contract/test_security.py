@@ -261,8 +261,11 @@ def test_one_members_repeated_failure_reports_exclude_it_not_the_job(make_coordi
         gen = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 2 and g, 10, "a, b")
         for _ in range(2):
             assert client.report_failure("job", "a", gen.number, 1, "boom") == (True, gen.number)
-            gen = wait_for(lambda n=gen.number: (g := client.get_job("job").generation) and g.number > n and g, 10,
-                           "the next generation")  # fmt: skip
+            gen = wait_for(
+                lambda n=gen.number: (g := client.get_job("job").generation) and g.number > n and g,
+                10,
+                "the next generation",
+            )
         assert gen.node_ids == ("b",), "a, past its own budget, is excluded"
         assert client.get_job("job").status.state is JobState.RUNNING, "b's budget is untouched"
         with pytest.raises(Exception, match="'a' is not a member of job 'job''s generation"):
@@ -348,8 +351,12 @@ def test_etcd_over_tls_with_client_certificates(make_coordinator, fleet, pki, tm
             EtcdStore((etcd.endpoint,), "/x")
         other = LocalCA(tmp_path / "other").issue("c", Role.COORDINATOR, "intruder")
         files = other.load()
-        store = EtcdStore((etcd.endpoint,), "/x", timeout_s=2,
-                          credentials=grpc.ssl_channel_credentials(pki.ca.cert_pem, files.key_pem, files.cert_pem))
+        store = EtcdStore(
+            (etcd.endpoint,),
+            "/x",
+            timeout_s=2,
+            credentials=grpc.ssl_channel_credentials(pki.ca.cert_pem, files.key_pem, files.cert_pem),
+        )
         with pytest.raises(Exception, match="did not answer"):
             store.list_job_ids()
         store.close()
@@ -390,8 +397,11 @@ def test_a_revoked_certificate_is_refused_on_every_replica(make_coordinator, fle
         serial, subject = client.admin.revoke_certificate(Path(stolen.cert).read_bytes(), reason="laptop stolen")
         assert subject == "CN=x,OU=agent,O=pliant" and int(serial, 16) > 0
         for server in (first, second):
-            refused = wait_for(lambda s=server: (e := get_job(s)) and e.code() == Code.UNAUTHENTICATED and e, 10,
-                               "the revocation on every replica")  # fmt: skip
+            refused = wait_for(
+                lambda s=server: (e := get_job(s)) and e.code() == Code.UNAUTHENTICATED and e,
+                10,
+                "the revocation on every replica",
+            )
             assert f"certificate (serial {serial}) is revoked (revoked by the admin 'test-admin': laptop stolen)" in (
                 refused.details()
             )

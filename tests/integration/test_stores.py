@@ -55,8 +55,9 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         assert node1.longest_renewing([gone, node0.address]) == (42.0, 7)
         assert node1.longest_renewing([gone]) == (-1.0, -1)
         # Another local user writes the records agents act on: without the job's key its values are ignored.
-        stranger = dist.TCPStore("127.0.0.1", int(node0.address.rsplit(":", 1)[1]), is_master=False,
-                                 timeout=timedelta(seconds=5))  # fmt: skip
+        stranger = dist.TCPStore(
+            "127.0.0.1", int(node0.address.rsplit(":", 1)[1]), is_master=False, timeout=timedelta(seconds=5)
+        )
         stranger.set("/pliant/agent/renewing", "9999 99")
         assert node1.peer_renewing(node0.address) == (-1.0, -1), "a forged renewal streak does not vote"
         stranger.set("/pliant/agent/renewing", f"9999 99 {'0' * 32}")
@@ -73,8 +74,9 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         for generation in range(10, 16):  # another node's agent polls each hand-over's arrivals: it keeps few clients
             polled.append(node0.open_generation(generation))
             assert node1.arrivals("127.0.0.1", polled[-1]) == 0
-        held = [c for c in psutil.Process(other.proc.pid).net_connections("tcp")
-                if c.raddr and c.raddr.port in polled]  # fmt: skip (closed stores leave CLOSE_WAIT: fds held)
+        held = [
+            c for c in psutil.Process(other.proc.pid).net_connections("tcp") if c.raddr and c.raddr.port in polled
+        ]  # fmt: skip (closed stores leave CLOSE_WAIT: fds held)
         assert len(held) <= 4, held
         with pytest.raises(AgentError, match="did not give generation 99's store port within 1s"):
             node1.generation_port(node0.address, 99, timeout_s=1)
@@ -134,8 +136,9 @@ def test_the_store_host_ends_when_its_agent_is_killed() -> None:
         assert agent.stdout is not None
         pid, address = agent.stdout.readline().split()
         assert reachable(address)
-        assert "torch" not in "".join(m.path for m in psutil.Process(agent.pid).memory_maps()), \
+        assert "torch" not in "".join(m.path for m in psutil.Process(agent.pid).memory_maps()), (
             "the agent's side never loads torch"
+        )
         agent.kill()
         agent.wait(10)
         started = time.monotonic()

@@ -31,8 +31,13 @@ def member(node: str, order: int, joined_at: float = T0, slots: int = 0) -> Memb
     return Member(node, f"{node}.local:29500", slots, joined_at, order)
 
 
-def generation(number: int, nodes: list[Member], reason: str = "start", restarts: int = 0,
-               charged: tuple[tuple[str, int], ...] = ()) -> Generation:  # fmt: skip
+def generation(
+    number: int,
+    nodes: list[Member],
+    reason: str = "start",
+    restarts: int = 0,
+    charged: tuple[tuple[str, int], ...] = (),
+) -> Generation:
     return Generation("job", number, assign_ranks(SPEC, nodes), reason, restarts, T0, charged=charged)
 
 
