@@ -44,9 +44,10 @@ from pliant.coordinator.contract import (
     WatchEvent,
 )
 from pliant.env import WorkerEnv
+from pliant.fence import Fence, read_fence
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import interface_of, is_loopback
-from pliant.seal import Fence, SealError, read_fence
+from pliant.seal import SealError
 from pliant.tls import Role
 
 __all__ = ["Agent"]

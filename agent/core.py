@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, JobState
-from pliant.seal import Fence
+from pliant.fence import Fence
 
 __all__ = [
     "FENCED_EXIT_CODE",
@@ -216,7 +216,7 @@ class SignalReceived:
 class Tick:
     """Periodic, with the workers' progress as read now (local rank -> (step, phase) or (step, phase, generation), for
     ranks that write one; the generation a "wait" names) and the checkpoint directory's fence, checked against the
-    job's key (:mod:`pliant.seal`; None: none, or one that is not sealed with the key)."""
+    job's key (:mod:`pliant.fence`; None: none, or one that is not sealed with the key)."""
 
     progress: Mapping[int, tuple[int, str] | tuple[int, str, int]] = field(default_factory=dict)
     fence: Fence | None = None

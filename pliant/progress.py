@@ -19,7 +19,7 @@ through a temporary file and a rename, then the rescale signal. Modes: ``in-plac
 generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it can take directives
 by creating ``<progress file>.inplace``.
 
-The checkpoint directory's fence file, which an agent also reads, is :mod:`pliant.seal`'s.
+The checkpoint directory's fence file, which an agent also reads, is :mod:`pliant.fence`'s.
 """
 
 from __future__ import annotations

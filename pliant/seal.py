@@ -1,8 +1,9 @@
-"""The checkpoint directory's records that decide anything, sealed with the job's key: the fence and the commit markers.
+"""Records sealed with a job's key: what pliant reads from places others can write, and acts on only when the seal
+holds.
 
 A checkpoint directory may sit on storage that more than the job can write (a shared volume that every agent pod
-mounts). Nothing pliant reads there steers a worker or an agent unless it carries a valid seal: a forged or altered
-record is ignored (and overwritten where pliant writes one), never trusted.
+mounts), and a node's TCPStores take any client. Nothing pliant reads there steers a worker or an agent unless it
+carries a valid seal: a forged or altered record is ignored (and overwritten where pliant writes one), never trusted.
 
 **The job's key** is 32 bytes, ``HMAC-SHA256(root, b"pliant checkpoint key v1\\0" + job_id)``, where ``root`` is the
 control plane's sealing secret (32 random bytes: the embedded control plane keeps it in a file of the first node's
@@ -14,17 +15,9 @@ they are.
 
 **A sealed record** is one UTF-8 JSON object whose ``"mac"`` is the lowercase hex
 ``HMAC-SHA256(key, json.dumps(rest, sort_keys=True, separators=(",", ":")))`` of the object without ``"mac"``. Its
-``"kind"`` says what it is, so that no record stands in for another:
-
-- ``pliant-fence.json``: ``{"kind": "fence", "job": ID, "owner": INCARNATION, "generation": N, "superseded":
-  [INCARNATION, ...]}``. The owner is the incarnation (a UUID the control plane writes once when it creates the job)
-  of the newest world that opened the directory; ``superseded`` lists earlier owners (newest last, at most
-  :data:`MAX_SUPERSEDED`). A world is superseded when its incarnation is listed, or is the owner at a higher
-  generation (:meth:`Fence.supersedes`). A new incarnation of the same job takes the directory over when its first
-  world opens it (:meth:`Fence.opened_by`): resuming after the loss of every node is the default for the same job id.
-- ``step-<step>/pliant-commit.json``: ``{"kind": "commit", "job": ID, "step": S, "generation": N, "world_size": W,
-  "fingerprint": F, "saved_at": T, "metadata_sha256": H}``, where ``H`` is the SHA-256 of DCP's ``.metadata`` file
-  in that directory and ``S`` equals the directory's step (:func:`read_marker` checks both).
+``"kind"`` says what it is, so that no record stands in for another: ``"fence"`` (the checkpoint directory's owner,
+:mod:`pliant.fence`) and ``"commit"`` (a checkpoint's marker, :mod:`pliant.worker.checkpoint`). A store record
+carries a short seal instead, :func:`tag` (:mod:`pliant.agent.stores`).
 """
 
 from __future__ import annotations
@@ -36,30 +29,23 @@ import json
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pliant.errors import PliantError
 
 __all__ = [
-    "FENCE",
     "KEY_BYTES",
-    "MAX_SUPERSEDED",
-    "Fence",
     "SealError",
     "job_key",
     "load_or_create_root",
     "parse_root",
-    "read_fence",
     "seal",
     "tag",
     "unseal",
 ]
 
-FENCE = "pliant-fence.json"
 KEY_BYTES = 32
-MAX_SUPERSEDED = 16
 _KEY_LABEL = b"pliant checkpoint key v1\0"
 
 
@@ -150,62 +136,3 @@ def unseal(key: bytes | None, text: str | bytes, kind: str) -> dict[str, Any]:
         if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
             raise SealError(f"its seal does not match this job's key ({'missing' if mac is None else 'wrong'})")
     return record
-
-
-@dataclass(frozen=True)
-class Fence:
-    """Who owns a checkpoint directory: the newest world (incarnation, generation) that opened it."""
-
-    job: str
-    owner: str
-    generation: int
-    superseded: tuple[str, ...] = ()
-
-    def supersedes(self, incarnation: str, generation: int) -> bool:
-        """Whether the world ``(incarnation, generation)`` of this fence's job has been superseded."""
-        if not incarnation:
-            return False
-        return incarnation in self.superseded or (incarnation == self.owner and generation < self.generation)
-
-    def opened_by(self, incarnation: str, generation: int) -> Fence | None:
-        """The fence after the world ``(incarnation, generation)`` opens the directory; None when it writes nothing
-        (it is superseded, or already owns the directory at that generation or a newer one)."""
-        if self.supersedes(incarnation, generation) or (incarnation == self.owner and generation == self.generation):
-            return None
-        if incarnation == self.owner:
-            return Fence(self.job, incarnation, generation, self.superseded)
-        earlier = (*[s for s in self.superseded if s != self.owner], self.owner) if self.owner else self.superseded
-        return Fence(self.job, incarnation, generation, earlier[-MAX_SUPERSEDED:])
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "kind": "fence",
-            "job": self.job,
-            "owner": self.owner,
-            "generation": self.generation,
-            "superseded": list(self.superseded),
-        }
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Fence:
-        """Raises: SealError: a field is missing or of the wrong type."""
-        try:
-            superseded = tuple(str(s) for s in record.get("superseded", ()))
-            return cls(str(record["job"]), str(record["owner"]), int(record["generation"]), superseded)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SealError(f"fence record lacks a valid field ({exc})") from None
-
-
-def read_fence(directory: str | os.PathLike[str], key: bytes | None) -> Fence | None:
-    """The fence of ``directory``; None when it has none.
-
-    Raises:
-        SealError: a fence file is there but is not a fence sealed with ``key``.
-    """
-    try:
-        text = (Path(directory) / FENCE).read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise SealError(f"{Path(directory) / FENCE} is unreadable ({exc})") from None
-    return Fence.from_record(unseal(key, text, "fence"))

@@ -54,7 +54,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pliant.seal import FENCE, Fence, SealError, read_fence, seal, unseal
+from pliant.fence import FENCE, Fence, read_fence
+from pliant.seal import SealError, seal, unseal
 from pliant.worker.contract import Engine, Staged, WorkerError
 from pliant.worker.directio import DIR_MODE, FILE_MODE, DirectWriter
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
@@ -224,6 +225,7 @@ class CheckpointManager:
         self.allow_fresh_start = allow_fresh_start
         self.incarnation, self.key = incarnation, key or None
         self._ignored: dict[str, str] = {}  # checkpoint path -> why its marker is ignored (said once)
+        self._fence_problem = ""  # why the fence file was last ignored (said once)
         self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
         self.snapshot_of: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
         self.peer_failed: Callable[[BaseException], bool] | None = None  # its "a peer failed; the next step re-forms"
@@ -273,7 +275,9 @@ class CheckpointManager:
         try:
             return read_fence(self.directory, self.key)
         except SealError as exc:
-            logger.warning("the fence file in %s is ignored: %s; this world replaces it", self.directory, exc)
+            if str(exc) != self._fence_problem:  # said once, not at every commit until the next world replaces it
+                logger.warning("the fence file in %s is ignored: %s; this world replaces it", self.directory, exc)
+            self._fence_problem = str(exc)
             return None
 
     def _open_directory(self, first: bool = False) -> None:

@@ -10,7 +10,7 @@ from pliant.agent import core
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
-from pliant.seal import Fence
+from pliant.fence import Fence
 
 pytestmark = pytest.mark.timeout(10)
 
