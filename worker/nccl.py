@@ -24,12 +24,71 @@ same process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["abort_nccl", "backend_for", "has_nccl", "nccl_backend", "nccl_error", "prepare"]
+from pliant.worker.contract import WorkerError
+
+__all__ = [
+    "DevicePlan",
+    "abort_nccl",
+    "backend_for",
+    "has_nccl",
+    "nccl_backend",
+    "nccl_error",
+    "plan_device",
+    "prepare",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Where one worker process trains.
+
+    Attributes:
+        backend: ``nccl`` or ``gloo``.
+        cuda_index: the GPU this process owns, or None (the CPU).
+        warning: one line for the user when the default could not be NCCL on a host that has GPUs, else "".
+    """
+
+    backend: str
+    cuda_index: int | None
+    warning: str = ""
+
+
+def plan_device(requested: str | None, local_rank: int, local_world_size: int, gpus: int) -> DevicePlan:
+    """Choose the backend and device of local rank ``local_rank`` of ``local_world_size`` on a host with ``gpus``
+    GPUs visible.
+
+    NCCL needs one GPU per process: two ranks of a communicator on one GPU fail at its first collective ("Duplicate
+    GPU detected"). By default a process trains on GPU ``local_rank`` over NCCL when every local process has a GPU of
+    its own, and on the CPU over gloo otherwise, with a warning when that leaves GPUs unused. An explicit ``nccl``
+    with too few GPUs is refused.
+
+    Raises:
+        WorkerError: ``requested`` is ``nccl`` and the host has fewer GPUs than processes; the message names both
+            numbers and the fix.
+    """
+    fits = 0 < local_world_size <= gpus
+    if requested == "nccl" or (requested is None and fits):
+        if not fits:
+            raise WorkerError(
+                f"backend='nccl' needs one GPU per process: this node runs {local_world_size} processes and sees "
+                f"{gpus} GPU(s); run --nproc-per-node {gpus} or fewer (CUDA_VISIBLE_DEVICES decides which GPUs a "
+                f"node sees), or leave the backend to pliant (gloo on the CPU)"
+            )
+        return DevicePlan("nccl", local_rank)
+    if requested is None and gpus:
+        return DevicePlan(
+            "gloo",
+            None,
+            f"this node runs {local_world_size} processes on {gpus} GPU(s) and NCCL needs one GPU per process: "
+            f"training on the CPU with gloo; run --nproc-per-node {gpus} to train on the GPUs",
+        )
+    return DevicePlan(requested or "gloo", None)
 
 
 def backend_for(backend: str, under_agent: bool) -> str:

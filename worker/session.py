@@ -66,7 +66,8 @@ class Session:
 
     Args:
         env: the env contract (default: read once from the environment).
-        backend: ``gloo`` or ``nccl`` (default: nccl when CUDA is available, else gloo).
+        backend: ``gloo`` or ``nccl`` (default: nccl on GPU ``LOCAL_RANK`` when every process on the node has a GPU of
+            its own, else gloo on the CPU; :func:`pliant.worker.nccl.plan_device`).
         timeout_s: collective timeout.
         registry: where the worker's metrics go (default: a new registry; under the agent they also land in the
             node's multiprocess directory, which the agent serves).
@@ -86,13 +87,16 @@ class Session:
         if self.env.agent_store:
             setup_library_logging()
         self.metrics = WorkerMetrics(self.env, registry)
-        cuda = torch.cuda.is_available()
-        self.backend = backend or ("nccl" if cuda else "gloo")
-        if self.backend == "nccl":
-            self.device = torch.device("cuda", self.env.local_rank % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(self.device)
-        else:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        plan = nccl.plan_device(backend, self.env.local_rank, self.env.local_world_size, gpus)
+        if plan.warning and self.env.local_rank == 0:
+            logger.warning("%s", plan.warning)
+        self.backend = plan.backend
+        if plan.cuda_index is None:
             self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", plan.cuda_index)
+            torch.cuda.set_device(self.device)
         self.timeout = timedelta(seconds=timeout_s)
         self.group_fds: set[tuple[int, int]] = set()  # (descriptor, inode): groups.socket_fds
         self._owns_group = not dist.is_initialized()

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from pliant.worker import nccl
+from pliant.worker.contract import WorkerError
 
 
 def test_nccl_under_an_agent_also_gets_gloo_for_the_protocols_cpu_tensors() -> None:
@@ -34,3 +35,24 @@ def test_in_place_turns_off_torchs_teardown_on_nccl_errors_unless_the_user_chose
 def test_without_a_process_group_there_is_no_nccl_to_abort() -> None:
     assert not nccl.has_nccl()
     assert not nccl.abort_nccl()
+
+
+def test_the_default_is_nccl_when_every_process_has_a_gpu_of_its_own() -> None:
+    assert nccl.plan_device(None, 1, 2, 2) == nccl.DevicePlan("nccl", 1)
+    assert nccl.plan_device(None, 0, 1, 8) == nccl.DevicePlan("nccl", 0)
+
+
+def test_more_processes_than_gpus_train_on_the_cpu_and_say_why() -> None:
+    plan = nccl.plan_device(None, 1, 2, 1)
+    assert (plan.backend, plan.cuda_index) == ("gloo", None)
+    assert "2 processes on 1 GPU(s)" in plan.warning and "--nproc-per-node 1" in plan.warning
+
+
+def test_no_gpu_is_gloo_on_the_cpu_without_a_word() -> None:
+    assert nccl.plan_device(None, 0, 2, 0) == nccl.DevicePlan("gloo", None)
+    assert nccl.plan_device("gloo", 0, 1, 4) == nccl.DevicePlan("gloo", None)
+
+
+def test_nccl_asked_for_with_too_few_gpus_is_refused_with_the_fix() -> None:
+    with pytest.raises(WorkerError, match=r"4 processes and sees 2 GPU\(s\); run --nproc-per-node 2"):
+        nccl.plan_device("nccl", 3, 4, 2)
