@@ -541,13 +541,16 @@ class JobSnapshot:
         status: the job's state record.
         members: live members, in join order.
         generation: the current generation, or None before the first.
-        failures: failure reports for the current generation.
+        failures: failure reports for the current generation, in the order etcd recorded them.
         departed: node ids that left gracefully (Leave) recently.
         generation_mod_revision: mod revision of the current-generation key (0 if absent): the fence of the next write.
         status_mod_revision: mod revision of the state key (0 if absent).
         incarnation: the job's incarnation, a UUID written once when the job was created (a job created again under
             its id, or in a rebuilt etcd, has another one).
         strikes: nodes evicted as unreachable by their peers, recently (held back from rejoining for a while).
+        silent: members the leader hears no heartbeat from (:func:`pliant.coordinator.policy.silent_members`), known
+            only while a failure report names them: the leader reads their leases and fills this in its view; a
+            snapshot read from etcd has none.
     """
 
     spec: JobSpec
@@ -560,6 +563,7 @@ class JobSnapshot:
     status_mod_revision: int = 0
     incarnation: str = ""
     strikes: tuple[Strike, ...] = ()
+    silent: frozenset[str] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,9 @@ Rules (see docs/architecture.md):
   it has trained in the world without a break) waits as a spare while its strikes hold it back at that address
   (:func:`pliant.coordinator.policy.held_back`): a cut between two nodes that does not heal then costs the world a
   failed try per backoff, not one a minute.
-- A report from the smaller side of a cut, or a newcomer's against older members
-  (:func:`pliant.coordinator.policy.evictions`), evicts nobody at once; while
-  it waits for the nodes it named to report (:func:`pliant.coordinator.policy.deferred_evictions`), the planner waits
-  too, and the executor evicts them when it comes due.
+- A report whose named nodes are not corroborated yet, from the smaller side of a cut, or a newcomer's against
+  older members (:func:`pliant.coordinator.policy.reported_evictions`), evicts nobody at once; while it waits for the
+  nodes it named to report or fall silent, the planner waits too, and the executor evicts them when it comes due.
 - Reports from nodes whose workers only wait after a peer failed (``WAIT_EXIT_CODE``) give the failure's cause
   :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
   whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
@@ -56,7 +55,7 @@ from pliant.coordinator.contract import (
     NewGeneration,
     WaitUntil,
 )
-from pliant.coordinator.policy import REPORT_GRACE_S, deferred_evictions, held_back
+from pliant.coordinator.policy import REPORT_GRACE_S, SILENCE_POLL_S, held_back, reported_evictions
 
 __all__ = ["assign_ranks", "plan"]
 
@@ -177,13 +176,14 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     failures = [f for f in snap.failures if gen is not None and f.generation == gen.number]
     failed_nodes = sorted({f.node_id for f in failures})
     if running and gen is not None:
-        due, pending = deferred_evictions(gen, failures, list(live_by_id), now)
-        if due or pending is not None:  # the executor evicts what is due before it plans
+        reported = reported_evictions(gen, failures, list(live_by_id), snap.silent, spec.heartbeat_ttl_s, now)
+        if reported.evicted or reported.pending is not None:  # the executor evicts what is due before it plans
             named = sorted({n for f in failures for n in f.unreachable if n in live_by_id})
-            return WaitUntil(pending if pending is not None else now + REPORT_GRACE_S,
+            doubted = f"; {', '.join(reported.doubted)} not silent yet" if reported.doubted else ""
+            return WaitUntil(reported.pending if reported.pending is not None else now + SILENCE_POLL_S,
                              f"{', '.join(named)} named unreachable by a report that did not evict them at once "
-                             f"(the smaller side of a cut, or a newcomer's word); waiting for their reports",
-                             JobState.RUNNING)  # fmt: skip
+                             f"(not corroborated yet, the smaller side of a cut, or a newcomer's word); waiting for "
+                             f"their reports or their silence{doubted}", JobState.RUNNING)  # fmt: skip
     if running and failures and all(f.exit_code == WAIT_EXIT_CODE for f in failures):
         # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
         # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.

@@ -10,30 +10,41 @@ everyone for a full TTL: after it won the election and after etcd answered again
 (shorter than the lease) therefore evicts nobody who kept trying; a node that died is evicted one TTL after the
 control plane came back.
 
-**Unreachable peers** (:func:`evictions`, :func:`deferred_evictions`, :func:`struck`, :func:`held_back`). An agent
-whose workers failed names the peers whose agents it cannot reach, and the coordinator evicts them with the report.
-Three rules keep a cut between nodes that all still reach the control plane from tearing the world down, shrinking it
-to its smaller part, or flapping it forever:
+**Unreachable peers** (:func:`reported_evictions`, :func:`evictions`, :func:`corroborated`, :func:`struck`,
+:func:`held_back`). An agent whose workers failed names the peers whose agents it cannot reach, and the coordinator
+evicts them with the report. Four rules keep a cut between nodes that all still reach the control plane from tearing
+the world down, shrinking it to its smaller part, or flapping it forever, and keep one member's word from evicting a
+healthy peer:
 
-- a report evicts only while its reporter is a live member: when both sides of a cut report each other in one
-  generation, the first report evicts the other side and the second, from an evicted node, evicts nobody (both were
-  evicted before, and the world stopped);
+- no member's word alone evicts a peer: the absence must be *corroborated* (:func:`corroborated`) by the leader's
+  own view of the lease (the named node missed two heartbeats: :func:`silent_members`), or by a report from another
+  side: another member names it too, or it names the reporter (both sides of a cut report each other). The one
+  exception is a newcomer that never arrived, named by an older member: the world never trained with it, so its
+  eviction costs the others nothing, and it earns a strike (below). A report whose named nodes are not corroborated
+  waits up to :func:`corroboration_s` (half the heartbeat TTL and a little: a node dead by the time of the report is
+  silent by then) and is then a failure like any other, charged to its reporter: a member that names a healthy peer
+  again and again excludes itself. A cut that only one side reports (the other reaches the first) costs the
+  reporting side the same way;
+- reports are weighed in the order etcd recorded them, and a report evicts only while its reporter is a live member:
+  when both sides of a cut report each other in one generation, the second report corroborates the first, the first
+  evicts the other side, and the second, from an evicted node, evicts nobody. On equal sides, the first report
+  decides;
 - a report evicts at once only when the side it names is not the larger (in processes; the reporter's side is every
-  live member it does not name). A node cut off from all its peers names every one of them, and before this rule, if
-  its report came first, the world shrank to that one node. A newcomer (admitted by this generation) that names an
+  live member it does not name). A node cut off from all its peers names every one of them, and if its report came
+  first, the world would shrink to that one node. A newcomer (admitted by this generation) that names an
   older member waits for the older members of its own side to say so: in a cut between two nodes that a third
-  reaches, the third counts on both sides, and a readmitted node's report evicted the member that had stayed (those
-  older members report the named node themselves when the cut is theirs too). Reports that do not evict at once
-  evict :data:`REPORT_GRACE_S` later, and only if none of the nodes they name has reported a failure of the generation
-  meanwhile: dead nodes report nothing (the survivors of a loss of most of the world wait those 2 s), while live ones
-  report, and the larger side's or the older member's report evicts the reporter first. On equal sides, the first
-  report decides. A newcomer stops being one once its generation trained a step: a report says whether its
+  reaches, the third counts on both sides, and a readmitted node's report would evict the member that had stayed
+  (those older members report the named node themselves when the cut is theirs too). Reports that do not evict at
+  once evict :data:`REPORT_GRACE_S` later, and only if none of the nodes they name has reported a failure of the
+  generation meanwhile: dead nodes report nothing (the survivors of a loss of most of the world wait those 2 s, and
+  for the dead to fall silent), while live ones report, and the larger side's or the older member's report evicts
+  the reporter first. A newcomer stops being one once its generation trained a step: a report says whether its
   reporter's workers did (``FailureReport.arrived``), and then every member weighs as an older one;
 - a node that came back and could not be reached by the members it was admitted to join gets a *strike*: it is named
   by a member that has trained in the world since an earlier generation, in the generation that admitted it, and
   that generation never trained a step as far as the reporter knows (a readmission that failed: the survivors'
-  agents report a newcomer that never arrived, see the agent's hand-over). Before reports said so, a node that
-  arrived and trained for hours in the generation that admitted it was struck when a cut dropped it. Strikes are
+  agents report a newcomer that never arrived, see the agent's hand-over); a node that arrived and trained in the
+  generation that admitted it earns none when a cut drops it. Strikes are
   kept in etcd and lapse :data:`STRIKE_WINDOW_S` after the last. A node back at the same address is held back as a
   spare for :func:`backoff_s` of its strikes (:data:`BACKOFF_BASE_S`, doubling up to :data:`BACKOFF_MAX_S`), as
   Kubernetes backs off a crash-looping container: a cut that does not heal costs one try per backoff instead of one
@@ -59,24 +70,31 @@ shorter.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from pliant.coordinator.contract import FailureReport, Generation, JobSnapshot, JobStatus, Member, Strike
 
 __all__ = [
+    "AGE_RESOLUTION_S",
     "BACKOFF_BASE_S",
     "BACKOFF_MAX_S",
     "LIFTS_PER_STRIKE",
     "REPORT_GRACE_S",
+    "SILENCE_POLL_S",
+    "SILENT_FRACTION",
     "STRIKE_WINDOW_S",
     "LeaderClock",
+    "Reported",
     "backoff_s",
-    "deferred_evictions",
+    "corroborated",
+    "corroboration_s",
     "evictions",
     "held_back",
     "may_overwrite",
     "overdue_members",
+    "reported_evictions",
     "side",
+    "silent_members",
     "struck",
 ]
 
@@ -116,7 +134,8 @@ def side(generation: Generation, nodes: Sequence[str], arrived: bool = False) ->
 
 def evictions(generation: Generation, reporter: str, unreachable: Sequence[str], live: Sequence[str],
               arrived: bool = False) -> tuple[str, ...]:  # fmt: skip
-    """The nodes a failure report of ``generation`` evicts at once (see the module docstring).
+    """The side rule: the nodes a failure report of ``generation`` may evict at once, as far as the sides go (see the
+    module docstring); :func:`reported_evictions` evicts only those of them whose absence is also corroborated.
 
     Args:
         generation: the generation the report is for (the current one).
@@ -129,7 +148,7 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
     Returns:
         The named live members of ``generation`` other than the reporter, if the reporter's live side has at least as
         many processes; nothing when it has fewer, or when a newcomer names an older member while its side has older
-        members too (:func:`deferred_evictions` may evict them later), or when the reporter is no longer a live
+        members too (:func:`reported_evictions` may evict them later), or when the reporter is no longer a live
         member.
     """
     members = {m.node_id for m in generation.members}
@@ -143,36 +162,135 @@ def evictions(generation: Generation, reporter: str, unreachable: Sequence[str],
     return named if mine_all >= named_all else ()
 
 
-def deferred_evictions(generation: Generation, failures: Sequence[FailureReport], live: Sequence[str],
-                       now: float) -> tuple[tuple[str, ...], float | None]:  # fmt: skip
-    """What the reports of ``generation`` that :func:`evictions` did not act on (their reporter's side was the
-    smaller, or a newcomer named older members) evict now: the nodes they named, :data:`REPORT_GRACE_S` after the
-    report, if the reporter and they are still live members and none of them reported a failure of the generation (a
-    node that reports is alive: its own report decides, and a restart follows if none evicts).
+SILENT_FRACTION = 0.5  # a member silent for more than this part of the heartbeat TTL (two heartbeats) is silent
+AGE_RESOLUTION_S = 1.0  # etcd gives a lease's TTL left in whole seconds, so an age is known to within this
+SILENCE_POLL_S = 0.5  # while a report waits for its named nodes to fall silent, the leader looks this often
+
+
+def silent_members(ages: Mapping[str, float], ttl_s: float) -> frozenset[str]:
+    """The members the leader itself hears nothing from: silent for more than :data:`SILENT_FRACTION` of the
+    heartbeat TTL ``ttl_s`` (an agent beats every quarter TTL, so two beats were missed). ``ages``: node id ->
+    seconds since its last heartbeat (negative: unknown)."""
+    return frozenset(node for node, age in ages.items() if age > ttl_s * SILENT_FRACTION)
+
+
+def corroboration_s(ttl_s: float) -> float:
+    """How long a report waits for the nodes it names to fall silent: a node that died by the time of the report is
+    silent by then (its last heartbeat came before the report)."""
+    return ttl_s * SILENT_FRACTION + AGE_RESOLUTION_S + SILENCE_POLL_S
+
+
+def corroborated(
+    generation: Generation, report: FailureReport, node: str, reports: Sequence[FailureReport], silent: Collection[str]
+) -> bool:
+    """Whether ``report``'s word that ``node`` is unreachable is borne out by more than the reporter: the leader hears
+    nothing from ``node`` (``silent``), another member names it too, ``node`` names the reporter (both sides of a cut
+    report it), or ``node`` is a newcomer that never arrived, named by an older member (the world never trained with
+    it: evicting it costs the others nothing, and it earns a strike).
+
+    Args:
+        generation: the generation reported.
+        report: the report naming ``node``.
+        node: a member named unreachable.
+        reports: every report of ``generation``.
+        silent: the members the leader hears nothing from (:func:`silent_members`).
+    """
+    if node in silent:
+        return True
+    for other in reports:
+        if other.node_id == node and report.node_id in other.unreachable:
+            return True
+        if other.node_id not in (node, report.node_id) and node in other.unreachable:
+            return True
+    since = {m.node_id: m.since for m in generation.members}
+    newcomer = since.get(node) == generation.number and since.get(report.node_id, generation.number) < generation.number
+    return newcomer and not report.arrived
+
+
+@dataclasses.dataclass(frozen=True)
+class Reported:
+    """What the failure reports of a generation evict (:func:`reported_evictions`).
+
+    Attributes:
+        evicted: (the report that evicts, the nodes it evicts), in report order.
+        pending: the leader-clock time to look again (a grace runs, or named nodes may yet fall silent), or None.
+        doubted: live members named by a report and not corroborated yet, whose silence the leader watches.
+    """
+
+    evicted: tuple[tuple[FailureReport, tuple[str, ...]], ...] = ()
+    pending: float | None = None
+    doubted: tuple[str, ...] = ()
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node evicted, in order."""
+        return tuple(dict.fromkeys(n for _report, nodes in self.evicted for n in nodes))
+
+
+def reported_evictions(
+    generation: Generation,
+    failures: Sequence[FailureReport],
+    live: Sequence[str],
+    silent: Collection[str],
+    ttl_s: float,
+    now: float | None = None,
+) -> Reported:
+    """What the failure reports of ``generation`` evict, taken in the order they were recorded (see the module
+    docstring). For each report whose reporter is still a live member:
+
+    - the sides are weighed on everything it names (:func:`evictions`); when its side is not the smaller, it evicts
+      the named nodes whose absence is :func:`corroborated`, at once;
+    - when its side is the smaller (or a newcomer named older members), it evicts the corroborated named nodes
+      :data:`REPORT_GRACE_S` after the report, unless one of the nodes it names reported a failure meanwhile;
+    - a named node not corroborated is evicted by nobody's word alone: the report waits up to
+      :func:`corroboration_s` for the node to fall silent (or for another report), and is then a failure like any
+      other, charged to its reporter.
 
     Args:
         generation: the current generation.
-        failures: failure reports (only those of ``generation`` count), ``reported_at`` on the leader's clock.
+        failures: failure reports in the order etcd recorded them (only those of ``generation`` count), with
+            ``reported_at`` on the leader's clock.
         live: the nodes that hold a live membership now.
-        now: the leader's clock.
-
-    Returns:
-        (the nodes to evict now, the leader-clock time a pending report comes due, or None).
+        silent: the members the leader hears nothing from (:func:`silent_members`).
+        ttl_s: the job's heartbeat TTL.
+        now: the leader's clock; None: only what evicts at once (a report as it is recorded, on no leader's clock).
     """
-    mine = [f for f in failures if f.generation == generation.number]
-    reported = {f.node_id for f in mine}
-    due: list[str] = []
+    reports = [f for f in failures if f.generation == generation.number]
+    reported = {f.node_id for f in reports}
+    members = set(generation.node_ids)
+    remaining = list(dict.fromkeys(live))
+    evicted: list[tuple[FailureReport, tuple[str, ...]]] = []
+    doubted: list[str] = []
     pending: float | None = None
-    for report in mine:
-        named = [n for n in report.unreachable if n in live and n in generation.node_ids and n != report.node_id]
-        if report.node_id not in live or not named or reported.intersection(named):
-            continue
-        until = report.reported_at + REPORT_GRACE_S
-        if now >= until:
-            due += named
-        else:
-            pending = until if pending is None else min(pending, until)
-    return tuple(dict.fromkeys(due)), pending
+
+    def later(at: float) -> None:
+        nonlocal pending
+        pending = at if pending is None else min(pending, at)
+
+    for report in reports:
+        if report.node_id not in remaining:
+            continue  # evicted by an earlier report, or gone: its word evicts nobody
+        named = [
+            n for n in dict.fromkeys(report.unreachable) if n in remaining and n in members and n != report.node_id
+        ]
+        firm = [n for n in named if corroborated(generation, report, n, reports, silent)]
+        allowed = evictions(generation, report.node_id, named, remaining, report.arrived)
+        out = [n for n in allowed if n in firm]
+        if not allowed and firm and not reported.intersection(named):
+            due = report.reported_at + REPORT_GRACE_S
+            if now is not None and now >= due:
+                out = firm
+            else:
+                later(due)
+        unsure = [n for n in named if n not in firm and n not in reported]
+        until = report.reported_at + corroboration_s(ttl_s)
+        if unsure and (now is None or now < until):
+            doubted += unsure
+            later(until if now is None else min(until, now + SILENCE_POLL_S))
+        if out:
+            evicted.append((report, tuple(out)))
+            remaining = [n for n in remaining if n not in out]
+    return Reported(tuple(evicted), pending, tuple(dict.fromkeys(n for n in doubted if n in remaining)))
 
 
 def struck(generation: Generation, reporter: str, evicted: Sequence[str], arrived: bool = False) -> tuple[str, ...]:

@@ -42,7 +42,14 @@ from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_watch import PrefixWatch
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.planner import plan
-from pliant.coordinator.policy import REPORT_GRACE_S, LeaderClock, deferred_evictions, overdue_members
+from pliant.coordinator.policy import (
+    REPORT_GRACE_S,
+    SILENT_FRACTION,
+    LeaderClock,
+    overdue_members,
+    reported_evictions,
+    silent_members,
+)
 from pliant.coordinator.store_base import Fence
 
 __all__ = ["Reconciler"]
@@ -268,8 +275,11 @@ class Reconciler:
         if snap.status.state.terminal:
             return self._expire(snap, view.status.since, now)
         sweep = self._sweep(snap, fence, now)
-        if sweep is None or self._evict_reported(view, fence, now):
+        if sweep is None:
             return None  # evicted: the next pass plans with the new membership
+        view, evicted = self._evict_reported(view, fence, now)
+        if evicted:
+            return None
         started = time.perf_counter()
         decision = plan(view, now)
         if self._metrics:
@@ -324,23 +334,42 @@ class Reconciler:
         self._next_sweep[job] = now + max(SWEEP_MIN_S, ttl - oldest)
         return self._next_sweep[job]
 
-    def _evict_reported(self, view: JobSnapshot, fence: Fence, now: float) -> bool:
-        """Evict the nodes named by reports that did not evict them at once, once they are due (see
-        :func:`deferred_evictions`; the planner waits for them meanwhile). Returns whether it evicted anyone."""
-        gen, live = view.generation, [m.node_id for m in view.members]
-        due, _ = deferred_evictions(gen, view.failures, live, now) if gen else ((), None)
-        if not due:
-            return False
-        job, reports = view.spec.job_id, [f for f in view.failures if f.generation == gen.number]
-        reporters = tuple(sorted({f.node_id for f in reports} & set(live)))
+    def _evict_reported(self, view: JobSnapshot, fence: Fence, now: float) -> tuple[JobSnapshot, bool]:
+        """Evict the nodes named by failure reports once their absence is corroborated and any grace ran out (see
+        :func:`reported_evictions`; the planner waits for them meanwhile). The leases of named nodes not
+        corroborated otherwise are read to see whether they fell silent, once this leader could hear every heartbeat
+        for long enough to tell.
+
+        Returns:
+            (``view`` with the silent members it found, whether it evicted anyone).
+        """
+        gen, live, ttl = view.generation, [m.node_id for m in view.members], view.spec.heartbeat_ttl_s
+        if gen is None or not any(f.unreachable for f in view.failures):
+            return view, False
+        reported = reported_evictions(gen, view.failures, live, (), ttl, now)
+        if reported.doubted and now - self._heard_since > ttl * SILENT_FRACTION:
+            doubted = [m for m in view.members if m.node_id in reported.doubted]
+            silent = silent_members(self._store.lease_ages(view.spec.job_id, doubted), ttl)
+            if silent:
+                view = dataclasses.replace(view, silent=silent)
+                reported = reported_evictions(gen, view.failures, live, silent, ttl, now)
+        if not reported.evicted:
+            return view, False
+        job, due = view.spec.job_id, reported.nodes
+        reporters = tuple(sorted({report.node_id for report, _nodes in reported.evicted}))
         self._store.evict(view, due, fence, keep=reporters)
         if self._metrics:
             self._metrics.evictions.labels(job).inc(len(due))
-        named_by = sorted({f.node_id for f in reports if f.node_id in reporters and set(due) & set(f.unreachable)})
-        logger.warning("job %s: evicted %s: named unreachable by %s, and no report from them in %gs", job,
-                       ", ".join(due), ", ".join(named_by), REPORT_GRACE_S)  # fmt: skip
+        why = (
+            "silent on their leases too"
+            if view.silent.intersection(due)
+            else f"no report from them in {REPORT_GRACE_S:g}s"
+        )
+        logger.warning(
+            "job %s: evicted %s: named unreachable by %s, %s", job, ", ".join(due), ", ".join(reporters), why
+        )
         self.poke(job)
-        return True
+        return view, True
 
     def _execute(self, snap: JobSnapshot, decision: object, fence: Fence) -> float | None:
         job, status = snap.spec.job_id, snap.status

@@ -262,7 +262,7 @@ class EtcdStore(MemberStore):
             generation=generation,
             failures=tuple(
                 decode(m.key, FailureReport.from_json, v)
-                for v, m in found.get("failures", [])
+                for v, m in sorted(found.get("failures", []), key=lambda vm: vm[1].mod_revision)
                 if gen_prefix and m.key.decode().startswith(gen_prefix)
             ),
             departed=frozenset(m.key.decode().rsplit("/", 1)[1] for _v, m in found.get("departed", [])),

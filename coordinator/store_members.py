@@ -7,9 +7,11 @@ that proves it.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from etcd3 import etcdrpc
 
@@ -35,10 +37,11 @@ from pliant.coordinator.policy import (
     BACKOFF_MAX_S,
     CHURN_WINDOW_S,
     LIFTS_PER_STRIKE,
-    REPORT_GRACE_S,
     STRIKE_WINDOW_S,
+    Reported,
     backoff_s,
-    evictions,
+    reported_evictions,
+    silent_members,
     struck,
 )
 from pliant.coordinator.store_base import EtcdBase, StrikeRecord, decode, etcd_call, read_strike, token_digest
@@ -365,12 +368,13 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def report_failure(self, job: str, report: FailureReport) -> tuple[bool, int]:
-        """Record a worker failure of the current generation, evicting in the same txn the ``report.unreachable`` nodes
-        that :func:`pliant.coordinator.policy.evictions` allows (none once the reporter was evicted itself, nor yet
-        when its side is the smaller or it is a newcomer's word against older members: the leader may evict them
-        later, see ``deferred_evictions``), with a strike
-        for each of them that :func:`pliant.coordinator.policy.struck` names (on a lease of :data:`STRIKE_WINDOW_S`;
-        the count goes on only at the address of the last strike).
+        """Record a worker failure of the current generation, and evict in the same txn the nodes that the
+        generation's reports, this one last, evict at once (:func:`pliant.coordinator.policy.reported_evictions`:
+        none on one member's word alone, nor while the reporter's side is the smaller or a newcomer's word stands
+        against older members; the leader may evict them later), with a strike for each of them that
+        :func:`pliant.coordinator.policy.struck` names (on a lease of :data:`STRIKE_WINDOW_S`; the count goes on only
+        at the address of the last strike). A report may thus evict on an earlier one's behalf: the second side of a
+        cut to report corroborates the first.
 
         Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
         revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
@@ -383,31 +387,47 @@ class MemberStore(EtcdBase):
             if current is None or report.generation != current.number:
                 return False, current.number if current else 0
             if report.node_id not in current.node_ids:
-                raise PermissionDenied(f"node {report.node_id!r} is not a member of job {job!r}'s generation "
-                                       f"{current.number}; only its members report its failures")  # fmt: skip
-            unreachable = report.unreachable
-            strangers = [n for n in unreachable if n not in current.node_ids]
+                raise PermissionDenied(
+                    f"node {report.node_id!r} is not a member of job {job!r}'s generation "
+                    f"{current.number}; only its members report its failures"
+                )
+            strangers = [n for n in report.unreachable if n not in current.node_ids]
             if strangers:
                 raise InvalidArgument(
                     f"unreachable_nodes names {quote(strangers)}, not members of job {job!r}'s generation "
                     f"{current.number}; name only nodes of the generation reported"
                 )
             prefix = self.job_key(job, "members") + "/"
-            live = {meta.key.decode()[len(prefix):]: (decode(meta.key, Member.from_json, value), meta.lease_id)
-                    for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
-            evicted = evictions(current, report.node_id, unreachable, list(live), report.arrived)
+            live = {
+                meta.key.decode()[len(prefix) :]: dataclasses.replace(
+                    decode(meta.key, Member.from_json, value), lease_id=meta.lease_id
+                )
+                for value, meta in self.client.get_prefix(prefix)
+            }
             key = self.job_key(job, "failures", f"{current.number:012d}", report.node_id)
+            earlier = [
+                decode(meta.key, FailureReport.from_json, value)
+                for value, meta in sorted(self.client.get_prefix(key.rsplit("/", 1)[0] + "/"), key=_recorded)
+                if meta.key.decode() != key
+            ]
+            reports = [*earlier, report]
+            named = {n for f in reports for n in f.unreachable if n in live}
+            ttl = self._spec(job)[0].heartbeat_ttl_s
+            silent = silent_members(self.lease_ages(job, [live[n] for n in sorted(named)]), ttl) if named else ()
+            reported = reported_evictions(current, reports, list(live), silent, ttl)
+            evicted = reported.nodes
             compare = [self.tx.mod(self.job_key(job, "generation")) == mod_revision]
             ops = [self.tx.put(key, report.to_json())]
-            strikes = {}
-            if evicted:  # only while the reporter is still a member (its key exists), and they are too: two reports
-                # at once would otherwise both evict them, and both count a strike
-                compare += [self.tx.version(prefix + node) > 0 for node in (report.node_id, *evicted)]
+            if evicted:  # only while the reporters are still members (their keys exist), and they are too: two
+                # reports at once would otherwise both evict them, and both count a strike
+                reporters = {r.node_id for r, _nodes in reported.evicted}
+                compare += [self.tx.version(prefix + node) > 0 for node in sorted(reporters) + list(evicted)]
                 ops += [self.tx.delete(prefix + node) for node in evicted]
-            to_strike = struck(current, report.node_id, evicted, report.arrived)
+            to_strike = [n for r, nodes in reported.evicted for n in struck(current, r.node_id, nodes, r.arrived)]
             lease = self.client.lease(STRIKE_WINDOW_S) if to_strike else None
-            for node in to_strike:
-                strike_key, address = self.job_key(job, "strikes", node), live[node][0].address
+            strikes = {}
+            for node in dict.fromkeys(to_strike):
+                strike_key, address = self.job_key(job, "strikes", node), live[node].address
                 value, _ = self.client.get(strike_key)
                 old = read_strike(strike_key, value) if value else StrikeRecord(0, address)
                 same = old.address == address  # another address: counted again from one
@@ -420,18 +440,37 @@ class MemberStore(EtcdBase):
                     self._revoke_quietly(lease.id)
                 continue  # the generation moved on (stale now), or the reporter or they were evicted since: read again
             for node in evicted:
-                self._revoke_quietly(live[node][1])
-            named = [f"{n} (strike {strikes[n]}: held back {backoff_s(strikes[n]):g}s)" if n in strikes else n
-                     for n in evicted]  # fmt: skip
-            waits = [n for n in unreachable if n in live and n != report.node_id] if report.node_id in live else []
-            logger.info("failure reported in job %s generation %d by %s (exit %d)%s", job, current.number,
-                        report.node_id, report.exit_code,
-                        f"; evicted as unreachable: {', '.join(named)}" if named else
-                        f"; names {', '.join(waits)} unreachable, not evicted at once (the smaller side, or a "
-                        f"newcomer's word against older members): evicted in {REPORT_GRACE_S:g}s unless they report"
-                        if waits else "")  # fmt: skip
+                self._revoke_quietly(live[node].lease_id)
+            self._log_report(job, current.number, report, reported, strikes)
             return True, current.number
         raise Unavailable(f"job {job!r} kept changing while recording a failure report; retry")
+
+    @staticmethod
+    def _log_report(job: str, number: int, report: FailureReport, reported: Reported, strikes: dict[str, int]) -> None:
+        """One line for a recorded failure report: whom it evicted (by whose word), or whom it names and waits on."""
+        evicted = [
+            f"{n} (strike {strikes[n]}: held back {backoff_s(strikes[n]):g}s)" if n in strikes else n
+            for n in reported.nodes
+        ]
+        by = sorted({r.node_id for r, _nodes in reported.evicted})
+        waits = [n for n in report.unreachable if n not in reported.nodes and n != report.node_id]
+        if evicted:
+            outcome = f"; evicted as unreachable: {', '.join(evicted)} (named by {', '.join(by)}, corroborated)"
+        elif waits:
+            outcome = (
+                f"; names {', '.join(waits)} unreachable, not evicted at once (not corroborated yet: no other "
+                f"member's report or silent lease; or the smaller side, or a newcomer's word against older members)"
+            )
+        else:
+            outcome = ""
+        logger.info(
+            "failure reported in job %s generation %d by %s (exit %d)%s",
+            job,
+            number,
+            report.node_id,
+            report.exit_code,
+            outcome,
+        )
 
     @etcd_call
     def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:
@@ -467,6 +506,11 @@ class MemberStore(EtcdBase):
             return True, current.number
         self.finish_job(job, True, f"every node's workers completed generation {generation}", now)
         return True, current.number
+
+
+def _recorded(item: tuple[bytes, Any]) -> int:
+    """Sort key of a (value, metadata) pair from a range read: the order etcd recorded the values in."""
+    return item[1].mod_revision
 
 
 def _token_refused(job: str, token: str) -> Unauthenticated:

@@ -7,16 +7,17 @@ story (create a job, join nodes, heartbeat, report) while every call is authoriz
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
-from pliant.coordinator.contract import JobInfo, JobSpec, WatchEvent
+from pliant.coordinator.contract import CoordinatorError, JobInfo, JobSpec, WatchEvent
 from pliant.tls import LocalCA, Role, TlsConfig, TlsMaterial, channel_credentials
 
-__all__ = ["COORDINATOR_HOSTS", "Fleet", "admin_tls", "agent_tls", "coordinator_tls", "secure_channel"]
+__all__ = ["COORDINATOR_HOSTS", "Fleet", "Heartbeats", "admin_tls", "agent_tls", "coordinator_tls", "secure_channel"]
 
 COORDINATOR_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -118,6 +119,11 @@ class Fleet:
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self.node(node_id).leave(job_id, node_id, lease_id)
 
+    def beating(self, job_id: str, nodes: Sequence[str], every_s: float = 0.5) -> Heartbeats:
+        """Heartbeat ``nodes`` (joined through this fleet) every ``every_s`` on a thread until the returned
+        :class:`Heartbeats` is closed, as their agents would."""
+        return Heartbeats(self, job_id, nodes, every_s)
+
     def report_failure(self, job_id: str, node_id: str, generation: int, exit_code: int, message: str = "",
                        unreachable_nodes: Sequence[str] = (), arrived: bool = False) -> tuple[bool, int]:  # fmt: skip
         lease = self.leases.get((job_id, node_id), 0)
@@ -127,3 +133,45 @@ class Fleet:
     def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:
         lease = self.leases.get((job_id, node_id), 0)
         return self.node(node_id).report_success(job_id, node_id, generation, lease)
+
+
+class Heartbeats:
+    """The heartbeats of some nodes of one job, sent on a thread of their own until :meth:`close`; a node stops
+    beating when :meth:`stop` names it (it died) or when its membership is gone (it was evicted).
+
+    Threads: the caller's thread starts, stops and closes; the beat thread sends. ``_beating`` is shared, under
+    ``_lock``.
+    """
+
+    def __init__(self, fleet: Fleet, job_id: str, nodes: Sequence[str], every_s: float) -> None:
+        self._fleet, self._job, self._every_s = fleet, job_id, every_s
+        self._lock = threading.Lock()
+        self._beating = set(nodes)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeats-{job_id}", daemon=True)
+        self._thread.start()
+
+    def stop(self, *nodes: str) -> None:
+        """Stop beating for ``nodes`` (as if they died)."""
+        with self._lock:
+            self._beating.difference_update(nodes)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Heartbeats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self._every_s):
+            with self._lock:
+                nodes = sorted(self._beating)
+            for node in nodes:
+                try:
+                    self._fleet.heartbeat(self._job, node, self._fleet.leases[(self._job, node)])
+                except CoordinatorError:  # evicted: its membership is gone
+                    self.stop(node)

@@ -14,7 +14,7 @@ import pytest
 from pliant.coordinator import etcd_server
 from pliant.coordinator.contract import FailureReport, JobSpec, JobState, NotFound, Unavailable
 from pliant.coordinator.etcd_server import EtcdServer, EtcdServerError
-from pliant.coordinator.policy import BACKOFF_BASE_S, REPORT_GRACE_S
+from pliant.coordinator.policy import BACKOFF_BASE_S, REPORT_GRACE_S, corroboration_s
 from pliant.coordinator.store import EtcdStore
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
@@ -305,10 +305,11 @@ def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordi
 
 
 def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordinator, fleet) -> None:
-    """b was admitted by the current generation, arrived and trained in it; then a cut drops it. a's report says that
-    a's workers trained a step in the generation (``arrived``): b is evicted without a strike and readmitted at once,
-    however often that happens, and b's own word against a counts as an older member's would. The same report
-    without ``arrived`` (b never arrived: a failed readmission) strikes b."""
+    """b was admitted by the current generation, arrived and trained in it; then a cut drops it, and both sides
+    report it. a's report, the first, says that a's workers trained a step in the generation (``arrived``): b is
+    evicted without a strike and readmitted at once, however often that happens, and b's own word against a counts
+    as an older member's would. The same report without ``arrived`` (b never arrived: a failed readmission) strikes
+    b, on a's word alone (the world never trained with b)."""
     server = make_coordinator()
     with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
@@ -328,6 +329,7 @@ def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordi
             assert client.get_job("job", progress=True).progress["b"].strikes == 0
             report = client.report_failure("job", "a", number, 1, "gloo: connection reset", ["b"], arrived=True)
             assert report == (True, number)
+            client.report_failure("job", "b", number, 1, "gloo: connection reset", ["a"], arrived=True)
             wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted")
         # c, then b: once b's generation trained, b's word against a counts at once, as older c's would (before, it
         # waited REPORT_GRACE_S for c to say so).
@@ -335,6 +337,7 @@ def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordi
         number, _ = admitted("b", 2)
         reported = time.monotonic()
         assert client.report_failure("job", "b", number, -2, "a peer failed", ["a"], arrived=True) == (True, number)
+        client.report_failure("job", "a", number, -2, "a peer failed", ["b"], arrived=True)  # the other side of the cut
         gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 10, "a evicted")
         assert time.monotonic() - reported < REPORT_GRACE_S, "b's report waited for c's"
         assert gen.node_ids == ("c", "b") and gen.reason == "failure", gen
@@ -346,34 +349,68 @@ def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordi
         assert client.get_job("job", progress=True).progress["a"].strikes == 1  # a failed readmission
 
 
-def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(make_coordinator, fleet) -> None:
+def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(make_coordinator, fleet,
+                                                                                   caplog) -> None:  # fmt: skip
     """a reaches the control plane but none of its peers, and reports first, naming b, c and d: that evicts nobody
-    (a is the smaller side). c's report naming a evicts a. Then c and d die, and b's report names them: they never
-    report, so they are evicted REPORT_GRACE_S later, at no restart."""
+    (a is the smaller side, and nobody bears its word out yet). c's report naming a evicts a. Then c and d die, and
+    b's report names them: they never report and fall silent on their leases, so they are evicted REPORT_GRACE_S
+    later (before their TTL), at no restart."""
+    caplog.set_level(logging.INFO, logger="pliant.coordinator")
     server = make_coordinator()
     with fleet(server.address) as client:
-        client.create_job(JobSpec("job", 1, 5, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
+        client.create_job(JobSpec("job", 1, 5, heartbeat_ttl_s=8, join_grace_s=0, max_restarts=0))
         for node, port in (("a", 1), ("b", 2), ("c", 3), ("d", 4)):
             client.join("job", node, f"127.0.0.1:{port}")
-        wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4, 10, "world a,b,c,d")
-        e = client.join("job", "e", "127.0.0.1:5")  # a generation after the one that admitted the last of a..d ...
-        wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 5, 10, "world a..e")
-        client.leave("job", "e", e.lease_id)  # ... so that all four are established, whatever the join batching was
-        number = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4 and g.number, 10,
-                          "world a,b,c,d again")  # fmt: skip
-        assert client.report_failure("job", "a", number, -2, "a peer failed", ["b", "c", "d"]) == (True, number)
-        time.sleep(REPORT_GRACE_S / 2)
-        assert client.get_job("job").generation.number == number  # nobody evicted, no restart: waiting
-        assert client.report_failure("job", "c", number, -2, "a peer failed", ["a"]) == (True, number)
-        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 10, "next")
-        assert (gen.node_ids, gen.reason, gen.restarts_used) == (("b", "c", "d"), "failure", 0)
+        with client.beating("job", ["a", "b", "c", "d"]) as beats:
+            wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4, 10, "world a,b,c,d")
+            e = client.join("job", "e", "127.0.0.1:5")  # a generation after the one that admitted the last of a..d
+            wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 5, 10, "world a..e")
+            client.leave("job", "e", e.lease_id)  # ... so that all four are established, whatever the batching was
+            number = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4 and g.number,
+                              10, "world a,b,c,d again")  # fmt: skip
+            assert client.report_failure("job", "a", number, -2, "a peer failed", ["b", "c", "d"]) == (True, number)
+            time.sleep(REPORT_GRACE_S / 2)
+            assert client.get_job("job").generation.number == number  # nobody evicted, no restart: waiting
+            assert client.report_failure("job", "c", number, -2, "a peer failed", ["a"]) == (True, number)
+            gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 10, "next")
+            assert (gen.node_ids, gen.reason, gen.restarts_used) == (("b", "c", "d"), "failure", 0)
 
-        reported = time.monotonic()  # c and d die: b names them, and they never answer
-        assert client.report_failure("job", "b", gen.number, -2, "a peer failed", ["c", "d"]) == (True, gen.number)
-        last = wait_for(lambda: (g := client.get_job("job").generation) and g.number > gen.number and g, 10, "last")
-        assert (last.node_ids, last.reason, last.restarts_used) == (("b",), "failure", 0)
-        assert time.monotonic() - reported >= REPORT_GRACE_S - 0.5
-        assert client.get_job("job").status.state is JobState.RUNNING
+            beats.stop("c", "d")  # c and d die: b names them, and they never answer
+            reported = time.monotonic()
+            assert client.report_failure("job", "b", gen.number, -2, "a peer failed", ["c", "d"]) == (True, gen.number)
+            last = wait_for(lambda: (g := client.get_job("job").generation) and g.number > gen.number and g, 15,
+                            "last")  # fmt: skip
+            assert (last.node_ids, last.reason, last.restarts_used) == (("b",), "failure", 0)
+            assert time.monotonic() - reported >= REPORT_GRACE_S - 0.5
+            assert "evicted c, d: named unreachable by b, silent on their leases too" in caplog.text
+            assert client.get_job("job").status.state is JobState.RUNNING
+
+
+def test_one_members_word_never_evicts_a_healthy_peer(make_coordinator, fleet) -> None:
+    """a names b unreachable (after the world trained: b is no newcomer), again and again, while b heartbeats and
+    trains: b is never evicted. Each of a's reports
+    waits for b to fall silent, then restarts the world charged to a, and past max_restarts a is excluded while b
+    trains on. (Two members naming a third, or both sides of a cut, do evict: the tests above.)"""
+    server = make_coordinator()
+    with fleet(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=4, join_grace_s=0, max_restarts=1))
+        client.join("job", "a", "127.0.0.1:1")
+        client.join("job", "b", "127.0.0.1:2")
+        with client.beating("job", ["a", "b"]):
+            number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g.number,
+                              10, "world a,b")  # fmt: skip
+            for restarts in (1, 2):
+                reported = time.monotonic()
+                lie = client.report_failure("job", "a", number, 1, "gloo: connection reset", ["b"], arrived=True)
+                assert lie == (True, number)
+                gen = wait_for(lambda n=number: (g := client.get_job("job").generation) and g.number > n and g, 15,
+                               "next")  # fmt: skip
+                assert time.monotonic() - reported >= corroboration_s(4) - 0.5  # it waited for b's silence
+                assert "b" in gen.node_ids, gen
+                number = gen.number
+                assert (gen.reason, gen.restarts_used) == ("restart", restarts), gen
+            assert gen.node_ids == ("b",) and gen.reason == "restart", gen  # a excluded (max_restarts=1); b trains on
+            assert client.get_job("job").status.state is JobState.RUNNING
 
 
 def test_two_reports_at_once_evict_a_newcomer_once_and_strike_it_once(make_coordinator, fleet, etcd,

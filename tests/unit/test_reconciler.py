@@ -14,7 +14,7 @@ from pliant.coordinator.contract import (
     NewGeneration,
 )
 from pliant.coordinator.planner import plan
-from pliant.coordinator.policy import REPORT_GRACE_S, LeaderClock, overdue_members
+from pliant.coordinator.policy import REPORT_GRACE_S, SILENCE_POLL_S, LeaderClock, overdue_members
 from pliant.coordinator.reconciler import Reconciler
 from tests.unit.fake_store import FakeStore
 
@@ -180,14 +180,17 @@ def test_etcd_down_ends_the_pass_without_writing() -> None:
 
 
 def test_a_report_from_the_smaller_side_evicts_the_silent_named_nodes_after_the_grace() -> None:
-    """a's agent names b and c unreachable (it is the smaller side: nothing at once). b and c never report (dead):
-    the leader waits REPORT_GRACE_S, evicts them, and a trains on alone, with no restart spent."""
+    """a's agent names b and c unreachable (it is the smaller side: nothing at once). b and c never report and their
+    leases say they are silent (dead): the leader waits REPORT_GRACE_S, evicts them, and a trains on alone, with no
+    restart spent."""
     store, clock, rec = _setup(_spec())
     for node in ("a", "b", "c"):
         store.join("job", node)
     rec.pass_once(store.fence)
     world = store.jobs["job"].generation
     assert world is not None and world.node_ids == ("a", "b", "c")
+    clock.now += 6.0  # the leader heard every heartbeat for more than half a TTL ...
+    store.ages[("job", "b")] = store.ages[("job", "c")] = 6.0  # ... and none from b and c for that long
     store.jobs["job"].failures.append(FailureReport("a", world.number, WAIT_EXIT_CODE, "a peer failed", clock.now,
                                                     ("b", "c")))  # fmt: skip
     assert rec.reconcile("job", store.fence) == clock.now + REPORT_GRACE_S  # waiting for their reports
@@ -196,6 +199,30 @@ def test_a_report_from_the_smaller_side_evicts_the_silent_named_nodes_after_the_
     rec.pass_once(store.fence)
     rec.pass_once(store.fence)
     assert store.evicted == [("job", ("b", "c"))]
+    last = store.jobs["job"].generation
+    assert last is not None and (last.node_ids, last.reason, last.restarts_used) == (("a",), "failure", 0)
+
+
+def test_a_named_node_is_evicted_once_its_lease_falls_silent_and_never_on_the_word_alone() -> None:
+    """a names b, which still heartbeats: nobody is evicted, and the leader looks at b's lease every SILENCE_POLL_S.
+    Once b misses two heartbeats (it died after all), b is evicted at no restart. Had b kept beating, a's report
+    would have become a restart charged to a."""
+    store, clock, rec = _setup(_spec())
+    for node in ("a", "b"):
+        store.join("job", node)
+    rec.pass_once(store.fence)
+    world = store.jobs["job"].generation
+    assert world is not None and world.node_ids == ("a", "b")
+    clock.now += 6.0
+    store.jobs["job"].failures.append(FailureReport("a", world.number, 1, "gloo: connection reset", clock.now,
+                                                    ("b",)))  # fmt: skip
+    assert rec.reconcile("job", store.fence) == clock.now + SILENCE_POLL_S
+    assert store.evicted == []
+    clock.now += SILENCE_POLL_S
+    store.ages[("job", "b")] = 6.0
+    rec.pass_once(store.fence)
+    rec.pass_once(store.fence)
+    assert store.evicted == [("job", ("b",))]
     last = store.jobs["job"].generation
     assert last is not None and (last.node_ids, last.reason, last.restarts_used) == (("a",), "failure", 0)
 

@@ -27,17 +27,21 @@ from pliant.coordinator.policy import (
     BACKOFF_BASE_S,
     BACKOFF_MAX_S,
     REPORT_GRACE_S,
+    SILENCE_POLL_S,
     LeaderClock,
     backoff_s,
-    deferred_evictions,
+    corroboration_s,
     evictions,
     held_back,
+    reported_evictions,
     side,
+    silent_members,
     struck,
 )
 
 T0 = 1_000.0
 SPEC = JobSpec("job", min_nodes=1, max_nodes=3, nproc_per_node=1, join_grace_s=0.0)
+TTL = SPEC.heartbeat_ttl_s
 
 
 def gen(number: int, since: dict[str, int]) -> Generation:
@@ -71,22 +75,72 @@ def test_a_side_counts_processes_and_those_of_older_members() -> None:
 
 
 def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -> None:
-    """a, cut off from b and c, names both: nothing at once. If b and c are dead they never report, and they are
-    evicted REPORT_GRACE_S after a's report; if either reports, it is alive, and its own report decides."""
-    g, live = gen(3, {"a": 1, "b": 1, "c": 1}), ["a", "b", "c"]
+    """a, cut off from b and c, names both: nothing at once. If b and c are dead they never report and fall silent,
+    and they are evicted REPORT_GRACE_S after a's report; if either reports, it is alive, and its own report decides."""
+    g, live, dead = gen(3, {"a": 1, "b": 1, "c": 1}), ["a", "b", "c"], {"b", "c"}
+
+    def deferred(reports: list[FailureReport], live: list[str], now: float, silent: set[str] = dead) -> object:
+        reported = reported_evictions(g, reports, live, silent, TTL, now)
+        return reported.nodes, reported.pending
+
     lone = FailureReport("a", 3, WAIT_EXIT_CODE, reported_at=T0, unreachable=("b", "c"))
-    assert deferred_evictions(g, [lone], live, T0 + 1) == ((), T0 + REPORT_GRACE_S)
-    assert deferred_evictions(g, [lone], live, T0 + REPORT_GRACE_S) == (("b", "c"), None)
+    assert deferred([lone], live, T0 + 1) == ((), T0 + REPORT_GRACE_S)
+    assert deferred([lone], live, T0 + REPORT_GRACE_S) == (("b", "c"), None)
     answer = FailureReport("b", 3, WAIT_EXIT_CODE, reported_at=T0 + 0.1, unreachable=("a",))
-    assert deferred_evictions(g, [lone, answer], live, T0 + 9) == ((), None)
-    assert deferred_evictions(g, [lone], ["b", "c"], T0 + 9) == ((), None)  # a itself was evicted meanwhile
-    assert deferred_evictions(g, [lone], ["a", "c"], T0 + 9) == (("c",), None)  # b went with its lease
-    assert deferred_evictions(gen(4, {"a": 1, "b": 1, "c": 1}), [lone], live, T0 + 9) == ((), None)  # stale
+    assert deferred([lone, answer], live, T0 + 9) == (("a",), None)  # b's own report decides: a goes (2 against 1)
+    assert deferred([lone], ["b", "c"], T0 + 9) == ((), None)  # a itself was evicted meanwhile
+    assert deferred([lone], ["a", "c"], T0 + 9) == (("c",), None)  # b went with its lease
+    stale = reported_evictions(gen(4, {"a": 1, "b": 1, "c": 1}), [lone], live, dead, TTL, T0 + 9)
+    assert (stale.nodes, stale.pending) == ((), None)
     snap = dataclasses.replace(_snap([Member("a", "a:1"), Member("b", "b:1"), Member("c", "c:1")], g, []),
-                               failures=(lone,))  # fmt: skip
+                               failures=(lone,), silent=frozenset(dead))  # fmt: skip
     waiting = plan(snap, T0 + 1)  # the planner waits for it, and restarts nothing meanwhile
     assert isinstance(waiting, WaitUntil) and waiting.deadline == T0 + REPORT_GRACE_S, waiting
     assert "smaller side of a cut" in waiting.why and "b, c named unreachable" in waiting.why
+
+
+def test_one_members_word_alone_evicts_no_healthy_peer() -> None:
+    """a names b, an established member that still heartbeats and names nobody: b stays. a's report waits for b to
+    fall silent (a dead b would have) and is then a failure like any other, charged to a."""
+    g = gen(6, {"a": 1, "b": 2})
+    lie = FailureReport("a", 6, 1, "gloo: connection reset", reported_at=T0, unreachable=("b",))
+    assert evictions(g, "a", ["b"], ["a", "b"]) == ("b",)  # the sides alone would allow it ...
+    now = reported_evictions(g, [lie], ["a", "b"], (), TTL)  # ... as the report is recorded: nothing
+    assert (now.nodes, now.doubted) == ((), ("b",))
+    soon = reported_evictions(g, [lie], ["a", "b"], (), TTL, T0 + 1)
+    assert soon.nodes == () and soon.pending == T0 + 1 + SILENCE_POLL_S  # the leader looks at b's lease again
+    assert reported_evictions(g, [lie], ["a", "b"], {"b"}, TTL, T0 + 2).nodes == ("b",)  # b fell silent: it died
+    late = reported_evictions(g, [lie], ["a", "b"], (), TTL, T0 + corroboration_s(TTL))
+    assert (late.nodes, late.pending, late.doubted) == ((), None, ())
+    a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2)
+    snap = dataclasses.replace(_snap([a, b], g, []), failures=(lie,))
+    waiting = plan(snap, T0 + 1)
+    assert isinstance(waiting, WaitUntil) and "b not silent yet" in waiting.why
+    restart = plan(snap, T0 + corroboration_s(TTL))
+    assert isinstance(restart, NewGeneration) and restart.generation.node_ids == ("a", "b")
+    assert restart.generation.reason == "restart" and dict(restart.generation.charged) == {"a": 1}
+
+
+def test_the_other_side_or_another_member_corroborates_and_the_first_report_decides() -> None:
+    """Both sides of a cut report each other: the second report corroborates the first, and the first evicts the
+    other side (equal sides). A second member naming the same node corroborates too; a newcomer that never arrived,
+    named by an older member, needs nobody's word but that member's."""
+    g = gen(6, {"a": 1, "b": 2})
+    first = FailureReport("b", 6, 1, reported_at=T0, unreachable=("a",))
+    second = FailureReport("a", 6, 1, reported_at=T0 + 0.3, unreachable=("b",))
+    assert reported_evictions(g, [first], ["a", "b"], (), TTL).nodes == ()
+    both = reported_evictions(g, [first, second], ["a", "b"], (), TTL)
+    assert both.nodes == ("a",) and [r.node_id for r, _nodes in both.evicted] == ["b"]
+    three = gen(6, {"a": 1, "b": 2, "c": 3})
+    named = [FailureReport("a", 6, 1, unreachable=("c",)), FailureReport("b", 6, 1, unreachable=("c",))]
+    assert reported_evictions(three, named[:1], ["a", "b", "c"], (), TTL).nodes == ()
+    assert reported_evictions(three, named, ["a", "b", "c"], (), TTL).nodes == ("c",)
+    readmitted = gen(7, {"a": 1, "b": 7})
+    never = FailureReport("a", 7, -1, "b never arrived", unreachable=("b",))
+    assert reported_evictions(readmitted, [never], ["a", "b"], (), TTL).nodes == ("b",)
+    arrived = dataclasses.replace(never, arrived=True)  # b trained in the world: an established member now
+    assert reported_evictions(readmitted, [arrived], ["a", "b"], (), TTL).nodes == ()
+    assert silent_members({"a": 1.0, "b": 3.0, "c": -1.0}, TTL) == {"b"}  # two heartbeats missed (TTL 5)
 
 
 def test_only_a_failed_readmission_earns_a_strike() -> None:
