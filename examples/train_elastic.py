@@ -96,8 +96,9 @@ def main() -> None:
         stop_early()
     if ckpt is not None:
         ckpt.wait()
-    live = engine.module  # pliant: the live model (an fsdp engine builds it again when the world changes in place)
-    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in live.state_dict().items()}
+    # The model is the module built above, whatever the engine and however often the world changed (fsdp's
+    # parameters are DTensors: full_tensor() gathers one).
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if session.rank == 0 and args.out:
         with open(args.out, "w") as out:
             json.dump({"loss": loss, "world": session.world_size, "steps": args.steps}, out)

@@ -11,20 +11,22 @@ Limits of the shadow pass: the model's forward must issue the same FSDP collecti
 data-dependent choice of sub-modules, e.g. token-routed experts); modules with running statistics (BatchNorm) see the
 shadow sample in training mode; a loss that is NaN/inf on the shadow sample poisons the step (0 * inf = NaN).
 
-**In place** (under the rescale protocol): ``fully_shard`` cannot move a sharded module to another mesh, so the engine
-keeps a *skeleton* of the model (a deep copy whose tensors are on the meta device: no memory) taken before sharding.
-At a step boundary every rank gathers the full model and optimizer state (``get_model_state_dict`` /
+**In place** (under the rescale protocol): ``fully_shard`` cannot move a sharded module to another mesh, so at a step
+boundary every rank gathers the full model and optimizer state (``get_model_state_dict`` /
 ``get_optimizer_state_dict`` with ``full_state_dict``: torch's own all-gathers) while the old world is whole; then it
-builds the model again from the skeleton, shards it over the new world, and the source rank's full state is
-broadcast to every rank (newcomers included) and loaded with ``set_model_state_dict`` / ``set_optimizer_state_dict``,
-which cut each rank's shard. The model the script passed in stays sharded over the old world: after a rescale the
-live model is ``engine.module`` (the loss function is always given the live one).
+takes FSDP2 back off the script's own module objects (:func:`pliant.worker.fsdp_release.release`) and shards the same
+objects over the new world, and the source rank's full state is broadcast to every rank (newcomers included) and
+loaded with ``set_model_state_dict`` / ``set_optimizer_state_dict``, which cut each rank's shard. The module the
+script passed in therefore stays the model through every re-form: ``model.state_dict()``, ``model.parameters()``,
+``model(x)``, its sub-modules and the hooks the script registered on them all see the live, re-sharded model
+(``engine.module`` is the same object). Parameter objects are new at every re-form: the engine's optimizer is built
+again over them; a parameter or an optimizer the script took before a rescale is not the model's afterwards.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
+import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -51,8 +53,11 @@ from pliant.worker.engines import (
     to_device,
     weighted_backward,
 )
+from pliant.worker.fsdp_release import release, unsupported
 
 __all__ = ["FSDPEngine", "FSDPJoinable"]
+
+logger = logging.getLogger(__name__)
 
 
 class _ShadowHook(JoinHook):
@@ -135,9 +140,11 @@ class FSDPEngine(Engine):
         self.device, self.group = device, group
         self._shard = shard
         self._optimizer_args = (optimizer_class, optimizer_kwargs)
-        self._skeleton = _skeleton(model)
         self._full: tuple[dict[str, Any], dict[str, Any]] | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
+        why = unsupported()
+        if why:
+            self.in_place = False
+            logger.warning("%s", why)
         self._build(model.to(device))
 
     def _build(self, model: torch.nn.Module) -> None:
@@ -165,8 +172,12 @@ class FSDPEngine(Engine):
     MEMORY_SHARE = 0.8  # the full model and optimizer state must fit in this share of the free host memory
 
     def can_move(self) -> bool:
-        """The full model and optimizer state must fit in free host memory on every rank."""
+        """The full model and optimizer state must fit in free host memory on every rank (and this torch's FSDP2 must
+        be one the engine can release: :func:`pliant.worker.fsdp_release.unsupported`)."""
         import psutil
+
+        if not self.in_place:
+            return False
 
         local = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         per_param = len(local) / max(1, len(self.optimizer.state))
@@ -178,17 +189,12 @@ class FSDPEngine(Engine):
         options = StateDictOptions(full_state_dict=True)
         self._full = (get_model_state_dict(self.model, options=options),
                       get_optimizer_state_dict(self.model, self.optimizer, options=options))  # fmt: skip
-        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}  # not in state dicts
 
     def rewrap(self) -> None:
-        """The model again from the skeleton, sharded over the new world; its values come in :meth:`sync_state`."""
-        module = copy.deepcopy(self._skeleton).to_empty(device=self.device)
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                if name in self._buffers:
-                    buffer.copy_(self._buffers[name])
-        self._buffers = {}
-        self._build(module)
+        """The script's module, released from the old world's mesh and sharded over the new one (the same objects; its
+        buffers kept); its parameters' values come in :meth:`sync_state`."""
+        release(self.model, self.device)
+        self._build(self.model)
         self.rebind_scheduler()
 
     def sync_state(self, src: int) -> int:
@@ -287,16 +293,6 @@ class FSDPEngine(Engine):
         self.fsdp.set_requires_gradient_sync(True)
         self.shadowed = len(micros) < joinable.iterations
         return loss_sum(losses)
-
-
-def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no memory; sharing kept)."""
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) \
-            else meta  # fmt: skip
-    return copy.deepcopy(model, memo)
 
 
 def _empty(value: Any, device: torch.device) -> Any:

@@ -1,5 +1,6 @@
 """FSDP2 re-formed in place where survivors change rank (a node before them left): each rank must load the rows its
-new rank owns. Real gloo processes (tests/integration/fsdp_reform_job.py)."""
+new rank owns, and the module the script built stays the model. Real gloo processes
+(tests/integration/fsdp_reform_job.py)."""
 
 from __future__ import annotations
 
@@ -32,4 +33,9 @@ def test_a_renumbered_fsdp_rank_loads_the_rows_of_its_new_rank(perm: str, output
         assert process["coordinates"] == [[process["rank"]]], process["coordinates"]
         assert process["rows_ok"], f"rank {process['rank']} holds rows that are not its own"
         assert process["after"] == process["before"], f"rank {process['rank']}'s state changed in the move"
-    print(f"{perm} ({outputs} outputs): every renumbered rank holds its own rows; full state unchanged by the move")
+        live = ("same_object", "state_dict", "forward", "hook", "trained", "hooks_once")
+        assert process["live"] == dict.fromkeys(live, True), (
+            f"rank {process['rank']}: the script's module is not the live model: {process['live']}"
+        )
+    print(f"{perm} ({outputs} outputs): every renumbered rank holds its own rows; full state unchanged by the move; "
+          f"the script's module is the live model")
