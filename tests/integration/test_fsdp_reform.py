@@ -15,8 +15,9 @@ JOB = Path(__file__).with_name("fsdp_reform_job.py")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("perm", "outputs"), [("1,2,0", 1), ("1,0", 2)],
-                         ids=["world-3-uneven-rows", "world-2-even-rows"])
+@pytest.mark.parametrize(
+    ("perm", "outputs"), [("1,2,0", 1), ("1,0", 2)], ids=["world-3-uneven-rows", "world-2-even-rows"]
+)
 def test_a_renumbered_fsdp_rank_loads_the_rows_of_its_new_rank(perm: str, outputs: int, tmp_path: Path) -> None:
     """Torch's DTensor caches key a device mesh by its ranks and names, not by this process's place in it: a world of
     the same size as an earlier one, with this process at another rank, must not reuse the earlier mesh (whose
@@ -37,5 +38,7 @@ def test_a_renumbered_fsdp_rank_loads_the_rows_of_its_new_rank(perm: str, output
         assert process["live"] == dict.fromkeys(live, True), (
             f"rank {process['rank']}: the script's module is not the live model: {process['live']}"
         )
-    print(f"{perm} ({outputs} outputs): every renumbered rank holds its own rows; full state unchanged by the move; "
-          f"the script's module is the live model")
+    print(
+        f"{perm} ({outputs} outputs): every renumbered rank holds its own rows; full state unchanged by the move; "
+        f"the script's module is the live model"
+    )
