@@ -29,7 +29,7 @@ from typing import IO
 from pliant.agent.contract import AgentError, GroupResult
 from pliant.agent.storehost import StoreHost
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
-from pliant.progress import Directive, in_place_ready, read_directive, read_record, write_directive
+from pliant.progress import Directive, in_place_ready, read_directive, read_record, takes_signal, write_directive
 from pliant.spawn import alive as process_alive
 from pliant.spawn import die_with_parent
 
@@ -325,12 +325,15 @@ class WorkerGroup:
                     os.kill(worker.proc.pid, STACKS_SIGNAL)
         time.sleep(1.0)  # the dumps go through the output pumps into the log
 
-    def direct(self, mode: str, generation: int, envs: Mapping[int, WorkerEnv] | None = None) -> None:
+    def direct(self, mode: str, generation: int, envs: Mapping[int, WorkerEnv] | None = None) -> int:
         """Write each live worker's directive (its env in ``envs`` by local rank, for ``in-place``), then send it
-        the rescale signal."""
+        the rescale signal; only to workers that announced they handle it (:func:`pliant.progress.takes_signal`: a
+        script without pliant.worker would die of it). Returns how many were directed."""
+        directed = 0
         for worker in self.workers:
-            if worker.proc.poll() is not None:
+            if worker.proc.poll() is not None or not takes_signal(worker.env.progress_file):
                 continue
+            directed += 1
             env = envs.get(worker.env.local_rank) if envs is not None else None
             with contextlib.suppress(OSError):
                 write_directive(worker.env.progress_file, Directive(generation, mode, env.to_env() if env else {}))
@@ -338,6 +341,7 @@ class WorkerGroup:
                 worker.env = env
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.proc.pid, RESCALE_SIGNAL)
+        return directed
 
     def reconfigure(self, generation: int, envs: Sequence[WorkerEnv]) -> tuple[int, int]:
         """Hand the group ``generation`` in place: live workers get directives with their new env (keeping their
@@ -398,13 +402,14 @@ class WorkerGroup:
     def stop(self, grace_s: float, rescale_grace_s: float = 0.0, leave: bool = False) -> GroupResult:
         """Stop the workers and reap them all.
 
-        With ``rescale_grace_s``: first ask them to checkpoint and exit (a ``restart`` directive and the rescale
-        signal; ``leave``: a ``leave`` directive, to hand over and exit while the others re-form in place) and wait
-        that long. Then SIGTERM every worker's process group, and SIGKILL what is left after ``grace_s``.
+        With ``rescale_grace_s`` (a rescale): first ask the workers that run the rescale protocol to checkpoint and
+        exit (a ``restart`` directive and the rescale signal; ``leave``: a ``leave`` directive, to hand over and exit
+        while the others re-form in place) and wait up to that long. Then SIGTERM every worker's process group (what
+        torchrun does, so a script's own SIGTERM handler runs: save on preemption), and SIGKILL what is left after
+        ``grace_s``.
         """
         self._stopped = True
-        if rescale_grace_s > 0 and any(w.proc.poll() is None for w in self.workers):
-            self.direct("leave" if leave else "restart", self.generation + 1)
+        if rescale_grace_s > 0 and self.direct("leave" if leave else "restart", self.generation + 1):
             deadline = time.monotonic() + rescale_grace_s
             while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
                 time.sleep(0.02)
@@ -430,5 +435,23 @@ class WorkerGroup:
                 logger.error("worker pid %d did not die after SIGKILL", worker.proc.pid)
             worker.pump.join(2)
         codes = {w.env.local_rank: w.proc.returncode for w in self.workers}
-        logger.info("generation %d: workers stopped (exit codes %s)", self.generation, codes)
+        why = " for the rescale" if rescale_grace_s > 0 else ""
+        logger.info("generation %d: workers stopped%s (%s)", self.generation, why, _stopped_codes(codes))
         return GroupResult(self.generation, codes, stopped=True)
+
+
+def _stopped_codes(codes: Mapping[int, int | None]) -> str:
+    """How stopped workers ended, by local rank, in words: ``exited 0``, ``by SIGTERM``, ``by SIGKILL``."""
+    words = []
+    for rank, code in sorted(codes.items()):
+        if code is None:
+            how = "still running"
+        elif code < 0:
+            try:
+                how = f"by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"by signal {-code}"
+        else:
+            how = f"exited {code}"
+        words.append(f"local rank {rank} {how}")
+    return ", ".join(words) or "none running"

@@ -3,7 +3,9 @@
 
 It trains a small MLP on synthetic data with env:// initialisation (RANK, WORLD_SIZE, MASTER_ADDR, ...). Like most
 torchrun scripts it keeps its own small checkpoint (rank 0 saves after every step) so that a restarted world resumes
-where it stopped. With ``--events FILE`` each rank appends one JSON line per step (used by tests and benchmarks).
+where it stopped, and it ends cleanly on SIGTERM (how torchrun, and pliant for a script like this one, stop workers for
+a rescale or a preemption). With ``--events FILE`` each rank appends one JSON line per step (used by tests and
+benchmarks).
 
     pliant run --nnodes 1:2 --nproc-per-node 2 examples/train_ddp.py --steps 200
     torchrun --nproc-per-node 2 examples/train_ddp.py --steps 200
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 
 import torch
@@ -47,6 +51,14 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
     print(f"rank {rank}/{world} (restart {restart}) starting at step {start}", flush=True)
+    step = start
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        """Stopped (a rescale, a preemption): rank 0's checkpoint already holds the last completed step."""
+        print(f"rank {rank}: SIGTERM at step {step}: stopping", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
     events = open(args.events, "a") if args.events else None  # noqa: SIM115
     for step in range(start, args.steps):

@@ -28,8 +28,9 @@ __all__ = [
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
 # coming, after writing each worker's directive (pliant.progress). pliant.worker agrees on a step boundary across
 # ranks and either re-forms in place or, on the restart path, checkpoints and exits with RESCALE_EXIT_CODE, which the
-# agent does not count as a failure (see pliant.worker.rescale). Scripts that do not use pliant.worker die on the
-# signal, as if stopped.
+# agent does not count as a failure (see pliant.worker.rescale). The signal goes only to workers that announced they
+# handle it (pliant.progress); scripts that do not use pliant.worker are stopped as torchrun stops them: SIGTERM, then
+# SIGKILL after the stop grace.
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
 RESCALE_MODES = ("in-place", "restart")

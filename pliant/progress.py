@@ -16,8 +16,9 @@ same step is a new one), ``done`` (the session closed).
 in-place rescale, :mod:`pliant.worker.rescale`): a JSON object ``{"generation": N, "mode": M, "env": {...}}`` written
 through a temporary file and a rename, then the rescale signal. Modes: ``in-place`` (re-form in generation N with
 ``env``, the worker's new :class:`pliant.env.WorkerEnv` variables), ``leave`` (hand over and exit: this node is not in
-generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it can take directives
-by creating ``<progress file>.inplace``.
+generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it handles the rescale
+signal by creating ``<progress file>.signal`` (a worker that did not is stopped as torchrun stops one: SIGTERM, then
+SIGKILL after the stop grace), and that it can take in-place directives by creating ``<progress file>.inplace``.
 
 The checkpoint directory's fence file, which an agent also reads, is :mod:`pliant.fence`'s.
 """
@@ -38,10 +39,12 @@ __all__ = [
     "Directive",
     "ProgressFile",
     "announce_in_place",
+    "announce_signal",
     "in_place_ready",
     "read_directive",
     "read_progress",
     "read_record",
+    "takes_signal",
     "write_directive",
 ]
 
@@ -134,6 +137,18 @@ def announce_in_place(progress_file: str) -> None:
     if progress_file:
         with contextlib.suppress(OSError):
             Path(progress_file + ".inplace").touch()
+
+
+def announce_signal(progress_file: str) -> None:
+    """The worker's side: say that it handles the rescale signal (its session runs the rescale protocol)."""
+    if progress_file:
+        with contextlib.suppress(OSError):
+            Path(progress_file + ".signal").touch()
+
+
+def takes_signal(progress_file: str) -> bool:
+    """The agent's side: True once the worker announced that it handles the rescale signal."""
+    return bool(progress_file) and os.path.exists(progress_file + ".signal")
 
 
 def in_place_ready(progress_file: str) -> bool:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
-from pliant.progress import Directive, announce_in_place, read_directive
+from pliant.progress import Directive, announce_in_place, announce_signal, read_directive
 from pliant.worker.buddy import BuddyCopies, choose_rollback, decode, encode
 from pliant.worker.cadence import Cadence
 from pliant.worker.contract import Engine, GlobalBatch, LossFn, Staged, WorkerError
@@ -140,6 +140,7 @@ class Protocol:
             # Python puts the default action (death) back as it exits: a script past its last step would die of a
             # signal its agent sent, and count as failed. Ignored from the start of the interpreter's exit.
             atexit.register(signal.signal, RESCALE_SIGNAL, signal.SIG_IGN)
+            announce_signal(session.env.progress_file)  # the agent asks this worker to rescale with the signal
         if in_place:  # the agent may now hand this worker its next generation (an engine that cannot move in place
             announce_in_place(session.env.progress_file)  # makes the boundary take the restart path instead)
 

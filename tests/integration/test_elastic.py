@@ -37,6 +37,11 @@ def test_second_node_joins_then_a_worker_is_killed(make_coordinator, spawn_agent
     with fleet(server.address) as client:
         gen = client.get_job("job").generation
         assert (gen.number, gen.reason, gen.node_ids, gen.world_size) == (2, "join", ("node-a", "node-b"), 4)
+        # node a's workers (a script without pliant.worker) were stopped as torchrun stops them: SIGTERM, which their
+        # own handler saw; never the rescale signal, which would have killed them (exit -10)
+        wait_for(lambda: a.output().count("SIGTERM at step") == 2, 10, "the script's SIGTERM handler on node a")
+        assert "generation 1: workers stopped for the rescale (local rank 0 exited 0" in a.output()
+        assert "SIGUSR1" not in a.output()
 
         # kill -9 one worker of node b: the generation restarts at the same size and spends one restart.
         victim = max((s for s in read_steps(events) if s.restart == 1), key=lambda s: s.rank)
