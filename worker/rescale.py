@@ -133,6 +133,7 @@ class Protocol:
         self.copies = BuddyCopies(session.tracked, session.metrics, session.env.kept_dir)  # (worker.buddy, kept)
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
+        self.exited = ""  # why a RescaleExit ended this rank (leave, restart); a later step is the script's error
         nccl, fds = session.backend == "nccl", lambda: session.group_fds  # a step that a dead or cut-off peer blocks
         self.guard = Guard(session.env.progress_file, nccl, fds) if in_place else NoGuard()  # is broken: worker.guard
         if threading.current_thread() is threading.main_thread():
@@ -146,6 +147,12 @@ class Protocol:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.asked = True
+
+    def _exit(self, why: str) -> RescaleExit:
+        """The exception that ends this rank's part in the job (``leave``, ``restart``); remembered, so that a script
+        that swallows it and steps again gets a clear error instead of a rank that trains outside any world."""
+        self.exited = why
+        return RescaleExit(why)
 
     @property
     def engines(self) -> list[Engine]:
@@ -210,7 +217,18 @@ class Protocol:
     # -- every step ----------------------------------------------------------------------------------------------------
 
     def step(self, engine: Engine, batch: GlobalBatch, loss_fn: LossFn) -> float:
-        """One engine step under the protocol (see the module docstring)."""
+        """One engine step under the protocol (see the module docstring).
+
+        Raises:
+            RescaleExit: this rank leaves, or takes the restart path.
+            RescaleError: the script caught an earlier :class:`RescaleExit` and stepped again.
+        """
+        if self.exited:
+            raise RescaleError(
+                f"engine.step was called after RescaleExit ({self.exited!r}) ended this rank's part in the job: the "
+                f"script caught it (an `except SystemExit`, `except BaseException` or bare `except:` around the "
+                f"loop); let RescaleExit propagate, so that the process exits and the next generation forms"
+            )
         self.cadence.tick(batch.step, time.perf_counter(), time.process_time())
         self.sync_pending()
         if self.failed_between:  # a collective between steps failed: re-form before this step, as if it broke
@@ -343,7 +361,7 @@ class Protocol:
                 for manager in self.managers:
                     stall = manager.save(batch.step, sync=True)
                     logger.info("rescale (restart path): step %d checkpointed in %.2fs", batch.step, stall)
-                raise RescaleExit("restart")
+                raise self._exit("restart")
             for manager in self.managers:
                 manager.wait()  # its group is about to be retired
             for part in self.engines:
@@ -365,7 +383,7 @@ class Protocol:
             # re-form: a fresh worker takes this rank's place and gets its state from them.
             logger.info("rank %d exits at step %d (%s, generation %d)", env.rank, batch.step, directive.mode,
                         directive.generation)  # fmt: skip
-            raise RescaleExit(directive.mode)
+            raise self._exit(directive.mode)
         self._reform(directive, "boundary")
         self._refetch(batch)
         return True
@@ -379,7 +397,7 @@ class Protocol:
         sever(self.session.group_fds)  # wakes the peers still blocked in a collective with this rank
         directive = self._await_directive()
         if directive.mode != "in-place":
-            raise RescaleExit(directive.mode)
+            raise self._exit(directive.mode)
         for loader in self.loaders:
             loader.rewind(batch)
         committed = self.steps_done
@@ -508,7 +526,7 @@ class Protocol:
                            env.rank, env.generation, directive.generation)  # fmt: skip
             retire_groups()
             if directive.mode != "in-place":
-                raise RescaleExit(directive.mode)
+                raise self._exit(directive.mode)
             os.environ.update(directive.env)
             self.session.env = WorkerEnv.from_env({**os.environ, **directive.env})
             if not survivor:  # the survivors' agents wait for the newcomers to count themselves in this one too
