@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from pliant.agent.contract import AgentError, GroupResult
+from pliant.agent.hints import Hints
 from pliant.agent.storehost import StoreHost
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
 from pliant.progress import Directive, in_place_ready, read_directive, read_record, takes_signal, write_directive
@@ -38,6 +39,7 @@ __all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_
 logger = logging.getLogger(__name__)
 
 _console_lock = threading.Lock()
+_hints = Hints()  # the hints this agent said about its workers' output (each once)
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's switch (c10's CPU allocator): madvise(MADV_HUGEPAGE) on >= 2 MB
 
 
@@ -240,6 +242,9 @@ class _Worker:
             with _console_lock:
                 out.write(prefix + line)
                 out.flush()
+            hint = _hints.first(line)
+            if hint is not None:
+                logger.warning("rank %d: %s", self.env.rank, hint)
         self.proc.stdout.close()
         if self.log is not None:
             self.log.close()

@@ -1,0 +1,79 @@
+"""A PyTorch Lightning script made elastic with one line: ``strategy=pliant.lightning.DDP()`` (the rest is an ordinary
+Lightning script, with a fixed ``num_nodes``). Nodes may join, leave or die: the world follows pliant's generations,
+a rescale saves a Lightning checkpoint at a step boundary and the next world resumes from it.
+
+    pliant run --nnodes 1:4 --nproc-per-node 1 --checkpoint-dir /shared/ckpt examples/train_lightning_elastic.py
+
+With ``--events FILE`` each rank appends one JSON line per trained step (used by the tests); ``--out FILE``: rank 0
+writes the final ``global_step`` and parameters' checksum there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import pliant.lightning
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Events(L.Callback):
+    """One JSON line per rank and trained step: its global step, the world and this process."""
+
+    def __init__(self, path: str, step_time: float) -> None:
+        self.path, self.step_time = path, step_time
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
+        if self.path:
+            line = {"rank": trainer.global_rank, "world": trainer.world_size, "step": trainer.global_step - 1,
+                    "generation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1, "pid": os.getpid(),
+                    "time": time.time()}  # fmt: skip
+            with open(self.path, "a") as out:
+                out.write(json.dumps(line) + "\n")
+        time.sleep(self.step_time)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    parser.add_argument("--events", default="")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning's accelerator (fsdp needs a GPU)")
+    args = parser.parse_args()
+
+    x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
+    trainer = L.Trainer(
+        strategy=pliant.lightning.DDP() if args.strategy == "ddp" else pliant.lightning.FSDP(),  # pliant: the one line
+        accelerator=args.accelerator, devices=1, num_nodes=1, max_steps=args.max_steps, callbacks=[Events(args.events,
+        args.step_time)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Regression(), data)
+    if args.out and trainer.is_global_zero:
+        with open(args.out, "w") as out:
+            json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Lightning under pliant with one line: ``Trainer(strategy=pliant.lightning.DDP(), ...)`` (or ``FSDP()``).
+
+A Lightning ``Trainer`` counts its world as ``devices * num_nodes``, fixed when the script starts; under ``pliant run
+--nnodes MIN:MAX`` nodes come and go, and a ``Trainer(strategy="ddp", num_nodes=1)`` fails the first join ("You set
+devices=1 and num_nodes=1 ... does not match the world size (2)"). These strategies are Lightning's own DDP and FSDP
+strategies with three changes, and nothing else for the script to write:
+
+- **The world follows the generation.** ``num_nodes`` is the generation's node count (``GROUP_WORLD_SIZE``) and the
+  node's devices one per local process (``--nproc-per-node``: ``cuda:LOCAL_RANK``, or the CPU), whatever the script
+  passed, so Lightning's checks, its ranks and its ``DistributedSampler`` (``num_replicas``) agree with the world the
+  agent formed.
+- **A rescale saves at a step boundary.** The strategy tells its agent that it handles the rescale signal
+  (:func:`pliant.progress.announce_signal`); on the signal it sets a flag, and at the start of every training batch
+  the ranks agree on the flags (one integer all-reduce). When one is set, every rank saves a Lightning checkpoint
+  (``Trainer.save_checkpoint``: Lightning's own format, as its SLURM requeue path does) and exits with
+  :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes for "saved for the rescale", not a failure. The batch
+  whose start it was is not trained: it is the first one of the next world.
+- **The next world resumes from it.** At setup, when the script passed no ``ckpt_path`` and a rescale checkpoint
+  exists, the fit resumes from it: weights, optimizer, loop progress (``global_step``), callbacks. The checkpoint is
+  ``<--checkpoint-dir>/lightning/rescale.ckpt`` (the directory every node shares), else under the trainer's
+  ``default_root_dir``; it is written to a temporary name and renamed by global rank 0, so a kill during the save
+  leaves the previous one.
+
+A worker killed (kill -9, a lost node) gets no such save: the next world resumes from the last rescale checkpoint, or
+from the script's own ``ModelCheckpoint`` when it passes ``ckpt_path`` itself, and redoes the steps since. Resuming
+mid-epoch, Lightning iterates a plain ``DataLoader`` from the start of the epoch again (its progress counters go on):
+steps are never trained twice, but a sample may be seen twice in that epoch and another not at all.
+
+Outside a pliant agent (torchrun, a plain process) the strategies are Lightning's, unchanged.
+
+The Lightning checkpoint is a pickle (``torch.save``), the script's own file as with any Lightning run: pliant neither
+seals nor reads it (docs/operations.md, "Checkpoints are data").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
+from pliant.errors import PliantError
+from pliant.logsetup import setup_library_logging
+from pliant.progress import announce_signal
+
+try:
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+except ImportError:  # the older package name
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy  # type: ignore[no-redef]
+
+__all__ = ["DDP", "FSDP", "LightningError", "rescale_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = Path("lightning") / "rescale.ckpt"  # under the job's checkpoint directory
+
+
+class LightningError(PliantError):
+    """This Lightning keeps what the strategy needs elsewhere."""
+
+
+def rescale_checkpoint(env: WorkerEnv, default_root_dir: str) -> Path:
+    """Where a rescale checkpoint of this job goes: under the job's checkpoint directory (shared by the nodes), else
+    under the trainer's ``default_root_dir``."""
+    return Path(env.checkpoint_dir or default_root_dir) / CHECKPOINT
+
+
+class _Elastic:
+    """What :class:`DDP` and :class:`FSDP` add to Lightning's strategies (see the module docstring).
+
+    Threads: the signal handler (main thread, between bytecodes) sets ``_asked``; the training loop (main thread)
+    reads and clears it. Nothing else is shared.
+    """
+
+    _env: WorkerEnv
+    _asked: bool
+    _num_nodes: int
+
+    def _init_elastic(self) -> None:
+        self._env = WorkerEnv.from_env()
+        self._asked = False
+        if self._env.agent_store:
+            setup_library_logging()  # what the strategy does goes to the worker's log, as pliant.worker's does
+
+    @property
+    def _under_agent(self) -> bool:
+        env = getattr(self, "_env", None)  # None while Lightning's own __init__ runs
+        return env is not None and bool(env.agent_store)
+
+    @property
+    def num_nodes(self) -> int:
+        """The generation's node count under a pliant agent, else what the script set."""
+        return self._env.num_nodes if self._under_agent else self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes  # Lightning resets ranks from num_nodes; under an agent the env decides
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """This node's devices: under a pliant agent one per local process (``--nproc-per-node``), of the kind the
+        script asked for (``cuda:i`` for local rank ``i``, or the CPU), whatever ``devices`` it passed."""
+        devices = getattr(self, "_parallel_devices", None)
+        if not self._under_agent or not devices or len(devices) == self._env.local_world_size:
+            return devices
+        if devices[0].type == "cuda":
+            return [torch.device("cuda", i) for i in range(self._env.local_world_size)]
+        return [devices[0]] * self._env.local_world_size
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        self._parallel_devices = devices
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        if not self._under_agent:
+            return
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)
+            announce_signal(self._env.progress_file)
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        path = rescale_checkpoint(self._env, trainer.default_root_dir)
+        if path.exists():
+            _resume_from(trainer, path)
+
+    def _on_rescale_signal(self, signum: int, frame: object) -> None:
+        self._asked = True
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if not self._under_agent:
+            return
+        flag = torch.tensor([int(self._asked)], dtype=torch.int32, device=self.root_device)  # type: ignore[attr-defined]
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self._save_and_exit()
+
+    def _save_and_exit(self) -> None:
+        """Every rank saves the Lightning checkpoint at this batch's start, then exits for the rescale."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        path = rescale_checkpoint(self._env, trainer.default_root_dir)
+        partial = path.with_name(f".{path.name}.partial")
+        if trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.barrier("pliant-rescale-save")  # type: ignore[attr-defined]
+        trainer.save_checkpoint(partial)
+        self.barrier("pliant-rescale-saved")  # type: ignore[attr-defined]
+        if trainer.is_global_zero:
+            os.replace(partial, path)
+            logger.info("pliant: saved for the rescale at global step %d: %s", trainer.global_step, path)
+        self.barrier("pliant-rescale-renamed")  # type: ignore[attr-defined]
+        sys.exit(RESCALE_EXIT_CODE)
+
+
+def _resume_from(trainer: Any, path: Path) -> None:
+    """Make this fit resume from ``path`` unless the script named a checkpoint itself: Lightning chose the fit's path
+    before its strategy is set up, and restores it just after the setup hooks, so the restore is pointed at ``path``
+    once (the checkpoint connector's ``_restore_modules_and_callbacks``).
+
+    Raises:
+        LightningError: this Lightning restores elsewhere.
+    """
+    connector = trainer._checkpoint_connector
+    original = getattr(connector, "_restore_modules_and_callbacks", None)
+    if original is None:
+        raise LightningError(
+            "this Lightning restores a fit's checkpoint elsewhere: pass ckpt_path to trainer.fit yourself "
+            f"(the rescale checkpoint is {path})"
+        )
+
+    def restore(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        connector._restore_modules_and_callbacks = original
+        if checkpoint_path is None:
+            logger.info("pliant: resuming from the rescale checkpoint %s", path)
+            checkpoint_path = str(path)
+        return original(checkpoint_path, *args, **kwargs)
+
+    connector._restore_modules_and_callbacks = restore
+
+
+class DDP(_Elastic, DDPStrategy):
+    """Lightning's ``DDPStrategy`` whose world follows pliant's generations (see the module docstring). Takes
+    ``DDPStrategy``'s arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_elastic()
+
+
+class FSDP(_Elastic, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` whose world follows pliant's generations (see the module docstring). Takes
+    ``FSDPStrategy``'s arguments; its rescale checkpoint is a full state dict (``state_dict_type="full"``, the
+    default here), so any world size loads it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("state_dict_type", "full")
+        super().__init__(*args, **kwargs)
+        self._init_elastic()
