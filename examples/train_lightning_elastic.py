@@ -32,7 +32,7 @@ class Regression(L.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
 class Events(L.Callback):
