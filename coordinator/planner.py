@@ -180,10 +180,13 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
         if reported.evicted or reported.pending is not None:  # the executor evicts what is due before it plans
             named = sorted({n for f in failures for n in f.unreachable if n in live_by_id})
             doubted = f"; {', '.join(reported.doubted)} not silent yet" if reported.doubted else ""
-            return WaitUntil(reported.pending if reported.pending is not None else now + SILENCE_POLL_S,
-                             f"{', '.join(named)} named unreachable by a report that did not evict them at once "
-                             f"(not corroborated yet, the smaller side of a cut, or a newcomer's word); waiting for "
-                             f"their reports or their silence{doubted}", JobState.RUNNING)  # fmt: skip
+            return WaitUntil(
+                reported.pending if reported.pending is not None else now + SILENCE_POLL_S,
+                f"{', '.join(named)} named unreachable by a report that did not evict them at once "
+                f"(not corroborated yet, the smaller side of a cut, or a newcomer's word); waiting for "
+                f"their reports or their silence{doubted}",
+                JobState.RUNNING,
+            )
     if running and failures and all(f.exit_code == WAIT_EXIT_CODE for f in failures):
         # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
         # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.

@@ -43,9 +43,14 @@ class Events(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
         if self.path:
-            line = {"rank": trainer.global_rank, "world": trainer.world_size, "step": trainer.global_step - 1,
-                    "generation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1, "pid": os.getpid(),
-                    "time": time.time()}  # fmt: skip
+            line = {
+                "rank": trainer.global_rank,
+                "world": trainer.world_size,
+                "step": trainer.global_step - 1,
+                "generation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1,
+                "pid": os.getpid(),
+                "time": time.time(),
+            }
             with open(self.path, "a") as out:
                 out.write(json.dumps(line) + "\n")
         time.sleep(self.step_time)
@@ -65,10 +70,16 @@ def main() -> None:
     data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
     trainer = L.Trainer(
         strategy=pliant.lightning.DDP() if args.strategy == "ddp" else pliant.lightning.FSDP(),  # pliant: the one line
-        accelerator=args.accelerator, devices=1, num_nodes=1, max_steps=args.max_steps, callbacks=[Events(args.events,
-        args.step_time)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator=args.accelerator,
+        devices=1,
+        num_nodes=1,
+        max_steps=args.max_steps,
+        callbacks=[Events(args.events, args.step_time)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
     trainer.fit(Regression(), data)
     if args.out and trainer.is_global_zero:
         with open(args.out, "w") as out:

@@ -349,8 +349,9 @@ def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordi
         assert client.get_job("job", progress=True).progress["a"].strikes == 1  # a failed readmission
 
 
-def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(make_coordinator, fleet,
-                                                                                   caplog) -> None:  # fmt: skip
+def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(
+    make_coordinator, fleet, caplog
+) -> None:
     """a reaches the control plane but none of its peers, and reports first, naming b, c and d: that evicts nobody
     (a is the smaller side, and nobody bears its word out yet). c's report naming a evicts a. Then c and d die, and
     b's report names them: they never report and fall silent on their leases, so they are evicted REPORT_GRACE_S
@@ -366,8 +367,11 @@ def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(
             e = client.join("job", "e", "127.0.0.1:5")  # a generation after the one that admitted the last of a..d
             wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 5, 10, "world a..e")
             client.leave("job", "e", e.lease_id)  # ... so that all four are established, whatever the batching was
-            number = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4 and g.number,
-                              10, "world a,b,c,d again")  # fmt: skip
+            number = wait_for(
+                lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 4 and g.number,
+                10,
+                "world a,b,c,d again",
+            )
             assert client.report_failure("job", "a", number, -2, "a peer failed", ["b", "c", "d"]) == (True, number)
             time.sleep(REPORT_GRACE_S / 2)
             assert client.get_job("job").generation.number == number  # nobody evicted, no restart: waiting
@@ -378,8 +382,7 @@ def test_a_node_cut_off_from_its_peers_is_the_one_evicted_whoever_reports_first(
             beats.stop("c", "d")  # c and d die: b names them, and they never answer
             reported = time.monotonic()
             assert client.report_failure("job", "b", gen.number, -2, "a peer failed", ["c", "d"]) == (True, gen.number)
-            last = wait_for(lambda: (g := client.get_job("job").generation) and g.number > gen.number and g, 15,
-                            "last")  # fmt: skip
+            last = wait_for(lambda: (g := client.get_job("job").generation) and g.number > gen.number and g, 15, "last")
             assert (last.node_ids, last.reason, last.restarts_used) == (("b",), "failure", 0)
             assert time.monotonic() - reported >= REPORT_GRACE_S - 0.5
             assert "evicted c, d: named unreachable by b, silent on their leases too" in caplog.text
@@ -397,14 +400,18 @@ def test_one_members_word_never_evicts_a_healthy_peer(make_coordinator, fleet) -
         client.join("job", "a", "127.0.0.1:1")
         client.join("job", "b", "127.0.0.1:2")
         with client.beating("job", ["a", "b"]):
-            number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g.number,
-                              10, "world a,b")  # fmt: skip
+            number = wait_for(
+                lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g.number,
+                10,
+                "world a,b",
+            )
             for restarts in (1, 2):
                 reported = time.monotonic()
                 lie = client.report_failure("job", "a", number, 1, "gloo: connection reset", ["b"], arrived=True)
                 assert lie == (True, number)
-                gen = wait_for(lambda n=number: (g := client.get_job("job").generation) and g.number > n and g, 15,
-                               "next")  # fmt: skip
+                gen = wait_for(
+                    lambda n=number: (g := client.get_job("job").generation) and g.number > n and g, 15, "next"
+                )
                 assert time.monotonic() - reported >= corroboration_s(4) - 0.5  # it waited for b's silence
                 assert "b" in gen.node_ids, gen
                 number = gen.number

@@ -28,8 +28,9 @@ from pliant.worker.groups import retire_groups
 
 
 def _model(outputs: int) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, outputs))  # 32 rows: uneven over 3 ranks (11, 11, 10)  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, outputs)
+    )  # 32 rows: uneven over 3 ranks (11, 11, 10)
 
 
 def _full(engine: FSDPEngine) -> dict[str, list]:
@@ -45,13 +46,19 @@ def _full(engine: FSDPEngine) -> dict[str, list]:
 
 def _hook_counts(model: torch.nn.Module) -> list[list[int]]:
     """How many forward and state-dict hooks each module of ``model`` has."""
-    names = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-             "_load_state_dict_post_hooks")  # fmt: skip
+    names = (
+        "_forward_pre_hooks",
+        "_forward_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    )
     return [[len(getattr(module, name)) for name in names] for module in model.modules()]
 
 
-def _live(model: torch.nn.Module, engine: FSDPEngine, head: torch.nn.Module, calls: list[int],
-          full: dict[str, torch.Tensor]) -> dict[str, bool]:  # fmt: skip
+def _live(
+    model: torch.nn.Module, engine: FSDPEngine, head: torch.nn.Module, calls: list[int], full: dict[str, torch.Tensor]
+) -> dict[str, bool]:
     """Whether the script's own module object is the live model after the re-form (collective: every rank calls)."""
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     plain = _model(head.out_features)
@@ -64,12 +71,12 @@ def _live(model: torch.nn.Module, engine: FSDPEngine, head: torch.nn.Module, cal
     engine.optimizer.step()
     return {
         "same_object": engine.module is model and engine.model is model and model[4] is head,
-        "state_dict": set(state) == set(plain.state_dict()) and all(torch.equal(state[k], full[k].view(v.shape))
-                                                                     for k, v in state.items()),
+        "state_dict": set(state) == set(plain.state_dict())
+        and all(torch.equal(state[k], full[k].view(v.shape)) for k, v in state.items()),
         "forward": bool(torch.allclose(output, plain(x), atol=1e-6)),
         "hook": hooked,
         "trained": not any(torch.equal(p.full_tensor(), full[n].view(p.shape)) for n, p in model.named_parameters()),
-    }  # fmt: skip
+    }
 
 
 def run(process: int, ports: tuple[int, int], perm: list[int], out: str, outputs: int) -> None:
@@ -107,9 +114,19 @@ def run(process: int, ports: tuple[int, int], perm: list[int], out: str, outputs
     coordinates = sorted({tuple(p.device_mesh.get_coordinate() or ()) for p in params.values()})
     live = _live(model, engine, head, calls, full) if not error else {}
     live["hooks_once"] = _hook_counts(model) == hooks  # FSDP2's hooks of the old world are gone, the new ones there
-    Path(out, f"process-{process}.json").write_text(json.dumps(
-        {"rank": rank, "before": before, "after": after, "error": error, "rows_ok": rows_ok,
-         "coordinates": coordinates, "live": live}))  # fmt: skip
+    Path(out, f"process-{process}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "before": before,
+                "after": after,
+                "error": error,
+                "rows_ok": rows_ok,
+                "coordinates": coordinates,
+                "live": live,
+            }
+        )
+    )
     retire_groups()
 
 

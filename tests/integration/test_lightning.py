@@ -26,11 +26,39 @@ STEPS = 700
 
 def _agent(address: str, node: str, tmp: Path, script: Path = SCRIPT, extra: tuple[str, ...] = ()) -> list[str]:
     return [
-        sys.executable, "-m", "pliant", "agent", "--coordinator", address, "--job", "job", "--node-id", node,
-        "--nnodes", "1:2", "--nproc-per-node", "1", "--heartbeat-ttl", "3", "--join-grace", "0.5",
-        "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "3",
-        "--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "logs"), str(script), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pliant",
+        "agent",
+        "--coordinator",
+        address,
+        "--job",
+        "job",
+        "--node-id",
+        node,
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--heartbeat-ttl",
+        "3",
+        "--join-grace",
+        "0.5",
+        "--stop-grace",
+        "2",
+        "--rescale-grace",
+        "30",
+        "--finish-grace",
+        "10",
+        "--max-restarts",
+        "3",
+        "--checkpoint-dir",
+        str(tmp / "ckpt"),
+        "--log-dir",
+        str(tmp / "logs"),
+        str(script),
+        *extra,
+    ]
 
 
 def _events(tmp: Path) -> list[dict]:
@@ -57,9 +85,20 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     make_coordinator, spawn_agent, tmp_path: Path, strategy: str
 ) -> None:
     server = make_coordinator()
-    extra = ("--max-steps", str(STEPS), "--step-time", "0.03", "--events", str(tmp_path / "events.jsonl"),
-             "--out", str(tmp_path / "final.json"), "--strategy", strategy,
-             "--accelerator", "gpu" if strategy == "fsdp" else "cpu")  # fmt: skip
+    extra = (
+        "--max-steps",
+        str(STEPS),
+        "--step-time",
+        "0.03",
+        "--events",
+        str(tmp_path / "events.jsonl"),
+        "--out",
+        str(tmp_path / "final.json"),
+        "--strategy",
+        strategy,
+        "--accelerator",
+        "gpu" if strategy == "fsdp" else "cpu",
+    )
     a = spawn_agent(server, _agent(server.address, "node-a", tmp_path, extra=extra), name="agent-a")
     wait_for(lambda: _stepping(tmp_path, 1, 10), 90, "node a stepping alone")
 
@@ -95,8 +134,10 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     output = a.output()
     assert "saved for the rescale" in output and "resuming from the rescale checkpoint" in output
     assert "workers stopped for the rescale" in output
-    print(f"lightning {strategy} with the plugin: {len(twice)} steps trained twice, all after the kill -9 (generation "
-          f"{killed_in}); join at generation {joined}; {STEPS} steps in all")  # fmt: skip
+    print(
+        f"lightning {strategy} with the plugin: {len(twice)} steps trained twice, all after the kill -9 (generation "
+        f"{killed_in}); join at generation {joined}; {STEPS} steps in all"
+    )
 
 
 def test_without_the_plugin_the_agent_says_what_to_add(make_coordinator, spawn_agent, tmp_path: Path) -> None:
@@ -107,7 +148,8 @@ def test_without_the_plugin_the_agent_says_what_to_add(make_coordinator, spawn_a
     argv[argv.index("--max-restarts") + 1] = "0"
     a = spawn_agent(server, argv, name="agent-a")
     time.sleep(8.0)  # node a trains alone (a world of 1 matches num_nodes=1)
-    b = spawn_agent(server, _agent(server.address, "node-b", tmp_path, EXAMPLES / "train_lightning.py", plain),
-                    name="agent-b")  # fmt: skip
+    b = spawn_agent(
+        server, _agent(server.address, "node-b", tmp_path, EXAMPLES / "train_lightning.py", plain), name="agent-b"
+    )
     wait_for(lambda: "strategy=pliant.lightning.DDP()" in a.output() + b.output(), 120, "the agent's hint")
     assert (a.output() + b.output()).count("pass strategy=pliant.lightning.DDP()") <= 2  # once per agent

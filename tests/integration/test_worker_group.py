@@ -34,15 +34,21 @@ held_by_something()
 """
 
 
-def test_a_worker_that_ignores_the_rescale_grace_has_its_stacks_logged(tmp_path: Path) -> None:
-    script = tmp_path / "stuck.py"
-    script.write_text(_STUCK)
+def _started(tmp_path: Path, code: str) -> tuple[WorkerGroup, Path]:
+    """A group of one worker running ``code``, started and past its ``ready`` line; (the group, its log)."""
+    script = tmp_path / "worker.py"
+    script.write_text(code)
     env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"))
     group = WorkerGroup(1, [env], WorkerCommand((str(script),)), log_dir=tmp_path / "logs", base_env={
         "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
     group.start()
     log = tmp_path / "logs" / "rank-0.log"
     wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")
+    return group, log
+
+
+def test_a_worker_that_ignores_the_rescale_grace_has_its_stacks_logged(tmp_path: Path) -> None:
+    group, log = _started(tmp_path, _STUCK)
     started = time.monotonic()
     result = group.stop(grace_s=2.0, rescale_grace_s=1.0)
     assert time.monotonic() - started < 10
@@ -65,14 +71,7 @@ time.sleep(600)
 
 
 def test_a_plain_script_is_stopped_for_a_rescale_with_sigterm_and_its_handler_runs(tmp_path: Path, caplog) -> None:
-    script = tmp_path / "plain.py"
-    script.write_text(_PLAIN)
-    env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"))
-    group = WorkerGroup(1, [env], WorkerCommand((str(script),)), log_dir=tmp_path / "logs", base_env={
-        "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
-    group.start()
-    log = tmp_path / "logs" / "rank-0.log"
-    wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")
+    group, log = _started(tmp_path, _PLAIN)
     caplog.set_level(logging.INFO, logger="pliant.agent.workers")
     started = time.monotonic()
     result = group.stop(grace_s=5.0, rescale_grace_s=30.0)  # no rescale grace spent on a script that cannot use it

@@ -214,8 +214,7 @@ def test_a_named_node_is_evicted_once_its_lease_falls_silent_and_never_on_the_wo
     world = store.jobs["job"].generation
     assert world is not None and world.node_ids == ("a", "b")
     clock.now += 6.0
-    store.jobs["job"].failures.append(FailureReport("a", world.number, 1, "gloo: connection reset", clock.now,
-                                                    ("b",)))  # fmt: skip
+    store.jobs["job"].failures.append(FailureReport("a", world.number, 1, "gloo: connection reset", clock.now, ("b",)))
     assert rec.reconcile("job", store.fence) == clock.now + SILENCE_POLL_S
     assert store.evicted == []
     clock.now += SILENCE_POLL_S

@@ -92,8 +92,11 @@ def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -
     assert deferred([lone], ["a", "c"], T0 + 9) == (("c",), None)  # b went with its lease
     stale = reported_evictions(gen(4, {"a": 1, "b": 1, "c": 1}), [lone], live, dead, TTL, T0 + 9)
     assert (stale.nodes, stale.pending) == ((), None)
-    snap = dataclasses.replace(_snap([Member("a", "a:1"), Member("b", "b:1"), Member("c", "c:1")], g, []),
-                               failures=(lone,), silent=frozenset(dead))  # fmt: skip
+    snap = dataclasses.replace(
+        _snap([Member("a", "a:1"), Member("b", "b:1"), Member("c", "c:1")], g, []),
+        failures=(lone,),
+        silent=frozenset(dead),
+    )
     waiting = plan(snap, T0 + 1)  # the planner waits for it, and restarts nothing meanwhile
     assert isinstance(waiting, WaitUntil) and waiting.deadline == T0 + REPORT_GRACE_S, waiting
     assert "smaller side of a cut" in waiting.why and "b, c named unreachable" in waiting.why
