@@ -19,7 +19,9 @@ strategies with three changes, and nothing else for the script to write:
   exists, the fit resumes from it: weights, optimizer, loop progress (``global_step``), callbacks. The checkpoint is
   ``<--checkpoint-dir>/lightning/rescale.ckpt`` (the directory every node shares), else under the trainer's
   ``default_root_dir``; it is written to a temporary name and renamed by global rank 0, so a kill during the save
-  leaves the previous one.
+  leaves the previous one. Like Lightning's own resume from an HPC checkpoint it is found by its place: a job started
+  on a directory that holds another run's rescale checkpoint resumes from it, so give each job its own
+  ``--checkpoint-dir``.
 
 A worker killed (kill -9, a lost node) gets no such save: the next world resumes from the last rescale checkpoint, or
 from the script's own ``ModelCheckpoint`` when it passes ``ckpt_path`` itself, and redoes the steps since. Resuming
