@@ -20,7 +20,8 @@ loaded with ``set_model_state_dict`` / ``set_optimizer_state_dict``, which cut e
 script passed in therefore stays the model through every re-form: ``model.state_dict()``, ``model.parameters()``,
 ``model(x)``, its sub-modules and the hooks the script registered on them all see the live, re-sharded model
 (``engine.module`` is the same object). Parameter objects are new at every re-form: the engine's optimizer is built
-again over them; a parameter or an optimizer the script took before a rescale is not the model's afterwards.
+again over them, and a parameter or an optimizer the script took before a rescale raises
+:class:`pliant.worker.fsdp_release.StaleParameterError` when used.
 """
 
 from __future__ import annotations

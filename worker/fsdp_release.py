@@ -8,7 +8,9 @@ sharded module cannot move to another mesh, and ``fully_shard`` refuses a module
 undoes exactly those marks on every module of a tree, and leaves each managed parameter a plain full-size parameter
 (uninitialised: the caller loads the state), so ``fully_shard`` applies again to the very objects the script holds:
 ``model``, its sub-modules, the hooks the script registered and the parameters' sharing (tied weights stay tied) all
-carry over. Parameter objects do not: each is a new one.
+carry over. Parameter objects do not: each is a new one, and the old ones are *retired*: any torch operation on one
+(an optimizer the script built itself, a reference kept from before, ``p.full_tensor()``) raises
+:class:`StaleParameterError` naming the parameter and what to use instead, never a stale value.
 
 The marks are torch internals (checked on torch 2.11 and 2.13; ``torch.distributed.fsdp.fully_shard`` is public
 from 2.6): ``torch.distributed._composable.contract``'s ``STATE_KEY`` / ``REGISTRY_KEY`` in a module's ``__dict__``,
@@ -28,11 +30,15 @@ from torch import nn
 
 from pliant.worker.contract import EngineError
 
-__all__ = ["ReleaseError", "release", "unsupported"]
+__all__ = ["ReleaseError", "StaleParameterError", "release", "unsupported"]
 
 
 class ReleaseError(EngineError):
     """FSDP2's marks on a module are not where this torch version was expected to keep them."""
+
+
+class StaleParameterError(EngineError):
+    """A parameter object from before an in-place re-form was used: the model's parameters are new objects since."""
 
 
 def _internals() -> tuple[str, str, Any, type]:
@@ -68,7 +74,8 @@ def release(root: nn.Module, device: torch.device) -> None:
     """Take ``fully_shard`` off every module of ``root``'s tree, in place (see the module docstring).
 
     Each parameter becomes a plain ``nn.Parameter`` of its full (global) shape on ``device``, uninitialised, with its
-    ``requires_grad``; a parameter shared by several modules stays shared. Buffers are left as they are.
+    ``requires_grad``; a parameter shared by several modules stays shared. Buffers are left as they are. The old
+    parameter objects are retired (:func:`_retire`).
 
     Raises:
         ReleaseError: this torch keeps FSDP2's marks elsewhere.
@@ -77,6 +84,7 @@ def release(root: nn.Module, device: torch.device) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     fresh: dict[int, nn.Parameter] = {}
+    names = {id(param): name for name, param in root.named_parameters(remove_duplicate=False)}
     for module in root.modules():
         states = module.__dict__.get(state_key) or {}
         for key, state in list(states.items()):
@@ -96,7 +104,38 @@ def release(root: nn.Module, device: torch.device) -> None:
             if id(param) not in fresh:
                 empty = torch.empty(param.shape, dtype=param.dtype, device=device)
                 fresh[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
+                _retire(param, names.get(id(param), name))
             module._parameters[name] = fresh[id(param)]
+
+
+_STALE: dict[type, type] = {}  # a parameter class -> its retired twin, whose every torch operation raises
+
+
+def _retire(param: torch.Tensor, name: str) -> None:
+    """Make every later torch operation on ``param`` (an old FSDP2 parameter) raise :class:`StaleParameterError`: its
+    class becomes a twin whose ``__torch_function__`` refuses. A class that cannot be swapped is left as it is."""
+    cls = type(param)
+    if cls not in _STALE:
+        _STALE[cls] = type(f"Retired{cls.__name__}", (cls,), {"__torch_function__": classmethod(_refuse)})
+    try:
+        param.__dict__["_pliant_name"] = name
+        param.__class__ = _STALE[cls]
+    except (TypeError, AttributeError):
+        return
+
+
+def _refuse(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """The retired twin's ``__torch_function__``."""
+    stale = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)), None)
+    if stale is None:  # a list of parameters (a foreach optimizer step): name the first retired one in it
+        flat = [x for a in args if isinstance(a, (list, tuple)) for x in a]
+        stale = next((x for x in flat if isinstance(x, cls)), None)
+    name = stale.__dict__.get("_pliant_name", "?") if stale is not None else "?"
+    raise StaleParameterError(
+        f"parameter {name!r} is one the model had before pliant sharded it again for a new world, and not the "
+        f"model's any more ({getattr(func, '__name__', func)} on it): take the parameters from model.parameters() "
+        f"again after a rescale, and build optimizers through session.engine (engine.optimizer is rebuilt)"
+    )
 
 
 # A module's hook dictionaries, and the dictionaries keyed by the same handle ids that say how each hook is called.

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from pliant.net import free_port
 from pliant.worker.fsdp import FSDPEngine, _rows
+from pliant.worker.fsdp_release import StaleParameterError
 from pliant.worker.groups import retire_groups
 
 
@@ -42,6 +43,15 @@ def _full(engine: FSDPEngine) -> dict[str, list]:
     out.update({f"{name}.{key}": value.flatten().tolist() for name, state in optim.items()
                 for key, value in state.items() if isinstance(value, torch.Tensor)})  # fmt: skip
     return out
+
+
+def _refused(kept: torch.optim.Optimizer) -> bool:
+    """Whether an optimizer built over the parameters of the old world refuses to step, naming a parameter."""
+    try:
+        kept.step()
+    except StaleParameterError as exc:
+        return "parameter '" in str(exc) and "model.parameters()" in str(exc)
+    return False
 
 
 def _hook_counts(model: torch.nn.Module) -> list[list[int]]:
@@ -92,6 +102,7 @@ def run(process: int, ports: tuple[int, int], perm: list[int], out: str, outputs
     engine.model(torch.randn(4, 16)).sum().backward()  # FSDP2 averages the gradients: the same step everywhere
     engine.optimizer.step()
     hooks = _hook_counts(model)  # after a forward: FSDP2 registers its state-dict hooks then
+    kept = torch.optim.SGD(model.parameters(), lr=0.1)  # the script's own, over the parameters of this world
     before = _full(engine)
     engine.before_move()
     retire_groups()
@@ -114,6 +125,7 @@ def run(process: int, ports: tuple[int, int], perm: list[int], out: str, outputs
     coordinates = sorted({tuple(p.device_mesh.get_coordinate() or ()) for p in params.values()})
     live = _live(model, engine, head, calls, full) if not error else {}
     live["hooks_once"] = _hook_counts(model) == hooks  # FSDP2's hooks of the old world are gone, the new ones there
+    live["stale_refused"] = _refused(kept)
     Path(out, f"process-{process}.json").write_text(
         json.dumps(
             {
