@@ -3,21 +3,21 @@
 FSDP2's ``fully_shard`` works on the user's module objects: it swaps each managed parameter for a sharded DTensor
 parameter on the world's device mesh, gives each sharded module a subclass of its class (``FSDP<Class>``), registers
 forward and state-dict hooks (which act on that world's shards) and records its state on the module (the
-composable-API registry) and in torch's module-state map. A
-sharded module cannot move to another mesh, and ``fully_shard`` refuses a module it was applied to. :func:`release`
-undoes exactly those marks on every module of a tree, and leaves each managed parameter a plain full-size parameter
-(uninitialised: the caller loads the state), so ``fully_shard`` applies again to the very objects the script holds:
-``model``, its sub-modules, the hooks the script registered and the parameters' sharing (tied weights stay tied) all
-carry over. Parameter objects do not: each is a new one, and the old ones are *retired*: any torch operation on one
-(an optimizer the script built itself, a reference kept from before, ``p.full_tensor()``) raises
-:class:`StaleParameterError` naming the parameter and what to use instead, never a stale value.
+composable-API registry) and in torch's module-state map. A sharded module cannot move to another mesh, and
+``fully_shard`` refuses a module it was applied to. :func:`release` undoes exactly those marks on every module of a
+tree, and leaves each managed parameter a plain full-size parameter (uninitialised: the caller loads the state), so
+``fully_shard`` applies again to the very objects the script holds: ``model``, its sub-modules, the hooks the script
+registered and the parameters' sharing (tied weights stay tied) all carry over. Parameter objects do not: each is a
+new one, and the old ones are *retired*: any torch operation on one (an optimizer the script built itself, a
+reference kept from before, ``p.full_tensor()``) raises :class:`StaleParameterError` naming the parameter and what to
+use instead, never a stale value.
 
 The marks are torch internals (checked on torch 2.11 and 2.13; ``torch.distributed.fsdp.fully_shard`` is public
 from 2.6): ``torch.distributed._composable.contract``'s ``STATE_KEY`` / ``REGISTRY_KEY`` in a module's ``__dict__``,
-``torch.distributed._composable_state._module_state_mapping``, and its hooks told apart by the module that defines
-them (``torch.distributed.fsdp``). Where a
-torch keeps them elsewhere, :func:`unsupported` says so, and the engine takes the restart path at every rescale
-instead (tests/integration/test_fsdp_reform.py releases and shards again on every run).
+``torch.distributed._composable_state._module_state_mapping``, and its hooks, told apart by the module that defines
+them (``torch.distributed.fsdp``). Where a torch keeps them elsewhere, :func:`unsupported` says so, and the engine
+takes the restart path at every rescale instead (tests/integration/test_fsdp_reform.py releases and shards again on
+every run).
 """
 
 from __future__ import annotations
