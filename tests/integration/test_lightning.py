@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
+from tests.integration.harness import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
@@ -62,10 +63,7 @@ def _agent(address: str, node: str, tmp: Path, script: Path = SCRIPT, extra: tup
 
 
 def _events(tmp: Path) -> list[dict]:
-    path = tmp / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return read_jsonl(tmp / "events.jsonl")
 
 
 def _stepping(tmp: Path, world: int, steps: int = 3, after: int = 0) -> bool:
