@@ -9,12 +9,11 @@ strategies with three changes, and nothing else for the script to write:
   node's devices one per local process (``--nproc-per-node``: ``cuda:LOCAL_RANK``, or the CPU), whatever the script
   passed, so Lightning's checks, its ranks and its ``DistributedSampler`` (``num_replicas``) agree with the world the
   agent formed.
-- **A rescale saves at a step boundary.** The strategy tells its agent that it handles the rescale signal
-  (:func:`pliant.progress.announce_signal`); on the signal it sets a flag, and at the start of every training batch
-  the ranks agree on the flags (one integer all-reduce). When one is set, every rank saves a Lightning checkpoint
-  (``Trainer.save_checkpoint``: Lightning's own format, as its SLURM requeue path does) and exits with
-  :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes for "saved for the rescale", not a failure. The batch
-  whose start it was is not trained: it is the first one of the next world.
+- **A rescale saves at a step boundary.** The strategy takes the rescale signal (:mod:`pliant.integration`) and at
+  the start of every training batch the ranks agree on whether one was asked. When one was, every rank saves a
+  Lightning checkpoint (``Trainer.save_checkpoint``: Lightning's own format, as its SLURM requeue path does) and
+  exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes for "saved for the rescale", not a failure.
+  The batch whose start it was is not trained: it is the first one of the next world.
 - **The next world resumes from it.** At setup, when the script passed no ``ckpt_path`` and a rescale checkpoint
   exists, the fit resumes from it: weights, optimizer, loop progress (``global_step``), callbacks. The checkpoint is
   ``<--checkpoint-dir>/lightning/rescale.ckpt`` (the directory every node shares), else under the trainer's
@@ -38,19 +37,15 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, WorkerEnv
+from pliant.env import RESCALE_EXIT_CODE, WorkerEnv
 from pliant.errors import PliantError
-from pliant.logsetup import setup_library_logging
-from pliant.progress import announce_signal
+from pliant.integration import RescaleRequest
 
 try:
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
@@ -77,24 +72,23 @@ def rescale_checkpoint(env: WorkerEnv, default_root_dir: str) -> Path:
 class _Elastic:
     """What :class:`DDP` and :class:`FSDP` add to Lightning's strategies (see the module docstring).
 
-    Threads: the signal handler (main thread, between bytecodes) sets ``_asked``; the training loop (main thread)
-    reads and clears it. Nothing else is shared.
+    Threads: the main thread only (the rescale signal's flag is :class:`pliant.integration.RescaleRequest`'s).
     """
 
-    _env: WorkerEnv
-    _asked: bool
+    _rescale: RescaleRequest
     _num_nodes: int
 
     def _init_elastic(self) -> None:
-        self._env = WorkerEnv.from_env()
-        self._asked = False
-        if self._env.agent_store:
-            setup_library_logging()  # what the strategy does goes to the worker's log, as pliant.worker's does
+        self._rescale = RescaleRequest()
+
+    @property
+    def _env(self) -> WorkerEnv:
+        return self._rescale.env
 
     @property
     def _under_agent(self) -> bool:
-        env = getattr(self, "_env", None)  # None while Lightning's own __init__ runs
-        return env is not None and bool(env.agent_store)
+        rescale = getattr(self, "_rescale", None)  # None while Lightning's own __init__ runs
+        return rescale is not None and rescale.under_agent
 
     @property
     def num_nodes(self) -> int:
@@ -124,25 +118,15 @@ class _Elastic:
         super().setup_environment()  # type: ignore[misc]
         if not self._under_agent:
             return
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(RESCALE_SIGNAL, self._on_rescale_signal)
-            announce_signal(self._env.progress_file)
+        self._rescale.listen()
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         path = rescale_checkpoint(self._env, trainer.default_root_dir)
         if path.exists():
             _resume_from(trainer, path)
 
-    def _on_rescale_signal(self, signum: int, frame: object) -> None:
-        self._asked = True
-
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if not self._under_agent:
-            return
-        flag = torch.tensor([int(self._asked)], dtype=torch.int32, device=self.root_device)  # type: ignore[attr-defined]
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        if self._under_agent and self._rescale.agreed(self.root_device):  # type: ignore[attr-defined]
             self._save_and_exit()
 
     def _save_and_exit(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,63 +15,12 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.integration.harness import read_jsonl
+from tests.integration.framework_jobs import EXAMPLES, agent_argv, generation, stepping, trained_twice
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPT = EXAMPLES / "train_lightning_elastic.py"
 STEPS = 700
-
-
-def _agent(address: str, node: str, tmp: Path, script: Path = SCRIPT, extra: tuple[str, ...] = ()) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pliant",
-        "agent",
-        "--coordinator",
-        address,
-        "--job",
-        "job",
-        "--node-id",
-        node,
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--heartbeat-ttl",
-        "3",
-        "--join-grace",
-        "0.5",
-        "--stop-grace",
-        "2",
-        "--rescale-grace",
-        "30",
-        "--finish-grace",
-        "10",
-        "--max-restarts",
-        "3",
-        "--checkpoint-dir",
-        str(tmp / "ckpt"),
-        "--log-dir",
-        str(tmp / "logs"),
-        str(script),
-        *extra,
-    ]
-
-
-def _events(tmp: Path) -> list[dict]:
-    return read_jsonl(tmp / "events.jsonl")
-
-
-def _stepping(tmp: Path, world: int, steps: int = 3, after: int = 0) -> bool:
-    """Rank 0 trained ``steps`` steps in a world of ``world`` in a generation after ``after``."""
-    return sum(1 for e in _events(tmp) if e["rank"] == 0 and e["world"] == world and e["generation"] > after) >= steps
-
-
-def _generation(tmp: Path) -> int:
-    return max((e["generation"] for e in _events(tmp)), default=0)
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a GPU")
@@ -97,36 +45,31 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
         "--accelerator",
         "gpu" if strategy == "fsdp" else "cpu",
     )
-    a = spawn_agent(server, _agent(server.address, "node-a", tmp_path, extra=extra), name="agent-a")
-    wait_for(lambda: _stepping(tmp_path, 1, 10), 90, "node a stepping alone")
+    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp_path, SCRIPT, extra), name="agent-a")
+    wait_for(lambda: stepping(tmp_path, 1, 10), 90, "node a stepping alone")
 
-    b = spawn_agent(server, _agent(server.address, "node-b", tmp_path, extra=extra), name="agent-b")
-    wait_for(lambda: _stepping(tmp_path, 2, 10), 90, "world 2 stepping (join)")
-    joined = _generation(tmp_path)
+    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b")
+    wait_for(lambda: stepping(tmp_path, 2, 10), 90, "world 2 stepping (join)")
+    joined = generation(tmp_path)
 
-    killed_in = _generation(tmp_path)
+    killed_in = generation(tmp_path)
     b.kill(signal.SIGKILL)  # node b is lost: a's worker fails, the next world resumes from the join's checkpoint
-    wait_for(lambda: _stepping(tmp_path, 1, 10, after=killed_in), 90, "node a stepping alone again (kill -9)")
+    wait_for(lambda: stepping(tmp_path, 1, 10, after=killed_in), 90, "node a stepping alone again (kill -9)")
 
-    b2 = spawn_agent(server, _agent(server.address, "node-b", tmp_path, extra=extra), name="agent-b2")
-    rejoined_after = _generation(tmp_path)
-    wait_for(lambda: _stepping(tmp_path, 2, 10, after=rejoined_after), 90, "world 2 stepping (join again)")
+    b2 = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b2")
+    rejoined_after = generation(tmp_path)
+    wait_for(lambda: stepping(tmp_path, 2, 10, after=rejoined_after), 90, "world 2 stepping (join again)")
 
-    left_after = _generation(tmp_path)
+    left_after = generation(tmp_path)
     b2.kill(signal.SIGTERM)  # a graceful leave
     wait_for(lambda: b2.proc.poll() is not None, 60, "node b to leave")
-    wait_for(lambda: _stepping(tmp_path, 1, 3, after=left_after), 90, "node a stepping alone (leave)")
+    wait_for(lambda: stepping(tmp_path, 1, 3, after=left_after), 90, "node a stepping alone (leave)")
     wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-4000:]
 
     final = json.loads((tmp_path / "final.json").read_text())
     assert final["global_step"] == STEPS, final
-    trained: dict[int, list[int]] = {}
-    for event in _events(tmp_path):
-        if event["rank"] == 0:
-            trained.setdefault(event["step"], []).append(event["generation"])
-    assert set(trained) == set(range(STEPS)), "every step trained"
-    twice = {step: gens for step, gens in trained.items() if len(gens) > 1}
+    twice = trained_twice(tmp_path, STEPS)
     # Only the kill ends a world without a save: a step trained twice was first trained in the world the kill ended.
     assert all(gens[0] == killed_in and len(gens) == 2 for gens in twice.values()), twice
     output = a.output()
@@ -142,12 +85,12 @@ def test_without_the_plugin_the_agent_says_what_to_add(make_coordinator, spawn_a
     """An unchanged Lightning script with a fixed num_nodes fails the first join; the agent says the one line."""
     server = make_coordinator()
     plain = ("--num-nodes", "1", "--devices", "1", "--max-steps", "100000")
-    argv = [*_agent(server.address, "node-a", tmp_path, EXAMPLES / "train_lightning.py", plain)]
+    argv = [*agent_argv(server.address, "node-a", tmp_path, EXAMPLES / "train_lightning.py", plain)]
     argv[argv.index("--max-restarts") + 1] = "0"
     a = spawn_agent(server, argv, name="agent-a")
     time.sleep(8.0)  # node a trains alone (a world of 1 matches num_nodes=1)
     b = spawn_agent(
-        server, _agent(server.address, "node-b", tmp_path, EXAMPLES / "train_lightning.py", plain), name="agent-b"
+        server, agent_argv(server.address, "node-b", tmp_path, EXAMPLES / "train_lightning.py", plain), name="agent-b"
     )
     wait_for(lambda: "strategy=pliant.lightning.DDP()" in a.output() + b.output(), 120, "the agent's hint")
     assert (a.output() + b.output()).count("pass strategy=pliant.lightning.DDP()") <= 2  # once per agent

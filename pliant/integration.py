@@ -1,0 +1,68 @@
+"""What a framework integration (:mod:`pliant.lightning`, :mod:`pliant.transformers`) shares: the rescale request.
+
+Under a pliant agent a rescale is asked of a worker with :data:`pliant.env.RESCALE_SIGNAL` once the worker announced
+that it handles it (:func:`pliant.progress.announce_signal`); a worker that did not is stopped as torchrun stops one.
+A framework's training loop cannot act in a signal handler, so the handler only sets a flag, and at a step boundary
+the ranks agree on their flags with one integer all-reduce (MAX): every rank sees the request at the same step, saves
+there with the framework's own checkpointing and exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent
+takes for "saved for the rescale", not a failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from pliant.env import RESCALE_SIGNAL, WorkerEnv
+from pliant.logsetup import setup_library_logging
+from pliant.progress import announce_signal
+
+__all__ = ["RescaleRequest"]
+
+
+class RescaleRequest:
+    """A worker's rescale request: the signal's flag and the ranks' agreement on it.
+
+    Threads: the signal handler (main thread, between bytecodes) sets ``_asked``; the training loop (main thread)
+    reads it. ``env`` is read once, at construction.
+
+    Attributes:
+        env: the worker's environment (a default one outside a pliant agent).
+    """
+
+    def __init__(self) -> None:
+        self.env = WorkerEnv.from_env()
+        self._asked = False
+        if self.under_agent:
+            setup_library_logging()  # what the integration does goes to the worker's log, as pliant.worker's does
+
+    @property
+    def under_agent(self) -> bool:
+        """True in a worker of a pliant agent; outside one (torchrun, a plain process) nothing is asked."""
+        return bool(self.env.agent_store)
+
+    def listen(self) -> None:
+        """Take the rescale signal and tell the agent so; a no-op outside an agent or off the main thread (where
+        Python cannot install a handler: the agent then stops the worker as torchrun would)."""
+        if self.under_agent and threading.current_thread() is threading.main_thread():
+            signal.signal(RESCALE_SIGNAL, self._on_signal)
+            announce_signal(self.env.progress_file)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._asked = True
+
+    def agreed(self, device: torch.device | str) -> bool:
+        """Whether any rank was asked to rescale: a collective every rank calls at the same step boundary.
+
+        Args:
+            device: where the flag's tensor lives (the process group's device: ``cuda:i`` for NCCL).
+        """
+        if not self.under_agent:
+            return False
+        flag = torch.tensor([int(self._asked)], dtype=torch.int32, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

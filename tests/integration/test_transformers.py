@@ -1,0 +1,76 @@
+"""Hugging Face Trainer made elastic with one line (pliant.transformers): a Trainer script with
+``callbacks=[pliant.transformers.Elastic()]`` goes through a join, a kill -9 of a node, a join again and a graceful
+leave under real agents and a real coordinator, and finishes with ``global_step == max_steps``; a step is trained
+twice only after the kill (from the last complete checkpoint), never after a graceful rescale."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.framework_jobs import EXAMPLES, agent_argv, generation, stepping, trained_twice
+
+pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (the dev extras)")
+
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
+
+SCRIPT = EXAMPLES / "train_hf_trainer.py"
+STEPS = 600
+
+
+def test_a_trainer_script_with_the_callback_follows_joins_kills_and_leaves(
+    make_coordinator, spawn_agent, tmp_path: Path
+) -> None:
+    server = make_coordinator()
+    extra = (
+        "--output-dir",
+        str(tmp_path / "ckpt" / "hf"),
+        "--max-steps",
+        str(STEPS),
+        "--save-steps",
+        "100000",  # no periodic checkpoints: after the kill the next world resumes from the join's
+        "--step-time",
+        "0.03",
+        "--events",
+        str(tmp_path / "events.jsonl"),
+        "--out",
+        str(tmp_path / "final.json"),
+    )
+    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp_path, SCRIPT, extra), name="agent-a")
+    wait_for(lambda: stepping(tmp_path, 1, 10), 120, "node a stepping alone")
+
+    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b")
+    wait_for(lambda: stepping(tmp_path, 2, 10), 120, "world 2 stepping (join)")
+    joined = generation(tmp_path)
+
+    killed_in = generation(tmp_path)
+    b.kill(signal.SIGKILL)  # node b is lost: a's worker fails, the next world resumes from the join's checkpoint
+    wait_for(lambda: stepping(tmp_path, 1, 10, after=killed_in), 120, "node a stepping alone again (kill -9)")
+
+    b2 = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b2")
+    rejoined_after = generation(tmp_path)
+    wait_for(lambda: stepping(tmp_path, 2, 10, after=rejoined_after), 120, "world 2 stepping (join again)")
+
+    left_after = generation(tmp_path)
+    b2.kill(signal.SIGTERM)  # a graceful leave
+    wait_for(lambda: b2.proc.poll() is not None, 60, "node b to leave")
+    wait_for(lambda: stepping(tmp_path, 1, 3, after=left_after), 120, "node a stepping alone (leave)")
+    wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
+    assert a.proc.returncode == 0, a.output()[-4000:]
+
+    final = json.loads((tmp_path / "final.json").read_text())
+    assert final["global_step"] == STEPS, final
+    twice = trained_twice(tmp_path, STEPS)
+    # Only the kill ends a world without a save: a step trained twice was first trained in the world the kill ended.
+    assert all(gens[0] == killed_in and len(gens) == 2 for gens in twice.values()), twice
+    output = a.output()
+    assert "saved for the rescale" in output and "resuming from the last complete checkpoint" in output
+    assert "workers stopped for the rescale" in output
+    print(
+        f"transformers Trainer with the callback: {len(twice)} steps trained twice, all after the kill -9 "
+        f"(generation {killed_in}); join at generation {joined}; {STEPS} steps in all"
+    )
