@@ -27,6 +27,7 @@ from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.credentials import Credentials
 from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.metrics import AgentMetrics
+from pliant.agent.preload import plan_preload
 from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
@@ -125,7 +126,7 @@ class Agent:
                 signal.signal(sig, lambda signum, _frame: self._events.put(core.SignalReceived(signum)))
         try:
             if self.zygote is None and not self.config.no_python:
-                self.zygote = Zygote(self.base_env)  # imports torch while the agent joins
+                self.zygote = Zygote(self.base_env, plan_preload(self.config))  # imports torch while the agent joins
             # The stores run in the store host (the zygote forks it once torch is imported): never torch in here.
             self._stores = self.zygote.stores if self.zygote is not None else StoreHost.standalone()
             listening = reserve(self.config.host, self.config.store_port)  # the address joined with stays ours

@@ -75,6 +75,8 @@ class AgentConfig:
             buddy copies in, so that a dead worker's outlive it (:mod:`pliant.agent.snapshots`); None: ``/dev/shm``
             where it is writable; "": none (the copies live in the workers' memory only).
         no_python: run ``command`` as is instead of with the Python interpreter.
+        preload: the modules the worker zygote imports after torch (``--preload``); ``()`` for none
+            (``--no-preload``); None: what the training script imports at its top level (:mod:`pliant.agent.preload`).
         heartbeat_retry_s: how long the agent's coordinator calls retry UNAVAILABLE.
         metrics_port: serve the node's Prometheus metrics (the agent's and its workers') on ``host:metrics_port``
             (0: a free port); None serves none.
@@ -107,6 +109,7 @@ class AgentConfig:
     snapshot_every: int | None = None
     snapshot_dir: str | None = None
     no_python: bool = False
+    preload: tuple[str, ...] | None = None
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None
     tls: TlsConfig | None = None

@@ -226,6 +226,19 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         default=10.0,
         help="how long calls to an unreachable coordinator are retried, s (default 10)",
     )
+    preload = parser.add_mutually_exclusive_group()
+    preload.add_argument(
+        "--preload",
+        default=None,
+        metavar="MODULE,...",
+        help="the modules each node's worker zygote imports after torch, so that every worker starts with them loaded "
+        "(default: what the training script imports at its top level, read from the script; installed modules only)",
+    )
+    preload.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="preload torch only: each worker imports the script's other modules itself",
+    )
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     parser.add_argument(*_names("--no-python"), action="store_true", help="run SCRIPT as a command, not with Python")
     # torchrun flags that mean nothing here but are harmless: accepted, noted in the log.
@@ -365,6 +378,7 @@ def config_from_args(
         snapshot_every=parse_every(args.snapshot_every, "--snapshot-every"),
         snapshot_dir=snapshots.usable(args.snapshot_dir),
         no_python=args.no_python,
+        preload=_preload(args),
         heartbeat_retry_s=args.rpc_retry,
         metrics_port=args.metrics_port,
         tls=tls,
@@ -372,6 +386,30 @@ def config_from_args(
         ca_cert_hash=pin,
         bootstrap=bootstrap or tuple(bootstrap_address(c) for c in coordinator) if pin else (),
     )
+
+
+def _preload(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--preload`` / ``--no-preload`` as :attr:`AgentConfig.preload`.
+
+    Raises:
+        ConfigError: a name in ``--preload`` is not a module name.
+    """
+    if args.no_preload:
+        return ()
+    if args.preload is None:
+        return None
+    names = tuple(name.strip() for name in args.preload.split(",") if name.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(
+                f"--preload {args.preload!r}: {name!r} is not a module name; pass importable modules separated by "
+                "commas, e.g. --preload transformers,datasets"
+            )
+    if not names:
+        raise ConfigError(
+            f"--preload {args.preload!r} names no module; pass e.g. --preload transformers, or --no-preload"
+        )
+    return names
 
 
 def default_seal_root_file() -> str:
@@ -409,6 +447,10 @@ def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) 
     parts += ["--job", args.job, "--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node)]
     if args.checkpoint_dir:  # every node must save to and restore from the same directory
         parts += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+    if args.no_preload:
+        parts.append("--no-preload")
+    elif args.preload is not None:
+        parts += ["--preload", args.preload]
     if args.module:
         parts.append("-m")
     if args.no_python:
@@ -442,6 +484,7 @@ def run_main(args: argparse.Namespace) -> int:
 
     import secrets
 
+    from pliant.agent.preload import plan_preload
     from pliant.agent.runcerts import make_run_certs
     from pliant.agent.workers import Zygote, worker_base_env
 
@@ -465,7 +508,7 @@ def run_main(args: argparse.Namespace) -> int:
     token = draft.join_token or secrets.token_urlsafe(32)
     args.join_token, args.join_token_file = token, None
     # The worker zygote imports torch while etcd and the coordinator start; the agent owns and closes it.
-    zygote = None if draft.no_python else Zygote(worker_base_env(draft.nproc_per_node))
+    zygote = None if draft.no_python else Zygote(worker_base_env(draft.nproc_per_node), plan_preload(draft))
     try:
         return _run_embedded(args, zygote, certs, token)
     finally:

@@ -28,6 +28,7 @@ from typing import IO
 
 from pliant.agent.contract import AgentError, GroupResult
 from pliant.agent.hints import Hints
+from pliant.agent.preload import Preload
 from pliant.agent.storehost import StoreHost
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerEnv
 from pliant.progress import Directive, in_place_ready, read_directive, read_record, takes_signal, write_directive
@@ -120,18 +121,21 @@ class Zygote:
 
     Args:
         base_env: the zygote's environment (what workers inherit before their own variables).
+        preload: what the training script imports, for the zygote to import after torch (None: torch only).
     """
 
-    def __init__(self, base_env: Mapping[str, str]) -> None:
+    def __init__(self, base_env: Mapping[str, str], preload: Preload | None = None) -> None:
         self.base_env = dict(base_env)
         self._started = time.monotonic()
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         stores, host_end = StoreHost.pair()
         fds = [theirs.fileno(), host_end.fileno()]
+        argv = [sys.executable, "-u", "-m", "pliant.agent.zygote", *map(str, fds)]
+        if preload is not None and preload.imports:
+            argv += ["--preload", preload.to_json()]
         self.proc = subprocess.Popen(
-            die_with_parent([sys.executable, "-u", "-m", "pliant.agent.zygote", *map(str, fds)]),
-            env=self.base_env, stdin=subprocess.DEVNULL, pass_fds=fds, start_new_session=True,
-        )  # fmt: skip
+            die_with_parent(argv), env=self.base_env, stdin=subprocess.DEVNULL, pass_fds=fds, start_new_session=True
+        )
         theirs.close()
         host_end.close()
         self.stores = StoreHost(stores)  # the node's store host, which the zygote forks once torch is imported
@@ -161,7 +165,15 @@ class Zygote:
                     self.stores_pid = message["stores"]
                     self._log_import("torch.distributed imported and the store host forked")
                 elif "ready" in message:
-                    self._log_import("the preload imported: ready to fork workers")
+                    modules = message.get("preloaded") or []
+                    script = f" and {len(modules)} of the script's modules ({', '.join(modules)})" if modules else ""
+                    self._log_import(f"torch{script} imported: ready to fork workers")
+                elif "skipped" in message:
+                    logger.info(
+                        "worker zygote: not preloading %s: %s; each worker imports it itself",
+                        message["skipped"],
+                        message["why"],
+                    )
                 elif "id" in message:
                     self._pids[message["id"]] = message["pid"]
                 self._changed.notify_all()

@@ -4,15 +4,21 @@ A worker forked from here starts in milliseconds instead of paying an interprete
 training script as ``python SCRIPT`` / ``python -m MODULE`` would (``__main__``, ``sys.argv``, ``sys.path[0]``),
 exiting through the normal interpreter shutdown (atexit handlers run).
 
-Run as ``python -m pliant.agent.zygote FD [STORE_FD]`` where FD is a SOCK_SEQPACKET Unix socket to the agent. The
-zygote stays single-threaded (forking is safe) and imports only the standard library and the preloaded modules. With
-STORE_FD (the store host's end of another socket pair), it forks the node's store host (:mod:`pliant.agent.storehost`)
-as soon as ``torch.distributed`` is imported, before the rest of the preload. Messages are JSON:
+Run as ``python -m pliant.agent.zygote FD [STORE_FD] [--preload JSON] [--skip MODULE,...]`` where FD is a
+SOCK_SEQPACKET Unix socket to the agent. The zygote stays single-threaded (forking is safe) and imports only the
+standard library and the preloaded modules: torch (:data:`PRELOAD`), then what the training script imports
+(:mod:`pliant.agent.preload`'s JSON). With STORE_FD (the store host's end of another socket pair), it forks the node's
+store host (:mod:`pliant.agent.storehost`) as soon as ``torch.distributed`` is imported, before the rest of the
+preload. A script's module that fails to import is skipped; one that starts a thread or initialises CUDA cannot be
+unloaded, so the zygote executes itself again (same pid, same sockets, the store host kept) with that module in
+``--skip``. Messages are JSON:
 
 - agent -> zygote ``{"op": "spawn", "id": N, "env": {...}, "argv": [...], "module": bool}`` with one fd attached:
   the write end of the worker's output pipe. Reply ``{"id": N, "pid": PID}``.
 - zygote -> agent ``{"exit": PID, "code": CODE}`` when a worker ends (CODE < 0: killed by that signal).
-- ``{"ready": true}`` once the preload is imported; ``{"stores": PID}`` once the store host is forked.
+- ``{"ready": true, "preloaded": [MODULE, ...]}`` once the preload is imported (the script's modules it imported);
+  ``{"stores": PID}`` once the store host is forked; ``{"skipped": MODULE, "why": TEXT}`` for each of the script's
+  modules it does not preload.
 
 Each worker leads its own session (stopping its process group stops everything it started) and gets SIGKILL when the
 zygote dies; the zygote gets SIGKILL when the agent dies (started through :mod:`pliant.spawn`).
@@ -20,10 +26,12 @@ zygote dies; the zygote gets SIGKILL when the agent dies (started through :mod:`
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import faulthandler
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -103,9 +111,9 @@ def _defer_process_group_teardown() -> None:
     dist.distributed_c10d.destroy_process_group = destroy_process_group
 
 
-def serve(sock: socket.socket) -> dict[str, Any] | None:
+def serve(sock: socket.socket, preloaded: list[str]) -> dict[str, Any] | None:
     """The zygote's loop. Returns only in a forked child, with the job it must run."""
-    _send(sock, {"ready": True})
+    _send(sock, {"ready": True, "preloaded": preloaded})
     while True:
         readable, _, _ = select.select([sock], [], [], 0.05)
         _reap(sock)
@@ -146,9 +154,93 @@ def _fork_store_host(sock: socket.socket, store_fd: int) -> None:
     _send(sock, {"stores": pid})
 
 
+def _threads() -> int:
+    """This process's threads, native ones included (a library's thread pool is not in ``threading``)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def _is_home(name: str, home: str) -> bool:
+    """Whether module ``name`` would be found in ``home`` (the user's own code, next to the script)."""
+    try:
+        spec = importlib.util.find_spec(name.partition(".")[0])
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [spec.origin or "", *(spec.submodule_search_locations or [])]
+    root = os.path.join(os.path.abspath(home), "")
+    return any(place and os.path.abspath(place).startswith(root) for place in places)
+
+
+def _import(module: str, names: list[str]) -> None:
+    """``from module import names`` (``import module`` without names): a lazy framework loads a name on first read."""
+    loaded = importlib.import_module(module)
+    for name in names:
+        if not hasattr(loaded, name):
+            importlib.import_module(f"{module}.{name}")
+
+
+def _preload_script(sock: socket.socket, preload: dict[str, Any], skip: set[str]) -> list[str]:
+    """Import the script's modules one at a time; returns those it imported (not those torch's preload had). A
+    module that starts a thread or initialises CUDA makes the zygote execute itself again without it (this call then
+    never returns)."""
+    home = preload["home"]
+    if home:
+        sys.path[0] = home  # what the worker's sys.path[0] will be: modules the worker would not see are not loaded
+    done = []
+    for module, names in preload["imports"]:
+        if module in skip or _is_home(module, home):
+            continue
+        threads = _threads()
+        loaded = module in sys.modules
+        failed = ""
+        try:
+            _import(module, names)
+        except BaseException as exc:  # a script's import may raise anything, SystemExit included
+            failed = f"its import failed ({type(exc).__name__}: {exc})"[:300]
+        if _threads() > threads:
+            why = f"its import started {_threads() - threads} thread(s), and a process that forks must hold none"
+            _send(sock, {"skipped": module, "why": why})
+            _exec_again(sock, preload, skip | {module})
+        if _cuda_initialised():
+            _send(sock, {"skipped": module, "why": "its import initialised CUDA, which a forked process cannot use"})
+            _exec_again(sock, preload, skip | {module})
+        if failed:
+            _send(sock, {"skipped": module, "why": failed})
+        elif not loaded:
+            done.append(module)
+    return done
+
+
+def _exec_again(sock: socket.socket, preload: dict[str, Any], skip: set[str]) -> None:
+    """Replace this process with a fresh zygote on the same socket (the store host, already forked, stays a child)."""
+    os.set_inheritable(sock.fileno(), True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = [sys.executable, "-u", "-m", "pliant.agent.zygote", str(sock.fileno())]
+    argv += ["--preload", json.dumps(preload), "--skip", ",".join(sorted(skip))]
+    os.execv(sys.executable, argv)
+
+
 def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    store_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    parser = argparse.ArgumentParser(prog="python -m pliant.agent.zygote")
+    parser.add_argument("fd", type=int)
+    parser.add_argument("store_fd", type=int, nargs="?")
+    parser.add_argument("--preload", default="", help="what the script imports (pliant.agent.preload's JSON)")
+    parser.add_argument("--skip", default="", help="the script's modules not to preload")
+    args = parser.parse_args()
+    sock = socket.socket(fileno=args.fd)
+    store_fd = args.store_fd
     for name in os.environ.get("PLIANT_WORKER_PRELOAD", ",".join(PRELOAD)).split(","):
         if name:
             with contextlib.suppress(ImportError):  # the script reports what it misses itself
@@ -158,7 +250,9 @@ def main() -> None:
             store_fd = None
     if store_fd is not None:  # a preload without torch.distributed: the host imports it itself
         _fork_store_host(sock, store_fd)
-    job = serve(sock)
+    skip = {name for name in args.skip.split(",") if name}
+    preloaded = _preload_script(sock, json.loads(args.preload), skip) if args.preload else []
+    job = serve(sock, preloaded)
     if job is None:
         return
     _defer_process_group_teardown()

@@ -42,6 +42,15 @@ def test_module_and_no_python_commands() -> None:
     assert cmd.cold() == ["echo", "hi"]
 
 
+def test_the_preload_is_read_from_the_script_unless_named_or_turned_off() -> None:
+    assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).preload is None
+    named = config_from_args(parse("run", "--preload", "transformers, datasets", SCRIPT), ["h:1"], embedded=True)
+    assert named.preload == ("transformers", "datasets")
+    assert config_from_args(parse("run", "--no-preload", SCRIPT), ["h:1"], embedded=True).preload == ()
+    with pytest.raises(SystemExit):  # argparse: not allowed with each other
+        parse("run", "--preload", "x", "--no-preload", SCRIPT)
+
+
 def test_host_defaults_to_loopback_with_the_embedded_control_plane() -> None:
     assert config_from_args(parse("run", SCRIPT), ["h:1"], embedded=True).host == "127.0.0.1"
 
@@ -61,6 +70,8 @@ def test_the_snapshot_interval_is_automatic_unless_fixed() -> None:
         (("--metrics-port", "70000"), "--metrics-port 70000 must be in 0..65535"),
         (("--snapshot-every", "0"), "--snapshot-every 0 must be 'auto' or at least 1"),
         (("--snapshot-every", "often"), "--snapshot-every 'often' must be 'auto' or a whole number"),
+        (("--preload", "transformers,my-pkg"), "'my-pkg' is not a module name"),
+        (("--preload", " , "), "names no module; pass e.g. --preload transformers, or --no-preload"),
     ],
 )
 def test_bad_values(argv: tuple[str, ...], needle: str) -> None:
