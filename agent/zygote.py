@@ -197,12 +197,12 @@ def _preload_script(sock: socket.socket, preload: dict[str, Any], skip: set[str]
     home = preload["home"]
     if home:
         sys.path[0] = home  # what the worker's sys.path[0] will be: modules the worker would not see are not loaded
-    done = []
+    before = set(sys.modules)
+    failed_modules = set()
     for module, names in preload["imports"]:
         if module in skip or _is_home(module, home):
             continue
         threads = _threads()
-        loaded = module in sys.modules
         failed = ""
         try:
             _import(module, names)
@@ -217,9 +217,8 @@ def _preload_script(sock: socket.socket, preload: dict[str, Any], skip: set[str]
             _exec_again(sock, preload, skip | {module})
         if failed:
             _send(sock, {"skipped": module, "why": failed})
-        elif not loaded:
-            done.append(module)
-    return done
+            failed_modules.add(module)
+    return [m for m, _ in preload["imports"] if m not in before and m in sys.modules and m not in failed_modules]
 
 
 def _exec_again(sock: socket.socket, preload: dict[str, Any], skip: set[str]) -> None:

@@ -11,10 +11,14 @@ Columns: ``in-place`` (``pliant run --rescale in-place``, no checkpoint director
 and state), ``restart`` (``--rescale restart`` with checkpoints every 5 steps: every change checkpoints and starts new
 processes), ``torchrun`` (c10d rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, needed for its scale-up to work;
 the script saves every 5 steps into PLIANT_CHECKPOINT_DIR) and ``torchrun-default`` (its default configuration, where a
-scale-up that never completes is reported as a deadlock). A new world is recognised by every rank stepping as a new
+scale-up that never completes is reported as a deadlock); ``in-place+imports`` and ``torchrun+imports`` run the same
+script behind a framework's imports (bench/heavy_imports.py: transformers' Trainer, Accelerate, Lightning; their
+import time is measured and printed), which pliant's zygote preloads from the script's text and torchrun's fresh
+workers import each time. A new world is recognised by every rank stepping as a new
 (process, generation) pair: in place the processes stay and the generation moves; torchrun starts new processes.
 
-Usage: ``.venv/bin/python bench/elastic.py [--launchers in-place restart torchrun torchrun-default] [--timeout 120]``
+Usage: ``.venv/bin/python bench/elastic.py [--launchers in-place restart torchrun torchrun-default in-place+imports
+torchrun+imports] [--timeout 120]``
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from pliant.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
+HEAVY = ROOT / "bench" / "heavy_imports.py"  # SCRIPT behind a framework's imports
+LAUNCHERS = ("in-place", "restart", "torchrun", "torchrun-default", "in-place+imports", "torchrun+imports")
 STEP_TIME = 0.05
 SAVE_EVERY = 5  # the restart and torchrun columns checkpoint this often
 
@@ -88,13 +94,14 @@ class Launcher:
     """How to start node a and node b under one launcher."""
 
     def __init__(self, name: str, workdir: Path) -> None:
-        self.name = name
+        self.name, _, heavy = name.partition("+")
+        self.script = HEAVY if heavy else SCRIPT
         self.workdir = workdir
         self.port = free_port()
         self.events = workdir / "events.jsonl"
 
     def command(self, node: str) -> tuple[list[str], dict[str, str]]:
-        script = [str(SCRIPT), "--steps", "1000000", "--step-time", str(STEP_TIME), "--events", str(self.events)]
+        script = [str(self.script), "--steps", "1000000", "--step-time", str(STEP_TIME), "--events", str(self.events)]
         ckpt = str(self.workdir / "ckpt")
         env = dict(os.environ)
         if self.name in ("in-place", "restart"):
@@ -187,6 +194,21 @@ def measure(name: str, timeout_s: float) -> Result:
     return result
 
 
+RATIOS = (("in-place", "torchrun"), ("restart", "torchrun"), ("in-place+imports", "torchrun+imports"))
+
+
+def heavy_import_s() -> float:
+    """Seconds the +imports script's own imports take beyond torch's in a fresh interpreter (what a torchrun worker
+    pays at every start)."""
+    code = (
+        "import time, torch, torch.distributed, pliant.worker; t = time.perf_counter(); "
+        "import accelerate, lightning; from transformers import GPT2Config, GPT2LMHeadModel, Trainer, "
+        "TrainingArguments; print(time.perf_counter() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    return float(out.stdout.split()[-1])
+
+
 def _fmt(value: float | int | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -195,9 +217,11 @@ def _fmt(value: float | int | None, unit: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launchers", nargs="+", default=["in-place", "restart", "torchrun", "torchrun-default"])
+    parser.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS))
     parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for one scenario, s")
     args = parser.parse_args()
+    if any(name.endswith("+imports") for name in args.launchers):
+        print(f"the +imports script's imports beyond torch, in a fresh process: {heavy_import_s():.2f} s", flush=True)
     results = {}
     for name in args.launchers:
         print(f"measuring {name} ...", flush=True)
@@ -213,15 +237,15 @@ def main() -> None:
         ("throughput at world 4", "throughput", "steps/s"),
     ]
     names = list(results)
-    ours = [n for n in ("in-place", "restart") if n in results and "torchrun" in results]
-    header = f"{'scenario':<36}" + "".join(f"{n:>18}" for n in names) + "".join(f"{n + '/torchrun':>20}" for n in ours)
+    pairs = [(n, base) for n, base in RATIOS if n in results and base in results]
+    header = f"{'scenario':<36}" + "".join(f"{n:>18}" for n in names)
+    header += "".join(f"{n + '/' + base.partition('+')[0]:>28}" for n, base in pairs)
     print("\n" + header)
     for label, attr, unit in rows:
         line = f"{label:<36}" + "".join(f"{_fmt(getattr(results[n], attr), unit):>18}" for n in names)
-        t = getattr(results["torchrun"], attr) if ours else None
-        for name in ours:
-            p = getattr(results[name], attr)
-            line += f"{p / t:>19.2f}x" if p is not None and t else f"{'-':>20}"
+        for name, base in pairs:
+            p, t = getattr(results[name], attr), getattr(results[base], attr)
+            line += f"{p / t:>27.2f}x" if p is not None and t else f"{'-':>28}"
         print(line)
     for name in names:
         for note in results[name].notes:

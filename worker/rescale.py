@@ -229,6 +229,7 @@ class Protocol:
                 f"script caught it (an `except SystemExit`, `except BaseException` or bare `except:` around the "
                 f"loop); let RescaleExit propagate, so that the process exits and the next generation forms"
             )
+        self.session.setup_window.close()  # the loop has begun: the script's own collectives are its business
         self.cadence.tick(batch.step, time.perf_counter(), time.process_time())
         self.sync_pending()
         if self.failed_between:  # a collective between steps failed: re-form before this step, as if it broke

@@ -32,6 +32,7 @@ from pliant.worker.data import ElasticLoader, ElasticSampler
 from pliant.worker.groups import announce_arrival, connect_store, keepalive, new_world, retire_groups, socket_fds
 from pliant.worker.metrics import WorkerMetrics
 from pliant.worker.rescale import Protocol
+from pliant.worker.setup_window import SetupWindow
 
 __all__ = ["Session", "init"]
 
@@ -107,6 +108,10 @@ class Session:
         self.protocol: Protocol | None = None
         if self.env.agent_store and self._owns_group:
             self.protocol = Protocol(self, in_place=self.env.rescale == "in-place")
+        # In place, the script's own collectives are refused until its first step (pliant.worker.setup_window).
+        self.setup_window = SetupWindow()
+        if self._in_place and self.protocol is not None:
+            self.setup_window.start()
         # A fresh worker of a later generation may be joining a running world, whose survivors wait for it from the
         # moment it counts itself in: it meets them only when the script first needs the group (``engine()``,
         # ``loader()``, ``checkpoints()``, a collective), so building the model does not lengthen their pause.
@@ -325,6 +330,7 @@ class Session:
         called without an active exception", seen under torchrun on a loaded machine).
         """
         self.metrics.progress.write(self.metrics.progress.step, "done")
+        self.setup_window.close()
         if self._group_pending:  # never needed the world: it is not waited for either (a script that did nothing)
             return
         if self._owns_group and dist.is_initialized():

@@ -4,6 +4,7 @@ CUDA/NCCL paths run only where a GPU exists."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,22 @@ def test_a_single_plain_process_gives_the_same_loss(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert _final(single)["world"] == 1 and _final(torchrun)["world"] == 3
     assert abs(_final(single)["loss"] - _final(torchrun)["loss"]) < 1e-5, "same global batches, same training"
+
+
+def test_a_collective_of_the_scripts_own_before_its_loop_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """In place, a worker joining a running world runs the set-up alone: a collective there is refused in every
+    generation, so the script's author meets the rule on the first run, not on the first join."""
+    hooks = Path(__file__).with_name("train_hooks.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--max-restarts", "0", str(hooks),
+         "--steps", "5"],
+        capture_output=True, text=True, timeout=160, env={**os.environ, "TEST_BARRIER_AFTER_INIT": "1"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "SetupCollectiveError: torch.distributed.barrier at " in out and "train_hooks.py:" in out, out[-4000:]
+    assert "runs between pliant.worker.init() and the first engine.step" in out
+    assert "session.all_reduce_sum" in out, "the fix"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")

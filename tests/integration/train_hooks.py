@@ -3,6 +3,8 @@ agent's):
 
 - ``TEST_SLOW_SAVE_S``: every synchronous checkpoint save (the rescale's) takes that many seconds longer, as a save of
   a big model would.
+- ``TEST_BARRIER_AFTER_INIT``: the script runs a ``dist.barrier()`` of its own right after ``pliant.worker.init()``,
+  which breaks a rule of a pliant.worker script.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import runpy
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
+import pliant.worker
 from pliant.worker.checkpoint import CheckpointManager
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_elastic.py"
@@ -28,6 +33,16 @@ if _slow:
         return _save(self, step, sync)
 
     CheckpointManager.save = _slow_save  # type: ignore[method-assign]
+
+if os.environ.get("TEST_BARRIER_AFTER_INIT"):
+    _init = pliant.worker.init
+
+    def _init_then_barrier(**kwargs: object) -> pliant.worker.Session:
+        session = _init(**kwargs)
+        dist.barrier()
+        return session
+
+    pliant.worker.init = _init_then_barrier  # type: ignore[assignment]
 
 
 runpy.run_path(str(EXAMPLE), run_name="__main__")
