@@ -90,9 +90,10 @@ class Agent:
         # With a bootstrap join the certificate comes in run(); the channels made here are replaced before any call.
         self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
         self.join_token = config.join_token
-        self.state = core.CoreState(config.node_id, config=core.CoreConfig(config.hang_timeout_s,
-                                                                          config.start_timeout_s,
-                                                                          config.rescale == "in-place"))  # fmt: skip
+        self.state = core.CoreState(
+            config.node_id,
+            config=core.CoreConfig(config.hang_timeout_s, config.start_timeout_s, config.rescale == "in-place"),
+        )
         self.group: WorkerGroup | None = None
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
@@ -133,17 +134,24 @@ class Agent:
             port = int(listening.getsockname()[1])
             self.address = f"{self.config.host}:{port}"
             if self.config.metrics_port is not None:
-                self.metrics_server = serve_metrics(self.metrics.registry,
-                                                    f"{self.config.host}:{self.config.metrics_port}")  # fmt: skip
+                self.metrics_server = serve_metrics(
+                    self.metrics.registry, f"{self.config.host}:{self.config.metrics_port}"
+                )
             if not self.config.checkpoint_dir:
-                logger.warning("agent %s: no --checkpoint-dir: unless the script saves its own checkpoints, every "
-                               "rescale or worker failure restarts training from step 0; pass --checkpoint-dir DIR "
-                               "(shared by the nodes) to keep progress", self.config.node_id)  # fmt: skip
+                logger.warning(
+                    "agent %s: no --checkpoint-dir: unless the script saves its own checkpoints, every "
+                    "rescale or worker failure restarts training from step 0; pass --checkpoint-dir DIR "
+                    "(shared by the nodes) to keep progress",
+                    self.config.node_id,
+                )
             if self.config.ca_cert_hash:
                 self.tls = self.credentials.bootstrap(self.join_token)
             self._join()
-            for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
-                                 (self._report_loop, "reporter")):  # fmt: skip
+            for target, name in (
+                (self._heartbeat_loop, "heartbeat"),
+                (self._watch_loop, "watch"),
+                (self._report_loop, "reporter"),
+            ):
                 threading.Thread(target=target, name=name, daemon=True).start()
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
             generation_ports = port + 1 if self.config.store_port else 0
@@ -220,8 +228,10 @@ class Agent:
             if client is not self.client:
                 client.close()
         if not created and not self.join_token:
-            raise AgentError(f"job {spec.job_id!r} already exists; pass its join token with --join-token (or "
-                             f"PLIANT_JOIN_TOKEN): the one printed when the job was created")  # fmt: skip
+            raise AgentError(
+                f"job {spec.job_id!r} already exists; pass its join token with --join-token (or "
+                f"PLIANT_JOIN_TOKEN): the one printed when the job was created"
+            )
         self.join_token = token
         logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
         if created and admin is None:  # no one else was told the token: say it, as `pliant job create` does
@@ -250,8 +260,12 @@ class Agent:
                     raise
                 if not waited:
                     waited = True
-                    logger.info("agent %s: an earlier agent of this node id still holds its membership; waiting up to "
-                                "%.0fs for it to be dropped", self.config.node_id, patience)  # fmt: skip
+                    logger.info(
+                        "agent %s: an earlier agent of this node id still holds its membership; waiting up to "
+                        "%.0fs for it to be dropped",
+                        self.config.node_id,
+                        patience,
+                    )
                 self._stop.wait(0.5)
         self.grant = grant
         self._events.put(core.Joined(grant.heartbeat_ttl_s))
@@ -259,12 +273,10 @@ class Agent:
 
     def _join_once(self, job: str) -> JoinGrant:
         try:
-            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
-                                    self.join_token)  # fmt: skip
+            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node, self.join_token)
         except NotFound:
             self._create_job()
-            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node,
-                                    self.join_token)  # fmt: skip
+            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node, self.join_token)
 
     # -- background threads --------------------------------------------------------------------------------------------
 
@@ -288,9 +300,15 @@ class Agent:
                 return
             try:
                 step, (reaches, misses) = self.metrics.latest_step(), self._probe(grant.heartbeat_interval_s / 2)
-                self.client.heartbeat(self.config.spec.job_id, self.config.node_id, grant.lease_id, step,
-                                      timeout_s=max(0.5, grant.heartbeat_ttl_s / 3), reaches_generation=reaches,
-                                      misses_generation=misses)  # fmt: skip
+                self.client.heartbeat(
+                    self.config.spec.job_id,
+                    self.config.node_id,
+                    grant.lease_id,
+                    step,
+                    timeout_s=max(0.5, grant.heartbeat_ttl_s / 3),
+                    reaches_generation=reaches,
+                    misses_generation=misses,
+                )
                 self._events.put(core.HeartbeatOk())
                 if failing:
                     back_after = time.monotonic() - down_since
@@ -310,8 +328,9 @@ class Agent:
                 if not failing:
                     # The call retried for heartbeat_retry_s before it failed: the outage began about then.
                     down_since = time.monotonic() - self.config.heartbeat_retry_s
-                    logger.warning("agent %s: heartbeat failed (%s); retrying, workers keep training",
-                                   self.config.node_id, exc)  # fmt: skip
+                    logger.warning(
+                        "agent %s: heartbeat failed (%s); retrying, workers keep training", self.config.node_id, exc
+                    )
                 if not said and isinstance(exc, Unavailable):
                     self._say_unreachable(down_since)
                     said = True
@@ -384,8 +403,13 @@ class Agent:
                     self._send(report)
                     break
                 except _GONE as exc:
-                    logger.warning("agent %s: %s of generation %d not reported: %s", self.config.node_id, report.kind,
-                                   report.generation, exc)  # fmt: skip
+                    logger.warning(
+                        "agent %s: %s of generation %d not reported: %s",
+                        self.config.node_id,
+                        report.kind,
+                        report.generation,
+                        exc,
+                    )
                     break
                 except CoordinatorError as exc:
                     log = logger.warning if delay == 0.5 else logger.debug  # said once per report
@@ -404,12 +428,25 @@ class Agent:
             unreachable = [m.node_id for m in others if not reachable(m.address)]
             if unreachable:
                 logger.warning("agent %s: agents of %s are unreachable", node, ",".join(unreachable))
-            accepted, current = self.client.report_failure(job, node, report.generation, report.exit_code,
-                                                           report.message, unreachable, lease,
-                                                           arrived=report.arrived)  # fmt: skip
-        logger.info("agent %s: %s of generation %d reported (%s; current generation %d)%s", node, report.kind,
-                    report.generation, "accepted" if accepted else "stale", current,
-                    "; every member had arrived (its workers trained in it)" if report.arrived else "")  # fmt: skip
+            accepted, current = self.client.report_failure(
+                job,
+                node,
+                report.generation,
+                report.exit_code,
+                report.message,
+                unreachable,
+                lease,
+                arrived=report.arrived,
+            )
+        logger.info(
+            "agent %s: %s of generation %d reported (%s; current generation %d)%s",
+            node,
+            report.kind,
+            report.generation,
+            "accepted" if accepted else "stale",
+            current,
+            "; every member had arrived (its workers trained in it)" if report.arrived else "",
+        )
 
     # -- the main loop -------------------------------------------------------------------------------------------------
 
@@ -456,8 +493,10 @@ class Agent:
                 next_tick = time.monotonic() + (TICK_S if self._handover is None else 0.02)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
                     self._leave()
-                    raise AgentError("the node's store host (pliant-stores) exited; this agent left the job and exits "
-                                     "so that its supervisor restarts the node")  # fmt: skip
+                    raise AgentError(
+                        "the node's store host (pliant-stores) exited; this agent left the job and exits "
+                        "so that its supervisor restarts the node"
+                    )
                 self._publish_renewing()
                 self._hand_over()
             elif isinstance(event, WatchEvent):
@@ -483,8 +522,13 @@ class Agent:
         before = self.state
         self.state, actions = core.decide(self.state, event, time.monotonic())
         if self.state.phase is not before.phase or self.state.reason != before.reason:
-            logger.info("agent %s: %s -> %s (%s)", self.config.node_id, before.phase.value, self.state.phase.value,
-                        self.state.reason)  # fmt: skip
+            logger.info(
+                "agent %s: %s -> %s (%s)",
+                self.config.node_id,
+                before.phase.value,
+                self.state.phase.value,
+                self.state.reason,
+            )
             self.metrics.set_state(self.state.phase)
         for action in actions:
             code = self._perform(action)
@@ -506,8 +550,9 @@ class Agent:
             try:
                 self._start_workers(action.generation)
             except AgentError as exc:
-                logger.warning("agent %s: cannot start generation %d: %s", self.config.node_id,
-                               action.generation.number, exc)  # fmt: skip
+                logger.warning(
+                    "agent %s: cannot start generation %d: %s", self.config.node_id, action.generation.number, exc
+                )
                 self._events.put(core.StartFailed(action.generation.number, str(exc)))
         elif isinstance(action, core.Send):
             self._reports.put(action.report)
@@ -535,12 +580,20 @@ class Agent:
                 time.sleep(0.05)
         if action.leave:
             self.metrics.rescales.labels("in-place").inc()
-            logger.info("agent %s: generation %d: this node's workers leave at the next step boundary; the others "
-                        "re-form in place", self.config.node_id, group.generation)  # fmt: skip
+            logger.info(
+                "agent %s: generation %d: this node's workers leave at the next step boundary; the others "
+                "re-form in place",
+                self.config.node_id,
+                group.generation,
+            )
         elif action.rescale:
             self.metrics.rescales.labels("restart").inc()
-            logger.info("agent %s: generation %d ends by the restart path (%s)", self.config.node_id,
-                        group.generation, self._why_restart())  # fmt: skip
+            logger.info(
+                "agent %s: generation %d ends by the restart path (%s)",
+                self.config.node_id,
+                group.generation,
+                self._why_restart(),
+            )
         group.stop(self.config.stop_grace_s, self.config.rescale_grace_s if action.rescale else 0.0, action.leave)
 
     def _why_restart(self) -> str:
@@ -591,8 +644,9 @@ class Agent:
             pending, verdict = probed(pending, arrived, cut, time.monotonic(), self.config.rescale_grace_s)
             if verdict.cut:  # the workers train on in their generation; the report brings the next one
                 self._handover = None
-                logger.warning("agent %s: generation %d not handed over: %s", self.config.node_id, gen.number,
-                               verdict.message)  # fmt: skip
+                logger.warning(
+                    "agent %s: generation %d not handed over: %s", self.config.node_id, gen.number, verdict.message
+                )
                 self._reports.put(core.Report("failure", gen.number, -1, verdict.message))
                 return
             if not verdict.hand:
@@ -602,8 +656,14 @@ class Agent:
         kept, started = self.group.reconfigure(gen.number, envs)
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
-        logger.info("agent %s: generation %d in place (%s): %d workers keep their processes, %d started",
-                    self.config.node_id, gen.number, gen.reason, kept, started)  # fmt: skip
+        logger.info(
+            "agent %s: generation %d in place (%s): %d workers keep their processes, %d started",
+            self.config.node_id,
+            gen.number,
+            gen.reason,
+            kept,
+            started,
+        )
 
     def _start_workers(self, gen: Generation) -> None:
         log_dir = None
@@ -628,22 +688,37 @@ class Agent:
             # Node rank 0 opens the store before it stops its old group, so this is normally at once; the bound is
             # the longest node rank 0 may take to stop that group, so a slow checkpoint never fails a join.
             wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
-            master_port = self.store.generation_port(gen.store_address, gen.number, timeout_s=wait_s,
-                                                    superseded=lambda: self._newest_seen > gen.number)  # fmt: skip
+            master_port = self.store.generation_port(
+                gen.store_address, gen.number, timeout_s=wait_s, superseded=lambda: self._newest_seen > gen.number
+            )
         master_addr, config = gen.store_address.rsplit(":", 1)[0], self.config
         return [
-            WorkerEnv(rank=me.rank_offset + local_rank, local_rank=local_rank, world_size=gen.world_size,
-                      local_world_size=me.nproc, node_rank=me.node_rank, num_nodes=len(gen.members),
-                      master_addr=master_addr, master_port=master_port, job_id=config.spec.job_id,
-                      generation=gen.number, max_restarts=config.spec.max_restarts, node_id=config.node_id,
-                      agent_store=self.store.address, checkpoint_dir=config.checkpoint_dir,
-                      metrics_dir=self.metrics.worker_dir, incarnation=gen.incarnation,
-                      checkpoint_key=self.grant.checkpoint_key.hex() if self.grant is not None else "",
-                      allow_fresh_start=config.allow_fresh_start, rescale=config.rescale,
-                      progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
-                      snapshot_every=config.snapshot_every, snapshot_dir=self.snapshot_dir)
+            WorkerEnv(
+                rank=me.rank_offset + local_rank,
+                local_rank=local_rank,
+                world_size=gen.world_size,
+                local_world_size=me.nproc,
+                node_rank=me.node_rank,
+                num_nodes=len(gen.members),
+                master_addr=master_addr,
+                master_port=master_port,
+                job_id=config.spec.job_id,
+                generation=gen.number,
+                max_restarts=config.spec.max_restarts,
+                node_id=config.node_id,
+                agent_store=self.store.address,
+                checkpoint_dir=config.checkpoint_dir,
+                metrics_dir=self.metrics.worker_dir,
+                incarnation=gen.incarnation,
+                checkpoint_key=self.grant.checkpoint_key.hex() if self.grant is not None else "",
+                allow_fresh_start=config.allow_fresh_start,
+                rescale=config.rescale,
+                progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
+                snapshot_every=config.snapshot_every,
+                snapshot_dir=self.snapshot_dir,
+            )
             for local_rank in range(me.nproc)
-        ]  # fmt: skip
+        ]
 
     def _describe(self, result: object) -> str:
         failure = getattr(result, "first_failure", None)

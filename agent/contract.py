@@ -140,13 +140,16 @@ class AgentConfig:
         if self.stop_grace_s < 0 or self.finish_grace_s < 0:
             raise ConfigError("grace periods must be >= 0 seconds")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
-            raise ConfigError(f"--hang-timeout {self.hang_timeout_s:g} must be > 0 seconds (omit it for the automatic "
-                              f"timeout)")  # fmt: skip
+            raise ConfigError(
+                f"--hang-timeout {self.hang_timeout_s:g} must be > 0 seconds (omit it for the automatic timeout)"
+            )
         if self.rescale not in RESCALE_MODES:
             raise ConfigError(f"--rescale {self.rescale!r} must be one of: {', '.join(RESCALE_MODES)}")
         if self.snapshot_every is not None and self.snapshot_every < 1:
-            raise ConfigError(f"--snapshot-every {self.snapshot_every} must be 'auto' or at least 1 (committed steps "
-                              f"between a sharded engine's buddy copies)")  # fmt: skip
+            raise ConfigError(
+                f"--snapshot-every {self.snapshot_every} must be 'auto' or at least 1 (committed steps "
+                f"between a sharded engine's buddy copies)"
+            )
         if self.ca_cert_hash and (self.tls is not None or not self.bootstrap or not self.join_token):
             raise ConfigError(
                 "a bootstrap join (--ca-cert-hash) needs the job's --join-token and a coordinator, and no --tls-dir "

@@ -223,8 +223,19 @@ class Tick:
     ready: bool = False  # every live worker announced that it re-forms in place
 
 
-Event = (Joined | GenerationSeen | JobFinished | GroupExited | StartFailed | HeartbeatOk | HeartbeatFailed | LeaseLost
-         | PeersProbed | SignalReceived | Tick)  # fmt: skip
+Event = (
+    Joined
+    | GenerationSeen
+    | JobFinished
+    | GroupExited
+    | StartFailed
+    | HeartbeatOk
+    | HeartbeatFailed
+    | LeaseLost
+    | PeersProbed
+    | SignalReceived
+    | Tick
+)
 
 
 # -- actions -----------------------------------------------------------------------------------------------------------
@@ -390,7 +401,8 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
             # in place, or another node's group could not): fresh workers restore from the checkpoint.
             state = replace(state, group=gen.number, started_at=now)
             return _set(state, AgentState.RUNNING, f"generation {gen.number} restarted from the checkpoint"), [
-                Stop(), Start(gen)
+                Stop(),
+                Start(gen),
             ]
         return _set(state, AgentState.WAITING, f"workers of generation {result.generation} saved for a rescale"), [
             Stop()
@@ -410,8 +422,10 @@ def _fenced_by(state: CoreState, fence: Fence | None) -> str:
         return ""
     if fence.owner == gen.incarnation:
         return f"fenced: generation {fence.generation} owns the checkpoint directory, this group runs {state.group}"
-    return (f"fenced: another incarnation of job {gen.job_id} (started again) took the checkpoint directory over; "
-            f"this world (generation {state.group}) stops")
+    return (
+        f"fenced: another incarnation of job {gen.job_id} (started again) took the checkpoint directory over; "
+        f"this world (generation {state.group}) stops"
+    )
 
 
 def _failure(state: CoreState, generation: int, code: int, message: str) -> Report:
@@ -441,8 +455,13 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         if old is not None and old.phase == "step" and phase == "step" and step > old.step:
             intervals.append((now - old.since) / (step - old.step))
         progress[rank] = RankProgress(step, phase, now, generation)
-    state = replace(state, progress=tuple(sorted(progress.items())), step_intervals=tuple(intervals[-_STEP_SAMPLES:]),
-                    ready=tick.ready, trained_in=trained_in)  # fmt: skip
+    state = replace(
+        state,
+        progress=tuple(sorted(progress.items())),
+        step_intervals=tuple(intervals[-_STEP_SAMPLES:]),
+        ready=tick.ready,
+        trained_in=trained_in,
+    )
     limit = hang_timeout(state)
     start_limit = state.config.start_timeout_s
     for rank, p in sorted(progress.items()):
@@ -450,8 +469,11 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         if p.phase == "step" and idle > limit:
             why = f"local rank {rank} made no progress for {idle:.0f}s after step {p.step} (hang timeout {limit:g}s)"
         elif p.phase in ("start", "save", "wait") and start_limit and idle > start_limit:
-            what = {"start": "its first step", "save": f"the checkpoint save after step {p.step}",
-                    "wait": f"waiting for the next generation after step {p.step}"}[p.phase]  # fmt: skip
+            what = {
+                "start": "its first step",
+                "save": f"the checkpoint save after step {p.step}",
+                "wait": f"waiting for the next generation after step {p.step}",
+            }[p.phase]
             why = f"local rank {rank} spent {idle:.0f}s on {what} (start timeout {start_limit:g}s)"
         else:
             continue
@@ -523,22 +545,28 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
             return state, []
         if 0 < event.newest <= state.group:  # the peers' world is still this group's: not evicted (yet)
             return state, []
-        why = (f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
-               f"{event.streak_s:.0f}s" + (f" and seen generation {event.newest}" if event.newest > 0 else ""))
+        why = (
+            f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
+            f"{event.streak_s:.0f}s" + (f" and seen generation {event.newest}" if event.newest > 0 else "")
+        )
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
     if isinstance(event, SignalReceived):
         if _in_place(state):
             # Leave first: the others' next generation (without this node) is on its way while this node's ranks
             # reach the step boundary, so they find their directives there and re-form without waiting.
             return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [
-                Leave(), Stop(rescale=True, leave=True), Exit(0)
+                Leave(),
+                Stop(rescale=True, leave=True),
+                Exit(0),
             ]
         actions = [Stop(rescale=True)] if state.group is not None else []
         return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
     if isinstance(event, Tick):
         if _done_unheard(state, now):
-            why = (f"this node's workers finished, and the control plane has not been reached for "
-                   f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting")
+            why = (
+                f"this node's workers finished, and the control plane has not been reached for "
+                f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting"
+            )
             return _set(state, AgentState.SUCCEEDED, why), [Exit(0)]
         fenced = _fenced_by(state, event.fence)
         if fenced:

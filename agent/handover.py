@@ -62,8 +62,9 @@ def probe_due(pending: HandOver, arrived: int, now: float) -> bool:
     return arrived >= pending.needed or now >= pending.deadline or now - pending.probed_at >= PROBE_EVERY_S
 
 
-def probed(pending: HandOver, arrived: int, unreachable: Collection[str], now: float,
-           grace_s: float) -> tuple[HandOver, Verdict]:  # fmt: skip
+def probed(
+    pending: HandOver, arrived: int, unreachable: Collection[str], now: float, grace_s: float
+) -> tuple[HandOver, Verdict]:
     """The hand-over after a probe found ``unreachable`` newcomers (``arrived`` workers counted in by then).
 
     Args:

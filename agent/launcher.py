@@ -155,8 +155,9 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         help="port of this node's agent store; the stores of each generation (node rank 0) use the next ports "
         "(default: free ports)",
     )
-    add_metrics_port_flag(parser, "the agent's and its workers', with the embedded control plane also the "
-                          "coordinator's, on --host")  # fmt: skip
+    add_metrics_port_flag(
+        parser, "the agent's and its workers', with the embedded control plane also the coordinator's, on --host"
+    )
     parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
     parser.add_argument("--join-grace", type=float, default=1.0, help="join batching window, s (default 1)")
     parser.add_argument(
@@ -242,10 +243,21 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     parser.add_argument(*_names("--no-python"), action="store_true", help="run SCRIPT as a command, not with Python")
     # torchrun flags that mean nothing here but are harmless: accepted, noted in the log.
-    for flag in ("--rdzv-backend", "--rdzv-conf", "--monitor-interval", "--start-method", "--role", "--tee",
-                 "--redirects", "--event-log-handler", "--signals-to-handle", "--run-path"):  # fmt: skip
-        parser.add_argument(*_names(flag), dest=f"ignored_{flag[2:].replace('-', '_')}", default=None,
-                            help=argparse.SUPPRESS)  # fmt: skip
+    for flag in (
+        "--rdzv-backend",
+        "--rdzv-conf",
+        "--monitor-interval",
+        "--start-method",
+        "--role",
+        "--tee",
+        "--redirects",
+        "--event-log-handler",
+        "--signals-to-handle",
+        "--run-path",
+    ):
+        parser.add_argument(
+            *_names(flag), dest=f"ignored_{flag[2:].replace('-', '_')}", default=None, help=argparse.SUPPRESS
+        )
     refused = {
         "--node-rank": "pliant assigns node ranks in join order; remove --node-rank",
         "--master-addr": "pliant hosts the store itself; join a job with --coordinator HOST:PORT",
@@ -296,8 +308,11 @@ def _nproc(text: str) -> int:
 def _ignored_notes(args: argparse.Namespace) -> None:
     for name, value in vars(args).items():
         if name.startswith("ignored_") and value is not None:
-            logger.info("--%s=%s accepted for torchrun compatibility; pliant's coordinator makes it unnecessary",
-                        name[len("ignored_") :].replace("_", "-"), value)  # fmt: skip
+            logger.info(
+                "--%s=%s accepted for torchrun compatibility; pliant's coordinator makes it unnecessary",
+                name[len("ignored_") :].replace("_", "-"),
+                value,
+            )
 
 
 def _min_nodes_timeout(args: argparse.Namespace) -> float:
@@ -490,8 +505,10 @@ def run_main(args: argparse.Namespace) -> int:
 
     _ignored_notes(args)
     if args.tls_dir:
-        raise ConfigError("--tls-dir is for joining a running coordinator (with --coordinator); the embedded control "
-                          "plane makes its own certificates (see --certs-dir)")  # fmt: skip
+        raise ConfigError(
+            "--tls-dir is for joining a running coordinator (with --coordinator); the embedded control "
+            "plane makes its own certificates (see --certs-dir)"
+        )
     if args.ca_cert_hash:
         raise ConfigError(
             "--ca-cert-hash is for joining a running coordinator (with --coordinator); the embedded control plane "
@@ -534,12 +551,17 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
     # A wildcard --listen serves every interface; the join command names the address this node advertises.
     # etcd serves mutual TLS from a CA of its own (the coordinator is its one client), unless the run is --insecure.
     with EtcdServer(log_path=log_path, die_with_parent=True, tls=certs.etcd_server if certs else None) as etcd:
-        coord_config = CoordinatorConfig(etcd_endpoints=(etcd.endpoint,), listen=args.listen, leader_ttl_s=2.0,
-                                         replica_id="embedded", tls=certs.coordinator if certs else None,
-                                         etcd_tls=certs.etcd_client if certs else None,
-                                         insecure=certs is None,
-                                         signer=Signer(certs.ca) if certs else None,
-                                         seal_root=load_or_create_root(args.seal_root_file))  # fmt: skip
+        coord_config = CoordinatorConfig(
+            etcd_endpoints=(etcd.endpoint,),
+            listen=args.listen,
+            leader_ttl_s=2.0,
+            replica_id="embedded",
+            tls=certs.coordinator if certs else None,
+            etcd_tls=certs.etcd_client if certs else None,
+            insecure=certs is None,
+            signer=Signer(certs.ca) if certs else None,
+            seal_root=load_or_create_root(args.seal_root_file),
+        )
         registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
         with CoordinatorServer(coord_config, registry) as coordinator:
             host = args.host if is_wildcard(listen_host) else listen_host

@@ -37,9 +37,11 @@ def usable(parent: str | None) -> str:
     if parent is None:
         return DEFAULT_PARENT if os.path.isdir(DEFAULT_PARENT) and os.access(DEFAULT_PARENT, os.W_OK) else ""
     if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-        raise ConfigError(f"--snapshot-dir {parent!r} is not a writable folder: name one in node-local memory "
-                          f"(tmpfs, such as /dev/shm), or pass --snapshot-dir '' to keep the buddy copies in the "
-                          f"workers' memory only")  # fmt: skip
+        raise ConfigError(
+            f"--snapshot-dir {parent!r} is not a writable folder: name one in node-local memory "
+            f"(tmpfs, such as /dev/shm), or pass --snapshot-dir '' to keep the buddy copies in the "
+            f"workers' memory only"
+        )
     return parent
 
 

@@ -150,8 +150,15 @@ class _Host:
         bound = int(sock.getsockname()[1])
         fd = sock.detach()
         try:
-            server = self._store_type(host, bound, is_master=True, wait_for_workers=False,
-                                      timeout=timedelta(seconds=30), master_listen_fd=fd, use_libuv=True)  # fmt: skip
+            server = self._store_type(
+                host,
+                bound,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=30),
+                master_listen_fd=fd,
+                use_libuv=True,
+            )
         except Exception:
             os.close(fd)
             raise
@@ -193,8 +200,11 @@ def serve(fd: int) -> None:
         _Host(sock).run()
     except BaseException:  # e.g. torch missing: say why in the node's log; the agent sees the host gone
         traceback.print_exc()
-        print(f"pliant store host (pid {os.getpid()}): exiting; this node's agent cannot serve its stores",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"pliant store host (pid {os.getpid()}): exiting; this node's agent cannot serve its stores",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -232,8 +242,11 @@ class StoreHost:
         ours, theirs = cls.pair()
         proc = subprocess.Popen(
             die_with_parent([sys.executable, "-u", "-m", "pliant.agent.storehost", str(theirs.fileno())]),
-            env=env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], start_new_session=True,
-        )  # fmt: skip
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+            start_new_session=True,
+        )
         theirs.close()
         return cls(ours, proc)
 

@@ -70,8 +70,10 @@ def reserve(host: str, port: int = 0) -> socket.socket:
     try:
         return listen(host, port)
     except OSError as exc:
-        raise AgentError(f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port, or a "
-                         f"--host that is one of this machine's addresses") from exc  # fmt: skip
+        raise AgentError(
+            f"cannot start the agent store on {host}:{port} ({exc}); pick another --store-port, or a "
+            f"--host that is one of this machine's addresses"
+        ) from exc
 
 
 class NodeStore:
@@ -116,8 +118,9 @@ class NodeStore:
         newest generation it has seen): (-1, -1) when it does not answer, the streak -1 when it is not renewing, the
         generation -1 when its agent does not say (an older version)."""
         try:
-            value = self.stores.request("get", timeout_s + REPLY_MARGIN_S, address=address, key=_RENEWING_KEY,
-                                        timeout=timeout_s, check=True)  # fmt: skip
+            value = self.stores.request(
+                "get", timeout_s + REPLY_MARGIN_S, address=address, key=_RENEWING_KEY, timeout=timeout_s, check=True
+            )
             if value is None:
                 return -1.0, -1
             streak, generation, seal = str(value).split(" ")
@@ -162,8 +165,9 @@ class NodeStore:
         logger.info("generation %d: store serving on %s:%d", generation, self.host, port)
         return port
 
-    def generation_port(self, store_address: str, generation: int, timeout_s: float,
-                        superseded: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+    def generation_port(
+        self, store_address: str, generation: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False
+    ) -> int:
         """Read generation ``generation``'s store port from the agent store of node rank 0 at ``store_address``, in
         attempts of :data:`PORT_ATTEMPT_S`: between them, ``superseded()`` (a newer generation was seen) ends the wait,
         which the agent's main thread would otherwise spend on a node rank 0 that died.
@@ -183,8 +187,9 @@ class NodeStore:
                 return self._sealed_port(str(value), generation, store_address)
             except (StoreHostError, TypeError, ValueError) as exc:
                 if superseded():
-                    raise AgentError(f"generation {generation} was superseded while its store port was read from "
-                                     f"{store_address}") from exc  # fmt: skip
+                    raise AgentError(
+                        f"generation {generation} was superseded while its store port was read from {store_address}"
+                    ) from exc
                 if time.monotonic() >= deadline:
                     raise AgentError(
                         f"the agent store of node rank 0 at {store_address} did not give generation {generation}'s "
@@ -213,8 +218,11 @@ class NodeStore:
         Raises:
             StoreHostError: that store is not reachable (yet).
         """
-        return int(self.stores.request("add", 1.0 + REPLY_MARGIN_S, address=f"{host}:{port}", key=ARRIVED_KEY,
-                                       amount=0, timeout=1.0, keep=True))  # fmt: skip
+        return int(
+            self.stores.request(
+                "add", 1.0 + REPLY_MARGIN_S, address=f"{host}:{port}", key=ARRIVED_KEY, amount=0, timeout=1.0, keep=True
+            )
+        )
 
     def close(self) -> None:
         for port in self._generation_ports.values():

@@ -182,8 +182,14 @@ class Zygote:
         """Log a step of the zygote's start with the host's load: a slow torch import on a busy host is what delays
         a restarted node's join (its store host) and its first workers."""
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        logger.info("worker zygote (pid %d): %s %.1fs after its start (load average %.1f on %d CPUs)",
-                    self.proc.pid, what, time.monotonic() - self._started, load, os.cpu_count() or 0)  # fmt: skip
+        logger.info(
+            "worker zygote (pid %d): %s %.1fs after its start (load average %.1f on %d CPUs)",
+            self.proc.pid,
+            what,
+            time.monotonic() - self._started,
+            load,
+            os.cpu_count() or 0,
+        )
 
     @property
     def alive(self) -> bool:
@@ -365,16 +371,24 @@ class WorkerGroup:
         progress files), local ranks without a live worker get a fresh one. Returns (kept, started)."""
         self.forget_dead()
         live = {w.env.local_rank: w for w in self.workers}
-        kept = {e.local_rank: replace(e, progress_file=live[e.local_rank].env.progress_file)
-                for e in envs if e.local_rank in live}  # fmt: skip
+        kept = {
+            e.local_rank: replace(e, progress_file=live[e.local_rank].env.progress_file)
+            for e in envs
+            if e.local_rank in live
+        }
         self.direct("in-place", generation, kept)
         self.generation = generation
         fresh = [e for e in envs if e.local_rank not in live]
         for env in fresh:
             self._add(env)
         self.workers.sort(key=lambda w: w.env.local_rank)
-        logger.info("generation %d in place: %d workers kept (pids %s), %d started", generation, len(kept),
-                    [live[r].proc.pid for r in sorted(kept)], len(fresh))  # fmt: skip
+        logger.info(
+            "generation %d in place: %d workers kept (pids %s), %d started",
+            generation,
+            len(kept),
+            [live[r].proc.pid for r in sorted(kept)],
+            len(fresh),
+        )
         return len(kept), len(fresh)
 
     def _launch(self, env: WorkerEnv) -> tuple[Proc, bool]:
@@ -382,9 +396,13 @@ class WorkerGroup:
         if self.zygote is not None and self.zygote.alive and not self.command.no_python:
             return self.zygote.spawn(child_env, self.command), True
         proc = subprocess.Popen(
-            die_with_parent(self.command.cold()), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            die_with_parent(self.command.cold()),
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return proc, False
 
     def start(self) -> None:
@@ -393,8 +411,12 @@ class WorkerGroup:
         forked = sum(self._add(env) for env in self.envs)
         logger.info(
             "generation %d: started %d workers (%d forked by the zygote; ranks %s, pids %s)",
-            self.generation, len(self.workers), forked, [w.env.rank for w in self.workers], self.pids,
-        )  # fmt: skip
+            self.generation,
+            len(self.workers),
+            forked,
+            [w.env.rank for w in self.workers],
+            self.pids,
+        )
 
     def _add(self, env: WorkerEnv) -> bool:
         """Start one worker; True if the zygote forked it."""
@@ -432,8 +454,12 @@ class WorkerGroup:
                 time.sleep(0.02)
             late = [w.proc.pid for w in self.workers if w.proc.poll() is None]
             if late:  # what held them (their Python stacks, through the output pumps) before they are stopped
-                logger.warning("generation %d: workers %s did not exit within the rescale grace (%.0fs); their stacks "
-                               "follow", self.generation, late, rescale_grace_s)  # fmt: skip
+                logger.warning(
+                    "generation %d: workers %s did not exit within the rescale grace (%.0fs); their stacks follow",
+                    self.generation,
+                    late,
+                    rescale_grace_s,
+                )
                 for pid in late:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, STACKS_SIGNAL)

@@ -89,8 +89,19 @@ else:  # python bench/chaos.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"
-KINDS = ("kill-worker", "kill-agent", "kill-node", "new-address", "partition", "peer-cut", "control-cut", "hang",
-         "kill-coordinator", "kill-etcd", "minority")
+KINDS = (
+    "kill-worker",
+    "kill-agent",
+    "kill-node",
+    "new-address",
+    "partition",
+    "peer-cut",
+    "control-cut",
+    "hang",
+    "kill-coordinator",
+    "kill-etcd",
+    "minority",
+)
 EXTRA_KINDS = ("long-peer-cut", "lone-cut", "split", "slow-link")  # drawn only when --kinds names them
 LONG_CUT_S = 45.0
 SLOW_RATE, SLOW_S = "256kbit", 10.0
@@ -101,8 +112,9 @@ TOKEN = "chaos-join-token"
 class Soak:
     """The job, its processes, and the faults (see the module docstring)."""
 
-    def __init__(self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9,
-                 engine: str = "ddp", nproc: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9, engine: str = "ddp", nproc: int = 1
+    ) -> None:
         self.work, self.steps, self.engine = work, steps, engine
         self.world = nodes * nproc  # the full world's ranks
         self.events = work / "events.jsonl"
@@ -113,8 +125,9 @@ class Soak:
         self.slowed: list[tuple[float, float]] = []  # when a node's link was slow (wall time)
         ca = LocalCA(work / "pki")
         host = self.fabric.host
-        self.coord_tls = ca.issue("coordinator", Role.COORDINATOR, "chaos-coordinator",
-                                  (host, "127.0.0.1", self.minority.address))  # fmt: skip
+        self.coord_tls = ca.issue(
+            "coordinator", Role.COORDINATOR, "chaos-coordinator", (host, "127.0.0.1", self.minority.address)
+        )
         self.admin_tls = ca.issue("admin", Role.ADMIN, "chaos-admin")
         self.etcd = EtcdServer(data_dir=str(work / "etcd"), host=host, log_path=str(work / "etcd.log")).start()
         self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {
@@ -124,11 +137,38 @@ class Soak:
         for name in self.replicas:
             self.start_replica(name, wait=True)
         self.coordinator = ",".join(address for address, _ in self.replicas.values())
-        self.spec = ["--nnodes", f"1:{nodes}", "--nproc-per-node", str(nproc), "--max-restarts", "1000",
-                     "--heartbeat-ttl", "3", "--join-grace", "0.5"]  # fmt: skip
-        subprocess.run([sys.executable, "-m", "pliant", "job", "create", "chaos", "--coordinator", self.coordinator,
-                        "--tls-dir", str(Path(self.admin_tls.cert).parent), *self.spec, "--join-token-file",
-                        str(self._token())], check=True, capture_output=True, timeout=60)  # fmt: skip
+        self.spec = [
+            "--nnodes",
+            f"1:{nodes}",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            "1000",
+            "--heartbeat-ttl",
+            "3",
+            "--join-grace",
+            "0.5",
+        ]
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pliant",
+                "job",
+                "create",
+                "chaos",
+                "--coordinator",
+                self.coordinator,
+                "--tls-dir",
+                str(Path(self.admin_tls.cert).parent),
+                *self.spec,
+                "--join-token-file",
+                str(self._token()),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         self.agent_tls = {n.name: ca.issue(f"agent-{n.name}", Role.AGENT, n.name) for n in self.nodes}
         self.agents: dict[str, subprocess.Popen] = {}
         for node in self.nodes:
@@ -143,8 +183,22 @@ class Soak:
         """Start coordinator replica ``name``: r1 on the host, r2 in the minority node's namespace; ``wait``: until it
         serves (raises with its log if it does not)."""
         address, _ = self.replicas[name]
-        argv = [sys.executable, "-m", "pliant", "coordinator", "--etcd", self.etcd.endpoint, "--listen", address,
-                "--tls-dir", str(Path(self.coord_tls.cert).parent), "--leader-ttl", "2", "--replica-id", name]
+        argv = [
+            sys.executable,
+            "-m",
+            "pliant",
+            "coordinator",
+            "--etcd",
+            self.etcd.endpoint,
+            "--listen",
+            address,
+            "--tls-dir",
+            str(Path(self.coord_tls.cert).parent),
+            "--leader-ttl",
+            "2",
+            "--replica-id",
+            name,
+        ]
         log = self.work / f"coordinator-{name}.log"
         started = log.read_text(errors="replace").count("serving on") if log.exists() else 0
         if name == "r2":
@@ -156,8 +210,9 @@ class Soak:
         deadline = time.time() + 60
         while wait and log.read_text(errors="replace").count("serving on") == started:  # else the soak proves nothing
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"coordinator replica {name} did not start on {address}: "
-                                   f"{log.read_text(errors='replace')[-2000:]}")  # fmt: skip
+                raise RuntimeError(
+                    f"coordinator replica {name} did not start on {address}: {log.read_text(errors='replace')[-2000:]}"
+                )
             time.sleep(0.2)
 
     def leads(self, name: str) -> bool:
@@ -167,14 +222,55 @@ class Soak:
         return bool(moves) and moves[-1] == "leader"
 
     def start_agent(self, node: Node) -> None:
-        argv = [sys.executable, "-m", "pliant", "agent", "--coordinator", self.coordinator, "--job", "chaos",
-                *self.spec, "--node-id", node.name, "--host", node.address, "--tls-dir",
-                str(Path(self.agent_tls[node.name].cert).parent), "--join-token-file", str(self.work / "token"),
-                "--checkpoint-dir", str(self.work / "ckpt"), "--stop-grace", "2", "--rescale-grace", "30",
-                "--log-dir", str(self.work / "logs"), str(SCRIPT), "--steps", str(self.steps), "--samples",
-                str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--step-time", str(STEP_S),
-                "--save-every", "50", "--float64", "--engine", self.engine, "--events", str(self.events),
-                "--params-out", str(self.work / "final.pt"), "--stop-file", str(self.work / "stop")]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "pliant",
+            "agent",
+            "--coordinator",
+            self.coordinator,
+            "--job",
+            "chaos",
+            *self.spec,
+            "--node-id",
+            node.name,
+            "--host",
+            node.address,
+            "--tls-dir",
+            str(Path(self.agent_tls[node.name].cert).parent),
+            "--join-token-file",
+            str(self.work / "token"),
+            "--checkpoint-dir",
+            str(self.work / "ckpt"),
+            "--stop-grace",
+            "2",
+            "--rescale-grace",
+            "30",
+            "--log-dir",
+            str(self.work / "logs"),
+            str(SCRIPT),
+            "--steps",
+            str(self.steps),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            "8",
+            "--step-time",
+            str(STEP_S),
+            "--save-every",
+            "50",
+            "--float64",
+            "--engine",
+            self.engine,
+            "--events",
+            str(self.events),
+            "--params-out",
+            str(self.work / "final.pt"),
+            "--stop-file",
+            str(self.work / "stop"),
+        ]
         self.agents[node.name] = node.spawn(argv, self.work / f"agent-{node.name}.log")
 
     # -- what the job is doing ---------------------------------------------------------------------------------------
@@ -342,8 +438,9 @@ class Soak:
         """(when, generation number) of every generation replica ``name`` published (its log)."""
         out = []
         text = (self.work / f"coordinator-{name}.log").read_text(errors="replace")
-        for found in re.finditer(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*generation (\d+) published", text,
-                                 re.MULTILINE):  # fmt: skip
+        for found in re.finditer(
+            r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*generation (\d+) published", text, re.MULTILINE
+        ):
             when = datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             out.append((when, int(found[2])))
         return out
@@ -362,9 +459,28 @@ class Soak:
 
 def static_params(work: Path, steps: int, engine: str = "ddp") -> dict:
     out = work / "static.pt"
-    subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch",
-                    str(GLOBAL_BATCH), "--micro-batch", "8", "--float64", "--engine", engine, "--params-out", str(out)],
-                   check=True, capture_output=True, timeout=1800)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--steps",
+            str(steps),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            "8",
+            "--float64",
+            "--engine",
+            engine,
+            "--params-out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=1800,
+    )
     return torch.load(out)
 
 
@@ -421,15 +537,18 @@ class Report:
         return self.steps_run * self.step_s / self.wall_s if self.wall_s else 0.0
 
     def table(self) -> str:
-        lines = [f"chaos soak ({self.engine}), seed {self.seed}: {self.faults} faults, wall {self.wall_s:.0f}s, "
-                 f"agents' exit codes {self.codes}",
-                 f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}"]
+        lines = [
+            f"chaos soak ({self.engine}), seed {self.seed}: {self.faults} faults, wall {self.wall_s:.0f}s, "
+            f"agents' exit codes {self.codes}",
+            f"{'kind':18s}{'faults':>8s}{'recovered':>11s}{'p50 s':>9s}{'p99 s':>9s}",
+        ]
         for kind in KINDS + EXTRA_KINDS:
             done = self.recoveries.get(kind, [])
             total = len(done) + self.failed.get(kind, 0)
             if total:
-                lines.append(f"{kind:18s}{total:8d}{len(done):11d}{percentile(done, 0.5):9.2f}"
-                             f"{percentile(done, 0.99):9.2f}")  # fmt: skip
+                lines.append(
+                    f"{kind:18s}{total:8d}{len(done):11d}{percentile(done, 0.5):9.2f}{percentile(done, 0.99):9.2f}"
+                )
         lines += [
             f"steps: {self.steps_run} of {self.steps} run; committed steps run again (rank 0): {self.redone}",
             f"samples among the updates that count: {self.duplicated} duplicated, {self.missed} missed, {self.wrong} "
@@ -438,8 +557,11 @@ class Report:
             f"checkpoints restored: {self.restored}, of which partial: {self.partial}",
             f"generations published while the minority side was cut off: {self.minority_published} by its replica, "
             f"{self.majority_published} by the majority's",
-            *([f"generations published while a link was slow (or 5 s after): {self.slow_published}"]
-              if self.slow_published is not None else []),
+            *(
+                [f"generations published while a link was slow (or 5 s after): {self.slow_published}"]
+                if self.slow_published is not None
+                else []
+            ),
             f"final parameters vs a static run: max |diff| {self.param_diff:.2e}",
             f"effective training time: {self.steps_run} useful steps x {self.step_s * 1e3:.0f} ms / "
             f"{self.wall_s:.0f} s = {self.effective:.0%}",
@@ -447,9 +569,19 @@ class Report:
         return "\n".join(lines)
 
 
-def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...] = KINDS,
-        recover_timeout: float = 120.0, steps: int = 0, prefix: str = "plc", net: int = 9,
-        log: Callable[[str], None] = print, engine: str = "ddp", nproc: int = 1) -> Report:  # fmt: skip
+def run(
+    faults: int = 100,
+    seed: int = 1,
+    nodes: int = 3,
+    kinds: tuple[str, ...] = KINDS,
+    recover_timeout: float = 120.0,
+    steps: int = 0,
+    prefix: str = "plc",
+    net: int = 9,
+    log: Callable[[str], None] = print,
+    engine: str = "ddp",
+    nproc: int = 1,
+) -> Report:
     """Run one soak (see the module docstring). ``steps``: the job's steps at most (0: 400 + 100 per fault); it ends
     30 steps after the schedule does. Needs root (network namespaces)."""
     unknown = set(kinds) - set(KINDS) - set(EXTRA_KINDS)
@@ -459,8 +591,10 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
     schedule = [rng.choice(kinds) for _ in range(faults)]
     steps = steps or 400 + 100 * faults
     work = Path(tempfile.mkdtemp(prefix="pliant-chaos-"))
-    log(f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes x {nproc} workers, {engine}, {steps} steps; work in "
-        f"{work}")
+    log(
+        f"chaos soak: seed {seed}, {faults} faults, {nodes} nodes x {nproc} workers, {engine}, {steps} steps; work in "
+        f"{work}"
+    )
     started = time.time()
     soak = Soak(work, nodes, steps, prefix, net, engine, nproc)
     recoveries: dict[str, list[float]] = defaultdict(list)
@@ -490,8 +624,10 @@ def run(faults: int = 100, seed: int = 1, nodes: int = 3, kinds: tuple[str, ...]
             else:
                 failed[kind] += 1
                 code = soak.etcd.proc.poll() if soak.etcd.proc is not None else None
-                log(f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s" +
-                    (f" (etcd exited with code {code} on its own: see etcd.log)" if code is not None else ""))
+                log(
+                    f"[{index:3d}] {kind:17s} NOT recovered within {recover_timeout:g}s"
+                    + (f" (etcd exited with code {code} on its own: see etcd.log)" if code is not None else "")
+                )
             time.sleep(rng.uniform(0.5, 2.0))
         steps = end_soon(soak.events, work / "stop", steps, margin=30)  # the schedule is done: so is the job
         log(f"the schedule is done: the job ends at step {steps}")
@@ -532,13 +668,25 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (each node's agent sets "
-                        "OMP_NUM_THREADS=1 for more than one)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=0, help="training steps at most (default: 400 + 100 per "
-                        "fault); the job ends 30 steps after the last fault's recovery")  # fmt: skip
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="workers per node (each node's agent sets OMP_NUM_THREADS=1 for more than one)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="training steps at most (default: 400 + 100 per "
+        "fault); the job ends 30 steps after the last fault's recovery",
+    )
     parser.add_argument("--recover-timeout", type=float, default=120.0)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from "
-                        f"(default: all but {', '.join(EXTRA_KINDS)})")  # fmt: skip
+    parser.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"comma-separated fault kinds to draw from (default: all but {', '.join(EXTRA_KINDS)})",
+    )
     parser.add_argument("--engine", choices=("ddp", "zero", "fsdp"), default="ddp")
     args = parser.parse_args()
     why = unavailable()
@@ -549,8 +697,17 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS + EXTRA_KINDS)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up (run's finally)
-    report = run(args.faults, args.seed, args.nodes, kinds, args.recover_timeout, args.steps,
-                 log=lambda line: print(line, flush=True), engine=args.engine, nproc=args.nproc_per_node)  # fmt: skip
+    report = run(
+        args.faults,
+        args.seed,
+        args.nodes,
+        kinds,
+        args.recover_timeout,
+        args.steps,
+        log=lambda line: print(line, flush=True),
+        engine=args.engine,
+        nproc=args.nproc_per_node,
+    )
     print("\n" + report.table())
 
 

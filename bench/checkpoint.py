@@ -57,8 +57,12 @@ MODES = ("sync", "sync-buffered", "async", "snapshot", "snapshot-buffered", "exc
 def dd(directory: Path, mb: int) -> tuple[float, float]:
     """(write MB/s with fdatasync, read MB/s) of a file of ``mb`` MB in ``directory``."""
     path = directory / "dd.bin"
-    out = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
-                         capture_output=True, text=True, check=True).stderr  # fmt: skip
+    out = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
     write = mb / float(re.search(r"copied, ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
     subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], capture_output=True)
     out = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], capture_output=True, text=True, check=True)
@@ -71,8 +75,9 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     torch.set_num_threads(1)
-    session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                                       master_port=port))  # fmt: skip
+    session = pw.Session(
+        env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world, master_port=port)
+    )
     width = int((mb * 2**20 / 4 / 4) ** 0.5)  # two square layers: parameters = mb / 2, momentum the other half
     model = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
     engine = session.engine(model, kind, torch.optim.SGD, lr=0.01, momentum=0.9)
@@ -113,8 +118,13 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
         step()  # the first creates the optimizer state, which a snapshot holds
         snapshot_of(engine, done)
     for mode in MODES if kind != "ddp" else MODES[:3]:
-        ckpt = CheckpointManager(Path(directory) / mode, engine, async_save=not mode.startswith("sync"), keep=1,
-                                 direct_io=not mode.endswith("-buffered"))  # fmt: skip
+        ckpt = CheckpointManager(
+            Path(directory) / mode,
+            engine,
+            async_save=not mode.startswith("sync"),
+            keep=1,
+            direct_io=not mode.endswith("-buffered"),
+        )
         if mode.startswith("snapshot"):
             ckpt.snapshot_of = snapshot_of
         plain, stalls, totals, spans = [], [], [], []
@@ -175,21 +185,55 @@ def rescale_pause(workdir: Path) -> float:
     """Seconds from generation n's last step to every rank stepping in generation n+1 when a node joins."""
     port = _free_port()
     events, ckpt = workdir / "events.jsonl", workdir / "ckpt"
-    script = [str(ROOT / "examples" / "train_elastic.py"), "--steps", "100000", "--step-time", "0.05",
-              "--events", str(events)]  # fmt: skip
-    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--checkpoint-dir", str(ckpt),
-              "--rescale", "restart"]  # fmt: skip
+    script = [
+        str(ROOT / "examples" / "train_elastic.py"),
+        "--steps",
+        "100000",
+        "--step-time",
+        "0.05",
+        "--events",
+        str(events),
+    ]
+    common = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--job",
+        "bench",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--rescale",
+        "restart",
+    ]
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "a.log", "wb") as log:
-        a = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}", *common,
-                              *script], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        a = subprocess.Popen(
+            [sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}", *common, *script],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     b = None
     try:
         _wait(lambda: any(e["world"] == 2 for e in read_jsonl(events)), 120)
         time.sleep(2)
-        b = subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{port}",
-                              *join_flags(workdir / "a.log"), *common, *script], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        b = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pliant",
+                "run",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                *join_flags(workdir / "a.log"),
+                *common,
+                *script,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _wait(lambda: {e["rank"] for e in read_jsonl(events) if e["world"] == 4} == {0, 1, 2, 3}, 120)
         evs = read_jsonl(events)
         last_old = max(e["time"] for e in evs if e["world"] == 2)
@@ -227,51 +271,76 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=512, help="checkpoint size (parameters + momentum), MB")
     parser.add_argument("--ranks", type=int, default=2, help="training processes (one thread each)")
     parser.add_argument("--no-rescale", action="store_true", help="skip the rescale pause")
-    parser.add_argument("--engine", choices=["ddp", "zero", "fsdp"], default="ddp",
-                        help="zero, fsdp: also async saves written from a buddy snapshot (pliant.worker.staging)")
+    parser.add_argument(
+        "--engine",
+        choices=["ddp", "zero", "fsdp"],
+        default="ddp",
+        help="zero, fsdp: also async saves written from a buddy snapshot (pliant.worker.staging)",
+    )
     args = parser.parse_args()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="pliant-ckpt-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     write_bw, read_bw = dd(directory, args.mb)
     queue = mp.get_context("fork").Queue()
-    mp.start_processes(rank_main, args=(args.ranks, _free_port(), str(directory), args.mb, args.engine, queue),
-                       nprocs=args.ranks, start_method="fork")  # fmt: skip
+    mp.start_processes(
+        rank_main,
+        args=(args.ranks, _free_port(), str(directory), args.mb, args.engine, queue),
+        nprocs=args.ranks,
+        start_method="fork",
+    )
     r = queue.get()
     mb = r["bytes"] / 2**20
     pause = 0.0 if args.no_rescale else rescale_pause(directory / "rescale")
     print(f"\ncheckpoint of {mb:.0f} MB ({args.engine}, {args.ranks} ranks, gloo) in {directory}")
     print(f"  dd write (fdatasync)   {write_bw:8.0f} MB/s")
-    print(f"  pliant sync save       {mb / r['sync total']:8.0f} MB/s   ({r['sync total']:.2f} s; "
-          f"{mb / r['sync total'] / write_bw:.2f}x dd; O_DIRECT)")  # fmt: skip
-    print(f"    through the page cache {mb / r['sync-buffered total']:6.0f} MB/s   ({r['sync-buffered total']:.2f} s; "
-          f"{mb / r['sync-buffered total'] / write_bw:.2f}x dd; DCP's own files)")  # fmt: skip
+    print(
+        f"  pliant sync save       {mb / r['sync total']:8.0f} MB/s   ({r['sync total']:.2f} s; "
+        f"{mb / r['sync total'] / write_bw:.2f}x dd; O_DIRECT)"
+    )
+    print(
+        f"    through the page cache {mb / r['sync-buffered total']:6.0f} MB/s   ({r['sync-buffered total']:.2f} s; "
+        f"{mb / r['sync-buffered total'] / write_bw:.2f}x dd; DCP's own files)"
+    )
     print(f"  dd read                {read_bw:8.0f} MB/s")
     print(
         f"  pliant load            {mb / r['load']:8.0f} MB/s   ({r['load']:.2f} s; {mb / r['load'] / read_bw:.2f}x dd)"
     )
     noise = [r[f"{mode} noise"] for mode in MODES if f"{mode} noise" in r]
-    print(f"  a step {r['step']:.3f} s; the same steps with no save took {min(noise):+.3f} to {max(noise):+.3f} s "
-          f"longer than typical ones (medians per mode: the noise that the stalls below subtract)")
-    print(f"  training stall of a sync save {r['sync stall']:.3f} s, of which the training "
-          f"thread waited {r['sync blocked']:.3f} s; through the page cache {r['sync-buffered stall']:.3f} s and "
-          f"{r['sync-buffered blocked']:.3f} s")  # fmt: skip
-    for mode, what in (("async", "async save"), ("snapshot", "async save from a buddy snapshot taken for it"),
-                       ("snapshot-buffered", "the same, its files through the page cache"),
-                       ("exchange", "that buddy snapshot alone (copy, and exchange with the buddy)")):
+    print(
+        f"  a step {r['step']:.3f} s; the same steps with no save took {min(noise):+.3f} to {max(noise):+.3f} s "
+        f"longer than typical ones (medians per mode: the noise that the stalls below subtract)"
+    )
+    print(
+        f"  training stall of a sync save {r['sync stall']:.3f} s, of which the training "
+        f"thread waited {r['sync blocked']:.3f} s; through the page cache {r['sync-buffered stall']:.3f} s and "
+        f"{r['sync-buffered blocked']:.3f} s"
+    )
+    for mode, what in (
+        ("async", "async save"),
+        ("snapshot", "async save from a buddy snapshot taken for it"),
+        ("snapshot-buffered", "the same, its files through the page cache"),
+        ("exchange", "that buddy snapshot alone (copy, and exchange with the buddy)"),
+    ):
         if f"{mode} stall" in r:
-            print(f"  {what}: stall {r[f'{mode} stall']:.3f} s ({r[f'{mode} stall'] / r['sync stall']:.2f}x; "
-                  f"{r[f'{mode} stall'] / r['sync blocked']:.2f}x of the sync save's wait), "
-                  f"counting the steps slowed until it was on disk ({r[f'{mode} steps']:.0f} steps); the training "
-                  f"thread waited {r[f'{mode} blocked']:.3f} s ({r[f'{mode} blocked'] / r['sync blocked']:.2f}x: "
-                  f"save(), and the optimizer step for the copy)")  # fmt: skip
+            print(
+                f"  {what}: stall {r[f'{mode} stall']:.3f} s ({r[f'{mode} stall'] / r['sync stall']:.2f}x; "
+                f"{r[f'{mode} stall'] / r['sync blocked']:.2f}x of the sync save's wait), "
+                f"counting the steps slowed until it was on disk ({r[f'{mode} steps']:.0f} steps); the training "
+                f"thread waited {r[f'{mode} blocked']:.3f} s ({r[f'{mode} blocked'] / r['sync blocked']:.2f}x: "
+                f"save(), and the optimizer step for the copy)"
+            )
     if "exchange stall" in r:
         extra, buffered = (r[f"{mode} stall"] - r["exchange stall"] for mode in ("snapshot", "snapshot-buffered"))
-        print(f"  so a save at a step whose snapshot the cadence took anyway stalls {extra:.3f} s "
-              f"({extra / r['sync stall']:.2f}x; {buffered:.3f} s through the page cache), against "
-              f"{r['async stall']:.3f} s through DCP's own copy")  # fmt: skip
+        print(
+            f"  so a save at a step whose snapshot the cadence took anyway stalls {extra:.3f} s "
+            f"({extra / r['sync stall']:.2f}x; {buffered:.3f} s through the page cache), against "
+            f"{r['async stall']:.3f} s through DCP's own copy"
+        )
     if not args.no_rescale:
-        print(f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
-              f"{pause:.2f} s")  # fmt: skip
+        print(
+            f"  rescale pause by the restart path (node joins, 2 -> 4 ranks, checkpoint + restart + restore): "
+            f"{pause:.2f} s"
+        )
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -18,8 +18,19 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ask_for_stacks", "batches_counted", "change_gap", "counted_samples", "end_soon", "in_run_cost",
-           "join_flags", "longest_pause", "max_param_diff", "read_jsonl", "scrape"]
+__all__ = [
+    "ask_for_stacks",
+    "batches_counted",
+    "change_gap",
+    "counted_samples",
+    "end_soon",
+    "in_run_cost",
+    "join_flags",
+    "longest_pause",
+    "max_param_diff",
+    "read_jsonl",
+    "scrape",
+]
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -161,8 +172,9 @@ def counted_samples(events: list[dict]) -> tuple[list[int], dict[int, list[int]]
     return sorted(last_gen), per_epoch
 
 
-def batches_counted(events: list[dict], samples: int, global_batch: int,
-                    micro_batch: int = 8) -> tuple[list[int], dict[int, list[int]], int, int]:  # fmt: skip
+def batches_counted(
+    events: list[dict], samples: int, global_batch: int, micro_batch: int = 8
+) -> tuple[list[int], dict[int, list[int]], int, int]:
     """Like :func:`counted_samples`, checked against the global batches the elastic sampler gives each step (seed 0,
     as ``examples/train_elastic.py``). A rank killed after its step committed but before its script logged the step
     leaves that step's line missing: such a step counts with its whole global batch once what was logged is part of

@@ -93,11 +93,29 @@ def start_replica(
     address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
     with open(log_dir / f"coordinator-{name}.log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pliant", "coordinator", "--etcd", etcd, "--listen", address, "--prefix", prefix,
-             "--leader-ttl", str(leader_ttl_s), "--replica-id", name, "--metrics-port", str(metrics_port),
-             *security.replica_flags()],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pliant",
+                "coordinator",
+                "--etcd",
+                etcd,
+                "--listen",
+                address,
+                "--prefix",
+                prefix,
+                "--leader-ttl",
+                str(leader_ttl_s),
+                "--replica-id",
+                name,
+                "--metrics-port",
+                str(metrics_port),
+                *security.replica_flags(),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 30
     with security.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -266,7 +284,12 @@ def _mean(delta: dict[str, float], name: str, kind: str = "rpc") -> float:
 
 
 def heartbeats(
-    addresses: list[str], store: EtcdStore, agents: int, seconds: float, metrics: list[str], security: Security,
+    addresses: list[str],
+    store: EtcdStore,
+    agents: int,
+    seconds: float,
+    metrics: list[str],
+    security: Security,
     pids: list[int],
 ) -> dict[str, float]:
     """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
@@ -283,11 +306,15 @@ def heartbeats(
         calls: list[tuple[float, float]] = []
         stop = asyncio.Event()
         started = time.perf_counter()
-        grants = await asyncio.gather(*(
-            stubs[i].Join(pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}",
-                                         join_token=token), timeout=120)
-            for i in range(agents)
-        ))  # fmt: skip
+        grants = await asyncio.gather(
+            *(
+                stubs[i].Join(
+                    pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}", join_token=token),
+                    timeout=120,
+                )
+                for i in range(agents)
+            )
+        )
         join_seconds = time.perf_counter() - started
 
         async def agent(i: int) -> None:
@@ -332,8 +359,9 @@ def heartbeats(
     }
 
 
-def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tuple[list[tuple[str, str]],
-                                                                                 list[str], dict[str, float]]:
+def run_suite(
+    args: argparse.Namespace, security: Security, log_dir: Path
+) -> tuple[list[tuple[str, str]], list[str], dict[str, float]]:
     """Every scenario against fresh etcd and replicas. Returns (rows, timelines, key figures for the TLS ratios)."""
     rows: list[tuple[str, str]] = []
     timelines: list[str] = []
@@ -343,8 +371,7 @@ def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tu
         prefix = "/bench"
         procs, addresses, metrics = {}, [], []
         for name in ("A", "B"):
-            procs[name], address, url = start_replica(etcd.endpoint, prefix, name, log_dir, args.leader_ttl,
-                                                      security)  # fmt: skip
+            procs[name], address, url = start_replica(etcd.endpoint, prefix, name, log_dir, args.leader_ttl, security)
             addresses.append(address)
             metrics.append(url)
         store = EtcdStore([etcd.endpoint], prefix)
@@ -356,10 +383,15 @@ def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tu
                 # Simulated agents spread over both replicas; the leader (A, elected first) also reconciles. Joins
                 # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
-                    took, published, timeline, connect, cpu_ms = join_burst(addresses, store, n, metrics, security,
-                                                                             pids)  # fmt: skip
-                    rows.append((f"{n} agents join -> one generation", f"{took:.3f} s ({published} published, "
-                                 f"replicas' CPU {cpu_ms:.2f} ms per Join)"))  # fmt: skip
+                    took, published, timeline, connect, cpu_ms = join_burst(
+                        addresses, store, n, metrics, security, pids
+                    )
+                    rows.append(
+                        (
+                            f"{n} agents join -> one generation",
+                            f"{took:.3f} s ({published} published, replicas' CPU {cpu_ms:.2f} ms per Join)",
+                        )
+                    )
                     figures[f"cpujoin{n}"] = cpu_ms
                     rows.append((f"{n} agents open their connections", f"{connect:.3f} s"))
                     timelines.append(f"[{mode}] {n} agents joining at once:\n" + "\n".join(timeline))
@@ -379,8 +411,12 @@ def run_suite(args: argparse.Namespace, security: Security, log_dir: Path) -> tu
                     rows.append((f"{n} agents all joined (concurrent Joins)", f"{hb['join_s']:.2f} s"))
                     figures[f"p50_{n}"], figures[f"p99_{n}"] = hb["p50"], hb["p99"]
                 took, killed = leader_kill(client, store, procs)
-                rows.append((f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)",
-                             f"{took:.2f} s (killed {killed})"))  # fmt: skip
+                rows.append(
+                    (
+                        f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)",
+                        f"{took:.2f} s (killed {killed})",
+                    )
+                )
         finally:
             store.close()
             for proc in procs.values():
@@ -397,11 +433,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat measurement window")
     parser.add_argument("--ttl", type=float, default=2.0, help="heartbeat TTL of the expiry scenario")
     parser.add_argument("--leader-ttl", type=float, default=2.0)
-    parser.add_argument("--tls", choices=["both", "on", "off"], default="both",
-                        help="mutual TLS on, off (--insecure), or both in one run with their ratios (default)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="with --tls both: suites per mode, in the order off, on, on, off, ... so that drift on a "
-                        "shared machine cancels; the ratios compare the modes' means (default 2)")
+    parser.add_argument(
+        "--tls",
+        choices=["both", "on", "off"],
+        default="both",
+        help="mutual TLS on, off (--insecure), or both in one run with their ratios (default)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="with --tls both: suites per mode, in the order off, on, on, off, ... so that drift on a "
+        "shared machine cancels; the ratios compare the modes' means (default 2)",
+    )
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="pliant-bench-"))
@@ -416,8 +460,10 @@ def main() -> None:
         results[tls] = run_suite(args, security, log_dir)
         all_figures[tls].append(results[tls][2])
     for tls, rows_timelines_figures in results.items():
-        results[tls] = (*rows_timelines_figures[:2],
-                        {k: statistics.mean(f[k] for f in all_figures[tls]) for k in all_figures[tls][0]})  # fmt: skip
+        results[tls] = (
+            *rows_timelines_figures[:2],
+            {k: statistics.mean(f[k] for f in all_figures[tls]) for k in all_figures[tls][0]},
+        )
     for tls, (rows, timelines, _figures) in results.items():
         width = max(len(r[0]) for r in rows)
         print(f"\n{'mutual TLS' if tls else 'plaintext (--insecure)'}\n{'scenario':<{width}}  result")
@@ -427,15 +473,19 @@ def main() -> None:
             print(timeline)
     if len(results) == 2:
         plain, tls_on = results[False][2], results[True][2]
-        print(f"\ncost of mutual TLS (TLS / plaintext, same run, mean of {args.rounds} suites each; goal < 1.20; the "
-              f"tables above are each mode's last suite):")
+        print(
+            f"\ncost of mutual TLS (TLS / plaintext, same run, mean of {args.rounds} suites each; goal < 1.20; the "
+            f"tables above are each mode's last suite):"
+        )
         for key in sorted(plain):
             if key in tls_on and plain[key] > 0:
                 unit, scale = {"p": ("ms", 1e3), "c": ("ms", 1.0)}.get(key[0], ("s", 1.0))
                 if key.startswith("connect"):
                     unit, scale = "s", 1.0
-                print(f"  {key:<14} {plain[key] * scale:9.3f} -> {tls_on[key] * scale:9.3f} {unit}"
-                      f"   {tls_on[key] / plain[key]:.2f}x")  # fmt: skip
+                print(
+                    f"  {key:<14} {plain[key] * scale:9.3f} -> {tls_on[key] * scale:9.3f} {unit}"
+                    f"   {tls_on[key] / plain[key]:.2f}x"
+                )
     print(f"(logs in {log_dir})")
 
 

@@ -105,23 +105,69 @@ class Launcher:
         ckpt = str(self.workdir / "ckpt")
         env = dict(os.environ)
         if self.name in ("in-place", "restart"):
-            common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--heartbeat-ttl", "3",
-                      "--join-grace", "1", "--max-restarts", "3", "--rescale", self.name]  # fmt: skip
+            common = [
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "2",
+                "--job",
+                "bench",
+                "--heartbeat-ttl",
+                "3",
+                "--join-grace",
+                "1",
+                "--max-restarts",
+                "3",
+                "--rescale",
+                self.name,
+            ]
             if self.name == "restart":
                 common += ["--checkpoint-dir", ckpt]
                 script += ["--save-every", str(SAVE_EVERY)]
             if node == "a":
-                return [sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{self.port}", *common,
-                        *script], env  # fmt: skip
-            return [sys.executable, "-m", "pliant", "run", "--coordinator", f"127.0.0.1:{self.port}",
-                    *join_flags(self.workdir / "a.log"), *common, *script], env  # fmt: skip
+                return [
+                    sys.executable,
+                    "-m",
+                    "pliant",
+                    "run",
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                    *common,
+                    *script,
+                ], env
+            return [
+                sys.executable,
+                "-m",
+                "pliant",
+                "run",
+                "--coordinator",
+                f"127.0.0.1:{self.port}",
+                *join_flags(self.workdir / "a.log"),
+                *common,
+                *script,
+            ], env
         if self.name == "torchrun":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env["PLIANT_CHECKPOINT_DIR"] = ckpt  # the script checkpoints and resumes under torchrun too
         script += ["--save-every", str(SAVE_EVERY)]
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench",
-                "--max-restarts", "3", *script], env  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{self.port}",
+            "--rdzv-id",
+            "bench",
+            "--max-restarts",
+            "3",
+            *script,
+        ], env
 
     def start(self, node: str) -> subprocess.Popen:
         cmd, env = self.command(node)

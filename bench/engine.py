@@ -46,8 +46,9 @@ def make_model(tiny: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     if tiny:
         return torch.nn.Sequential(torch.nn.Linear(TINY, TINY))
-    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                               torch.nn.Linear(512, 10))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
 
 
 def dataset(n: int = 40000, tiny: bool = False) -> TensorDataset:
@@ -94,12 +95,25 @@ def plain_ddp_step(rank: int, world: int, tiny: bool = False):  # type: ignore[n
     return step
 
 
-def pliant_engine_step(rank: int, world: int, kind: str, global_batch: int, vote: bool = False,  # type: ignore[no-untyped-def]
-                       tiny: bool = False):
+def pliant_engine_step(
+    rank: int,
+    world: int,
+    kind: str,
+    global_batch: int,
+    vote: bool = False,  # type: ignore[no-untyped-def]
+    tiny: bool = False,
+):
     """One step of the pliant engine (a function of the step index); ``vote``: under the rescale protocol, as under an
     agent (the commit vote before every optimizer step)."""
-    session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                                       master_port=int(os.environ["MASTER_PORT"])))  # fmt: skip
+    session = pw.Session(
+        env=WorkerEnv(
+            rank=rank,
+            local_rank=rank,
+            world_size=world,
+            local_world_size=world,
+            master_port=int(os.environ["MASTER_PORT"]),
+        )
+    )
     engine = session.engine(make_model(tiny), kind, torch.optim.SGD, lr=0.01)
     if vote:
         engine.protocol = Protocol(session, in_place=True)
@@ -128,8 +142,9 @@ def paired(plain: list[float], ours: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def rank_main(rank: int, world: int, port: int, steps: int, queue: mp.Queue, tiny: bool = False,
-              shadow: bool = True) -> None:  # fmt: skip
+def rank_main(
+    rank: int, world: int, port: int, steps: int, queue: mp.Queue, tiny: bool = False, shadow: bool = True
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     torch.set_num_threads(1)
@@ -157,16 +172,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="a one-layer 8 x 8 model: pliant's fixed cost per step")
-    parser.add_argument("--no-shadow", action="store_true",
-                        help="the throughput ratios only (no shadow steps, no FSDP2)")
+    parser.add_argument(
+        "--no-shadow", action="store_true", help="the throughput ratios only (no shadow steps, no FSDP2)"
+    )
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    mp.start_processes(rank_main, args=(2, port, args.steps, queue, args.tiny, not args.no_shadow), nprocs=2,
-                       start_method="fork")
+    mp.start_processes(
+        rank_main, args=(2, port, args.steps, queue, args.tiny, not args.no_shadow), nprocs=2, start_method="fork"
+    )
     results = dict(queue.get() for _ in range(2))
     plain, ours = results[0]["plain ddp"], results[0]["pliant ddp"]
     model = f"one {TINY} x {TINY} layer" if args.tiny else "256-512-512-10 MLP"
@@ -174,13 +191,17 @@ def main() -> None:
     print(f"  plain torch DDP            {plain * 1e3:8.2f} ms")
     voted = results[0]["pliant ddp, commit vote"]
     print(f"  pliant DDP engine          {ours * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / ours:.3f}")
-    print(f"  ... with the commit vote   {voted * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / voted:.3f} "
-          f"(as under pliant run)")  # fmt: skip
+    print(
+        f"  ... with the commit vote   {voted * 1e3:8.2f} ms   throughput ratio pliant/plain = {plain / voted:.3f} "
+        f"(as under pliant run)"
+    )
     for name in ("pliant ddp", "pliant ddp, commit vote"):
         q1, q2, q3 = paired(results[0]["plain ddp chunks"], results[0][f"{name} chunks"])
         print(f"  {name}: ratio per pair of adjacent chunks, median {q2:.3f}, middle half {q1:.3f}-{q3:.3f}")
-    print(f"  pliant's fixed cost per step: {(ours - plain) * 1e6:+.0f} us, {(voted - plain) * 1e6:+.0f} us with the "
-          f"vote (medians; meaningful with --tiny)")  # fmt: skip
+    print(
+        f"  pliant's fixed cost per step: {(ours - plain) * 1e6:+.0f} us, {(voted - plain) * 1e6:+.0f} us with the "
+        f"vote (medians; meaningful with --tiny)"
+    )
     for kind in ("ddp", "fsdp") if not args.no_shadow else ():
         real = results[1][f"pliant {kind}"]
         shadow = results[1][f"pliant {kind}, one micro-batch"]

@@ -81,8 +81,10 @@ def main() -> None:
             proc.kill()
             proc.wait()
     how, when = ended[0], float(ended[1])
-    print(f"a send of {args.bytes} bytes to a peer killed 3 s after it was posted: {how} {when - killed:.2f} s after "
-          f"the kill{': ' + ended[2] if len(ended) > 2 else ''} (process group timeout {args.timeout:g} s)")
+    print(
+        f"a send of {args.bytes} bytes to a peer killed 3 s after it was posted: {how} {when - killed:.2f} s after "
+        f"the kill{': ' + ended[2] if len(ended) > 2 else ''} (process group timeout {args.timeout:g} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -75,32 +75,87 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"bench-inplace-{mode}-"))
     events = work / "events.jsonl"
     port = free_port()
-    script = [str(SCRIPT), "--width", str(width), "--samples", "4096", "--global-batch", "8", "--micro-batch", "4",
-              "--steps", "1000000", "--events", str(events)]  # fmt: skip
-    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--job", "big", "--heartbeat-ttl", "5", "--join-grace", "1",
-              "--rescale", mode, "--rescale-grace", "300", "--start-timeout", "600"]  # fmt: skip
+    script = [
+        str(SCRIPT),
+        "--width",
+        str(width),
+        "--samples",
+        "4096",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "1000000",
+        "--events",
+        str(events),
+    ]
+    common = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--job",
+        "big",
+        "--heartbeat-ttl",
+        "5",
+        "--join-grace",
+        "1",
+        "--rescale",
+        mode,
+        "--rescale-grace",
+        "300",
+        "--start-timeout",
+        "600",
+    ]
     if mode == "restart":
         common += ["--checkpoint-dir", str(work / "ckpt")]
     procs = []
     try:
         with open(work / "a.log", "wb") as log_a:
-            procs.append(subprocess.Popen([sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}",
-                                           *common, *script], stdout=log_a,
-                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "pliant", "run", "--listen", f"127.0.0.1:{port}", *common, *script],
+                    stdout=log_a,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         _wait(lambda: len([e for e in read_jsonl(events) if e["world"] == 1]) >= 5, timeout_s, "5 steps at world 1")
         joined = time.time()
         with open(work / "b.log", "wb") as log_b:
-            procs.append(subprocess.Popen([sys.executable, "-m", "pliant", "run", "--coordinator",
-                                           f"127.0.0.1:{port}", *join_flags(work / "a.log"), *common, *script],
-                                          stdout=log_b,
-                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-        _wait(lambda: len([e for e in read_jsonl(events) if e["world"] == 2 and e["rank"] == 0]) >= 6, timeout_s,
-              "6 steps at world 2")  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pliant",
+                        "run",
+                        "--coordinator",
+                        f"127.0.0.1:{port}",
+                        *join_flags(work / "a.log"),
+                        *common,
+                        *script,
+                    ],
+                    stdout=log_b,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        _wait(
+            lambda: len([e for e in read_jsonl(events) if e["world"] == 2 and e["rank"] == 0]) >= 6,
+            timeout_s,
+            "6 steps at world 2",
+        )
         steps = read_jsonl(events)
         times = sorted(e["time"] for e in steps if e["rank"] == 0 and e["world"] == 2)
         step_s = statistics.median(b - a for a, b in itertools.pairwise(times))  # a step of the new world
-        out = {"pause": longest_pause(steps, joined) - step_s, "step": step_s, "join": 0.0,
-               "change": change_gap(steps, 1, 2) - step_s}  # fmt: skip
+        out = {
+            "pause": longest_pause(steps, joined) - step_s,
+            "step": step_s,
+            "join": 0.0,
+            "change": change_gap(steps, 1, 2) - step_s,
+        }
         out["join"] = min(e["time"] for e in steps if e["world"] == 2 and e["rank"] == 1) - joined
         found = _REFORM.search((work / "a.log").read_text(errors="replace"))
         if found:
@@ -116,8 +171,9 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
 WARM, WINDOW = 40, 64  # steady-state steps/s over steps WARM..WARM+WINDOW (the automatic K is set by step 34)
 
 
-def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False,
-           schedule: list[int] | None = None) -> dict:  # fmt: skip
+def steady(
+    width: int, timeout_s: float, every: str = "auto", kill: bool = False, schedule: list[int] | None = None
+) -> dict:
     """Steady-state steps/s of 2 ZeRO ranks on one node under ``--rescale in-place``, with a buddy snapshot every
     ``every`` steps (``auto``: the workers' choice; the result's ``every`` is the K in force at the end and
     ``schedule`` the committed steps at each snapshot); the in-run estimate uses ``schedule`` if given (a run without
@@ -125,14 +181,46 @@ def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False
     work = Path(tempfile.mkdtemp(prefix=f"bench-buddy-every{every}-"))
     events, metrics_port = work / "events.jsonl", free_port()
     warm, window = WARM, WINDOW
-    script = [str(SCRIPT), "--engine", "zero", "--width", str(width), "--samples", "4096", "--global-batch", "8",
-              "--micro-batch", "4", "--steps", "1000000", "--events", str(events)]  # fmt: skip
-    cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--rescale", "in-place",
-           "--max-restarts", "3", "--metrics-port", str(metrics_port), "--start-timeout", "600",
-           "--snapshot-every", every, *script]  # fmt: skip
+    script = [
+        str(SCRIPT),
+        "--engine",
+        "zero",
+        "--width",
+        str(width),
+        "--samples",
+        "4096",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "1000000",
+        "--events",
+        str(events),
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pliant",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--rescale",
+        "in-place",
+        "--max-restarts",
+        "3",
+        "--metrics-port",
+        str(metrics_port),
+        "--start-timeout",
+        "600",
+        "--snapshot-every",
+        every,
+        *script,
+    ]
     with open(work / "a.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+
         def rank0() -> list[dict]:
             return [e for e in read_jsonl(events) if e["rank"] == 0]
 
@@ -142,9 +230,12 @@ def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False
         changes = [(int(k), int(step)) for k, step in _EVERY.findall((work / "a.log").read_text(errors="replace"))]
         fixed = int(every) if every.isdigit() else 0
         mine = snapshot_steps(changes, warm + window + 1, fixed or FIRST_SNAPSHOT_EVERY)
-        out = {"steps_s": window / (times[warm + window] - times[warm]), "schedule": mine,
-               "every": int(m.get("pliant_worker_snapshot_every", 0)) or fixed,
-               "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), schedule or mine)}  # fmt: skip
+        out = {
+            "steps_s": window / (times[warm + window] - times[warm]),
+            "schedule": mine,
+            "every": int(m.get("pliant_worker_snapshot_every", 0)) or fixed,
+            "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), schedule or mine),
+        }
         count = m.get("pliant_worker_snapshot_stall_seconds_count", 0.0)
         out["stall"] = m.get("pliant_worker_snapshot_stall_seconds_sum", 0.0) / count if count else 0.0
         out["snap_bytes"] = m.get("pliant_worker_snapshot_bytes_total", 0.0) / count if count else 0.0
@@ -153,8 +244,14 @@ def steady(width: int, timeout_s: float, every: str = "auto", kill: bool = False
             last = max(times)
             killed = time.time()
             psutil.Process(pids[1]).kill()
-            _wait(lambda: len({e["rank"] for e in read_jsonl(events) if e["time"] > killed + 0.01 and
-                               e["pid"] != pids[1]}) == 2, timeout_s, "both ranks stepping after the kill")  # fmt: skip
+            _wait(
+                lambda: (
+                    len({e["rank"] for e in read_jsonl(events) if e["time"] > killed + 0.01 and e["pid"] != pids[1]})
+                    == 2
+                ),
+                timeout_s,
+                "both ranks stepping after the kill",
+            )
             after = [e for e in read_jsonl(events) if e["time"] > killed]
             resumed = min(e["step"] for e in after if e["rank"] == 0)
             out["recover_s"] = max(min(e["time"] for e in after if e["rank"] == r) for r in (0, 1)) - killed
@@ -186,24 +283,33 @@ def main() -> None:
     results = {mode: measure(mode, w, args.timeout) for mode in ("in-place", "restart")}
     inp, rst = results["in-place"], results["restart"]
     print(f"\n{'':<44}{'in-place':>12}{'restart':>12}{'ratio':>10}")
-    print(f"{'survivors pause on a join (minus a step)':<44}{inp['pause']:>11.2f}s{rst['pause']:>11.2f}s"
-          f"{inp['pause'] / rst['pause']:>9.2f}x")  # fmt: skip
-    print(f"{'  the gap across the world change alone':<44}{inp['change']:>11.2f}s{rst['change']:>11.2f}s"
-          f"{inp['change'] / rst['change']:>9.2f}x")  # fmt: skip
-    print(f"{'join -> the newcomer stepping':<44}{inp['join']:>11.2f}s{rst['join']:>11.2f}s"
-          f"{inp['join'] / rst['join']:>9.2f}x")  # fmt: skip
+    print(
+        f"{'survivors pause on a join (minus a step)':<44}{inp['pause']:>11.2f}s{rst['pause']:>11.2f}s"
+        f"{inp['pause'] / rst['pause']:>9.2f}x"
+    )
+    print(
+        f"{'  the gap across the world change alone':<44}{inp['change']:>11.2f}s{rst['change']:>11.2f}s"
+        f"{inp['change'] / rst['change']:>9.2f}x"
+    )
+    print(
+        f"{'join -> the newcomer stepping':<44}{inp['join']:>11.2f}s{rst['join']:>11.2f}s"
+        f"{inp['join'] / rst['join']:>9.2f}x"
+    )
     print(f"{'median step at world 2':<44}{inp['step']:>11.2f}s{rst['step']:>11.2f}s")
     if "reform_s" in inp:
         moved = inp["sync_bytes"]  # pliant's broadcasts of the parameters and the optimizer state
-        print(f"re-formation in place: {inp['reform_s']:.2f}s for {moved / 1e9:.2f} GB of state "
-              f"({moved / 1e9 / inp['reform_s']:.2f} GB/s, process group set-up included)")  # fmt: skip
-
+        print(
+            f"re-formation in place: {inp['reform_s']:.2f}s for {moved / 1e9:.2f} GB of state "
+            f"({moved / 1e9 / inp['reform_s']:.2f} GB/s, process group set-up included)"
+        )
 
 
 def buddy(width: int, timeout_s: float, pairs: int, every: str = "auto") -> None:
     costs, stalls, in_run = [], [], []
-    print(f"\nZeRO, 2 ranks on one node, steady state over steps {WARM}..{WARM + WINDOW}, snapshot every "
-          f"{every} steps, {pairs} alternating pairs of runs:")  # fmt: skip
+    print(
+        f"\nZeRO, 2 ranks on one node, steady state over steps {WARM}..{WARM + WINDOW}, snapshot every "
+        f"{every} steps, {pairs} alternating pairs of runs:"
+    )
     for i in range(pairs):
         run = steady(width, timeout_s, every, kill=i == pairs - 1)
         without = steady(width, timeout_s, str(10**6), schedule=run["schedule"])
@@ -211,18 +317,24 @@ def buddy(width: int, timeout_s: float, pairs: int, every: str = "auto") -> None
         in_window = [s for s in run["schedule"] if WARM < s <= WARM + WINDOW]
         stalls.append(run["stall"] * len(in_window) / WINDOW * run["steps_s"])
         in_run.append(run["in_run"])
-        print(f"  pair {i + 1}: K = {run['every']} at the end, snapshots after steps {in_window}; with copies "
-              f"{run['steps_s']:.3f} steps/s, without {without['steps_s']:.3f}: cost {100 * costs[-1]:.1f} %; "
-              f"inside the run with copies "
-              f"{100 * run['in_run']:.1f} % (the same estimate without copies: {100 * without['in_run']:.1f} %); each "
-              f"snapshot copied {run['snap_bytes'] / 1e6:.0f} MB per rank and held the training thread "
-              f"{run['stall']:.3f}s ({100 * stalls[-1]:.2f} % of the time)")  # fmt: skip
-    print(f"  median throughput cost {100 * statistics.median(costs):.1f} % between runs, "
-          f"{100 * statistics.median(in_run):.1f} % inside the runs (goal <= 2 %), median stall "
-          f"{100 * statistics.median(stalls):.2f} % of the time")  # fmt: skip
+        print(
+            f"  pair {i + 1}: K = {run['every']} at the end, snapshots after steps {in_window}; with copies "
+            f"{run['steps_s']:.3f} steps/s, without {without['steps_s']:.3f}: cost {100 * costs[-1]:.1f} %; "
+            f"inside the run with copies "
+            f"{100 * run['in_run']:.1f} % (the same estimate without copies: {100 * without['in_run']:.1f} %); each "
+            f"snapshot copied {run['snap_bytes'] / 1e6:.0f} MB per rank and held the training thread "
+            f"{run['stall']:.3f}s ({100 * stalls[-1]:.2f} % of the time)"
+        )
+    print(
+        f"  median throughput cost {100 * statistics.median(costs):.1f} % between runs, "
+        f"{100 * statistics.median(in_run):.1f} % inside the runs (goal <= 2 %), median stall "
+        f"{100 * statistics.median(stalls):.2f} % of the time"
+    )
     if "recover_s" in run:
-        print(f"  kill -9 of rank 1: both ranks stepping {run['recover_s']:.2f}s later, {run['redone']:.0f} committed "
-              f"steps redone, rolled back from the buddy copies: {bool(run['rolled_back'])}")  # fmt: skip
+        print(
+            f"  kill -9 of rank 1: both ranks stepping {run['recover_s']:.2f}s later, {run['redone']:.0f} committed "
+            f"steps redone, rolled back from the buddy copies: {bool(run['rolled_back'])}"
+        )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,13 @@ class Node:
         if not gloo_ifname:
             full.pop("GLOO_SOCKET_IFNAME", None)
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env=full, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.netns, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=full,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -160,18 +165,46 @@ class Fabric:
 
     def slow(self, node: Node, rate: str = "10mbit") -> None:
         """Limit ``node``'s outgoing rate (``tc tbf``); :meth:`fast` lifts it."""
-        subprocess.run(["ip", "netns", "exec", node.netns, "tc", "qdisc", "replace", "dev", node.ifname, "root",
-                        "tbf", "rate", rate, "burst", "64kb", "latency", "400ms"], check=True, capture_output=True,
-                       timeout=10)  # fmt: skip
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                node.netns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                node.ifname,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "400ms",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
 
     def fast(self, node: Node) -> None:
-        subprocess.run(["ip", "netns", "exec", node.netns, "tc", "qdisc", "del", "dev", node.ifname, "root"],
-                       capture_output=True, timeout=10)  # fmt: skip
+        subprocess.run(
+            ["ip", "netns", "exec", node.netns, "tc", "qdisc", "del", "dev", node.ifname, "root"],
+            capture_output=True,
+            timeout=10,
+        )
 
     def netem(self, node: Node, *args: str) -> str:
         """Delay or loss (``tc netem`` arguments) on ``node``'s link; returns "" or why it cannot be done here."""
-        result = subprocess.run(["ip", "netns", "exec", node.netns, "tc", "qdisc", "replace", "dev", node.ifname,
-                                 "root", "netem", *args], capture_output=True, text=True, timeout=10)  # fmt: skip
+        result = subprocess.run(
+            ["ip", "netns", "exec", node.netns, "tc", "qdisc", "replace", "dev", node.ifname, "root", "netem", *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return "" if result.returncode == 0 else f"tc netem: {result.stderr.strip()} (no sch_netem in this kernel)"
 
     # -- cleanup ---------------------------------------------------------------------------------------------------

@@ -31,8 +31,11 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("job_id", help="the job id")
-        p.add_argument("--coordinator", default=os.environ.get("PLIANT_COORDINATOR", "127.0.0.1:29400"),
-                       help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR)")  # fmt: skip
+        p.add_argument(
+            "--coordinator",
+            default=os.environ.get("PLIANT_COORDINATOR", "127.0.0.1:29400"),
+            help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR)",
+        )
         add_tls_flags(p, "admin")
 
     create = actions.add_parser("create", help="create a job and print its join token")
@@ -81,8 +84,16 @@ def _spec(args: argparse.Namespace) -> JobSpec:
         low, high = int(lo), int(hi or lo)
     except ValueError:
         raise ConfigError(f"--nnodes {args.nnodes!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
-    return JobSpec(args.job_id, low, high, args.nproc_per_node, args.heartbeat_ttl, args.join_grace, args.max_restarts,
-                   args.min_nodes_timeout)  # fmt: skip
+    return JobSpec(
+        args.job_id,
+        low,
+        high,
+        args.nproc_per_node,
+        args.heartbeat_ttl,
+        args.join_grace,
+        args.max_restarts,
+        args.min_nodes_timeout,
+    )
 
 
 def job_main(args: argparse.Namespace) -> int:

@@ -72,8 +72,10 @@ def require_node(caller: Caller, node_id: str, method: str) -> None:
     if caller.is_admin:
         return
     if caller.node_id is None:
-        raise PermissionDenied(f"{method} is for agents, and {caller} is not one; use an agent certificate "
-                               f"(pliant certs create-agent NODE_ID)")  # fmt: skip
+        raise PermissionDenied(
+            f"{method} is for agents, and {caller} is not one; use an agent certificate "
+            f"(pliant certs create-agent NODE_ID)"
+        )
     if caller.node_id != node_id:
         raise PermissionDenied(
             f"{method} for node {node_id[:100]!r} refused: {caller} acts only for node {caller.node_id!r}; run each "

@@ -84,12 +84,17 @@ class CoordinatorClient:
         # that went silent (its host lost power, or a cut that resets nothing) breaks the call within
         # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS and the watch resumes on the next replica. Without them the watch
         # waited for TCP, until the cut healed: a node deaf to new generations for 44 s in the lone-cut soak.
-        options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-                   ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.keepalive_permit_without_calls", 1),
-                   ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # current gRPC's wait for an answer
-                   ("grpc.http2.max_pings_without_data", 0),
-                   ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS)]  # fmt: skip
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # current gRPC's wait for an answer
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
+        ]
         self._options = options
         self.tls = tls
         self._channels: list[grpc.Channel] = []
@@ -198,8 +203,14 @@ class CoordinatorClient:
         return JoinGrant(self._call("Join", req))
 
     def heartbeat(
-        self, job_id: str, node_id: str, lease_id: int, step: int = 0, timeout_s: float | None = None,
-        reaches_generation: int = 0, misses_generation: int = 0,
+        self,
+        job_id: str,
+        node_id: str,
+        lease_id: int,
+        step: int = 0,
+        timeout_s: float | None = None,
+        reaches_generation: int = 0,
+        misses_generation: int = 0,
     ) -> float:
         """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns its TTL.
         ``timeout_s``: the deadline of each attempt (default: the client's), after which the next replica is tried:
@@ -207,8 +218,14 @@ class CoordinatorClient:
         off from etcd) costs less than the TTL. ``reaches_generation``: a spare reached every member of that
         generation (its hold is lifted); ``misses_generation``: it could not reach one (its hold lasts). Raises
         NotFound once the lease is gone (Join again)."""
-        req = pb.HeartbeatRequest(job_id=job_id, node_id=node_id, lease_id=lease_id, step=step,
-                                  reaches_generation=reaches_generation, misses_generation=misses_generation)
+        req = pb.HeartbeatRequest(
+            job_id=job_id,
+            node_id=node_id,
+            lease_id=lease_id,
+            step=step,
+            reaches_generation=reaches_generation,
+            misses_generation=misses_generation,
+        )
         return self._call("Heartbeat", req, timeout_s).ttl_s
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:

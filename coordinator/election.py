@@ -105,8 +105,9 @@ class LeaderElection:
             try:
                 self._store.resign(fence, lease_id)
             except Exception as exc:
-                logger.warning("replica %s could not resign (%s); its lease expires in %gs", self.replica_id, exc,
-                               self.ttl_s)  # fmt: skip
+                logger.warning(
+                    "replica %s could not resign (%s); its lease expires in %gs", self.replica_id, exc, self.ttl_s
+                )
 
     def stop(self, resign: bool = True) -> None:
         """Stop campaigning; with ``resign`` delete the leader key (if still ours) so another replica takes over now."""

@@ -143,24 +143,47 @@ class EtcdServer:
         peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.peer_port}"
         cmd = [
             self.binary,
-            "--name", "pliant",
-            "--data-dir", self.data_dir,
-            "--listen-client-urls", self.endpoint,
-            "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"pliant={peer}",
-            "--heartbeat-interval", "50",
-            "--election-timeout", "250",
-            "--log-level", "warn",
-        ]  # fmt: skip
+            "--name",
+            "pliant",
+            "--data-dir",
+            self.data_dir,
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"pliant={peer}",
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "250",
+            "--log-level",
+            "warn",
+        ]
         if self.quota_bytes:
             cmd += ["--quota-backend-bytes", str(self.quota_bytes)]
         creds = None
         if self.tls is not None:
-            cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
-                    "--client-cert-auth", "--peer-cert-file", self.tls.cert, "--peer-key-file", self.tls.key,
-                    "--peer-trusted-ca-file", self.tls.ca, "--peer-client-cert-auth"]  # fmt: skip
+            cmd += [
+                "--cert-file",
+                self.tls.cert,
+                "--key-file",
+                self.tls.key,
+                "--trusted-ca-file",
+                self.tls.ca,
+                "--client-cert-auth",
+                "--peer-cert-file",
+                self.tls.cert,
+                "--peer-key-file",
+                self.tls.key,
+                "--peer-trusted-ca-file",
+                self.tls.ca,
+                "--peer-client-cert-auth",
+            ]
             files = self.tls.load(need_role=False)
             creds = grpc.ssl_channel_credentials(files.ca_pem, files.key_pem, files.cert_pem)
         if self.die_with_parent:

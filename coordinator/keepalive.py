@@ -97,8 +97,11 @@ class KeepAliveStream:
             pending, self._pending = self._pending, {}
         requests.put(_END)
         if pending and not self._closed:
-            logger.warning("lease keepalive stream broke (%s); %d heartbeats fail and are retried", error,
-                           sum(map(len, pending.values())))  # fmt: skip
+            logger.warning(
+                "lease keepalive stream broke (%s); %d heartbeats fail and are retried",
+                error,
+                sum(map(len, pending.values())),
+            )
         for futures in pending.values():
             for future in futures:
                 if not future.done():

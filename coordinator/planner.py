@@ -96,8 +96,9 @@ def _publish(
     """The next generation with ``nodes``; ``charged``: the failures charged to each node (default: unchanged)."""
     number = (snap.generation.number if snap.generation else 0) + 1
     since = {m.node_id: m.since for m in snap.generation.members} if snap.generation else {}
-    members = tuple(dataclasses.replace(m, since=since.get(m.node_id) or number)
-                    for m in assign_ranks(snap.spec, nodes))  # fmt: skip
+    members = tuple(
+        dataclasses.replace(m, since=since.get(m.node_id) or number) for m in assign_ranks(snap.spec, nodes)
+    )
     counts = _charged(snap) if charged is None else charged
     generation = Generation(
         snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation, tuple(sorted(counts.items()))
@@ -192,8 +193,9 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
         # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.
         until = min(f.reported_at for f in failures) + REPORT_GRACE_S
         if now < until:
-            return WaitUntil(until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause",
-                             JobState.RUNNING)  # fmt: skip
+            return WaitUntil(
+                until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause", JobState.RUNNING
+            )
     if running and failed_nodes:
         culprits = sorted({f.node_id for f in failures if f.exit_code != WAIT_EXIT_CODE}) or failed_nodes
         for node in culprits:

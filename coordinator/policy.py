@@ -132,8 +132,9 @@ def side(generation: Generation, nodes: Sequence[str], arrived: bool = False) ->
     return sum(m.nproc for m in chosen if arrived or m.since < generation.number), sum(m.nproc for m in chosen)
 
 
-def evictions(generation: Generation, reporter: str, unreachable: Sequence[str], live: Sequence[str],
-              arrived: bool = False) -> tuple[str, ...]:  # fmt: skip
+def evictions(
+    generation: Generation, reporter: str, unreachable: Sequence[str], live: Sequence[str], arrived: bool = False
+) -> tuple[str, ...]:
     """The side rule: the nodes a failure report of ``generation`` may evict at once, as far as the sides go (see the
     module docstring); :func:`reported_evictions` evicts only those of them whose absence is also corroborated.
 
@@ -354,13 +355,20 @@ class LeaderClock:
         since = first(("state", snap.status_mod_revision))
         members = tuple(dataclasses.replace(m, joined_at=first((m.node_id, m.order))) for m in snap.members)
         # a strike's clock starts at the strike (its count at its address), not at a lift or a miss that rewrote it
-        strikes = tuple(dataclasses.replace(s, seen_at=first((f"strike/{s.node_id}/{s.address}", s.count)))
-                        for s in snap.strikes)  # fmt: skip
-        failures = tuple(dataclasses.replace(f, reported_at=first((f"failure/{f.node_id}", f.generation)))
-                         for f in snap.failures)  # fmt: skip
+        strikes = tuple(
+            dataclasses.replace(s, seen_at=first((f"strike/{s.node_id}/{s.address}", s.count))) for s in snap.strikes
+        )
+        failures = tuple(
+            dataclasses.replace(f, reported_at=first((f"failure/{f.node_id}", f.generation))) for f in snap.failures
+        )
         self._seen[job] = seen  # records no longer in the snapshot are forgotten
-        return dataclasses.replace(snap, status=dataclasses.replace(snap.status, since=since), members=members,
-                                   strikes=strikes, failures=failures)  # fmt: skip
+        return dataclasses.replace(
+            snap,
+            status=dataclasses.replace(snap.status, since=since),
+            members=members,
+            strikes=strikes,
+            failures=failures,
+        )
 
     def forget(self, job: str) -> None:
         self._seen.pop(job, None)

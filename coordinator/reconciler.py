@@ -297,8 +297,12 @@ class Reconciler:
         job = snap.spec.job_id
         self._store.delete_job(job)
         self._times.forget(job)
-        logger.info("job %s deleted %.0fs after it %s (finished-job TTL)", job, self._finished_job_ttl_s,
-                    snap.status.state.value)  # fmt: skip
+        logger.info(
+            "job %s deleted %.0fs after it %s (finished-job TTL)",
+            job,
+            self._finished_job_ttl_s,
+            snap.status.state.value,
+        )
         return None
 
     def _sweep(self, snap: JobSnapshot, fence: Fence, now: float) -> float | None:
@@ -383,8 +387,13 @@ class Reconciler:
                 self._metrics.observe_published(decision)
             logger.info(
                 "job %s: generation %d published (%s): world size %d on %s; job %s",
-                job, gen.number, gen.reason, gen.world_size, ",".join(gen.node_ids) or "no nodes", decision.state.value,
-            )  # fmt: skip
+                job,
+                gen.number,
+                gen.reason,
+                gen.world_size,
+                ",".join(gen.node_ids) or "no nodes",
+                decision.state.value,
+            )
             return None
         if isinstance(decision, WaitUntil):
             if decision.state is not status.state:

@@ -122,9 +122,10 @@ class CoordinatorConfig:
         if (self.tls is None) == (not self.insecure):
             raise ConfigError(
                 "the coordinator needs --tls-dir DIR (ca.crt, tls.crt, tls.key of a coordinator certificate; create "
-                "them with `pliant certs`) or an explicit --insecure" if self.tls is None else
-                "--tls-dir and --insecure contradict each other; drop one"
-            )  # fmt: skip
+                "them with `pliant certs`) or an explicit --insecure"
+                if self.tls is None
+                else "--tls-dir and --insecure contradict each other; drop one"
+            )
         if not 10 <= self.outage_tolerance_s <= 7 * 24 * 3600:
             raise ConfigError(f"--outage-tolerance {self.outage_tolerance_s:g} must be between 10 seconds and a week")
         if self.signer is not None and self.tls is None:
@@ -134,14 +135,18 @@ class CoordinatorConfig:
         if self.health_listen:
             parse_host_port(self.health_listen, what="--health-port address", allow_zero=True)
         if self.max_jobs < 0 or self.finished_job_ttl_s < 0:
-            raise ConfigError(f"--max-jobs {self.max_jobs} and --finished-job-ttl {self.finished_job_ttl_s:g} must "
-                              f"be >= 0 (0: no limit / keep finished jobs)")  # fmt: skip
+            raise ConfigError(
+                f"--max-jobs {self.max_jobs} and --finished-job-ttl {self.finished_job_ttl_s:g} must "
+                f"be >= 0 (0: no limit / keep finished jobs)"
+            )
         reserve = max(4, self.max_workers // 10)
         if not self.max_watch_streams:
             object.__setattr__(self, "max_watch_streams", self.max_workers - reserve)
         if not 1 <= self.max_watch_streams <= self.max_workers - 4:
-            raise ConfigError(f"--max-watch-streams {self.max_watch_streams} must be between 1 and max_workers - 4 "
-                              f"({self.max_workers - 4}): streams must leave threads for heartbeats")  # fmt: skip
+            raise ConfigError(
+                f"--max-watch-streams {self.max_watch_streams} must be between 1 and max_workers - 4 "
+                f"({self.max_workers - 4}): streams must leave threads for heartbeats"
+            )
         if not self.max_concurrent_rpcs:
             object.__setattr__(self, "max_concurrent_rpcs", 2 * self.max_workers)
         if not self.replica_id:
@@ -164,35 +169,53 @@ class CoordinatorServer:
         if config.etcd_tls is not None:
             etcd_files = config.etcd_tls.load(need_role=False)
             etcd_creds = grpc.ssl_channel_credentials(etcd_files.ca_pem, etcd_files.key_pem, etcd_files.cert_pem)
-        self.store = EtcdStore(config.etcd_endpoints, config.prefix, config.etcd_timeout_s, credentials=etcd_creds,
-                               membership_lease_s=config.outage_tolerance_s,
-                               seal_root=config.seal_root)  # fmt: skip
+        self.store = EtcdStore(
+            config.etcd_endpoints,
+            config.prefix,
+            config.etcd_timeout_s,
+            credentials=etcd_creds,
+            membership_lease_s=config.outage_tolerance_s,
+            seal_root=config.seal_root,
+        )
         self.health = health.HealthServicer()
         self.election = LeaderElection(self.store, config.replica_id, config.leader_ttl_s, self._set_health)
         self.metrics = CoordinatorMetrics(self.registry, lambda: self.election.is_leader)
         self.store.observer = self.metrics.observe_etcd
-        self.reconciler = Reconciler(self.store, self.election, resync_s=config.resync_s, metrics=self.metrics,
-                                     finished_job_ttl_s=config.finished_job_ttl_s,
-                                     jobs_prefix=self.store.jobs_prefix)  # fmt: skip
+        self.reconciler = Reconciler(
+            self.store,
+            self.election,
+            resync_s=config.resync_s,
+            metrics=self.metrics,
+            finished_job_ttl_s=config.finished_job_ttl_s,
+            jobs_prefix=self.store.jobs_prefix,
+        )
         self.hub = WatchHub(self.store)
         self.denylist = Denylist(self.store)
-        self.servicer = CoordinatorServicer(self.store, self.hub, observe=self.metrics.observe_rpc,
-                                            poke=self.reconciler.poke,
-                                            progress_interval_s=config.progress_interval_s,
-                                            max_jobs=config.max_jobs,
-                                            max_watch_streams=config.max_watch_streams,
-                                            signer=config.signer, denylist=self.denylist)  # fmt: skip
+        self.servicer = CoordinatorServicer(
+            self.store,
+            self.hub,
+            observe=self.metrics.observe_rpc,
+            poke=self.reconciler.poke,
+            progress_interval_s=config.progress_interval_s,
+            max_jobs=config.max_jobs,
+            max_watch_streams=config.max_watch_streams,
+            signer=config.signer,
+            denylist=self.denylist,
+        )
         self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
             # clients ping every few seconds (coordinator/client.py: KEEPALIVE_TIME_MS), also on watch streams that
             # carry no data; gRPC's default answers pings more often than every 5 minutes with GOAWAY
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 1 << 20),
-                     ("grpc.keepalive_permit_without_calls", 1),
-                     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-                     # a connection that has not finished its TLS handshake is dropped after this (gRPC: 120 s), so
-                     # idle connections never hold the server's slots for long
-                     ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))],
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", 1 << 20),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                # a connection that has not finished its TLS handshake is dropped after this (gRPC: 120 s), so
+                # idle connections never hold the server's slots for long
+                ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)
@@ -233,9 +256,12 @@ class CoordinatorServer:
                 creds = server_credentials(self.config.tls, self.tls)
                 self.port = self.server.add_secure_port(f"{host}:{port}", creds)  # type: ignore[arg-type]
             else:
-                logger.warning("coordinator %s serves PLAINTEXT without client authentication (--insecure): anyone "
-                               "who reaches %s can create, finish and delete jobs", self.config.replica_id,
-                               self.config.listen)  # fmt: skip
+                logger.warning(
+                    "coordinator %s serves PLAINTEXT without client authentication (--insecure): anyone "
+                    "who reaches %s can create, finish and delete jobs",
+                    self.config.replica_id,
+                    self.config.listen,
+                )
                 self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on --listen {self.config.listen}: {exc}; pick a free port") from exc
@@ -278,12 +304,16 @@ class CoordinatorServer:
         listen = self.config.bootstrap_listen or bootstrap_address(f"{host}:{self.port}")
         self.bootstrap_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="bootstrap"),
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10),
-                     ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))],
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", 64 << 10),
+                ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ],
             maximum_concurrent_rpcs=32,
         )
-        servicer = BootstrapServicer(self.store, self.config.signer, observe=self.metrics.observe_rpc,
-                                     denylist=self.denylist)  # fmt: skip
+        servicer = BootstrapServicer(
+            self.store, self.config.signer, observe=self.metrics.observe_rpc, denylist=self.denylist
+        )
         bootstrap_pb2_grpc.add_BootstrapServicer_to_server(servicer, self.bootstrap_server)
         assert self.config.tls is not None
         creds = server_credentials(self.config.tls, self.tls, bootstrap=True)  # rotated files are picked up too

@@ -316,8 +316,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.generation == 0:
             raise InvalidArgument("generation 0 in ReportFailure; report the generation the failed worker ran in")
         unreachable = [validate_id(n, "unreachable node id") for n in request.unreachable_nodes]
-        report = FailureReport(node, request.generation, request.exit_code, truncate_reason(request.message),
-                               self._clock(), tuple(dict.fromkeys(unreachable)), request.arrived)  # fmt: skip
+        report = FailureReport(
+            node,
+            request.generation,
+            request.exit_code,
+            truncate_reason(request.message),
+            self._clock(),
+            tuple(dict.fromkeys(unreachable)),
+            request.arrived,
+        )
         accepted, current = self._store.report_failure(job, report)
         self._poke(job)
         return pb.ReportFailureResponse(accepted=accepted, current_generation=current)

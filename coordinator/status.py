@@ -83,8 +83,9 @@ def render_table(jobs: Sequence[JobInfo], now: float, unreadable: Mapping[str, s
     """A readable table per job: a header line, then one row per member; then the jobs that cannot be read."""
     if not jobs and not unreadable:
         return "no jobs"
-    out: list[str] = [f"job {job}: UNREADABLE, skipped by the coordinator: {why}" for job, why in
-                      sorted((unreadable or {}).items())]  # fmt: skip
+    out: list[str] = [
+        f"job {job}: UNREADABLE, skipped by the coordinator: {why}" for job, why in sorted((unreadable or {}).items())
+    ]
     for info in jobs:
         d = to_dict(info)
         state = d["state"] + (f" ({d['reason']})" if d["reason"] else "")

@@ -79,8 +79,9 @@ REVOKED_KEEP_S = 400 * 24 * 3600.0  # a revocation whose certificate's expiry is
 def _strike(value: bytes, meta: Any) -> Strike:
     """A strike record, its node id from its key (see :func:`pliant.coordinator.store_base.read_strike`)."""
     record = read_strike(meta.key, value)
-    return Strike(meta.key.decode().rsplit("/", 1)[1], record.address, record.count, lifted=record.lifted,
-                  missed=record.missed)  # fmt: skip
+    return Strike(
+        meta.key.decode().rsplit("/", 1)[1], record.address, record.count, lifted=record.lifted, missed=record.missed
+    )
 
 
 class EtcdStore(MemberStore):
@@ -376,8 +377,14 @@ class EtcdStore(MemberStore):
         if generation.number > HISTORY:
             ops.append(self.tx.delete(self.history_key(job, generation.number - HISTORY)))
         self._guard(snap)
-        self._fenced(fence, [self.tx.mod(self.job_key(job, "generation")) == snap.generation_mod_revision,
-                             self.tx.mod(self.job_key(job, "state")) == snap.status_mod_revision], ops)  # fmt: skip
+        self._fenced(
+            fence,
+            [
+                self.tx.mod(self.job_key(job, "generation")) == snap.generation_mod_revision,
+                self.tx.mod(self.job_key(job, "state")) == snap.status_mod_revision,
+            ],
+            ops,
+        )
 
     @etcd_call
     def set_status(self, snap: JobSnapshot, status: JobStatus, fence: Fence) -> None:
@@ -408,8 +415,9 @@ class EtcdStore(MemberStore):
     @staticmethod
     def _guard(snap: JobSnapshot) -> None:
         if not may_overwrite(snap.status):
-            raise FencingError(f"job {snap.spec.job_id!r} is {snap.status.state.value}; a finished job's state is "
-                               f"never overwritten")  # fmt: skip
+            raise FencingError(
+                f"job {snap.spec.job_id!r} is {snap.status.state.value}; a finished job's state is never overwritten"
+            )
 
     def _fenced(self, fence: Fence, compare: list[Any], ops: list[Any]) -> None:
         ok, _ = self._txn(compare=[self.tx.create(fence.key) == fence.revision, *compare], success=ops)

@@ -38,8 +38,18 @@ from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
 from pliant.seal import KEY_BYTES, job_key, parse_root
 
-__all__ = ["HISTORY", "EtcdBase", "EtcdObserver", "Fence", "StrikeRecord", "decode", "etcd_call", "range_end",
-           "read_strike", "token_digest"]
+__all__ = [
+    "HISTORY",
+    "EtcdBase",
+    "EtcdObserver",
+    "Fence",
+    "StrikeRecord",
+    "decode",
+    "etcd_call",
+    "range_end",
+    "read_strike",
+    "token_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +140,17 @@ def read_strike(key: str | bytes, raw: bytes) -> StrikeRecord:
     back (strikes only delay a rejoin; the next strike overwrites it), with a warning."""
     try:
         record = decode(key, json.loads, raw)
-        return decode(key, lambda _: StrikeRecord(int(record["count"]), str(record["address"]),
-                                                  bool(record.get("lifted")), int(record.get("lifts", 0)),
-                                                  bool(record.get("missed"))), raw)  # fmt: skip
+        return decode(
+            key,
+            lambda _: StrikeRecord(
+                int(record["count"]),
+                str(record["address"]),
+                bool(record.get("lifted")),
+                int(record.get("lifts", 0)),
+                bool(record.get("missed")),
+            ),
+            raw,
+        )
     except CorruptRecord as exc:
         logger.warning("%s; counted as one strike", exc)
         return StrikeRecord(1, "")
@@ -204,8 +222,10 @@ class EtcdBase:
         for url in self.endpoints:
             host, port = parse_host_port(url, what="etcd endpoint")
             if url.startswith("https://") and credentials is None:
-                raise InvalidArgument(f"etcd endpoint {url} is https but no etcd TLS files were given; pass "
-                                      f"--etcd-cacert/--etcd-cert/--etcd-key (or --etcd-tls-dir)")  # fmt: skip
+                raise InvalidArgument(
+                    f"etcd endpoint {url} is https but no etcd TLS files were given; pass "
+                    f"--etcd-cacert/--etcd-cert/--etcd-key (or --etcd-tls-dir)"
+                )
             secure = credentials is not None
             eps.append(etcd3.Endpoint(host, port, secure=secure, creds=credentials, time_retry=0.5))
         self.client = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)

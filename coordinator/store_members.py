@@ -110,8 +110,10 @@ class MemberStore(EtcdBase):
                 )
             self._token_digests.pop(job, None)
             if responses and responses[1] and responses[1][0][0].decode() != digest:
-                raise Unauthenticated(f"the join token for job {job!r} was rotated while node {member.node_id!r} "
-                                      f"joined; ask the job's admin for the new token")  # fmt: skip
+                raise Unauthenticated(
+                    f"the join token for job {job!r} was rotated while node {member.node_id!r} "
+                    f"joined; ask the job's admin for the new token"
+                )
             self._specs.pop(job, None)  # deleted, or re-created with another spec: read it again
             if _retry:
                 return self.join(job, member, token, _retry=False)
@@ -196,8 +198,10 @@ class MemberStore(EtcdBase):
             return
         value, meta = self.client.get(self.job_key(job, "members", node_id))
         if value is None:
-            raise NotFound(f"node {node_id!r} has no live membership in job {job!r} (its lease expired or was revoked: "
-                           f"it went silent, left or was evicted); Join again")  # fmt: skip
+            raise NotFound(
+                f"node {node_id!r} has no live membership in job {job!r} (its lease expired or was revoked: "
+                f"it went silent, left or was evicted); Join again"
+            )
         if meta.lease_id != lease_id:
             raise PermissionDenied(
                 f"the lease sent is not the one node {node_id!r}'s membership in job {job!r} holds; a node acts only "
@@ -242,8 +246,10 @@ class MemberStore(EtcdBase):
         if value is None:
             return False
         if meta.lease_id != lease_id:
-            raise PermissionDenied(f"the lease sent is not the one node {node_id!r}'s membership in job {job!r} "
-                                   f"holds; a node leaves only with the lease_id its own Join returned")  # fmt: skip
+            raise PermissionDenied(
+                f"the lease sent is not the one node {node_id!r}'s membership in job {job!r} "
+                f"holds; a node leaves only with the lease_id its own Join returned"
+            )
         ok, _ = self._txn(
             compare=[self.tx.mod(member_key) == meta.mod_revision],
             success=[self.tx.delete(member_key), self.tx.put(self.job_key(job, "departed", node_id), "leave")],
@@ -306,20 +312,37 @@ class MemberStore(EtcdBase):
         new = old._replace(lifted=lift, lifts=old.lifts + lift, missed=not reaches)
         if new == old:
             return False
-        ok, _ = self._txn([self.tx.mod(key) == meta.mod_revision,
-                           self.tx.mod(self.job_key(job, "generation")) == mod_revision],
-                          [self.tx.put(key, new.to_json(), lease=meta.lease_id)])  # fmt: skip
+        ok, _ = self._txn(
+            [self.tx.mod(key) == meta.mod_revision, self.tx.mod(self.job_key(job, "generation")) == mod_revision],
+            [self.tx.put(key, new.to_json(), lease=meta.lease_id)],
+        )
         if ok and lift:
-            logger.info("job %s: the hold of %s (%d strikes) lifted: its agent reaches every member of generation %d",
-                        job, node_id, old.count, generation)  # fmt: skip
+            logger.info(
+                "job %s: the hold of %s (%d strikes) lifted: its agent reaches every member of generation %d",
+                job,
+                node_id,
+                old.count,
+                generation,
+            )
         elif ok and reaches:
-            logger.info("job %s: %s's agent reaches every member of generation %d again; held back for the rest of "
-                        "its backoff (%d strikes; a hold is lifted at most once per two)", job, node_id, generation,
-                        old.count)  # fmt: skip
+            logger.info(
+                "job %s: %s's agent reaches every member of generation %d again; held back for the rest of "
+                "its backoff (%d strikes; a hold is lifted at most once per two)",
+                job,
+                node_id,
+                generation,
+                old.count,
+            )
         elif ok:
-            logger.info("job %s: %s's agent cannot reach every member of generation %d: held back until it does "
-                        "(%d strikes; at most %gs after the last)", job, node_id, generation, old.count,
-                        BACKOFF_MAX_S)  # fmt: skip
+            logger.info(
+                "job %s: %s's agent cannot reach every member of generation %d: held back until it does "
+                "(%d strikes; at most %gs after the last)",
+                job,
+                node_id,
+                generation,
+                old.count,
+                BACKOFF_MAX_S,
+            )
         return ok
 
     @etcd_call
@@ -341,8 +364,12 @@ class MemberStore(EtcdBase):
         for member in members:
             if not member.lease_id:
                 continue
-            info = stub.LeaseTimeToLive(etcdrpc.LeaseTimeToLiveRequest(ID=member.lease_id), self.timeout_s,
-                                        credentials=client.call_credentials, metadata=client.metadata)  # fmt: skip
+            info = stub.LeaseTimeToLive(
+                etcdrpc.LeaseTimeToLiveRequest(ID=member.lease_id),
+                self.timeout_s,
+                credentials=client.call_credentials,
+                metadata=client.metadata,
+            )
             if info.TTL > 0:
                 out[member.node_id] = float(max(0, info.grantedTTL - info.TTL))
         return out
@@ -356,14 +383,17 @@ class MemberStore(EtcdBase):
             for value, meta in self.client.get_prefix(self.progress_key(job))
         }
         prefix = self.job_key(job, "strikes") + "/"
-        strikes = {meta.key.decode()[len(prefix):]: read_strike(meta.key, value).count
-                   for value, meta in self.client.get_prefix(prefix)}  # fmt: skip
+        strikes = {
+            meta.key.decode()[len(prefix) :]: read_strike(meta.key, value).count
+            for value, meta in self.client.get_prefix(prefix)
+        }
         ages = self.lease_ages(job, members)
         out = {}
         for member in members:
             step = recorded.get(member.node_id, MemberProgress())
-            out[member.node_id] = MemberProgress(ages[member.node_id], step.step, step.step_at,
-                                                 strikes.get(member.node_id, 0))  # fmt: skip
+            out[member.node_id] = MemberProgress(
+                ages[member.node_id], step.step, step.step_at, strikes.get(member.node_id, 0)
+            )
         return out
 
     @etcd_call
@@ -484,8 +514,10 @@ class MemberStore(EtcdBase):
         if current is None or generation != current.number:
             return False, current.number if current else 0
         if node_id not in current.node_ids:
-            raise PermissionDenied(f"node {node_id!r} is not a member of job {job!r}'s generation {current.number}; "
-                                   f"only its members report its success")  # fmt: skip
+            raise PermissionDenied(
+                f"node {node_id!r} is not a member of job {job!r}'s generation {current.number}; "
+                f"only its members report its success"
+            )
         prefix = self.job_key(job, "successes", f"{current.number:012d}") + "/"
         ok, responses = self._txn(
             [self.tx.mod(self.job_key(job, "generation")) == mod_revision],

@@ -77,8 +77,14 @@ def main() -> None:
             torch.save(state, tmp)
             os.replace(tmp, args.ckpt)
         if events is not None:
-            line = {"rank": rank, "world": world, "step": step, "restart": restart, "time": time.time(),
-                    "pid": os.getpid()}  # fmt: skip
+            line = {
+                "rank": rank,
+                "world": world,
+                "step": step,
+                "restart": restart,
+                "time": time.time(),
+                "pid": os.getpid(),
+            }
             events.write(json.dumps(line) + "\n")
             events.flush()
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):

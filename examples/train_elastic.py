@@ -29,17 +29,26 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--width", type=int, default=32, help="hidden width (a bigger model makes bigger checkpoints)")
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--lr-period", type=int, default=20, help="steps per cosine cycle of the learning rate (0: "
-                        "a constant learning rate)")  # fmt: skip
+    parser.add_argument(
+        "--lr-period",
+        type=int,
+        default=20,
+        help="steps per cosine cycle of the learning rate (0: a constant learning rate)",
+    )
     parser.add_argument("--save-every", type=int, default=0, help="periodic checkpoints (with a checkpoint dir)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
-    parser.add_argument("--events", default="", help="append one JSON line per rank and step (samples consumed, the "
-                        "global loss)")  # fmt: skip
+    parser.add_argument(
+        "--events", default="", help="append one JSON line per rank and step (samples consumed, the global loss)"
+    )
     parser.add_argument("--out", default="", help="rank 0 writes the final loss and world size here as JSON")
     parser.add_argument("--params-out", default="", help="rank 0 saves the final parameters here (torch.save)")
     parser.add_argument("--float64", action="store_true", help="train in double precision (long exactness checks)")
-    parser.add_argument("--stop-file", default="", help="once this file exists, end at the step it names (a soak "
-                        "ends its job when its faults are done; that many --steps make its static twin)")  # fmt: skip
+    parser.add_argument(
+        "--stop-file",
+        default="",
+        help="once this file exists, end at the step it names (a soak "
+        "ends its job when its faults are done; that many --steps make its static twin)",
+    )
     args = parser.parse_args()
     if args.float64:
         torch.set_default_dtype(torch.float64)
@@ -50,11 +59,15 @@ def main() -> None:
     data = TensorDataset(x, x @ torch.randn(16, 1, generator=g), torch.arange(args.samples))
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
+        torch.nn.Linear(16, args.width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.width, args.width),
+        torch.nn.ReLU(),
         torch.nn.Linear(args.width, 1),
-    )  # fmt: skip
+    )
     schedule = None
     if args.lr_period:  # pliant steps it after every committed step, and keeps its state with the optimizer's
+
         def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
             return torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=args.lr_period)
 
@@ -81,11 +94,24 @@ def main() -> None:
         session.metrics.publish(loss=loss)  # pliant: served as pliant_user_loss{rank=...} on the node's endpoint
         if events is not None:
             seen = [int(i) for micro in batch.micro_batches for i in micro[2]]
-            events.write(json.dumps({"generation": session.env.generation, "step": batch.step, "rank": session.rank,
-                                     "world": session.world_size, "epoch": batch.plan.epoch, "samples": seen,
-                                     "pid": os.getpid(), "time": time.time(), "loss": loss,
-                                     "master_addr": session.env.master_addr,
-                                     "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME", "")}) + "\n")  # fmt: skip
+            events.write(
+                json.dumps(
+                    {
+                        "generation": session.env.generation,
+                        "step": batch.step,
+                        "rank": session.rank,
+                        "world": session.world_size,
+                        "epoch": batch.plan.epoch,
+                        "samples": seen,
+                        "pid": os.getpid(),
+                        "time": time.time(),
+                        "loss": loss,
+                        "master_addr": session.env.master_addr,
+                        "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""),
+                    }
+                )
+                + "\n"
+            )
             events.flush()
         if session.rank == 0 and batch.step % 10 == 0:
             print(f"step {batch.step} world {session.world_size} loss {loss:.4f}", flush=True)

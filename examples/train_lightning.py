@@ -39,9 +39,16 @@ def main() -> None:
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
     trainer = L.Trainer(
-        strategy="ddp", accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_steps=args.max_steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy="ddp",
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Regression(), data)
     if args.out:
         with open(args.out, "a") as out:
@@ -51,7 +58,7 @@ def main() -> None:
                 "cluster": type(trainer.strategy.cluster_environment).__name__,
                 "steps": trainer.global_step,
             }
-            out.write(json.dumps(line) + "\n")  # fmt: skip
+            out.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

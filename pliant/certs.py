@@ -61,8 +61,11 @@ def add_certs_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     ca = actions.add_parser("create-ca", help="create the CA certificate and key")
     ca.add_argument("--certs-dir", required=True, help="directory to write ca.crt and ca.key into")
     ca.add_argument("--lifetime-days", type=float, default=3650, help="validity in days (default 3650)")
-    ca.add_argument("--overwrite", action="store_true", help="replace an existing CA (every certificate it issued "
-                    "stops being trusted)")  # fmt: skip
+    ca.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing CA (every certificate it issued stops being trusted)",
+    )
     coord = actions.add_parser("create-coordinator", help="issue a coordinator (server) certificate")
     coord.add_argument("hosts", nargs="+", help="DNS names and IP addresses clients reach the coordinator by")
     coord.add_argument("--name", default="coordinator", help="the certificate's name (default coordinator)")

@@ -53,24 +53,48 @@ def build_parser() -> argparse.ArgumentParser:
         "interface)",
     )
     add_tls_flags(coord, "coordinator")
-    coord.add_argument("--etcd-cacert", default=_env("PLIANT_ETCD_CACERT"),
-                       help="CA certificate etcd's server certificate is checked against (https:// endpoints)")
-    coord.add_argument("--etcd-cert", default=_env("PLIANT_ETCD_CERT"),
-                       help="client certificate for etcd's --client-cert-auth")
+    coord.add_argument(
+        "--etcd-cacert",
+        default=_env("PLIANT_ETCD_CACERT"),
+        help="CA certificate etcd's server certificate is checked against (https:// endpoints)",
+    )
+    coord.add_argument(
+        "--etcd-cert", default=_env("PLIANT_ETCD_CERT"), help="client certificate for etcd's --client-cert-auth"
+    )
     coord.add_argument("--etcd-key", default=_env("PLIANT_ETCD_KEY"), help="its private key")
-    coord.add_argument("--health-port", type=int, default=None,
-                       help="also serve the gRPC health service alone, in plaintext, on this port of --listen's host "
-                       "(for kubelet probes, which present no client certificate)")
-    coord.add_argument("--max-jobs", type=int, default=int(_env("PLIANT_MAX_JOBS", "1000") or 1000),
-                       help="jobs the deployment holds at most; CreateJob past it is RESOURCE_EXHAUSTED (default 1000)")
-    coord.add_argument("--finished-job-ttl", type=float, default=86400.0,
-                       help="seconds after which a finished job is deleted (like ttlSecondsAfterFinished; 0 keeps "
-                       "them; default 86400)")
-    coord.add_argument("--outage-tolerance", type=float, default=3600.0,
-                       help="seconds a whole control-plane outage may last before members' leases expire in etcd; "
-                       "shorter outages evict nobody who keeps trying (default 3600)")
-    coord.add_argument("--max-watch-streams", type=int, default=0,
-                       help="WatchGenerations streams one replica serves at once (default: max workers less 10%%)")
+    coord.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC health service alone, in plaintext, on this port of --listen's host "
+        "(for kubelet probes, which present no client certificate)",
+    )
+    coord.add_argument(
+        "--max-jobs",
+        type=int,
+        default=int(_env("PLIANT_MAX_JOBS", "1000") or 1000),
+        help="jobs the deployment holds at most; CreateJob past it is RESOURCE_EXHAUSTED (default 1000)",
+    )
+    coord.add_argument(
+        "--finished-job-ttl",
+        type=float,
+        default=86400.0,
+        help="seconds after which a finished job is deleted (like ttlSecondsAfterFinished; 0 keeps "
+        "them; default 86400)",
+    )
+    coord.add_argument(
+        "--outage-tolerance",
+        type=float,
+        default=3600.0,
+        help="seconds a whole control-plane outage may last before members' leases expire in etcd; "
+        "shorter outages evict nobody who keeps trying (default 3600)",
+    )
+    coord.add_argument(
+        "--max-watch-streams",
+        type=int,
+        default=0,
+        help="WatchGenerations streams one replica serves at once (default: max workers less 10%%)",
+    )
     coord.add_argument(
         "--signing-ca-dir",
         default=_env("PLIANT_SIGNING_CA_DIR"),

@@ -121,8 +121,10 @@ class WorkerEnv:
         if self.rescale not in RESCALE_MODES:
             raise ConfigError(f"PLIANT_RESCALE={self.rescale!r} must be one of {', '.join(RESCALE_MODES)}")
         if self.snapshot_every is not None and self.snapshot_every < 1:
-            raise ConfigError(f"PLIANT_SNAPSHOT_EVERY={self.snapshot_every} must be 'auto' or at least 1 (steps "
-                              f"between buddy copies; --snapshot-every)")  # fmt: skip
+            raise ConfigError(
+                f"PLIANT_SNAPSHOT_EVERY={self.snapshot_every} must be 'auto' or at least 1 (steps "
+                f"between buddy copies; --snapshot-every)"
+            )
         if self.checkpoint_key and not _is_key(self.checkpoint_key):
             raise ConfigError(
                 "PLIANT_CHECKPOINT_KEY must be 64 hex digits (the job's checkpoint key, set by the pliant agent); "

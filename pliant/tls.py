@@ -121,8 +121,9 @@ def new_ca(common_name: str = "pliant CA", lifetime_days: float = 3650) -> Issue
     from cryptography.x509.oid import NameOID
 
     key = _new_key()
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+    name = x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
     now = _now()
     cert = (
         x509.CertificateBuilder()
@@ -134,9 +135,17 @@ def new_ca(common_name: str = "pliant CA", lifetime_days: float = 3650) -> Issue
         .not_valid_after(now + datetime.timedelta(days=lifetime_days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                          key_encipherment=False, data_encipherment=False, key_agreement=False,
-                          encipher_only=False, decipher_only=False),
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
             critical=True,
         )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
@@ -472,11 +481,15 @@ class TlsConfig:
         now = _now()
         for what, path, item in (("certificate", self.cert, cert), ("CA certificate", self.ca, ca)):
             if item.not_valid_after_utc < now:
-                raise ConfigError(f"TLS {what} {path} expired on {item.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; "
-                                  f"issue a new one with `pliant certs`")  # fmt: skip
+                raise ConfigError(
+                    f"TLS {what} {path} expired on {item.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; "
+                    f"issue a new one with `pliant certs`"
+                )
             if item.not_valid_before_utc > now:
-                raise ConfigError(f"TLS {what} {path} is not valid before {item.not_valid_before_utc:%Y-%m-%d %H:%M} "
-                                  f"UTC; check this machine's clock")  # fmt: skip
+                raise ConfigError(
+                    f"TLS {what} {path} is not valid before {item.not_valid_before_utc:%Y-%m-%d %H:%M} "
+                    f"UTC; check this machine's clock"
+                )
         identity = identity_from_pem(cert_pem)
         if identity is None and need_role:
             raise ConfigError(
@@ -491,8 +504,9 @@ class TlsConfig:
             )
         days_left = (cert.not_valid_after_utc - now).days
         if days_left < 30:
-            logger.warning("TLS certificate %s expires in %d days; issue a new one with `pliant certs`", self.cert,
-                           days_left)  # fmt: skip
+            logger.warning(
+                "TLS certificate %s expires in %d days; issue a new one with `pliant certs`", self.cert, days_left
+            )
         return TlsMaterial(ca_pem, cert_pem, key_pem, identity)
 
     def mtimes(self) -> tuple[float, ...]:
@@ -601,8 +615,9 @@ def tls_from_flags(tls_dir: str | None, insecure: bool, command: str) -> TlsConf
         ConfigError: neither or both were given, or the directory does not exist.
     """
     if tls_dir and insecure:
-        raise ConfigError(f"pliant {command}: --tls-dir (or PLIANT_TLS_DIR) and --insecure contradict each other; "
-                          f"drop one")  # fmt: skip
+        raise ConfigError(
+            f"pliant {command}: --tls-dir (or PLIANT_TLS_DIR) and --insecure contradict each other; drop one"
+        )
     if insecure:
         logger.warning("pliant %s: --insecure: gRPC in plaintext, no certificates checked", command)
         return None
@@ -625,6 +640,7 @@ def read_token_file(path: str) -> str:
     except OSError as exc:
         raise ConfigError(f"join token file {path} cannot be read ({exc.strerror}); check the path") from exc
     if not token:
-        raise ConfigError(f"join token file {path} is empty; write the job's token into it (pliant job create "
-                          f"--write-token {path})")  # fmt: skip
+        raise ConfigError(
+            f"join token file {path} is empty; write the job's token into it (pliant job create --write-token {path})"
+        )
     return token

@@ -173,8 +173,10 @@ def dump_stacks(children: list[Spawned], settle_s: float = 2.0, tail: int = 3000
         time.sleep(settle_s)
     for child in children:
         text = child.output()
-        print(f"\n===== {child.log.name} (last {min(tail, len(text))} of {len(text)} chars; {asked} processes "
-              "asked for their stacks) =====")  # fmt: skip
+        print(
+            f"\n===== {child.log.name} (last {min(tail, len(text))} of {len(text)} chars; {asked} processes "
+            "asked for their stacks) ====="
+        )
         print(text[-tail:])
 
 
@@ -225,8 +227,13 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
 
     created: set[tuple[str, str]] = set()
 
-    def start(server: object, argv: list[str], name: str = "agent", env: dict[str, str] | None = None,
-              node: object | None = None) -> Spawned:  # fmt: skip
+    def start(
+        server: object,
+        argv: list[str],
+        name: str = "agent",
+        env: dict[str, str] | None = None,
+        node: object | None = None,
+    ) -> Spawned:
         """``node``: a :class:`bench.netns.Node` to run the agent in (its namespace; gloo on its interface)."""
         at = argv.index("agent") + 1
         parser = argparse.ArgumentParser()
@@ -262,18 +269,32 @@ def spawn_coordinator(
 
     tls_dir = str(Path(coordinator_tls(pki).cert).parent)  # type: ignore[arg-type]
 
-    def start(replica_id: str, leader_ttl_s: float = 2.0, etcd_url: str | None = None,
-              address: str = "") -> tuple[Spawned, str]:  # fmt: skip
+    def start(
+        replica_id: str, leader_ttl_s: float = 2.0, etcd_url: str | None = None, address: str = ""
+    ) -> tuple[Spawned, str]:
         address = address or f"127.0.0.1:{free_port()}"
         args = [
-            sys.executable, "-m", "pliant", "coordinator",
-            "--etcd", etcd_url or etcd.endpoint,  # type: ignore[attr-defined]
-            "--listen", address, "--prefix", prefix, "--tls-dir", tls_dir,
-            "--leader-ttl", str(leader_ttl_s), "--replica-id", replica_id,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pliant",
+            "coordinator",
+            "--etcd",
+            etcd_url or etcd.endpoint,  # type: ignore[attr-defined]
+            "--listen",
+            address,
+            "--prefix",
+            prefix,
+            "--tls-dir",
+            tls_dir,
+            "--leader-ttl",
+            str(leader_ttl_s),
+            "--replica-id",
+            replica_id,
+        ]
         child = spawn(args, name=f"coordinator-{replica_id}")
-        wait_for(lambda: health_serving(address, pki) or child.proc.poll() is not None, 30,
-                 f"replica {replica_id} health")  # fmt: skip
+        wait_for(
+            lambda: health_serving(address, pki) or child.proc.poll() is not None, 30, f"replica {replica_id} health"
+        )
         assert child.proc.poll() is None, child.output()
         return child, address
 

@@ -111,10 +111,18 @@ class Fleet:
         self.leases[(job_id, node_id)] = grant.lease_id
         return grant
 
-    def heartbeat(self, job_id: str, node_id: str, lease_id: int, step: int = 0, reaches_generation: int = 0,
-                  misses_generation: int = 0) -> float:  # fmt: skip
-        return self.node(node_id).heartbeat(job_id, node_id, lease_id, step, reaches_generation=reaches_generation,
-                                            misses_generation=misses_generation)  # fmt: skip
+    def heartbeat(
+        self,
+        job_id: str,
+        node_id: str,
+        lease_id: int,
+        step: int = 0,
+        reaches_generation: int = 0,
+        misses_generation: int = 0,
+    ) -> float:
+        return self.node(node_id).heartbeat(
+            job_id, node_id, lease_id, step, reaches_generation=reaches_generation, misses_generation=misses_generation
+        )
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self.node(node_id).leave(job_id, node_id, lease_id)
@@ -124,11 +132,20 @@ class Fleet:
         :class:`Heartbeats` is closed, as their agents would."""
         return Heartbeats(self, job_id, nodes, every_s)
 
-    def report_failure(self, job_id: str, node_id: str, generation: int, exit_code: int, message: str = "",
-                       unreachable_nodes: Sequence[str] = (), arrived: bool = False) -> tuple[bool, int]:  # fmt: skip
+    def report_failure(
+        self,
+        job_id: str,
+        node_id: str,
+        generation: int,
+        exit_code: int,
+        message: str = "",
+        unreachable_nodes: Sequence[str] = (),
+        arrived: bool = False,
+    ) -> tuple[bool, int]:
         lease = self.leases.get((job_id, node_id), 0)
-        return self.node(node_id).report_failure(job_id, node_id, generation, exit_code, message, unreachable_nodes,
-                                                 lease, arrived)  # fmt: skip
+        return self.node(node_id).report_failure(
+            job_id, node_id, generation, exit_code, message, unreachable_nodes, lease, arrived
+        )
 
     def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:
         lease = self.leases.get((job_id, node_id), 0)

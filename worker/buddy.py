@@ -146,9 +146,11 @@ def choose_rollback(held: Sequence[Held], old_world: int) -> Rollback:
         if len(holders) == old_world:
             return Rollback(step, holders)
     lost = sorted(set(range(old_world)) - {h.old_rank for h in held})
-    raise RollbackError(f"no snapshot step covers every shard of the old world of {old_world}: ranks {lost} are "
-                        f"gone, and no survivor holds a complete copy of their shards at a step the others also "
-                        f"hold; the restart path applies")  # fmt: skip
+    raise RollbackError(
+        f"no snapshot step covers every shard of the old world of {old_world}: ranks {lost} are "
+        f"gone, and no survivor holds a complete copy of their shards at a step the others also "
+        f"hold; the restart path applies"
+    )
 
 
 def _on_lowered_thread(make: Callable[[], Any]) -> Any:
@@ -241,8 +243,9 @@ class BuddyCopies:
             local rank's folder of the agent's snapshot directory); "" keeps them in process memory only.
     """
 
-    def __init__(self, track_fds: Callable[[Callable[[], object]], object], metrics: Any = None,
-                 kept_dir: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, track_fds: Callable[[Callable[[], object]], object], metrics: Any = None, kept_dir: str = ""
+    ) -> None:
         self._track = track_fds
         self._metrics = metrics
         self.kept = KeptSlots(kept_dir)
@@ -275,8 +278,9 @@ class BuddyCopies:
     def taken(self) -> bool:
         return self.generation >= 0
 
-    def snapshot(self, engine: Engine, generation: int, node: int, step: int,
-                 positions: list[tuple[int, int, int]]) -> None:  # fmt: skip
+    def snapshot(
+        self, engine: Engine, generation: int, node: int, step: int, positions: list[tuple[int, int, int]]
+    ) -> None:
         """Snapshot ``engine``'s shard at the committed ``step`` (see :meth:`take`); :meth:`settle` before anything
         writes the state again."""
         started = time.perf_counter()
@@ -284,8 +288,16 @@ class BuddyCopies:
         buffers = {b.data_ptr() for b in engine.module.buffers() if b.numel()}  # the next forward may write them:
         tensors = [t.clone() if t.numel() and t.data_ptr() in buffers else t for t in tensors]  # copied at once
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
-        nbytes = self.take(generation, node, step, partition, tensors, positions, hyper,
-                           engine.scheduler and engine.scheduler.state_dict())  # fmt: skip
+        nbytes = self.take(
+            generation,
+            node,
+            step,
+            partition,
+            tensors,
+            positions,
+            hyper,
+            engine.scheduler and engine.scheduler.state_dict(),
+        )
         self._launched_s = time.perf_counter() - started
         if self._metrics is not None:
             self._metrics.snapshot_bytes.inc(nbytes)
@@ -300,9 +312,17 @@ class BuddyCopies:
         if self._metrics is not None:
             self._metrics.snapshot_seconds.observe(self._launched_s + time.perf_counter() - started)
 
-    def take(self, generation: int, node: int, step: int, partition: list[int], tensors: Sequence[torch.Tensor],
-             positions: list[tuple[int, int, int]], hyper: list[dict[str, object]],
-             scheduler: dict[str, object] | None = None) -> int:  # fmt: skip
+    def take(
+        self,
+        generation: int,
+        node: int,
+        step: int,
+        partition: list[int],
+        tensors: Sequence[torch.Tensor],
+        positions: list[tuple[int, int, int]],
+        hyper: list[dict[str, object]],
+        scheduler: dict[str, object] | None = None,
+    ) -> int:
         """Snapshot this rank's shard at ``step`` (committed) and start the exchange with the buddies (collective on
         the first snapshot of a world; raises when a peer failed during the previous exchange). The copy and the send
         run in the background until :meth:`finish`, which must come before anything writes ``tensors``. Returns the
@@ -394,8 +414,18 @@ class BuddyCopies:
                 return
             whole = slot.arrived == slot.take
             wards = {w: named for w in self.wards if whole and (named := self.kept.name(slot.wards.get(w)))}
-            self.kept.record(index, SlotHeader(self.generation, self.world, self.rank, slot.step, tuple(self.partition),
-                                               self.kept.name(slot.own), wards))
+            self.kept.record(
+                index,
+                SlotHeader(
+                    self.generation,
+                    self.world,
+                    self.rank,
+                    slot.step,
+                    tuple(self.partition),
+                    self.kept.name(slot.own),
+                    wards,
+                ),
+            )
 
     def staged(self, step: int) -> Staged | None:
         """This rank's own copy of ``step`` (being made or whole) as a checkpoint's source
@@ -434,8 +464,13 @@ class BuddyCopies:
         plan = buddies(nodes)
         self.buddy = plan[self.rank]
         self.wards = [r for r in range(self.world) if plan[r] == self.rank and r != self.rank]
-        logger.info("buddy copies: rank %d keeps its shard (%d bytes) on rank %d and holds ranks %s", self.rank,
-                    size, self.buddy, self.wards)  # fmt: skip
+        logger.info(
+            "buddy copies: rank %d keeps its shard (%d bytes) on rank %d and holds ranks %s",
+            self.rank,
+            size,
+            self.buddy,
+            self.wards,
+        )
 
     def held(self) -> Held:
         """What this rank holds (for :func:`choose_rollback`)."""
@@ -461,8 +496,15 @@ class BuddyCopies:
             for old in s.wards:
                 wards[old] = (*wards.get(old, ()), s.header.step)
         own = tuple(s.header.step for s in slots if s.own is not None)
-        logger.info("rank %d holds the copies its predecessor (rank %d of generation %d) kept: its own of steps %s, "
-                    "its wards' %s", dist.get_rank(), first.rank, first.generation, list(own), wards)  # fmt: skip
+        logger.info(
+            "rank %d holds the copies its predecessor (rank %d of generation %d) kept: its own of steps %s, "
+            "its wards' %s",
+            dist.get_rank(),
+            first.rank,
+            first.generation,
+            list(own),
+            wards,
+        )
         return Held(first.rank, own, wards, first.generation, kept=True)
 
     def slot(self, step: int) -> _Slot:

@@ -182,9 +182,13 @@ class Cadence:
         every = every or FIRST_SNAPSHOT_EVERY
         if every != self.every:
             cost = self.cost
-            logger.info("buddy snapshots every %d steps from step %d (here a snapshot costs %s of a step; budget "
-                        "%.1f%%)", every, step, "?" if cost is None else f"{100 * cost:.1f}%",
-                        100 * SNAPSHOT_BUDGET)  # fmt: skip
+            logger.info(
+                "buddy snapshots every %d steps from step %d (here a snapshot costs %s of a step; budget %.1f%%)",
+                every,
+                step,
+                "?" if cost is None else f"{100 * cost:.1f}%",
+                100 * SNAPSHOT_BUDGET,
+            )
         self.every = every
 
 

@@ -140,8 +140,9 @@ class _TrainState(Stateful):
     optimizer state (the optimizer step waits for the copy).
     """
 
-    def __init__(self, engine: Engine, freeze_buffers: bool = False, scheduler: bool = True,
-                 split: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, engine: Engine, freeze_buffers: bool = False, scheduler: bool = True, split: bool = False
+    ) -> None:
         self.engine = engine
         self.freeze_buffers = freeze_buffers
         self.split = split  # saving: hand DCP only this rank's share of the replicated sections (split_replicas)
@@ -155,8 +156,9 @@ class _TrainState(Stateful):
             buffers = {b.data_ptr() for b in self.engine.module.buffers() if b.numel()}
             state = _clone_where(state, buffers)
         if self.split:
-            state = split_replicas(state, self.engine.replicated, dist.get_rank(), dist.get_world_size(),
-                                   self.engine.saved_by())  # fmt: skip
+            state = split_replicas(
+                state, self.engine.replicated, dist.get_rank(), dist.get_world_size(), self.engine.saved_by()
+            )
         self.nbytes = tensor_bytes(state)
         if self.scheduler:
             state["scheduler"] = copy.deepcopy(self.engine.scheduler.state_dict())
@@ -263,8 +265,9 @@ class CheckpointManager:
     def abandon(self) -> None:
         """Forget the save in flight (a peer died: it cannot complete); it is never committed."""
         if self._in_flight is not None:
-            logger.warning("checkpoint save to %s abandoned: a peer failed while it was in flight",
-                           self._in_flight_path)  # fmt: skip
+            logger.warning(
+                "checkpoint save to %s abandoned: a peer failed while it was in flight", self._in_flight_path
+            )
         self._in_flight = self._in_flight_path = None
         self._commit_error = None
 
@@ -321,8 +324,9 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------------------------
 
-    def _state(self, step: int, freeze_buffers: bool = False, scheduler: bool = True,
-               split: bool = False) -> dict[str, Any]:  # fmt: skip
+    def _state(
+        self, step: int, freeze_buffers: bool = False, scheduler: bool = True, split: bool = False
+    ) -> dict[str, Any]:
         state: dict[str, Any] = {"train": _TrainState(self.engine, freeze_buffers, scheduler, split), "step": step}
         if self.loader is not None:
             state["data"] = dict(self.loader.state_dict())
@@ -371,8 +375,12 @@ class CheckpointManager:
         if self._stager is None:
             self._stager = stager(cuda=any(t.is_cuda for t in self.engine.module.parameters()))
         blocked = time.perf_counter()
-        response = dcp.async_save(state, storage_writer=BackgroundWriter(str(path), self.direct_io),
-                                  process_group=self.group, async_stager=self._stager)  # fmt: skip
+        response = dcp.async_save(
+            state,
+            storage_writer=BackgroundWriter(str(path), self.direct_io),
+            process_group=self.group,
+            async_stager=self._stager,
+        )
         if isinstance(response, Future):  # a torch whose stager copies in the caller
             return response
         blocked = time.perf_counter() - blocked
@@ -403,12 +411,14 @@ class CheckpointManager:
         saved, shards = from_snapshot(state, staged.lookup)
         future = write_in_background(saved, str(path), self.group, staged.ready, shards, self.direct_io)
         staged.pin(future)
-        logger.info("rank %d: checkpoint of step %d is written from the buddy snapshot of that step", dist.get_rank(),
-                    step)  # fmt: skip
+        logger.info(
+            "rank %d: checkpoint of step %d is written from the buddy snapshot of that step", dist.get_rank(), step
+        )
         return future
 
-    def _async_done(self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState,
-                    committed: threading.Event) -> None:  # fmt: skip
+    def _async_done(
+        self, future: Future[Any], path: Path, step: int, started: float, train: _TrainState, committed: threading.Event
+    ) -> None:
         """An async save finished (DCP's thread): commit it; a refusal is raised by the step that reaps it."""
         try:
             if future.exception() is None:
@@ -476,8 +486,16 @@ class CheckpointManager:
                     f"commit of {path} refused: {owner} of job {self.job_id} owns {self.directory} and this worker "
                     f"runs generation {self.generation} (its world was superseded); stop this worker"
                 )
-            info = CheckpointInfo(str(path), step, self.generation, dist.get_world_size(), self.job_id,
-                                  self.fingerprint, time.time(), metadata_digest(path))  # fmt: skip
+            info = CheckpointInfo(
+                str(path),
+                step,
+                self.generation,
+                dist.get_world_size(),
+                self.job_id,
+                self.fingerprint,
+                time.time(),
+                metadata_digest(path),
+            )
             _write_durably(path / COMMIT, seal(self.key, info.to_record()))
             _fsync_dir(self.directory)  # the step directory's own entry
             logger.info("checkpoint of step %d committed at %s", step, path)
@@ -573,15 +591,23 @@ class CheckpointManager:
             started = time.perf_counter()
             if not error:
                 try:
-                    dcp.load(state, storage_reader=SealedReader(path, digest), planner=DataLoadPlanner(),
-                             process_group=self.group)  # fmt: skip
+                    dcp.load(
+                        state,
+                        storage_reader=SealedReader(path, digest),
+                        planner=DataLoadPlanner(),
+                        process_group=self.group,
+                    )
                 except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
                     error = f"{type(exc).__name__}: {str(exc)[:300]}"
             flag = torch.tensor([1 if error else 0], dtype=torch.int64)
             dist.all_reduce(flag, group=self.group)  # every rank moves on together
             if flag.item():
-                logger.warning("checkpoint %s is unusable on %d rank(s) (%s); trying the previous one", path,
-                               flag.item(), error or "another rank failed")  # fmt: skip
+                logger.warning(
+                    "checkpoint %s is unusable on %d rank(s) (%s); trying the previous one",
+                    path,
+                    flag.item(),
+                    error or "another rank failed",
+                )
                 unusable.append((path, error or "unusable on another rank"))
                 continue
             if self.loader is not None and "data" in state:
@@ -590,8 +616,13 @@ class CheckpointManager:
             if self.metrics is not None:
                 self.metrics.observe_load(time.perf_counter() - started, state["train"].nbytes)
             assert info is not None
-            logger.info("restored step %d from %s (saved at world size %d, now %d)", step, path, info.world_size,
-                        dist.get_world_size())  # fmt: skip
+            logger.info(
+                "restored step %d from %s (saved at world size %d, now %d)",
+                step,
+                path,
+                info.world_size,
+                dist.get_world_size(),
+            )
             self._set_aside(unusable)
             return step
         return self._nothing_loaded(unusable)
@@ -607,8 +638,11 @@ class CheckpointManager:
             return True
         if any(key.startswith("train.scheduler.") for key in keys):
             return True
-        logger.warning("checkpoint %s holds no learning-rate scheduler state (saved without scheduler=); the "
-                       "scheduler starts from its first step", path)  # fmt: skip
+        logger.warning(
+            "checkpoint %s holds no learning-rate scheduler state (saved without scheduler=); the "
+            "scheduler starts from its first step",
+            path,
+        )
         return False
 
     def _set_aside(self, unusable: list[tuple[Path, str]]) -> None:
@@ -637,8 +671,11 @@ class CheckpointManager:
             return None
         found = [str(p) for p, _ in unusable] + [str(self.directory / a) for a in aside]
         if self.allow_fresh_start:
-            logger.warning("no checkpoint in %s loads (%s); starting from step 0 (allow_fresh_start)",
-                           self.directory, ", ".join(found))  # fmt: skip
+            logger.warning(
+                "no checkpoint in %s loads (%s); starting from step 0 (allow_fresh_start)",
+                self.directory,
+                ", ".join(found),
+            )
             return None
         details = "; ".join(f"{p}: {why}" for p, why in unusable) or "only checkpoints moved aside earlier remain"
         raise CheckpointError(
@@ -708,7 +745,11 @@ def _clone_where(tree: Any, pointers: set[int]) -> Any:
     """``tree`` (nested dicts) with its tensors whose storage starts at one of ``pointers`` cloned."""
     if isinstance(tree, dict):
         return {k: _clone_where(v, pointers) for k, v in tree.items()}
-    if isinstance(tree, torch.Tensor) and not hasattr(tree, "to_local") and tree.numel() and \
-            tree.data_ptr() in pointers:  # fmt: skip
+    if (
+        isinstance(tree, torch.Tensor)
+        and not hasattr(tree, "to_local")
+        and tree.numel()
+        and tree.data_ptr() in pointers
+    ):
         return tree.detach().clone()
     return tree

@@ -162,8 +162,7 @@ class Engine(abc.ABC):
     def observe(self, batch: GlobalBatch, started: float) -> None:
         """Report one step that began at ``started`` (perf_counter) to the metrics, if any."""
         if self.metrics is not None:
-            self.metrics.observe_step(batch.step, sum(batch.micro_sizes), time.perf_counter() - started,
-                                      self.shadowed)  # fmt: skip
+            self.metrics.observe_step(batch.step, sum(batch.micro_sizes), time.perf_counter() - started, self.shadowed)
 
     def step(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
         """Run forward/backward on this rank's micro-batches (shadowing for missing ones), then the optimizer step.
@@ -215,8 +214,10 @@ class Engine(abc.ABC):
         """
         scheduler = factory(self.optimizer)
         if type(scheduler).__name__ == "ReduceLROnPlateau" or not hasattr(scheduler, "state_dict"):
-            raise EngineError(f"scheduler {type(scheduler).__name__} cannot be stepped once per step by the engine; "
-                              "pass a step-based LRScheduler, or step this one yourself and leave scheduler= out")
+            raise EngineError(
+                f"scheduler {type(scheduler).__name__} cannot be stepped once per step by the engine; "
+                "pass a step-based LRScheduler, or step this one yourself and leave scheduler= out"
+            )
         self.scheduler, self._scheduler_factory = scheduler, factory
 
     def rebind_scheduler(self) -> None:
@@ -237,9 +238,12 @@ class Engine(abc.ABC):
 
     @classmethod
     def prepare(
-        cls, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+        cls,
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
         device: torch.device,
-    ) -> torch.optim.Optimizer | None:  # fmt: skip
+    ) -> torch.optim.Optimizer | None:
         """Before a fresh worker of a later generation meets its world (it is most likely joining survivors, who
         wait for it from that moment): build the optimizer over ``model`` (moved to ``device``) and create its state
         tensors, so the memory the survivors' state arrives in is allocated and touched while they still train.
@@ -282,8 +286,9 @@ class Engine(abc.ABC):
         """
         raise EngineError(f"the {type(self).__name__} holds no shards")
 
-    def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
-                hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
+    def rebuild(
+        self, partition: list[int], receive: Callable[[int, int], torch.Tensor], hyper: list[dict[str, Any]] | None
+    ) -> int:
         """Rebuild the whole state of an old world from its shards, after :meth:`rewrap` (collective): for each old
         rank (in order), ``receive(old rank, nbytes)`` returns that shard packed as :meth:`shard` made it
         (:func:`pliant.worker.packing.pack`); ``hyper`` (None on a newcomer) are the optimizer's hyperparameters of

@@ -36,9 +36,14 @@ class ElasticSampler:
     """
 
     def __init__(
-        self, num_samples: int, global_batch: int, micro_batch: int, seed: int = 0, shuffle: bool = True,
+        self,
+        num_samples: int,
+        global_batch: int,
+        micro_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
         drop_last: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if num_samples < 1:
             raise DataError(f"the dataset has {num_samples} samples; it needs at least one")
         if global_batch < 1 or micro_batch < 1:
@@ -76,8 +81,14 @@ class ElasticSampler:
         return [order[pos : pos + size].tolist() for pos, size in plan.rank_slices(rank)]
 
     def state_dict(self) -> dict[str, int | bool]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "step": self.step, "seed": self.seed,
-                "num_samples": self.num_samples, "global_batch": self.global_batch}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "step": self.step,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "global_batch": self.global_batch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the cursor (at any world size).
@@ -87,8 +98,10 @@ class ElasticSampler:
         """
         for key in ("seed", "num_samples", "global_batch"):
             if key in state and state[key] != getattr(self, key):
-                raise DataError(f"data state has {key}={state[key]} but this loader has {getattr(self, key)}; "
-                                f"restore it with the same dataset, seed and global batch")  # fmt: skip
+                raise DataError(
+                    f"data state has {key}={state[key]} but this loader has {getattr(self, key)}; "
+                    f"restore it with the same dataset, seed and global batch"
+                )
         self.epoch, self.cursor, self.step = int(state["epoch"]), int(state["cursor"]), int(state.get("step", 0))
         self._order = None
 
@@ -118,9 +131,16 @@ class ElasticLoader:
     """
 
     def __init__(
-        self, dataset: Dataset, sampler: ElasticSampler, rank: int, world_size: int, max_steps: int | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0, pin_memory: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        dataset: Dataset,
+        sampler: ElasticSampler,
+        rank: int,
+        world_size: int,
+        max_steps: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
         self.dataset = dataset
         self.sampler = sampler
         self.rank = rank
@@ -167,8 +187,9 @@ class ElasticLoader:
     def _next_plan(self) -> StepPlan:
         s = self.sampler
         while True:
-            plan = plan_step(s.epoch, s.cursor, s.num_samples, s.global_batch, s.micro_batch, self.world_size,
-                             s.drop_last)  # fmt: skip
+            plan = plan_step(
+                s.epoch, s.cursor, s.num_samples, s.global_batch, s.micro_batch, self.world_size, s.drop_last
+            )
             if plan is not None:
                 return plan
             self._next_epoch()
@@ -181,8 +202,10 @@ class ElasticLoader:
         """
         s = self.sampler
         if s.cursor == 0:
-            raise DataError(f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} samples) "
-                            f"with drop_last; lower global_batch or set drop_last=False")  # fmt: skip
+            raise DataError(
+                f"global_batch={s.global_batch} does not fit the dataset ({s.num_samples} samples) "
+                f"with drop_last; lower global_batch or set drop_last=False"
+            )
         s.epoch, s.cursor = s.epoch + 1, 0
 
     def refetch(self, batch: GlobalBatch) -> None:
@@ -202,8 +225,9 @@ class ElasticLoader:
         s = self.sampler
         plans, cursor = [], s.cursor
         while True:
-            plan = plan_step(s.epoch, cursor, s.num_samples, s.global_batch, s.micro_batch, self.world_size,
-                             s.drop_last)  # fmt: skip
+            plan = plan_step(
+                s.epoch, cursor, s.num_samples, s.global_batch, s.micro_batch, self.world_size, s.drop_last
+            )
             if plan is None:
                 return plans
             plans.append(plan)

@@ -111,17 +111,24 @@ class DDPEngine(Engine):
 
     @classmethod
     def prepare(
-        cls, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+        cls,
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
         device: torch.device,
-    ) -> torch.optim.Optimizer | None:  # fmt: skip
+    ) -> torch.optim.Optimizer | None:
         """A replicated optimizer needs no process group: built and its state created before the meeting (about
         0.4 s for 540 MB of momentum on a 2-core host, which the survivors no longer wait for)."""
         optimizer = optimizer_class(model.to(device).parameters(), **optimizer_kwargs)
         try:
             _materialize(optimizer)
         except Exception as exc:  # e.g. an optimizer whose step needs a closure: its state is created later, if ever
-            logger.warning("the %s's state could not be created ahead (%s: %s); it is created when the state "
-                           "arrives", optimizer_class.__name__, type(exc).__name__, str(exc)[:200])  # fmt: skip
+            logger.warning(
+                "the %s's state could not be created ahead (%s: %s); it is created when the state arrives",
+                optimizer_class.__name__,
+                type(exc).__name__,
+                str(exc)[:200],
+            )
             return None
         return optimizer
 
@@ -169,8 +176,9 @@ class DDPEngine(Engine):
 
     def rewrap(self) -> None:
         if self.group is not None:
-            raise EngineError("a DDP engine on a custom process group cannot re-form in place; the restart path "
-                              "applies")  # fmt: skip
+            raise EngineError(
+                "a DDP engine on a custom process group cannot re-form in place; the restart path applies"
+            )
         self._wrap(self.module, init_sync=False)  # rank 0 may be a newcomer: the state comes from ``src``
 
     def sync_state(self, src: int) -> int:
@@ -209,9 +217,12 @@ class ZeroEngine(DDPEngine):
 
     @classmethod
     def prepare(
-        cls, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+        cls,
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
         device: torch.device,
-    ) -> torch.optim.Optimizer | None:  # fmt: skip
+    ) -> torch.optim.Optimizer | None:
         return None  # ZeRO partitions its optimizer over the process group
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
@@ -231,8 +242,9 @@ class ZeroEngine(DDPEngine):
         """The gathered state (every parameter's optimizer state, as DDP holds it) must fit in free host memory."""
         import psutil
 
-        local = [v for state in self.optimizer.optim.state.values() for v in state.values()
-                 if isinstance(v, torch.Tensor)]  # fmt: skip
+        local = [
+            v for state in self.optimizer.optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+        ]
         per_param = len(local) / max(1, len(self.optimizer.optim.state))
         need = per_param * sum(p.numel() * p.element_size() for p in self.module.parameters())
         return need <= self.MEMORY_SHARE * psutil.virtual_memory().available
@@ -271,8 +283,9 @@ class ZeroEngine(DDPEngine):
             group.update({k: v for k, v in hyper.items() if k != "params"})
         for group in self.optimizer.optim.param_groups:
             for param in group["params"]:
-                self.optimizer.optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                                     for k, v in full.state[param].items()}  # fmt: skip
+                self.optimizer.optim.state[param] = {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full.state[param].items()
+                }
         return nbytes
 
     def _layout(self, owner: int, partition: list[int], state: dict[Any, dict[str, Any]]) -> list[torch.Tensor]:
@@ -292,8 +305,9 @@ class ZeroEngine(DDPEngine):
         partition = [owner[param] for param in self.module.parameters()]
         return partition, self._layout(dist.get_rank(), partition, self.optimizer.optim.state)
 
-    def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
-                hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
+    def rebuild(
+        self, partition: list[int], receive: Callable[[int, int], torch.Tensor], hyper: list[dict[str, Any]] | None
+    ) -> int:
         from pliant.worker.packing import packed_size, unpack
 
         full = self._template()

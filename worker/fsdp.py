@@ -156,8 +156,9 @@ class FSDPEngine(Engine):
         same size, in which this process holds another rank (a node before it left), would get DTensors on the
         earlier mesh back, whose coordinate is this process's old rank (found by the chaos soak: loading the state
         cut another rank's share and failed on uneven rows; and DCP takes each shard's global offset from it)."""
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),),
-                                mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",))  # fmt: skip
+        mesh = init_device_mesh(
+            self.device.type, (dist.get_world_size(),), mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",)
+        )
         for module in self._shard(model):
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -188,8 +189,10 @@ class FSDPEngine(Engine):
     def before_move(self) -> None:
         """Every rank gathers the full model and optimizer state over the old world (torch's all-gathers)."""
         options = StateDictOptions(full_state_dict=True)
-        self._full = (get_model_state_dict(self.model, options=options),
-                      get_optimizer_state_dict(self.model, self.optimizer, options=options))  # fmt: skip
+        self._full = (
+            get_model_state_dict(self.model, options=options),
+            get_optimizer_state_dict(self.model, self.optimizer, options=options),
+        )
 
     def rewrap(self) -> None:
         """The script's module, released from the old world's mesh and sharded over the new one (the same objects; its
@@ -202,8 +205,9 @@ class FSDPEngine(Engine):
         """Rank ``src``'s full model and optimizer state to every rank, each of which loads its new shard of it."""
         options = StateDictOptions(full_state_dict=True)
         full, self._full = self._full, None
-        model_sd = full[0] if full is not None else {k: _empty(v, self.device) for k, v in
-                                                     self.model.state_dict().items()}  # fmt: skip
+        model_sd = (
+            full[0] if full is not None else {k: _empty(v, self.device) for k, v in self.model.state_dict().items()}
+        )
         nbytes = broadcast_tree(model_sd, src)
         set_model_state_dict(self.model, model_sd, options=options)
         flag = torch.tensor([int(full is not None and bool(full[1]["state"]))], dtype=torch.int64)
@@ -218,8 +222,13 @@ class FSDPEngine(Engine):
     sharded = True  # every parameter is cut across the ranks: a death is survived through buddy copies
 
     @staticmethod
-    def _layout(rows: Callable[[torch.Tensor], torch.Tensor], first: bool, model: dict[str, torch.Tensor],
-                state: dict[str, dict[str, Any]], buffers: list[torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+    def _layout(
+        rows: Callable[[torch.Tensor], torch.Tensor],
+        first: bool,
+        model: dict[str, torch.Tensor],
+        state: dict[str, dict[str, Any]],
+        buffers: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
         """One old rank's shard, in a fixed order: ``rows`` of every parameter (``model``: name -> tensor) and of its
         optimizer state tensors (``state``: name -> key -> tensor), then, on the ``first`` rank only, the replicated
         state (0-dim: a step count) and the module's buffers."""
@@ -240,8 +249,9 @@ class FSDPEngine(Engine):
         tensors = self._layout(lambda t: t, dist.get_rank() == 0, local, state, buffers)
         return [dist.get_world_size()] * len(params), tensors
 
-    def rebuild(self, partition: list[int], receive: Callable[[int, int], torch.Tensor],
-                hyper: list[dict[str, Any]] | None) -> int:  # fmt: skip
+    def rebuild(
+        self, partition: list[int], receive: Callable[[int, int], torch.Tensor], hyper: list[dict[str, Any]] | None
+    ) -> int:
         from pliant.worker.packing import packed_size, unpack
 
         world = partition[0] if partition else 1
@@ -250,8 +260,7 @@ class FSDPEngine(Engine):
         buffers = [b.data for b in self.model.buffers()]
         nbytes = 0
         for owner in range(world):
-            tensors = self._layout(lambda t, o=owner: _rows(t, o, world), owner == 0, model, template["state"],
-                                   buffers)  # fmt: skip
+            tensors = self._layout(lambda t, o=owner: _rows(t, o, world), owner == 0, model, template["state"], buffers)
             buffer = receive(owner, packed_size(tensors))
             unpack(buffer, tensors)
             nbytes += buffer.numel()
@@ -266,10 +275,14 @@ class FSDPEngine(Engine):
         if not any(self.optimizer.state.values()):
             _materialize(self.optimizer)
         names = {param: name for name, param in self.model.named_parameters()}
-        state = {names[p]: {k: _empty(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                 for p, s in self.optimizer.state.items()}  # fmt: skip
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-                  for g in self.optimizer.param_groups]  # fmt: skip
+        state = {
+            names[p]: {k: _empty(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in self.optimizer.state.items()
+        }
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+            for g in self.optimizer.param_groups
+        ]
         return {"state": state, "param_groups": groups}
 
     @property

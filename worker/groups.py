@@ -63,8 +63,12 @@ def give_up(why: str) -> NoReturn:
     Python stack to stderr (its agent logs them), then exit with :data:`pliant.env.GUARD_EXIT_CODE`, which the agent
     reports as a dead worker's: the survivors re-form without it, and a fresh worker takes its rank with its state
     from them."""
-    logger.error("%s; writing every thread's stack and exiting with code %d (the agent replaces this worker, its "
-                 "peers re-form without it)", why, GUARD_EXIT_CODE)  # fmt: skip
+    logger.error(
+        "%s; writing every thread's stack and exiting with code %d (the agent replaces this worker, its "
+        "peers re-form without it)",
+        why,
+        GUARD_EXIT_CODE,
+    )
     for handler in logging.getLogger().handlers:
         handler.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -219,21 +223,29 @@ def connect_store(env: WorkerEnv, timeout: timedelta, superseded: Callable[[], b
         if superseded():
             raise Superseded(f"generation {env.generation} was superseded while {where} was being reached")
         if time.monotonic() >= deadline:
-            raise RendezvousError(f"{where} was not reachable within {timeout.total_seconds():.0f}s: its node-rank-0 "
-                                  "agent serves it; check that agent and the route to it (the collective timeout "
-                                  "bounds this wait)")  # fmt: skip
+            raise RendezvousError(
+                f"{where} was not reachable within {timeout.total_seconds():.0f}s: its node-rank-0 "
+                "agent serves it; check that agent and the route to it (the collective timeout "
+                "bounds this wait)"
+            )
         try:
             socket.create_connection((env.master_addr, env.master_port), timeout=PROBE_S).close()
         except OSError:
             if not warned:
-                logger.warning("rank %d: %s is not listening yet; waiting up to %.0fs", env.rank, where,
-                               timeout.total_seconds())  # fmt: skip
+                logger.warning(
+                    "rank %d: %s is not listening yet; waiting up to %.0fs", env.rank, where, timeout.total_seconds()
+                )
                 warned = True
             time.sleep(PROBE_S)
             continue
         try:
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
-                                  timeout=timedelta(seconds=CONNECT_ATTEMPT_S))  # fmt: skip
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=False,
+                timeout=timedelta(seconds=CONNECT_ATTEMPT_S),
+            )
         except RuntimeError as exc:  # DistNetworkError, DistStoreError: it closed since the probe, or is slow
             logger.warning("rank %d: %s: %s", env.rank, where, str(exc).splitlines()[0][:200])
             continue
@@ -280,9 +292,11 @@ class RendezvousWatch:
                 sever(socket_fds() - self.before)
                 severed = severed or time.monotonic()
                 if time.monotonic() - severed > MEET_GIVE_UP_S:  # under the lock: finish() cannot race it
-                    give_up(f"generation {self.generation}'s meeting, superseded by generation "
-                            f"{self.newer.generation}, is still blocked {time.monotonic() - severed:.1f}s after its "
-                            f"sockets were shut down")  # fmt: skip
+                    give_up(
+                        f"generation {self.generation}'s meeting, superseded by generation "
+                        f"{self.newer.generation}, is still blocked {time.monotonic() - severed:.1f}s after its "
+                        f"sockets were shut down"
+                    )
 
     def finish(self) -> Directive | None:
         """The rendezvous returned (or raised): stop watching; returns the directive that superseded it, or None."""

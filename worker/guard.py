@@ -187,5 +187,7 @@ class Guard:
         with self._lock:
             if self._step_started is None or self._broken != broken:  # released meanwhile
                 return
-        give_up(f"step guard: the step of generation {generation} is still blocked "
-                f"{time.monotonic() - (broken or 0.0):.1f}s after its break")
+        give_up(
+            f"step guard: the step of generation {generation} is still blocked "
+            f"{time.monotonic() - (broken or 0.0):.1f}s after its break"
+        )

@@ -73,10 +73,18 @@ class SlotHeader:
     wards: Mapping[int, tuple[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"version": _VERSION, "generation": self.generation, "world": self.world,
-                           "rank": self.rank, "step": self.step, "partition": list(self.partition),
-                           "own": list(self.own) if self.own else None,
-                           "wards": {str(k): list(v) for k, v in self.wards.items()}})  # fmt: skip
+        return json.dumps(
+            {
+                "version": _VERSION,
+                "generation": self.generation,
+                "world": self.world,
+                "rank": self.rank,
+                "step": self.step,
+                "partition": list(self.partition),
+                "own": list(self.own) if self.own else None,
+                "wards": {str(k): list(v) for k, v in self.wards.items()},
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> SlotHeader:
@@ -88,15 +96,22 @@ class SlotHeader:
             if raw.get("version") != _VERSION:
                 raise KeptError(f"slot header version {raw.get('version')!r}, not {_VERSION}")
             own = raw["own"]
-            header = cls(int(raw["generation"]), int(raw["world"]), int(raw["rank"]), int(raw["step"]),
-                         tuple(int(p) for p in raw["partition"]), (str(own[0]), int(own[1])) if own else None,
-                         {int(k): (str(v[0]), int(v[1])) for k, v in raw["wards"].items()})  # fmt: skip
+            header = cls(
+                int(raw["generation"]),
+                int(raw["world"]),
+                int(raw["rank"]),
+                int(raw["step"]),
+                tuple(int(p) for p in raw["partition"]),
+                (str(own[0]), int(own[1])) if own else None,
+                {int(k): (str(v[0]), int(v[1])) for k, v in raw["wards"].items()},
+            )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise KeptError(f"unreadable slot header ({type(exc).__name__}: {exc})") from exc
         names = [n for n, _ in ([header.own] if header.own else []) + list(header.wards.values())]
         if not 0 <= header.rank < header.world or header.step < 0 or any("/" in n or n.startswith(".") for n in names):
-            raise KeptError(f"slot header out of range: rank {header.rank} of {header.world}, step {header.step}, "
-                            f"files {names}")  # fmt: skip
+            raise KeptError(
+                f"slot header out of range: rank {header.rank} of {header.world}, step {header.step}, files {names}"
+            )
         return header
 
 
@@ -141,8 +156,7 @@ class KeptSlots:
         try:
             free = os.statvfs(self.directory)
             if free.f_bavail * free.f_frsize < size + HEADROOM_BYTES:
-                raise OSError(errno.ENOSPC, f"{free.f_bavail * free.f_frsize >> 20} MiB free, {size >> 20} MiB "
-                                            f"needed")  # fmt: skip
+                raise OSError(errno.ENOSPC, f"{free.f_bavail * free.f_frsize >> 20} MiB free, {size >> 20} MiB needed")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.posix_fallocate(fd, 0, size)  # reserved: a write into the mapping never finds tmpfs full
@@ -234,6 +248,5 @@ class KeptSlots:
                     path.unlink()
         if not self._told:
             self._told = True
-            logger.warning("buddy snapshots kept in process memory only (a dead worker's copies die with it): %s",
-                           why)  # fmt: skip
+            logger.warning("buddy snapshots kept in process memory only (a dead worker's copies die with it): %s", why)
         self.directory = None

@@ -18,8 +18,6 @@ __all__ = ["ALIGN", "on_thread", "pack", "pack_later", "packed_size", "spans", "
 ALIGN = 16  # every tensor starts at a multiple of this many bytes in a packed buffer (any dtype can view it)
 
 
-
-
 def spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """(offset, bytes) of each tensor in the packed buffer."""
     out, offset = [], 0
@@ -45,7 +43,8 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> to
 
 
 def pack_later(
-    tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
     then: Callable[[torch.Tensor], object] | None = None,
 ) -> tuple[torch.Tensor, Callable[[], None]]:
     """Start :func:`pack` without waiting: returns the buffer and a function that waits for the copy and for

@@ -86,6 +86,7 @@ logger = logging.getLogger(__name__)
 DIRECTIVE_WAIT_S = 600.0  # the agent's start timeout watches a worker waiting in the "wait" phase
 MEET_S = 30.0  # survivors re-forming in place meet within this; see Protocol.form_group
 
+
 class RescaleError(WorkerError):
     """Re-forming in place failed; the worker exits and its agent takes the restart path."""
 
@@ -210,8 +211,13 @@ class Protocol:
         started = time.perf_counter()
         nbytes, _behind, _ahead = self._sync(holds_state=False)
         self.session.metrics.state_sync_bytes.inc(nbytes)
-        logger.info("rank %d: state of step %d received from peers in %.2fs (%d bytes)", dist.get_rank(),
-                    self.steps_done, time.perf_counter() - started, nbytes)  # fmt: skip
+        logger.info(
+            "rank %d: state of step %d received from peers in %.2fs (%d bytes)",
+            dist.get_rank(),
+            self.steps_done,
+            time.perf_counter() - started,
+            nbytes,
+        )
         return self.steps_done
 
     # -- every step ----------------------------------------------------------------------------------------------------
@@ -233,8 +239,12 @@ class Protocol:
         self.cadence.tick(batch.step, time.perf_counter(), time.process_time())
         self.sync_pending()
         if self.failed_between:  # a collective between steps failed: re-form before this step, as if it broke
-            logger.warning("rank %d: a peer failed before step %d (%s); waiting for the next generation",
-                           self.session.env.rank, batch.step, self.failed_between)  # fmt: skip
+            logger.warning(
+                "rank %d: a peer failed before step %d (%s); waiting for the next generation",
+                self.session.env.rank,
+                batch.step,
+                self.failed_between,
+            )
             self.failed_between, self.boundary_due = "", False
             if not self._recover(batch):
                 return 0.0
@@ -267,8 +277,12 @@ class Protocol:
             self.guard.end(committed=not failure)
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
                 engine.discard_update()
-                logger.warning("rank %d: a peer failed during step %d (%s); waiting for the next generation",
-                               self.session.env.rank, batch.step, failure)  # fmt: skip
+                logger.warning(
+                    "rank %d: a peer failed during step %d (%s); waiting for the next generation",
+                    self.session.env.rank,
+                    batch.step,
+                    failure,
+                )
                 if not self._recover(batch):
                     return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
                 continue
@@ -374,16 +388,25 @@ class Protocol:
             failed = str(exc).splitlines()[0][:200]
         self.guard.end()
         if failed:
-            logger.warning("rank %d: a peer failed at the step boundary before step %d (%s); waiting for the next "
-                           "generation", env.rank, batch.step, failed)  # fmt: skip
+            logger.warning(
+                "rank %d: a peer failed at the step boundary before step %d (%s); waiting for the next generation",
+                env.rank,
+                batch.step,
+                failed,
+            )
             return self._recover(batch)
         if directive is None:
             directive = self._await_directive()
         if directive.mode != "in-place":
             # Leaving (a DDP replica holds nothing the others lack), or told to restart after the others agreed to
             # re-form: a fresh worker takes this rank's place and gets its state from them.
-            logger.info("rank %d exits at step %d (%s, generation %d)", env.rank, batch.step, directive.mode,
-                        directive.generation)  # fmt: skip
+            logger.info(
+                "rank %d exits at step %d (%s, generation %d)",
+                env.rank,
+                batch.step,
+                directive.mode,
+                directive.generation,
+            )
             raise self._exit(directive.mode)
         self._reform(directive, "boundary")
         self._refetch(batch)
@@ -405,16 +428,19 @@ class Protocol:
         behind, ahead = self._reform(directive, "failure")
         if self.steps_done < committed:
             self.session.metrics.steps_redone.inc(committed - self.steps_done)
-            logger.info("rank %d: committed steps %d-%d run again", self.session.env.rank, self.steps_done,
-                        committed - 1)  # fmt: skip
+            logger.info(
+                "rank %d: committed steps %d-%d run again", self.session.env.rank, self.steps_done, committed - 1
+            )
         if behind:
-            logger.info("rank %d: step %d was committed by peers; taking their state", self.session.env.rank,
-                        batch.step)  # fmt: skip
+            logger.info(
+                "rank %d: step %d was committed by peers; taking their state", self.session.env.rank, batch.step
+            )
             batch.micro_batches, batch.micro_sizes = [], []
             return False
         if ahead:
-            logger.info("rank %d: step %d is skipped once so every rank's loop stays in step", self.session.env.rank,
-                        batch.step)  # fmt: skip
+            logger.info(
+                "rank %d: step %d is skipped once so every rank's loop stays in step", self.session.env.rank, batch.step
+            )
             batch.micro_batches, batch.micro_sizes = [], []
             return False
         self._refetch(batch)
@@ -438,8 +464,10 @@ class Protocol:
             if directive is not None and directive.generation > env.generation:
                 return directive
             time.sleep(0.005)
-        raise RescaleError(f"no directive for a generation after {env.generation} within {DIRECTIVE_WAIT_S:g}s "
-                           f"(from the agent, in {env.progress_file}.next)")  # fmt: skip
+        raise RescaleError(
+            f"no directive for a generation after {env.generation} within {DIRECTIVE_WAIT_S:g}s "
+            f"(from the agent, in {env.progress_file}.next)"
+        )
 
     # -- re-forming ----------------------------------------------------------------------------------------------------
 
@@ -476,21 +504,38 @@ class Protocol:
                     newer = read_directive(env.progress_file) if env.progress_file else None
                     if newer is None or newer.generation <= env.generation or newer.mode != "in-place":
                         raise
-                    logger.warning("rank %d: generation %d gave way to generation %d as its groups opened (%s); "
-                                   "forming that one", env.rank, env.generation, newer.generation,
-                                   str(exc).splitlines()[0][:200])  # fmt: skip
+                    logger.warning(
+                        "rank %d: generation %d gave way to generation %d as its groups opened (%s); forming that one",
+                        env.rank,
+                        env.generation,
+                        newer.generation,
+                        str(exc).splitlines()[0][:200],
+                    )
                     directive, env = newer, WorkerEnv.from_env({**os.environ, **newer.env})
             nbytes, behind, ahead = self._sync(holds_state=True)
         except Exception as exc:
-            raise RescaleError(f"re-forming generation {old.generation} -> {env.generation} in place failed: "
-                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc  # fmt: skip
+            raise RescaleError(
+                f"re-forming generation {old.generation} -> {env.generation} in place failed: "
+                f"{type(exc).__name__}: {str(exc)[:300]}"
+            ) from exc
         finally:
             self.guard.end()
         seconds = time.perf_counter() - started
         self.session.metrics.observe_reconfigured(env, why, seconds, nbytes)
-        logger.info("rescale in place (%s): generation %d -> %d, rank %d/%d -> %d/%d, step %d, %.3fs, %d state bytes "
-                    "sent or received", why, old.generation, env.generation, old.rank, old.world_size, env.rank,
-                    env.world_size, self.steps_done, seconds, nbytes)  # fmt: skip
+        logger.info(
+            "rescale in place (%s): generation %d -> %d, rank %d/%d -> %d/%d, step %d, %.3fs, %d state bytes "
+            "sent or received",
+            why,
+            old.generation,
+            env.generation,
+            old.rank,
+            old.world_size,
+            env.rank,
+            env.world_size,
+            self.steps_done,
+            seconds,
+            nbytes,
+        )
         return behind, ahead
 
     def form_group(self, survivor: bool = False) -> None:
@@ -514,17 +559,26 @@ class Protocol:
                 if directive is None:
                     if not survivor:
                         raise
-                    logger.warning("rank %d: generation %d's ranks did not all meet (%s: %s); waiting in place for the "
-                                   "next generation", env.rank, env.generation, type(exc).__name__,
-                                   str(exc).splitlines()[0][:200])  # fmt: skip
+                    logger.warning(
+                        "rank %d: generation %d's ranks did not all meet (%s: %s); waiting in place for the "
+                        "next generation",
+                        env.rank,
+                        env.generation,
+                        type(exc).__name__,
+                        str(exc).splitlines()[0][:200],
+                    )
                     self.session.metrics.progress.write(self.steps_done, "wait", env.generation)
                     directive = self._await_directive()
             else:
                 directive = watch.finish()
                 if directive is None:
                     return
-            logger.warning("rank %d: generation %d gave way to generation %d before its ranks met; forming that one",
-                           env.rank, env.generation, directive.generation)  # fmt: skip
+            logger.warning(
+                "rank %d: generation %d gave way to generation %d before its ranks met; forming that one",
+                env.rank,
+                env.generation,
+                directive.generation,
+            )
             retire_groups()
             if directive.mode != "in-place":
                 raise self._exit(directive.mode)
@@ -534,8 +588,12 @@ class Protocol:
                 try:
                     announce_arrival(self.session.env, timeout_s=5.0)
                 except RuntimeError as exc:  # they then wait their rescale grace instead
-                    logger.warning("rank %d: could not count in generation %d: %s", self.session.env.rank,
-                                   self.session.env.generation, str(exc).splitlines()[0][:200])  # fmt: skip
+                    logger.warning(
+                        "rank %d: could not count in generation %d: %s",
+                        self.session.env.rank,
+                        self.session.env.generation,
+                        str(exc).splitlines()[0][:200],
+                    )
 
     def _sync(self, holds_state: bool) -> tuple[int, bool, bool]:
         """Agree on the newest committed step and send the state of the lowest rank that has it to every rank
@@ -591,8 +649,10 @@ class Protocol:
         dist.all_gather(rows, mine)
         plan = choose_rollback([decode(row, old_world) for row in rows], old_world)
         survivor = min(plan.holders.values())
-        partition = torch.tensor(self.copies.partition if dist.get_rank() == survivor else
-                                 [0] * len(list(engine.module.parameters())), dtype=torch.int64)  # fmt: skip
+        partition = torch.tensor(
+            self.copies.partition if dist.get_rank() == survivor else [0] * len(list(engine.module.parameters())),
+            dtype=torch.int64,
+        )
         dist.broadcast(partition, survivor)
         me = dist.get_rank()
 
@@ -615,6 +675,10 @@ class Protocol:
             assert slot.rng is not None
             torch.set_rng_state(slot.rng)
             self.steps_done = plan.step
-        logger.info("rank %d: rolled back to the snapshot of step %d (the old ranks' shards from new ranks %s)", me,
-                    plan.step, sorted(set(plan.holders.values())))  # fmt: skip
+        logger.info(
+            "rank %d: rolled back to the snapshot of step %d (the old ranks' shards from new ranks %s)",
+            me,
+            plan.step,
+            sorted(set(plan.holders.values())),
+        )
         return nbytes

@@ -119,8 +119,14 @@ class Session:
             self._meet()
         if self.env.agent_store and threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
-        logger.info("rank %d/%d (generation %d, %s on %s)", self.rank, self.world_size, self.env.generation,
-                    self.backend, self.device)  # fmt: skip
+        logger.info(
+            "rank %d/%d (generation %d, %s on %s)",
+            self.rank,
+            self.world_size,
+            self.env.generation,
+            self.backend,
+            self.device,
+        )
 
     def init_group(self, superseded: Callable[[], bool] = lambda: False, meet_s: float | None = None) -> None:
         """Initialise the default process group for :attr:`env`'s world, noting the sockets it opened
@@ -155,8 +161,9 @@ class Session:
             backend = nccl.backend_for(self.backend, under_agent=bool(self.env.agent_store))
             store = connect_store(self.env, meet, superseded) if self.env.agent_store else None
             new_world()  # an earlier attempt in this process may have failed
-            dist.init_process_group(backend, store=store, rank=self.env.rank, world_size=self.env.world_size,
-                                    timeout=meet)  # fmt: skip
+            dist.init_process_group(
+                backend, store=store, rank=self.env.rank, world_size=self.env.world_size, timeout=meet
+            )
             if meet != self.timeout:
                 dist.distributed_c10d._set_pg_timeout(self.timeout)
                 if store is not None:
@@ -250,8 +257,16 @@ class Session:
         """An exactly-once elastic loader over ``dataset`` for this rank (see :mod:`pliant.worker.data`)."""
         self._meet()
         sampler = ElasticSampler(len(dataset), global_batch, micro_batch, seed, shuffle, drop_last)  # type: ignore[arg-type]
-        loader = ElasticLoader(dataset, sampler, self.rank, self.world_size, max_steps, collate_fn, num_workers,
-                               pin_memory=self.device.type == "cuda")  # fmt: skip
+        loader = ElasticLoader(
+            dataset,
+            sampler,
+            self.rank,
+            self.world_size,
+            max_steps,
+            collate_fn,
+            num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
         if self.protocol is not None:
             self.protocol.add_loader(loader)
         return loader
@@ -285,10 +300,23 @@ class Session:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
         env = self.env
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
-        manager = self.tracked(lambda: CheckpointManager(
-            directory, engine, loader, job_id=env.job_id, generation=env.generation, keep=keep, async_save=async_save,
-            every_steps=every_steps, metrics=self.metrics, allow_fresh_start=fresh, incarnation=env.incarnation,
-            direct_io=direct_io, key=bytes.fromhex(env.checkpoint_key)))  # fmt: skip
+        manager = self.tracked(
+            lambda: CheckpointManager(
+                directory,
+                engine,
+                loader,
+                job_id=env.job_id,
+                generation=env.generation,
+                keep=keep,
+                async_save=async_save,
+                every_steps=every_steps,
+                metrics=self.metrics,
+                allow_fresh_start=fresh,
+                incarnation=env.incarnation,
+                direct_io=direct_io,
+                key=bytes.fromhex(env.checkpoint_key),
+            )
+        )
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
             self.protocol.parts.append(manager)
             manager.from_peers = self.protocol.sync_pending
@@ -314,8 +342,11 @@ class Session:
         except RuntimeError as exc:  # a peer died between steps: the next engine.step re-forms and goes on
             if self.protocol is None or not self.protocol.failed_between_steps(exc):
                 raise
-            logger.warning("rank %d: a peer failed during all_reduce_sum; returning this rank's own value (%g)",
-                           self.env.rank, value)  # fmt: skip
+            logger.warning(
+                "rank %d: a peer failed during all_reduce_sum; returning this rank's own value (%g)",
+                self.env.rank,
+                value,
+            )
             return value
         self.metrics.observe_collective("control", time.perf_counter() - started)
         return total

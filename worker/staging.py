@@ -81,23 +81,31 @@ def stager(cuda: bool) -> Any:
     """DCP's stager for async saves (copies in the background; on CUDA pinned, by non-blocking copies)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=cuda))  # fmt: skip
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+        )
+    )
 
 
 # -- who saves what (pure) -------------------------------------------------------------------------------------------
 
 
-def split_replicas(state: dict[str, Any], sections: Sequence[str], rank: int, world: int,
-                   saved_by: Mapping[Path, int] | None = None) -> dict[str, Any]:  # fmt: skip
+def split_replicas(
+    state: dict[str, Any], sections: Sequence[str], rank: int, world: int, saved_by: Mapping[Path, int] | None = None
+) -> dict[str, Any]:
     """``state`` with only rank ``rank``'s share of the tensors under ``sections``, which every rank holds alike.
     A tensor whose path (its keys from the top of ``state``) is in ``saved_by`` goes to that rank; the others are
     dealt largest first, each to the rank with the fewest bytes so far (ties: the lower rank). Every rank computes
     the same split, and each tensor is saved by one rank. Other tensors (DTensors included) and non-tensor values
     stay (DCP drops duplicate non-tensor values itself). Pure: no collective."""
     saved_by = saved_by or {}
-    leaves = [(path, t.numel() * t.element_size()) for name in sections if name in state
-              for path, t in _plain_tensors(state[name], (name,))]  # fmt: skip
+    leaves = [
+        (path, t.numel() * t.element_size())
+        for name in sections
+        if name in state
+        for path, t in _plain_tensors(state[name], (name,))
+    ]
     loads, owner = [0] * world, {}
     for path, nbytes in leaves:
         if 0 <= saved_by.get(path, -1) < world:
@@ -125,8 +133,11 @@ def _keep(tree: Any, path: Path, keep: Callable[[Path], bool]) -> Any:
     """``tree``'s nested dicts without the tensors whose path ``keep`` refuses."""
     if not isinstance(tree, dict):
         return tree
-    return {k: _keep(v, (*path, str(k)), keep) for k, v in tree.items()
-            if not isinstance(v, torch.Tensor) or keep((*path, str(k)))}  # fmt: skip
+    return {
+        k: _keep(v, (*path, str(k)), keep)
+        for k, v in tree.items()
+        if not isinstance(v, torch.Tensor) or keep((*path, str(k)))
+    }
 
 
 # -- the buddy snapshot's route ---------------------------------------------------------------------------------------
@@ -187,8 +198,14 @@ def _rebuild(tree: Any, found: dict[int, torch.Tensor]) -> Any:
     return copy.deepcopy(tree)
 
 
-def write_in_background(state: dict[str, Any], path: str, group: dist.ProcessGroup, ready: Callable[[], None],
-                        shards: dict[int, torch.Tensor] | None = None, direct: bool = True) -> Future[Any]:  # fmt: skip
+def write_in_background(
+    state: dict[str, Any],
+    path: str,
+    group: dist.ProcessGroup,
+    ready: Callable[[], None],
+    shards: dict[int, torch.Tensor] | None = None,
+    direct: bool = True,
+) -> Future[Any]:
     """``dcp.save`` of ``state`` (host tensors; DTensors whose shards' copies are ``shards``, see
     :func:`from_snapshot`) on a thread of its own, its files written on idle CPU time, once ``ready()`` returned (the
     snapshot's copy is complete); ``direct``: around the page cache (:class:`BackgroundWriter`). Returns the write's
@@ -199,8 +216,9 @@ def write_in_background(state: dict[str, Any], path: str, group: dist.ProcessGro
     def run() -> None:
         try:
             ready()
-            future.set_result(dcp.save(state, storage_writer=BackgroundWriter(path, direct), planner=planner,
-                                       process_group=group))  # fmt: skip
+            future.set_result(
+                dcp.save(state, storage_writer=BackgroundWriter(path, direct), planner=planner, process_group=group)
+            )
         except BaseException as exc:  # DCP's CheckpointException is one: reported to whoever waits for the save
             future.set_exception(exc)
 

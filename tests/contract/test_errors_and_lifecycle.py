@@ -41,12 +41,24 @@ def test_every_bad_input_gets_its_status_code(make_coordinator, pki) -> None:
     server = make_coordinator()
     with secure_channel(pki, server.address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(min_nodes=3, max_nodes=2)), Code.INVALID_ARGUMENT,
-                "min_nodes=3 is greater than max_nodes=2")  # fmt: skip
-        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(min_nodes=0)), Code.INVALID_ARGUMENT,
-                "min_nodes=0 must be an integer >= 1")  # fmt: skip
-        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(job_id="no/slashes")), Code.INVALID_ARGUMENT,
-                "job_id 'no/slashes'")  # fmt: skip
+        _expect(
+            stub.CreateJob,
+            pb.CreateJobRequest(spec=_spec(min_nodes=3, max_nodes=2)),
+            Code.INVALID_ARGUMENT,
+            "min_nodes=3 is greater than max_nodes=2",
+        )
+        _expect(
+            stub.CreateJob,
+            pb.CreateJobRequest(spec=_spec(min_nodes=0)),
+            Code.INVALID_ARGUMENT,
+            "min_nodes=0 must be an integer >= 1",
+        )
+        _expect(
+            stub.CreateJob,
+            pb.CreateJobRequest(spec=_spec(job_id="no/slashes")),
+            Code.INVALID_ARGUMENT,
+            "job_id 'no/slashes'",
+        )
         _expect(stub.GetJob, pb.GetJobRequest(job_id="ghost"), Code.NOT_FOUND, "job 'ghost' does not exist")
         _expect(stub.Join, pb.JoinRequest(job_id="ghost", node_id="a", address="h:1"), Code.NOT_FOUND, "'ghost'")
         first_event = lambda req, timeout: next(stub.WatchGenerations(req, timeout=timeout))  # noqa: E731
@@ -55,32 +67,66 @@ def test_every_bad_input_gets_its_status_code(make_coordinator, pki) -> None:
         token = stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10).join_token
         again = stub.CreateJob(pb.CreateJobRequest(spec=_spec()), timeout=10)
         assert not again.created  # identical spec: idempotent
-        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(max_nodes=5)), Code.ALREADY_EXISTS,
-                "max_nodes: 2 != 5")  # fmt: skip
+        _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(max_nodes=5)), Code.ALREADY_EXISTS, "max_nodes: 2 != 5")
 
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="", address="h:1", join_token=token),
-                Code.INVALID_ARGUMENT, "node_id ''")  # fmt: skip
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="nohost", join_token=token),
-                Code.INVALID_ARGUMENT, "address 'nohost' is not HOST:PORT")  # fmt: skip
+        _expect(
+            stub.Join,
+            pb.JoinRequest(job_id="job", node_id="", address="h:1", join_token=token),
+            Code.INVALID_ARGUMENT,
+            "node_id ''",
+        )
+        _expect(
+            stub.Join,
+            pb.JoinRequest(job_id="job", node_id="a", address="nohost", join_token=token),
+            Code.INVALID_ARGUMENT,
+            "address 'nohost' is not HOST:PORT",
+        )
         grant = stub.Join(pb.JoinRequest(job_id="job", node_id="a", address="h:1", join_token=token), timeout=10)
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="a", address="h:2", join_token=token),
-                Code.ALREADY_EXISTS, "node id 'a' already holds a live membership")  # fmt: skip
-        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=0), Code.INVALID_ARGUMENT,
-                "lease_id for node 'a' is 0")  # fmt: skip
-        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=12345),
-                Code.PERMISSION_DENIED, "the lease sent is not the one node 'a''s membership")  # fmt: skip
-        _expect(stub.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="z", lease_id=12345), Code.NOT_FOUND,
-                "node 'z' has no live membership")  # fmt: skip
-        _expect(stub.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=0,
-                                                            lease_id=grant.lease_id),
-                Code.INVALID_ARGUMENT, "generation 0")  # fmt: skip
+        _expect(
+            stub.Join,
+            pb.JoinRequest(job_id="job", node_id="a", address="h:2", join_token=token),
+            Code.ALREADY_EXISTS,
+            "node id 'a' already holds a live membership",
+        )
+        _expect(
+            stub.Heartbeat,
+            pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=0),
+            Code.INVALID_ARGUMENT,
+            "lease_id for node 'a' is 0",
+        )
+        _expect(
+            stub.Heartbeat,
+            pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=12345),
+            Code.PERMISSION_DENIED,
+            "the lease sent is not the one node 'a''s membership",
+        )
+        _expect(
+            stub.Heartbeat,
+            pb.HeartbeatRequest(job_id="job", node_id="z", lease_id=12345),
+            Code.NOT_FOUND,
+            "node 'z' has no live membership",
+        )
+        _expect(
+            stub.ReportFailure,
+            pb.ReportFailureRequest(job_id="job", node_id="a", generation=0, lease_id=grant.lease_id),
+            Code.INVALID_ARGUMENT,
+            "generation 0",
+        )
         assert stub.Heartbeat(pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=grant.lease_id), timeout=10)
 
         stub.FinishJob(pb.FinishJobRequest(job_id="job", succeeded=False, reason="user stopped it"), timeout=10)
-        _expect(stub.FinishJob, pb.FinishJobRequest(job_id="job", succeeded=True), Code.FAILED_PRECONDITION,
-                "already failed (user stopped it)")  # fmt: skip
-        _expect(stub.Join, pb.JoinRequest(job_id="job", node_id="b", address="h:3", join_token=token),
-                Code.FAILED_PRECONDITION, "start a new job id")  # fmt: skip
+        _expect(
+            stub.FinishJob,
+            pb.FinishJobRequest(job_id="job", succeeded=True),
+            Code.FAILED_PRECONDITION,
+            "already failed (user stopped it)",
+        )
+        _expect(
+            stub.Join,
+            pb.JoinRequest(job_id="job", node_id="b", address="h:3", join_token=token),
+            Code.FAILED_PRECONDITION,
+            "start a new job id",
+        )
 
 
 def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tmp_path, fleet, pki) -> None:
@@ -90,8 +136,12 @@ def test_etcd_unreachable_is_unavailable_and_writes_nothing(make_coordinator, tm
         etcd.kill()
         with secure_channel(pki, server.address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            _expect(stub.CreateJob, pb.CreateJobRequest(spec=_spec(job_id="lost")), Code.UNAVAILABLE,
-                    f"etcd at {etcd.endpoint} did not answer")  # fmt: skip
+            _expect(
+                stub.CreateJob,
+                pb.CreateJobRequest(spec=_spec(job_id="lost")),
+                Code.UNAVAILABLE,
+                f"etcd at {etcd.endpoint} did not answer",
+            )
         with (
             fleet(server.address, retry_for_s=1.5) as client,
             pytest.raises(Unavailable, match="no coordinator answered"),
@@ -188,8 +238,9 @@ def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make
         client.heartbeat("job", "a", a.lease_id)
 
 
-def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_keeps_failing(make_coordinator,
-                                                                                          fleet) -> None:  # fmt: skip
+def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_keeps_failing(
+    make_coordinator, fleet
+) -> None:
     """Both sides of a cut report each other: one is evicted, not both. The evicted node rejoins at once (an
     established member's eviction earns no strike); when its readmission fails (an older member reports it), it gets
     a strike and is held back BACKOFF_BASE_S before the next try, then twice that, unless it comes back at another
@@ -204,8 +255,11 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         c = client.join("job", "c", "127.0.0.1:9")  # a generation after the one that admitted b: b is established
         wait_for(lambda: len(client.get_job("job").generation.node_ids) == 3, 10, "world a,b,c")
         client.leave("job", "c", c.lease_id)
-        number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g.number,
-                          10, "world a,b again")  # fmt: skip
+        number = wait_for(
+            lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g.number,
+            10,
+            "world a,b again",
+        )
         assert client.report_failure("job", "a", number, 1, "gloo: timed out", ["b"]) == (True, number)
         accepted, _ = client.report_failure("job", "b", number, 1, "gloo: timed out", ["a"])  # b is no member now
         gen = wait_for(lambda: (g := client.get_job("job").generation) and g.number > number and g, 10, "next")
@@ -216,8 +270,9 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
             """b joins at ``address``; once admitted, a reports it; returns how long b waited to be admitted."""
             client.join("job", "b", address)
             joined = time.monotonic()
-            gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60,
-                           "b admitted")  # fmt: skip
+            gen = wait_for(
+                lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60, "b admitted"
+            )
             waited = time.monotonic() - joined
             assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
             wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted")
@@ -249,8 +304,11 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
         number = client.get_job("job").generation.number
         assert client.get_job("job").generation.node_ids == ("a",), "held back again"
         client.heartbeat("job", "b", grant.lease_id, reaches_generation=number)  # a second lift, with 3 strikes: ok
-        gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 10,
-                       "b admitted, lifted again")  # fmt: skip
+        gen = wait_for(
+            lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g,
+            10,
+            "b admitted, lifted again",
+        )
         assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
         wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted: strike 4")
         grant = client.join("job", "b", "127.0.0.1:2")
@@ -277,11 +335,13 @@ def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordi
         def readmission_fails() -> tuple[int, int]:
             """b joins; a reports it once admitted; b joins again: (b's lease, the generation b is held from)."""
             client.join("job", "b", "127.0.0.1:2")
-            gen = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60,
-                           "b admitted")  # fmt: skip
+            gen = wait_for(
+                lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60, "b admitted"
+            )
             assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
-            number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number,
-                              10, "b evicted")  # fmt: skip
+            number = wait_for(
+                lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number, 10, "b evicted"
+            )
             return client.join("job", "b", "127.0.0.1:2").lease_id, number
 
         lease, number = readmission_fails()  # b had no strike: admitted at once; now strike 1
@@ -293,10 +353,14 @@ def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordi
         client.heartbeat("job", "b", lease, reaches_generation=number)  # the cut healed
         wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "b admitted, its hold lifted")
         assert time.monotonic() - struck < BACKOFF_BASE_S + 5
-        assert client.report_failure("job", "a", client.get_job("job").generation.number, -1, "b never arrived",
-                                     ["b"])[0]  # strike 2: lifts=1 of count 2, no lift this time  # fmt: skip
-        number = wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number,
-                          10, "b evicted: strike 2")  # fmt: skip
+        assert client.report_failure("job", "a", client.get_job("job").generation.number, -1, "b never arrived", ["b"])[
+            0
+        ]  # strike 2: lifts=1 of count 2, no lift this time
+        number = wait_for(
+            lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number,
+            10,
+            "b evicted: strike 2",
+        )
         lease = client.join("job", "b", "127.0.0.1:2").lease_id
         client.heartbeat("job", "b", lease, misses_generation=number)
         client.heartbeat("job", "b", lease, reaches_generation=number)
@@ -319,8 +383,11 @@ def test_a_newcomer_that_arrived_earns_no_strike_when_a_cut_drops_it(make_coordi
         def admitted(node: str, port: int) -> tuple[int, float]:
             client.join("job", node, f"127.0.0.1:{port}")
             joined = time.monotonic()
-            number = wait_for(lambda: (g := client.get_job("job").generation) and node in g.node_ids and g.number, 30,
-                              f"{node} admitted")  # fmt: skip
+            number = wait_for(
+                lambda: (g := client.get_job("job").generation) and node in g.node_ids and g.number,
+                30,
+                f"{node} admitted",
+            )
             return number, time.monotonic() - joined
 
         for _ in range(3):
@@ -420,8 +487,7 @@ def test_one_members_word_never_evicts_a_healthy_peer(make_coordinator, fleet) -
             assert client.get_job("job").status.state is JobState.RUNNING
 
 
-def test_two_reports_at_once_evict_a_newcomer_once_and_strike_it_once(make_coordinator, fleet, etcd,
-                                                                        prefix) -> None:  # fmt: skip
+def test_two_reports_at_once_evict_a_newcomer_once_and_strike_it_once(make_coordinator, fleet, etcd, prefix) -> None:
     """a and b both report newcomer c, and b's report is written while a's is between its read and its write (a
     real etcd; the race forced by running b's report inside a's). a's transaction must then fail and read again: c is
     evicted once, with one strike. Before, a's went through too: in the lone-cut soak two reports at once counted two

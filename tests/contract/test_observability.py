@@ -45,8 +45,7 @@ def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_co
         assert store.client.get(store.progress_key("job", "a"))[0] is None
 
 
-def test_status_command_prints_table_and_json(make_coordinator, capsys: pytest.CaptureFixture[str], fleet,
-                                             pki) -> None:  # fmt: skip
+def test_status_command_prints_table_and_json(make_coordinator, capsys: pytest.CaptureFixture[str], fleet, pki) -> None:
     server = make_coordinator()
     admin = ["--tls-dir", str(Path(admin_tls(pki).cert).parent)]
     with fleet(server.address) as client:
@@ -90,8 +89,11 @@ def test_replica_metrics_endpoint_counts_rpcs_etcd_and_generations(make_coordina
     assert sample("pliant_coordinator_rpcs_total", method="GetJob", code="NOT_FOUND") == 1.0
     assert sample("pliant_coordinator_etcd_operation_duration_seconds_count", operation="join") == 1.0
     # The reconciler counts a generation after its transaction commits, so a client may read it a moment earlier.
-    wait_for(lambda: sample("pliant_coordinator_generations_total", job_id="job", reason="start") == 1.0, 5,
-             "the generation counted")  # fmt: skip
+    wait_for(
+        lambda: sample("pliant_coordinator_generations_total", job_id="job", reason="start") == 1.0,
+        5,
+        "the generation counted",
+    )
     wait_for(lambda: sample("pliant_job_world_size", job_id="job") == 1.0, 5, "the job series")
     assert sample("pliant_coordinator_leader") == 1.0
     with urllib.request.urlopen(f"http://{server.metrics_server.address}/metrics", timeout=5) as resp:

@@ -38,8 +38,11 @@ class Probe:
         _info, _created, self.token = fleet.create_job(JobSpec("job", 1, 4, heartbeat_ttl_s=30, join_grace_s=0))
         self.a = fleet.join("job", "a", "127.0.0.1:1001")
         self.b = fleet.join("job", "b", "127.0.0.1:1002")
-        self.gen = wait_for(lambda: (g := fleet.get_job("job").generation) and g.node_ids == ("a", "b") and g, 10,
-                            "generation with a and b")  # fmt: skip
+        self.gen = wait_for(
+            lambda: (g := fleet.get_job("job").generation) and g.node_ids == ("a", "b") and g,
+            10,
+            "generation with a and b",
+        )
 
     def stub(self, who: str) -> pb_grpc.CoordinatorStub:
         channel = secure_channel(self.pki, self.server.address, who)
@@ -59,8 +62,13 @@ class Probe:
         details = info.value.details() or ""
         assert info.value.code() == code, details
         assert needle in details, details
-        for secret in (str(self.a.lease_id), f"{self.a.lease_id:x}", str(self.b.lease_id), f"{self.b.lease_id:x}",
-                       self.token):  # fmt: skip
+        for secret in (
+            str(self.a.lease_id),
+            f"{self.a.lease_id:x}",
+            str(self.b.lease_id),
+            f"{self.b.lease_id:x}",
+            self.token,
+        ):
             assert secret not in details, f"the message leaks a lease id or the token: {details}"
         assert self.etcd() == before, f"a refused {type(request).__name__} changed etcd"
         return details
@@ -86,16 +94,33 @@ def test_failure_and_success_reports_only_from_members_of_the_generation(probe: 
     for _ in range(3):  # three of them once spent the restart budget and failed the job
         probe.refused(stranger.ReportFailure, report, Code.NOT_FOUND, "node 'mallory' has no live membership")
     # Posing as a member: another node's certificate, or a's identity without a's lease.
-    probe.refused(stranger.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=number,
-                  lease_id=probe.a.lease_id), Code.PERMISSION_DENIED, "acts only for node 'mallory'")  # fmt: skip
-    probe.refused(a.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=number,
-                  lease_id=probe.b.lease_id), Code.PERMISSION_DENIED, "not the one node 'a''s membership")  # fmt: skip
+    probe.refused(
+        stranger.ReportFailure,
+        pb.ReportFailureRequest(job_id="job", node_id="a", generation=number, lease_id=probe.a.lease_id),
+        Code.PERMISSION_DENIED,
+        "acts only for node 'mallory'",
+    )
+    probe.refused(
+        a.ReportFailure,
+        pb.ReportFailureRequest(job_id="job", node_id="a", generation=number, lease_id=probe.b.lease_id),
+        Code.PERMISSION_DENIED,
+        "not the one node 'a''s membership",
+    )
     # unreachable_nodes names only members of the generation reported.
-    probe.refused(a.ReportFailure, pb.ReportFailureRequest(job_id="job", node_id="a", generation=number,
-                  lease_id=probe.a.lease_id, unreachable_nodes=["ghost"]), Code.INVALID_ARGUMENT,
-                  "not members of job 'job'")  # fmt: skip
-    probe.refused(stranger.ReportSuccess, pb.ReportSuccessRequest(job_id="job", node_id="mallory", generation=number,
-                  lease_id=12345), Code.NOT_FOUND, "no live membership")  # fmt: skip
+    probe.refused(
+        a.ReportFailure,
+        pb.ReportFailureRequest(
+            job_id="job", node_id="a", generation=number, lease_id=probe.a.lease_id, unreachable_nodes=["ghost"]
+        ),
+        Code.INVALID_ARGUMENT,
+        "not members of job 'job'",
+    )
+    probe.refused(
+        stranger.ReportSuccess,
+        pb.ReportSuccessRequest(job_id="job", node_id="mallory", generation=number, lease_id=12345),
+        Code.NOT_FOUND,
+        "no live membership",
+    )
     info = probe.fleet.get_job("job")
     assert info.status.state is JobState.RUNNING and info.generation.restarts_used == 0
 
@@ -107,8 +132,10 @@ def test_a_spare_is_no_member_of_the_generation(make_coordinator, fleet) -> None
         client.join("job", "a", "127.0.0.1:1")
         client.join("job", "spare", "127.0.0.1:2")  # max_nodes=1: it waits as a spare
         gen = wait_for(lambda: client.get_job("job").generation, 10, "generation 1")
-        for report in (lambda: client.report_failure("job", "spare", gen.number, 1),
-                       lambda: client.report_success("job", "spare", gen.number)):  # fmt: skip
+        for report in (
+            lambda: client.report_failure("job", "spare", gen.number, 1),
+            lambda: client.report_success("job", "spare", gen.number),
+        ):
             with pytest.raises(Exception, match="node 'spare' is not a member of job 'job''s generation 1") as info:
                 report()
             assert type(info.value).__name__ == "PermissionDenied"
@@ -117,19 +144,32 @@ def test_a_spare_is_no_member_of_the_generation(make_coordinator, fleet) -> None
 
 def test_admin_calls_need_the_admin_role(probe: Probe) -> None:
     a = probe.stub("a")
-    probe.refused(a.FinishJob, pb.FinishJobRequest(job_id="job", succeeded=True), Code.PERMISSION_DENIED,
-                  "FinishJob needs an admin certificate")  # fmt: skip
-    probe.refused(a.CreateJob, pb.CreateJobRequest(spec=pb.JobSpec(job_id="x", min_nodes=1, max_nodes=1,
-                  nproc_per_node=1)), Code.PERMISSION_DENIED, "CreateJob needs an admin")  # fmt: skip
+    probe.refused(
+        a.FinishJob,
+        pb.FinishJobRequest(job_id="job", succeeded=True),
+        Code.PERMISSION_DENIED,
+        "FinishJob needs an admin certificate",
+    )
+    probe.refused(
+        a.CreateJob,
+        pb.CreateJobRequest(spec=pb.JobSpec(job_id="x", min_nodes=1, max_nodes=1, nproc_per_node=1)),
+        Code.PERMISSION_DENIED,
+        "CreateJob needs an admin",
+    )
     probe.refused(a.ListJobs, pb.ListJobsRequest(), Code.PERMISSION_DENIED, "ListJobs needs an admin")
     probe.refused(a.DeleteJob, pb.DeleteJobRequest(job_id="job"), Code.PERMISSION_DENIED, "DeleteJob needs an admin")
-    probe.refused(a.RotateJoinToken, pb.RotateJoinTokenRequest(job_id="job"), Code.PERMISSION_DENIED,
-                  "RotateJoinToken needs an admin")  # fmt: skip
+    probe.refused(
+        a.RotateJoinToken,
+        pb.RotateJoinTokenRequest(job_id="job"),
+        Code.PERMISSION_DENIED,
+        "RotateJoinToken needs an admin",
+    )
     # A member reads its job without any node's address; a stranger not at all; an admin everything.
     seen = a.GetJob(pb.GetJobRequest(job_id="job"), timeout=10)
     assert [m.address for m in seen.members] == ["", ""] and seen.generation.store_address == ""
-    probe.refused(probe.stub("mallory").GetJob, pb.GetJobRequest(job_id="job"), Code.PERMISSION_DENIED,
-                  "not a member of it")  # fmt: skip
+    probe.refused(
+        probe.stub("mallory").GetJob, pb.GetJobRequest(job_id="job"), Code.PERMISSION_DENIED, "not a member of it"
+    )
     full = probe.stub("admin").GetJob(pb.GetJobRequest(job_id="job"), timeout=10)
     assert full.generation.store_address == "127.0.0.1:1001"
 
@@ -138,22 +178,42 @@ def test_leases_are_bound_to_their_node(probe: Probe) -> None:
     a, b = probe.stub("a"), probe.stub("b")
     leader_lease = probe.store.client.get(probe.store.leader_key)[1].lease_id
     # Leave with the leader's lease (any lease) once revoked it: the coordinator stepped down.
-    probe.refused(a.Leave, pb.LeaveRequest(job_id="job", node_id="a", lease_id=leader_lease), Code.PERMISSION_DENIED,
-                  "a node leaves only with the lease_id its own Join returned")  # fmt: skip
-    probe.refused(a.Leave, pb.LeaveRequest(job_id="job", node_id="b", lease_id=probe.b.lease_id),
-                  Code.PERMISSION_DENIED, "acts only for node 'a'")  # fmt: skip
+    probe.refused(
+        a.Leave,
+        pb.LeaveRequest(job_id="job", node_id="a", lease_id=leader_lease),
+        Code.PERMISSION_DENIED,
+        "a node leaves only with the lease_id its own Join returned",
+    )
+    probe.refused(
+        a.Leave,
+        pb.LeaveRequest(job_id="job", node_id="b", lease_id=probe.b.lease_id),
+        Code.PERMISSION_DENIED,
+        "acts only for node 'a'",
+    )
     assert probe.server.election.is_leader
     # Heartbeat is no oracle of lease ids: a's certificate may only ask about a, and with any lease not its own the
     # answer is the same refusal, whether the id exists (b's, the leader's) or not.
     for lease in (probe.b.lease_id, leader_lease, 12345, 2**62):
-        probe.refused(a.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=lease),
-                      Code.PERMISSION_DENIED, "not the one node 'a''s membership")  # fmt: skip
-    probe.refused(b.Heartbeat, pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=probe.a.lease_id),
-                  Code.PERMISSION_DENIED, "acts only for node 'b'")  # fmt: skip
+        probe.refused(
+            a.Heartbeat,
+            pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=lease),
+            Code.PERMISSION_DENIED,
+            "not the one node 'a''s membership",
+        )
+    probe.refused(
+        b.Heartbeat,
+        pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=probe.a.lease_id),
+        Code.PERMISSION_DENIED,
+        "acts only for node 'b'",
+    )
     assert a.Heartbeat(pb.HeartbeatRequest(job_id="job", node_id="a", lease_id=probe.a.lease_id), timeout=10).ttl_s
     # ALREADY_EXISTS names the holder's address, never its lease.
-    probe.refused(a.Join, pb.JoinRequest(job_id="job", node_id="a", address="127.0.0.1:9", join_token=probe.token),
-                  Code.ALREADY_EXISTS, "already holds a live membership")  # fmt: skip
+    probe.refused(
+        a.Join,
+        pb.JoinRequest(job_id="job", node_id="a", address="127.0.0.1:9", join_token=probe.token),
+        Code.ALREADY_EXISTS,
+        "already holds a live membership",
+    )
 
 
 def test_join_needs_the_token_and_the_node_own_certificate(probe: Probe) -> None:
@@ -173,8 +233,12 @@ def test_join_needs_the_token_and_the_node_own_certificate(probe: Probe) -> None
 
 
 def test_watch_only_for_members_and_admins(probe: Probe) -> None:
-    probe.refused(probe.stub("mallory").WatchGenerations, pb.WatchGenerationsRequest(job_id="job"),
-                  Code.PERMISSION_DENIED, "not a member of it")  # fmt: skip
+    probe.refused(
+        probe.stub("mallory").WatchGenerations,
+        pb.WatchGenerationsRequest(job_id="job"),
+        Code.PERMISSION_DENIED,
+        "not a member of it",
+    )
     for who in ("a", "admin"):
         first = next(probe.stub(who).WatchGenerations(pb.WatchGenerationsRequest(job_id="job"), timeout=10))
         assert first.generation.number == probe.gen.number
@@ -183,10 +247,18 @@ def test_watch_only_for_members_and_admins(probe: Probe) -> None:
 def test_bounded_inputs(probe: Probe) -> None:
     admin, a = probe.stub("admin"), probe.stub("a")
     spec = dict(min_nodes=1, max_nodes=2, nproc_per_node=1)
-    probe.refused(admin.CreateJob, pb.CreateJobRequest(spec=pb.JobSpec(job_id="abc\n", **spec)), Code.INVALID_ARGUMENT,
-                  "job_id 'abc\\n' is invalid")  # fmt: skip
-    probe.refused(admin.CreateJob, pb.CreateJobRequest(spec=pb.JobSpec(job_id="big", min_nodes=1, max_nodes=1,
-                  nproc_per_node=2**32 - 1)), Code.INVALID_ARGUMENT, "must be at most 1024")  # fmt: skip
+    probe.refused(
+        admin.CreateJob,
+        pb.CreateJobRequest(spec=pb.JobSpec(job_id="abc\n", **spec)),
+        Code.INVALID_ARGUMENT,
+        "job_id 'abc\\n' is invalid",
+    )
+    probe.refused(
+        admin.CreateJob,
+        pb.CreateJobRequest(spec=pb.JobSpec(job_id="big", min_nodes=1, max_nodes=1, nproc_per_node=2**32 - 1)),
+        Code.INVALID_ARGUMENT,
+        "must be at most 1024",
+    )
     join = pb.JoinRequest(job_id="job", node_id="a", join_token=probe.token)
     for address in ("evil host\n:80", "h" * 1_000_000 + ":80", "-bad-.example:80", "host:0", "[::1:80"):
         join.address = address
@@ -201,8 +273,9 @@ def test_bounded_inputs(probe: Probe) -> None:
     admin.FinishJob(pb.FinishJobRequest(job_id="job", succeeded=False, reason="r" * 1_000_000), timeout=10)
     reason = probe.fleet.get_job("job").status.reason
     assert len(reason.encode()) <= 4096 and "[truncated: 1000000 bytes, kept 4096]" in reason
-    probe.refused(admin.FinishJob, pb.FinishJobRequest(job_id="job", reason="r" * 2_000_000), Code.RESOURCE_EXHAUSTED,
-                  "")  # fmt: skip
+    probe.refused(
+        admin.FinishJob, pb.FinishJobRequest(job_id="job", reason="r" * 2_000_000), Code.RESOURCE_EXHAUSTED, ""
+    )
     started = time.monotonic()
     with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED|larger than max"):
         probe.fleet.admin.finish_job("job", False, "r" * 2_000_000)
@@ -239,8 +312,10 @@ def test_watch_streams_are_capped_and_never_starve_heartbeats(make_coordinator, 
             next(client.watch("job"))
         assert type(info.value).__name__ == "ResourceExhausted"
         results: list[float] = []
-        threads = [threading.Thread(target=lambda: results.append(client.heartbeat("job", "a", grant.lease_id)))
-                   for _ in range(8)]  # fmt: skip
+        threads = [
+            threading.Thread(target=lambda: results.append(client.heartbeat("job", "a", grant.lease_id)))
+            for _ in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -324,8 +399,9 @@ def test_connections_without_a_valid_certificate_are_refused(make_coordinator, p
         files.load()  # our own clients refuse to use it, naming the file
     from pliant.tls import TlsMaterial
 
-    material = TlsMaterial(Path(files.ca).read_bytes(), Path(files.cert).read_bytes(), Path(files.key).read_bytes(),
-                           None)  # fmt: skip
+    material = TlsMaterial(
+        Path(files.ca).read_bytes(), Path(files.cert).read_bytes(), Path(files.key).read_bytes(), None
+    )
     refused(grpc.secure_channel(server.address, channel_credentials(material)))  # and the server refuses it
     # A client that does not trust the server's CA does not talk to it either.
     refused(grpc.secure_channel(server.address, grpc.ssl_channel_credentials(other.ca.cert_pem)))

@@ -23,8 +23,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _gen(client, job: str, number: int, timeout_s: float = 15):
-    return wait_for(lambda: (g := client.get_job(job).generation) and g.number >= number and g, timeout_s,
-                    f"{job} generation {number}")  # fmt: skip
+    return wait_for(
+        lambda: (g := client.get_job(job).generation) and g.number >= number and g,
+        timeout_s,
+        f"{job} generation {number}",
+    )
 
 
 class _Heartbeats:

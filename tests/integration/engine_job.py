@@ -55,8 +55,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     engine = session.engine(model, args.engine, torch.optim.SGD, lr=0.05, momentum=0.9)
-    loader = session.loader(Regression(args.samples), args.global_batch, args.micro_batch, seed=1,
-                            max_steps=args.steps)  # fmt: skip
+    loader = session.loader(Regression(args.samples), args.global_batch, args.micro_batch, seed=1, max_steps=args.steps)
     ckpt = None
     try:
         if args.ckpt:
@@ -64,9 +63,16 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
 
             if args.fail_async_save:
                 _fail_async_saves()
-            ckpt = CheckpointManager(args.ckpt, engine, loader, job_id="equivalence", async_save=args.async_save,
-                                     generation=args.generation, every_steps=args.every,
-                                     incarnation="equivalence-1")  # fmt: skip
+            ckpt = CheckpointManager(
+                args.ckpt,
+                engine,
+                loader,
+                job_id="equivalence",
+                async_save=args.async_save,
+                generation=args.generation,
+                every_steps=args.every,
+                incarnation="equivalence-1",
+            )
             if args.resume:
                 assert ckpt.restore() == args.resume, "resumed from the expected step"
         seen: list[int] = []

@@ -40,8 +40,14 @@ def _full(engine: FSDPEngine) -> dict[str, list]:
     model = get_model_state_dict(engine.model, options=options)
     optim = get_optimizer_state_dict(engine.model, engine.optimizer, options=options)["state"]
     out = {name: value.flatten().tolist() for name, value in model.items()}
-    out.update({f"{name}.{key}": value.flatten().tolist() for name, state in optim.items()
-                for key, value in state.items() if isinstance(value, torch.Tensor)})  # fmt: skip
+    out.update(
+        {
+            f"{name}.{key}": value.flatten().tolist()
+            for name, state in optim.items()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor)
+        }
+    )
     return out
 
 

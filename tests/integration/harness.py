@@ -57,16 +57,54 @@ def read_steps(path: Path) -> list[Step]:
     return [Step(**item) for item in read_jsonl(path)]
 
 
-def agent_args(coordinator: str, job: str, node: str, workdir: Path, nnodes: str = "1:2", steps: int = 100000,
-               extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+def agent_args(
+    coordinator: str,
+    job: str,
+    node: str,
+    workdir: Path,
+    nnodes: str = "1:2",
+    steps: int = 100000,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """``pliant agent`` running 2 workers of the example script, with events and checkpoint under ``workdir``."""
     return [
-        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", job, "--node-id", node,
-        "--nnodes", nnodes, "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.5",
-        "--stop-grace", "2", "--finish-grace", "1", "--log-dir", str(workdir / "logs"), *extra,
-        str(SCRIPT), "--steps", str(steps), "--step-time", "0.05", "--ckpt", str(workdir / "ckpt.pt"),
-        "--events", str(workdir / "events.jsonl"), "--log-every", "50",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pliant",
+        "agent",
+        "--coordinator",
+        coordinator,
+        "--job",
+        job,
+        "--node-id",
+        node,
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "2",
+        "--heartbeat-ttl",
+        "3",
+        "--join-grace",
+        "0.5",
+        "--stop-grace",
+        "2",
+        "--finish-grace",
+        "1",
+        "--log-dir",
+        str(workdir / "logs"),
+        *extra,
+        str(SCRIPT),
+        "--steps",
+        str(steps),
+        "--step-time",
+        "0.05",
+        "--ckpt",
+        str(workdir / "ckpt.pt"),
+        "--events",
+        str(workdir / "events.jsonl"),
+        "--log-every",
+        "50",
+    ]
 
 
 def wait_world(events: Path, restart: int, world: int, timeout_s: float, after_step: int = -1) -> list[Step]:
@@ -130,28 +168,79 @@ EXACT = ("--float64",)
 TOLERANCE = 1e-9  # the largest |parameter difference| from a static run that counts as equal (float64 runs: ~1e-15)
 
 
-def elastic_agent(coordinator: str, node: str, nproc: int, tmp: Path, steps: int, extra: tuple[str, ...] = (),
-                  script: tuple[str, ...] = (), checkpoints: bool = True,
-                  step_time: float = 0.1) -> list[str]:  # fmt: skip
+def elastic_agent(
+    coordinator: str,
+    node: str,
+    nproc: int,
+    tmp: Path,
+    steps: int,
+    extra: tuple[str, ...] = (),
+    script: tuple[str, ...] = (),
+    checkpoints: bool = True,
+    step_time: float = 0.1,
+) -> list[str]:
     """``pliant agent`` running examples/train_elastic.py (``step_time`` s steps) with its events and final parameters
     under ``tmp``; ``checkpoints`` adds ``--checkpoint-dir tmp/ckpt``."""
     ckpt = ("--checkpoint-dir", str(tmp / "ckpt")) if checkpoints else ()
     return [
-        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
-        "--nnodes", "1:3", "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
-        "--stop-grace", "2", "--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "0",
-        *ckpt, "--log-dir", str(tmp / "logs"), *extra, *elastic_script(tmp, steps, step_time), *script,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pliant",
+        "agent",
+        "--coordinator",
+        coordinator,
+        "--job",
+        "job",
+        "--node-id",
+        node,
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        str(nproc),
+        "--heartbeat-ttl",
+        "3",
+        "--join-grace",
+        "0.5",
+        "--stop-grace",
+        "2",
+        "--rescale-grace",
+        "30",
+        "--finish-grace",
+        "10",
+        "--max-restarts",
+        "0",
+        *ckpt,
+        "--log-dir",
+        str(tmp / "logs"),
+        *extra,
+        *elastic_script(tmp, steps, step_time),
+        *script,
+    ]
 
 
 def elastic_script(tmp: Path, steps: int, step_time: float = 0.1) -> list[str]:
     """examples/train_elastic.py and its arguments: ``steps`` steps of ``step_time`` s, events, final parameters and
     the stop file under ``tmp`` (what :func:`static_params` runs statically)."""
     return [
-        str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
-        "--micro-batch", "8", "--step-time", str(step_time), "--events", str(tmp / "events.jsonl"),
-        "--params-out", str(tmp / "final.pt"), "--stop-file", str(tmp / "stop"), *EXACT,
-    ]  # fmt: skip
+        str(ELASTIC),
+        "--steps",
+        str(steps),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--micro-batch",
+        "8",
+        "--step-time",
+        str(step_time),
+        "--events",
+        str(tmp / "events.jsonl"),
+        "--params-out",
+        str(tmp / "final.pt"),
+        "--stop-file",
+        str(tmp / "stop"),
+        *EXACT,
+    ]
 
 
 def end_soon(tmp: Path, steps: int, margin: int = 10) -> int:
@@ -167,8 +256,23 @@ def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
     import torch
 
     out = tmp / f"static-{engine}.pt"
-    argv = [sys.executable, str(ELASTIC), "--steps", str(steps), "--samples", str(SAMPLES), "--global-batch",
-            str(GLOBAL_BATCH), "--micro-batch", "8", "--engine", engine, "--params-out", str(out), *EXACT]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(ELASTIC),
+        "--steps",
+        str(steps),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--micro-batch",
+        "8",
+        "--engine",
+        engine,
+        "--params-out",
+        str(out),
+        *EXACT,
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise RuntimeError(result.stderr[-3000:])

@@ -75,16 +75,21 @@ class Cluster:
     """
 
     def __init__(
-        self, docs: list[dict[str, Any]], workdir: Path, etcd_binary: str,
+        self,
+        docs: list[dict[str, Any]],
+        workdir: Path,
+        etcd_binary: str,
         secrets: dict[str, dict[str, bytes]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.docs = docs
         self.workdir = workdir
         self.secrets = secrets or {}
         self.executables = {"pliant": str(Path(sys.executable).with_name("pliant")), "etcd": etcd_binary}
         self.pods: list[Pod] = []
-        claims = {c["metadata"]["name"]: workdir / "pvc" / c["metadata"]["name"]
-                  for c in of_kind(docs, "PersistentVolumeClaim")}  # fmt: skip
+        claims = {
+            c["metadata"]["name"]: workdir / "pvc" / c["metadata"]["name"]
+            for c in of_kind(docs, "PersistentVolumeClaim")
+        }
         workloads = of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job")
         for k, workload in enumerate(workloads, start=1):
             name, spec = workload["metadata"]["name"], workload["spec"]

@@ -47,8 +47,21 @@ def test_saved_at_world_2_resumed_at_world_3_matches_a_static_run(engine: str, t
     resumed.mkdir()
     _job("--engine", engine, "--worlds", "1", "--out", str(static))
     # The async save of step 3 copies the state in the background while steps 3 and 4 train on: it must hold step 3.
-    _job("--engine", engine, "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--async-save",
-         "--train-after-save", "2", "--out", str(tmp_path))  # fmt: skip
+    _job(
+        "--engine",
+        engine,
+        "--worlds",
+        "2",
+        "--ckpt",
+        str(ckpt),
+        "--stop-after",
+        "3",
+        "--async-save",
+        "--train-after-save",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert sorted(p.name for p in ckpt.iterdir()) == ["pliant-fence.json", "step-000000000003"]
     files = {p.name for p in (ckpt / "step-000000000003").iterdir()}
     assert {".metadata", "pliant-commit.json"} <= files, files
@@ -87,8 +100,19 @@ def test_all_checkpoints_corrupt_is_a_clear_failure_and_nothing_is_deleted(tmp_p
     shard = next((ckpt / "step-000000000003").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:20])
     before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
-    result = _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--resume", "3", "--expect-error",
-                  "--out", str(tmp_path))  # fmt: skip
+    result = _job(
+        "--engine",
+        "ddp",
+        "--worlds",
+        "2",
+        "--ckpt",
+        str(ckpt),
+        "--resume",
+        "3",
+        "--expect-error",
+        "--out",
+        str(tmp_path),
+    )
     assert f"checkpoints exist in {ckpt} but none can be loaded" in result.stderr, result.stderr[-3000:]
     assert "--allow-fresh-start" in result.stderr and "allow_fresh_start=True" in result.stderr
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
@@ -97,10 +121,35 @@ def test_all_checkpoints_corrupt_is_a_clear_failure_and_nothing_is_deleted(tmp_p
 def test_a_superseded_generation_cannot_commit(tmp_path: Path) -> None:
     """A zombie world (generation 1, evicted) saving after generation 2 opened the directory is refused."""
     ckpt = tmp_path / "ckpt"
-    _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--generation", "2",
-         "--out", str(tmp_path))  # fmt: skip
-    result = _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "5", "--generation", "1",
-                  "--expect-error", "--out", str(tmp_path))  # fmt: skip
+    _job(
+        "--engine",
+        "ddp",
+        "--worlds",
+        "2",
+        "--ckpt",
+        str(ckpt),
+        "--stop-after",
+        "3",
+        "--generation",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    result = _job(
+        "--engine",
+        "ddp",
+        "--worlds",
+        "2",
+        "--ckpt",
+        str(ckpt),
+        "--stop-after",
+        "5",
+        "--generation",
+        "1",
+        "--expect-error",
+        "--out",
+        str(tmp_path),
+    )
     assert "commit of" in result.stderr and "refused: generation 2 of job equivalence owns" in result.stderr
     assert sorted(p.name for p in ckpt.glob("step-*/pliant-commit.json")) == ["pliant-commit.json"]
     assert not (ckpt / "step-000000000005" / "pliant-commit.json").exists()
@@ -108,8 +157,21 @@ def test_a_superseded_generation_cannot_commit(tmp_path: Path) -> None:
 
 def test_a_failed_async_save_fails_the_step_that_reaps_it(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    result = _job("--engine", "ddp", "--worlds", "1", "--ckpt", str(ckpt), "--every", "2", "--async-save",
-                  "--fail-async-save", "--expect-error", "--out", str(tmp_path))  # fmt: skip
+    result = _job(
+        "--engine",
+        "ddp",
+        "--worlds",
+        "1",
+        "--ckpt",
+        str(ckpt),
+        "--every",
+        "2",
+        "--async-save",
+        "--fail-async-save",
+        "--expect-error",
+        "--out",
+        str(tmp_path),
+    )
     assert f"checkpoint save to {ckpt / 'step-000000000002'} failed [errno 28" in result.stderr, result.stderr[-3000:]
 
 
@@ -129,8 +191,13 @@ def test_a_checkpoint_saved_before_the_script_had_a_scheduler_loads_with_a_warni
     env = {**os.environ, "PLIANT_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PLIANT_JOB_ID": "job"}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([sys.executable, str(ELASTIC), "--save-every", "5", *args],
-                                capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, str(ELASTIC), "--save-every", "5", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert result.returncode == 0, result.stderr[-4000:]
         return result
 
@@ -155,8 +222,11 @@ def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
     steps, resumed_steps = 20, 26
     server = make_coordinator()
     script = ("--engine", engine, "--save-every", "5")
-    agent = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, script=script,
-                                              extra=("--snapshot-every", "5")), name="agent-a")  # fmt: skip
+    agent = spawn_agent(
+        server,
+        elastic_agent(server.address, "node-a", 2, tmp_path, steps, script=script, extra=("--snapshot-every", "5")),
+        name="agent-a",
+    )
     wait_for(lambda: agent.proc.poll() is not None, 180, "the job to finish")
     assert agent.proc.returncode == 0, agent.output()[-3000:]
     for step in (5, 10, 15, 20):
@@ -168,10 +238,29 @@ def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
 
     env = {**os.environ, "PLIANT_CHECKPOINT_DIR": str(ckpt), "PLIANT_JOB_ID": "job"}
     out = tmp_path / "resumed.pt"
-    result = subprocess.run([sys.executable, str(ELASTIC), "--steps", str(resumed_steps), "--samples", str(SAMPLES),
-                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "8", "--engine", engine,
-                             "--params-out", str(out), *EXACT], capture_output=True, text=True, timeout=120,
-                            env=env)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ELASTIC),
+            "--steps",
+            str(resumed_steps),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            "8",
+            "--engine",
+            engine,
+            "--params-out",
+            str(out),
+            *EXACT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.startswith("step 20 world 1"), result.stdout  # it resumed at step 20 (it prints every 10th)
     diff = max_param_diff(torch.load(out), static_params(tmp_path, resumed_steps, engine))
@@ -212,8 +301,13 @@ print("seen", len(seen), "committed", sorted(p.name for p in manager.directory.g
 def test_a_save_a_peer_failed_during_is_abandoned_in_place_and_any_other_failure_still_raises(tmp_path: Path) -> None:
     """The manager's hook from the rescale protocol (a peer failed; the next step re-forms in place) turns a save
     that failed on a peer's death into an abandoned, uncommitted one; a failure of this rank's own still raises."""
-    result = subprocess.run([sys.executable, "-c", _ABANDON, str(tmp_path / "ckpt")], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "MASTER_ADDR": "127.0.0.1"})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _ABANDON, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MASTER_ADDR": "127.0.0.1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("abandoned: [gloo"), result.stdout

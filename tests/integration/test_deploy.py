@@ -86,8 +86,11 @@ def make_secrets(cluster: Cluster, workdir: Path) -> dict[str, dict[str, bytes]]
     etcd_ca, pliant_ca = LocalCA(workdir / "etcd-ca"), LocalCA(workdir / "pliant-ca")
 
     def files(tls: Any, prefix: str = "tls") -> dict[str, bytes]:
-        return {"ca.crt": Path(tls.ca).read_bytes(), f"{prefix}.crt": Path(tls.cert).read_bytes(),
-                f"{prefix}.key": Path(tls.key).read_bytes()}  # fmt: skip
+        return {
+            "ca.crt": Path(tls.ca).read_bytes(),
+            f"{prefix}.crt": Path(tls.cert).read_bytes(),
+            f"{prefix}.key": Path(tls.key).read_bytes(),
+        }
 
     # etcd checks a peer's certificate against the address it connects from: locally that is 127.0.0.1, not the pod's.
     etcd_names = [n for p in cluster.pods_of("etcd") for n in (f"{p.name}.etcd", p.ip)] + ["127.0.0.1"]
@@ -167,8 +170,11 @@ def test_manifests_run_as_written_and_train(deployment: Deployment) -> None:
     assert sorted(m["node_id"] for m in job["members"]) == sorted(p.name for p in agents)
     assert all(m["heartbeat_age_s"] is not None and m["heartbeat_age_s"] <= 5 for m in job["members"])
     before = [_scrape_step(f"{p.ip}:9400") for p in agents]
-    wait_for(lambda: all(_scrape_step(f"{p.ip}:9400") > b for p, b in zip(agents, before, strict=True)), 30,
-             "training steps advancing on every agent")  # fmt: skip
+    wait_for(
+        lambda: all(_scrape_step(f"{p.ip}:9400") > b for p, b in zip(agents, before, strict=True)),
+        30,
+        "training steps advancing on every agent",
+    )
     print("\nsmoke test ran:")
     for pod in cluster.pods:
         argv, _env = cluster.command(pod)
@@ -193,8 +199,15 @@ def prometheus(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory)
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     address = f"127.0.0.1:{free_port()}"
-    proc = Spawned([binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-                    f"--web.listen-address={address}"], workdir / "prometheus.log")  # fmt: skip
+    proc = Spawned(
+        [
+            binary,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address={address}",
+        ],
+        workdir / "prometheus.log",
+    )
 
     def query(expr: str) -> Any:
         url = f"http://{address}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -228,8 +241,9 @@ def test_prometheus_scrapes_the_job(deployment: Deployment, prometheus: Callable
     assert len(query("pliant_worker_world_size == 4")) == len(agents)
     wait_for(lambda: query("sum(rate(pliant_worker_samples_total[5s])) > 0"), 30, "a positive samples rate")
     wait_for(lambda: query("sum(rate(pliant_worker_step_duration_seconds_count[5s])) > 0"), 30, "step histogram")
-    joined = query("sum by (job_id) (rate(pliant_worker_steps_total[5s]) * on (instance) group_left (job_id) "
-                   "pliant_agent_info)")  # fmt: skip
+    joined = query(
+        "sum by (job_id) (rate(pliant_worker_steps_total[5s]) * on (instance) group_left (job_id) pliant_agent_info)"
+    )
     assert [r["metric"]["job_id"] for r in joined] == ["example"]
     assert not query('ALERTS{alertstate="firing"}')
     print("\nper-node scrape (agents):")
@@ -287,10 +301,22 @@ def _status_all(cluster: Cluster) -> list[dict[str, Any]]:
     coordinator = cluster.pods_of("pliant-coordinator")[0]
     admin = cluster.workdir / "pods" / cluster.pods_of("pliant-create-job")[0].name / "secret-admin-tls"
     out = subprocess.run(
-        [sys.executable, "-m", "pliant", "status", "--coordinator", f"{coordinator.ip}:29400", "--json",
-         "--tls-dir", str(admin)],
-        capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "status",
+            "--coordinator",
+            f"{coordinator.ip}:29400",
+            "--json",
+            "--tls-dir",
+            str(admin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return json.loads(out.stdout)["jobs"]
 
 
@@ -299,12 +325,31 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(deployment: Deployment)
     certificate from its CA."""
     cluster = deployment.cluster
     coordinator = f"{cluster.pods_of('pliant-coordinator')[0].ip}:29400"
-    plain = subprocess.run([sys.executable, "-m", "pliant", "status", "--coordinator", coordinator, "--insecure"],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, "-m", "pliant", "status", "--coordinator", coordinator, "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert plain.returncode == 1, plain.stdout
     agent_dir = cluster.workdir / "pods" / "pliant-agent-0" / "secret-tls" / "pliant-agent-0"
-    finish = subprocess.run([sys.executable, "-m", "pliant", "job", "finish", "example", "--coordinator", coordinator,
-                             "--tls-dir", str(agent_dir)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    finish = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "job",
+            "finish",
+            "example",
+            "--coordinator",
+            coordinator,
+            "--tls-dir",
+            str(agent_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert finish.returncode == 1 and "FinishJob needs an admin certificate" in finish.stderr, finish.stderr
     etcd = cluster.pods_of("etcd")[0]
     context = ssl.create_default_context()
@@ -329,15 +374,21 @@ def test_scaling_the_agent_statefulset_down_and_up(deployment: Deployment) -> No
     os.kill(proc.pid, signal.SIGTERM)  # what the preStop hook's `kill -TERM 1` does
     wait_for(lambda: proc.proc.poll() is not None, 60, "the leaving agent to exit")
     assert proc.proc.returncode == 0, proc.output()[-3000:]
-    down = wait_for(lambda: (j := _status(cluster))["world_size"] == 2 and j["generation"] > before and j, 30,
-                    "the job at world size 2")  # fmt: skip
+    down = wait_for(
+        lambda: (j := _status(cluster))["world_size"] == 2 and j["generation"] > before and j,
+        30,
+        "the job at world size 2",
+    )
     assert down["generation_reason"] == "leave" and down["restarts_used"] == 0
     step = _scrape_step(f"{first.ip}:9400")
     wait_for(lambda: _scrape_step(f"{first.ip}:9400") > step, 60, "the remaining node stepping")
 
     argv, env = cluster.command(last)
     deployment.procs[last.name] = Spawned(argv, cluster.workdir / f"{last.name}-again.log", {**_base_env(), **env})
-    up = wait_for(lambda: (j := _status(cluster))["world_size"] == 4 and j["generation"] > down["generation"] and j,
-                  60, "the job back at world size 4")  # fmt: skip
+    up = wait_for(
+        lambda: (j := _status(cluster))["world_size"] == 4 and j["generation"] > down["generation"] and j,
+        60,
+        "the job back at world size 4",
+    )
     assert up["generation_reason"] == "join"
     wait_for(lambda: _scrape_step(f"{last.ip}:9400") > 0, 60, "the new pod's workers stepping")

@@ -90,10 +90,12 @@ def test_below_min_nodes_the_job_waits_then_fails(make_coordinator, spawn_agent,
     server = make_coordinator()
     events = tmp_path / "events.jsonl"
     extra = ("--min-nodes-timeout", "4")
-    a = spawn_agent(server, agent_args(server.address, "job", "node-a", tmp_path, nnodes="2:2", extra=extra),
-                    name="agent-a")
-    b = spawn_agent(server, agent_args(server.address, "job", "node-b", tmp_path, nnodes="2:2", extra=extra),
-                    name="agent-b")
+    a = spawn_agent(
+        server, agent_args(server.address, "job", "node-a", tmp_path, nnodes="2:2", extra=extra), name="agent-a"
+    )
+    b = spawn_agent(
+        server, agent_args(server.address, "job", "node-b", tmp_path, nnodes="2:2", extra=extra), name="agent-b"
+    )
     wait_world(events, restart=0, world=4, timeout_s=90)
     a_pids = [a.pid, *descendants(a.pid)]
     b.kill(signal.SIGKILL)

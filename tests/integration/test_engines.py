@@ -25,11 +25,31 @@ SAMPLES, GLOBAL_BATCH, STEPS = 37, 10, 8  # 2 epochs of 4 steps: 10, 10, 10 and 
 )
 def test_same_parameters_at_every_world_size(engine: str, micro_batch: int, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(JOB), "--engine", engine, "--worlds", "1", "2", "3", "4", "--samples", str(SAMPLES),
-         "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch), "--steps", str(STEPS),
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=220,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(JOB),
+            "--engine",
+            engine,
+            "--worlds",
+            "1",
+            "2",
+            "3",
+            "4",
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            str(micro_batch),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     reference = torch.load(tmp_path / "world1.pt")
     for world in (2, 3, 4):

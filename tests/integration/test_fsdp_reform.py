@@ -23,8 +23,9 @@ def test_a_renumbered_fsdp_rank_loads_the_rows_of_its_new_rank(perm: str, output
     the same size as an earlier one, with this process at another rank, must not reuse the earlier mesh (whose
     coordinate would cut another rank's rows). Uneven rows fail the load; even ones load right (torch scatters them by
     group rank), but the stale coordinate is the one DCP's save planner takes each shard's global offset from."""
-    result = subprocess.run([sys.executable, str(JOB), perm, str(tmp_path), str(outputs)], capture_output=True,
-                            text=True, timeout=100)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(JOB), perm, str(tmp_path), str(outputs)], capture_output=True, text=True, timeout=100
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     processes = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("process-*.json"))]
     assert len(processes) == len(perm.split(","))

@@ -50,15 +50,17 @@ print("sum", int(t.item()), flush=True)
 
 
 def _env(port: int) -> WorkerEnv:
-    return WorkerEnv(rank=1, local_rank=0, world_size=2, local_world_size=1, master_addr="127.0.0.1",
-                     master_port=port, generation=7)  # fmt: skip
+    return WorkerEnv(
+        rank=1, local_rank=0, world_size=2, local_world_size=1, master_addr="127.0.0.1", master_port=port, generation=7
+    )
 
 
 def test_a_store_that_opens_late_is_reached() -> None:
     port = free_port()
     server: list[dist.TCPStore] = []
-    opener = threading.Timer(3.0, lambda: server.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True,
-                                                                      wait_for_workers=False)))  # fmt: skip
+    opener = threading.Timer(
+        3.0, lambda: server.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False))
+    )
     opener.start()
     try:
         started = time.monotonic()
@@ -135,10 +137,15 @@ def test_a_rank_whose_earlier_meeting_failed_meets_a_fresh_one(reset: bool) -> N
     stores = [dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False) for _ in range(2)]
     first, second = (store.port for store in stores)
     argv = [sys.executable, "-c", _RANK]
-    survivor = subprocess.Popen([*argv, "0", str(first), str(second), str(int(reset))], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    fresh = subprocess.Popen([*argv, "1", "0", str(second), str(int(reset))], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    survivor = subprocess.Popen(
+        [*argv, "0", str(first), str(second), str(int(reset))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    fresh = subprocess.Popen(
+        [*argv, "1", "0", str(second), str(int(reset))], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out = [proc.communicate(timeout=60)[0] for proc in (survivor, fresh)]
     finally:

@@ -57,8 +57,15 @@ def test_a_step_blocked_on_a_silent_peer_breaks_once_a_newer_generation_waits(tm
     store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False)
     progress = str(tmp_path / "progress-0")
     files = [progress, str(tmp_path / "progress-1"), str(tmp_path / "progress-2")]
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(store.port), files[rank]],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(3)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(rank), str(store.port), files[rank]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(3)
+    ]
     try:
         write_directive(progress, Directive(5, "in-place"))  # this generation's own: no reason to break
         assert ranks[0].stdout is not None and ranks[0].stdout.readline().strip() == "met"
@@ -132,8 +139,15 @@ def test_an_async_save_blocked_on_a_silent_peer_is_released_by_severing_the_sess
     from pliant.net import free_port
 
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", _SAVER, str(rank), str(port), str(tmp_path / "ckpt")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(3)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(rank), str(port), str(tmp_path / "ckpt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(3)
+    ]
     try:
         assert ranks[0].stdout is not None
         lines = []
@@ -176,8 +190,9 @@ def test_a_step_that_its_break_does_not_release_ends_the_process_with_its_stacks
     from pliant.env import GUARD_EXIT_CODE
 
     progress = str(tmp_path / "progress-0")
-    proc = subprocess.Popen([sys.executable, "-c", _WEDGED, progress], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WEDGED, progress], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "stepping"
         handed = time.monotonic()
@@ -191,8 +206,10 @@ def test_a_step_that_its_break_does_not_release_ends_the_process_with_its_stacks
         assert "in blocked_in_the_step" in out, out  # the main thread's stack, as faulthandler writes it
         assert "pliant-step-guard" in out or "_give_up" in out, out  # and the guard's own thread
         assert ended < 2 * STALL_S + 5, f"ended {ended:.1f}s after the newer generation came"
-        print(f"the wedged rank ended {ended:.2f}s after generation 6 was handed over (break at {STALL_S:g}s, "
-              f"give up 1s later)")  # fmt: skip
+        print(
+            f"the wedged rank ended {ended:.2f}s after generation 6 was handed over (break at {STALL_S:g}s, "
+            f"give up 1s later)"
+        )
     finally:
         proc.kill()
         proc.wait()

@@ -74,8 +74,9 @@ def _check_exact(tmp: Path, steps: int, engine: str = "ddp", kills: int = 0) -> 
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
-def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn_agent, tmp_path: Path,
-                                                         engine: str) -> None:  # fmt: skip
+def test_a_join_and_a_leave_keep_the_survivors_processes(
+    make_coordinator, spawn_agent, tmp_path: Path, engine: str
+) -> None:
     steps = 150  # node b's agent and zygote import torch in 8-10 s on 2 loaded cores: world 2 must not end first
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine))
@@ -85,8 +86,11 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn
     b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args), name="agent-b")
     wait_for(lambda: _stepping(tmp_path, 4), 60, "world 4 stepping")
     four = time.time()
-    wait_for(lambda: _stepping(tmp_path, 4, generation=2) and len(_pids(_events(tmp_path), 4)) == 4, 30,
-             "every rank of world 4 stepping")  # fmt: skip
+    wait_for(
+        lambda: _stepping(tmp_path, 4, generation=2) and len(_pids(_events(tmp_path), 4)) == 4,
+        30,
+        "every rank of world 4 stepping",
+    )
     b.kill(signal.SIGTERM)  # a graceful leave: b's ranks leave at a step boundary, a's re-form without them
     wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
     assert b.proc.returncode == 0, b.output()[-3000:]
@@ -102,8 +106,10 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(make_coordinator, spawn
     assert {e["generation"] for e in events} == {1, 2, 3}
     pause = longest_pause(events, joined_at)
     diff = _check_exact(tmp_path, steps, engine)
-    print(f"{engine} in place: join -> 4 ranks stepping {four - joined_at:.2f}s, longest rank-0 pause after the "
-          f"join {pause:.2f}s; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    print(
+        f"{engine} in place: join -> 4 ranks stepping {four - joined_at:.2f}s, longest rank-0 pause after the "
+        f"join {pause:.2f}s; max |param diff| vs static {diff:.2e}"
+    )
     assert diff <= TOLERANCE
     assert "rescale in place (boundary)" in a.output()
 
@@ -137,20 +143,34 @@ def _check_redone(engine: str, events: list[dict], killed_at: float, output: str
 
 @pytest.mark.long
 @pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
-def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coordinator, spawn_agent, tmp_path: Path,
-                                                                       engine: str) -> None:  # fmt: skip
+def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(
+    make_coordinator, spawn_agent, tmp_path: Path, engine: str
+) -> None:
     """World 4 on two nodes; kill -9 one of node b's workers (its agent replaces it in place), then node b whole."""
     steps = 140  # world 4 forms in the first steps; the node kill comes near step 60-80 on 2 loaded cores
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine), step_time=0.05)
-    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, extra=("--max-restarts", "3"),
-                                          **args), name="agent-a")  # fmt: skip
+    a = spawn_agent(
+        server,
+        elastic_agent(server.address, "node-a", 2, tmp_path, steps, extra=("--max-restarts", "3"), **args),
+        name="agent-a",
+    )
     port = free_port()
     # Both nodes start at once: node b's start (its agent's and zygote's torch imports, 6-20 s on 2 loaded cores)
     # overlaps node a's, so world 4 forms early in the job, in the first generation or by a join.
-    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args,
-                                          extra=("--max-restarts", "3", "--metrics-port", str(port))),
-                    name="agent-b")  # fmt: skip
+    b = spawn_agent(
+        server,
+        elastic_agent(
+            server.address,
+            "node-b",
+            2,
+            tmp_path,
+            steps,
+            **args,
+            extra=("--max-restarts", "3", "--metrics-port", str(port)),
+        ),
+        name="agent-b",
+    )
     wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 120, "every rank of world 4 stepping")
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     formed = max(e["generation"] for e in _events(tmp_path) if e["world"] == 4)
@@ -180,8 +200,11 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     assert {r: after[r] for r in survivors} == survivors, "the survivors kept their processes"
     worker_redone = _check_redone(engine, events, worker_killed, a.output())
 
-    wait_for(lambda: _stepping(tmp_path, 4, max(e["step"] for e in events) + 13, generation=formed + 1), 60,
-             "world 4 past its next snapshots")  # fmt: skip
+    wait_for(
+        lambda: _stepping(tmp_path, 4, max(e["step"] for e in events) + 13, generation=formed + 1),
+        60,
+        "world 4 past its next snapshots",
+    )
     node_killed = time.time()
     b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
     wait_for(lambda: _stepping(tmp_path, 2, generation=formed + 2), 60, "the survivors stepping")
@@ -195,14 +218,21 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(make_coor
     assert set(_pids(alone, 2).values()) == set(on_a.values()), "node a's workers kept their processes throughout"
     node_redone = _check_redone(engine, events, node_killed, a.output())
     # Node a's report of the loss says that generation trained: node b, however new, earns no strike.
-    assert re.search(rf"failure of generation {formed + 1} reported \(accepted; current generation \d+\); every "
-                     "member had arrived", a.output()), a.output()[-3000:]
+    assert re.search(
+        rf"failure of generation {formed + 1} reported \(accepted; current generation \d+\); every "
+        "member had arrived",
+        a.output(),
+    ), a.output()[-3000:]
     diff = _check_exact(tmp_path, steps, engine, kills=2)  # a worker, then node b's
-    for what, (before, resumed), back, killed in (("worker", worker_redone, worker_back, worker_killed),
-                                                  ("node", node_redone, node_back, node_killed)):  # fmt: skip
-        print(f"{engine} kill -9 {what} in place: step {before} was the last committed, the survivors resumed at "
-              f"{resumed} ({before + 1 - resumed} committed steps redone), all stepping {back - killed:.2f}s after "
-              f"the kill")  # fmt: skip
+    for what, (before, resumed), back, killed in (
+        ("worker", worker_redone, worker_back, worker_killed),
+        ("node", node_redone, node_back, node_killed),
+    ):
+        print(
+            f"{engine} kill -9 {what} in place: step {before} was the last committed, the survivors resumed at "
+            f"{resumed} ({before + 1 - resumed} committed steps redone), all stepping {back - killed:.2f}s after "
+            f"the kill"
+        )
     print(f"{engine}: max |param diff| vs static {diff:.2e}")
     if engine != "ddp":
         assert "rolled back to the snapshot of step" in a.output()
@@ -223,11 +253,24 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine), step_time=0.05)
     port = free_port()
-    a = spawn_agent(server, elastic_agent(server.address, "node-a", 2, tmp_path, steps, **args,
-                                          extra=("--max-restarts", "3", "--metrics-port", str(port))),
-                    name="agent-a")  # fmt: skip
-    b = spawn_agent(server, elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args,
-                                          extra=("--max-restarts", "3")), name="agent-b")  # fmt: skip
+    a = spawn_agent(
+        server,
+        elastic_agent(
+            server.address,
+            "node-a",
+            2,
+            tmp_path,
+            steps,
+            **args,
+            extra=("--max-restarts", "3", "--metrics-port", str(port)),
+        ),
+        name="agent-a",
+    )
+    b = spawn_agent(
+        server,
+        elastic_agent(server.address, "node-b", 2, tmp_path, steps, **args, extra=("--max-restarts", "3")),
+        name="agent-b",
+    )
     wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 120, "every rank of world 4 stepping")
     first = min(e["step"] for e in _events(tmp_path) if e["world"] == 4)
     wait_for(lambda: _stepping(tmp_path, 4, first + 18), 60, "world 4 past its first snapshots")
@@ -240,8 +283,11 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     killed_at = time.time()
     os.kill(world4[victim], signal.SIGKILL)
     b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
-    wait_for(lambda: len(_pids([e for e in _events(tmp_path) if e["time"] > killed_at], 2)) == 2, 90,
-             "both ranks of node a stepping in a world of 2")  # fmt: skip
+    wait_for(
+        lambda: len(_pids([e for e in _events(tmp_path) if e["time"] > killed_at], 2)) == 2,
+        90,
+        "both ranks of node a stepping in a world of 2",
+    )
     metrics = scrape(f"http://127.0.0.1:{port}/metrics")
     steps = end_soon(tmp_path, steps)
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")
@@ -258,7 +304,9 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     before, resumed = _check_redone(engine, events, killed_at, output)
     back = min(e["time"] for e in after)
     diff = _check_exact(tmp_path, steps, engine, kills=2)
-    print(f"{engine}: a worker and its buddy's node killed together: step {before} was the last committed, resumed at "
-          f"{resumed} ({before + 1 - resumed} committed steps redone), node a stepping {back - killed_at:.2f}s after "
-          f"the kill; max |param diff| vs static {diff:.2e}")  # fmt: skip
+    print(
+        f"{engine}: a worker and its buddy's node killed together: step {before} was the last committed, resumed at "
+        f"{resumed} ({before + 1 - resumed} committed steps redone), node a stepping {back - killed_at:.2f}s after "
+        f"the kill; max |param diff| vs static {diff:.2e}"
+    )
     assert diff <= TOLERANCE

@@ -33,12 +33,14 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     server = make_coordinator()
     args = dict(checkpoints=False, script=("--engine", engine), step_time=0.05)
     extra = ("--max-restarts", "3")
-    a = spawn_agent(server, elastic_agent(server.address, "node-a", 1, tmp_path, steps, extra=extra, **args),
-                    name="agent-a")  # fmt: skip
+    a = spawn_agent(
+        server, elastic_agent(server.address, "node-a", 1, tmp_path, steps, extra=extra, **args), name="agent-a"
+    )
     wait_for(lambda: _stepping(tmp_path, 1, 5), 120, "node a stepping")
     joined_at = time.time()
-    b = spawn_agent(server, elastic_agent(server.address, "node-b", 1, tmp_path, steps, extra=extra, **args),
-                    name="agent-b")  # fmt: skip
+    b = spawn_agent(
+        server, elastic_agent(server.address, "node-b", 1, tmp_path, steps, extra=extra, **args), name="agent-b"
+    )
     wait_for(lambda: len(_pids(_events(tmp_path), 2)) == 2, 90, "world 2 stepping")
     joined = time.time() - joined_at
     pause = longest_pause(_events(tmp_path), joined_at)
@@ -54,8 +56,11 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     assert _pids([e for e in events if e["generation"] == 3], 2)[0] == world2[0], "node a's worker lived on"
     worker_redone = _check_redone(engine, events, worker_killed, a.output())
 
-    wait_for(lambda: _stepping(tmp_path, 2, max(e["step"] for e in events) + 13, generation=3), 60,
-             "world 2 past its next snapshots")  # fmt: skip
+    wait_for(
+        lambda: _stepping(tmp_path, 2, max(e["step"] for e in events) + 13, generation=3),
+        60,
+        "world 2 past its next snapshots",
+    )
     node_killed = time.time()
     b.kill(signal.SIGKILL)
     wait_for(lambda: _stepping(tmp_path, 1, generation=4), 90, "node a stepping alone")
@@ -68,10 +73,14 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     node_redone = _check_redone(engine, events, node_killed, a.output())
     diff = _check_exact(tmp_path, steps, engine)
     print(f"{engine} on NCCL: join -> 2 ranks stepping {joined:.2f}s (node a's longest pause {pause:.2f}s)")
-    for what, (before, resumed), back, killed in (("worker", worker_redone, worker_back, worker_killed),
-                                                  ("node", node_redone, node_back, node_killed)):  # fmt: skip
-        print(f"{engine} on NCCL: kill -9 {what}: {before + 1 - resumed} committed steps redone, all stepping "
-              f"{back - killed:.2f}s after the kill")  # fmt: skip
+    for what, (before, resumed), back, killed in (
+        ("worker", worker_redone, worker_back, worker_killed),
+        ("node", node_redone, node_back, node_killed),
+    ):
+        print(
+            f"{engine} on NCCL: kill -9 {what}: {before + 1 - resumed} committed steps redone, all stepping "
+            f"{back - killed:.2f}s after the kill"
+        )
     print(f"{engine} on NCCL: max |param diff| vs static {diff:.2e}")
     assert "rescale in place (failure)" in a.output()
     assert diff <= TOLERANCE

@@ -27,8 +27,21 @@ def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[st
 @pytest.mark.parametrize("entry", [["-m", "pliant", "run"], ["-m", "pliant.run"]], ids=["pliant run", "-m pliant.run"])
 def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) -> None:
     events = tmp_path / "events.jsonl"
-    result = _run([sys.executable, *entry, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-                   str(SCRIPT), "--steps", "6", "--events", str(events)])  # fmt: skip
+    result = _run(
+        [
+            sys.executable,
+            *entry,
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            str(SCRIPT),
+            "--steps",
+            "6",
+            "--events",
+            str(events),
+        ]
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert "other nodes join with:" in out and "pliant run --coordinator 127.0.0.1:" in out
@@ -37,8 +50,11 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
     assert "--checkpoint-dir" not in join, "only when one is given"
     assert "no --checkpoint-dir: unless the script saves its own checkpoints" in out, "the warning at start"
     assert "[0]:step 5 world 2" in out, "rank-prefixed console output"
-    assert re.search(r"worker zygote \(pid \d+\): torch.distributed imported and the store host forked [\d.]+s after "
-                     r"its start \(load average [\d.]+ on \d+ CPUs\)", out), "a slow node start names its cause"
+    assert re.search(
+        r"worker zygote \(pid \d+\): torch.distributed imported and the store host forked [\d.]+s after "
+        r"its start \(load average [\d.]+ on \d+ CPUs\)",
+        out,
+    ), "a slow node start names its cause"
     assert re.search(r"worker zygote \(pid \d+\): torch imported: ready to fork workers [\d.]+s after", out), (
         "the script imports nothing but torch"
     )
@@ -53,8 +69,21 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
 @pytest.mark.slow
 def test_the_same_script_runs_under_torchrun(tmp_path) -> None:
     events = tmp_path / "events.jsonl"
-    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(SCRIPT), "--steps", "3", "--events", str(events)])  # fmt: skip
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            "--steps",
+            "3",
+            "--events",
+            str(events),
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert {(s.rank, s.world) for s in read_steps(events)} == {(0, 2), (1, 2)}
 
@@ -64,12 +93,27 @@ def test_the_same_script_runs_under_torchrun(tmp_path) -> None:
 def test_a_lightning_ddp_script_runs_unchanged(tmp_path) -> None:
     out = tmp_path / "ranks.jsonl"
     script = SCRIPT.parent / "train_lightning.py"
-    result = _run([sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", str(script), "--max-steps", "3",
-                   "--out", str(out)], timeout=220)  # fmt: skip
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "run",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "--max-steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        timeout=220,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = {tuple(sorted(json.loads(line).items())) for line in out.read_text().splitlines()}
-    expected = {(("cluster", "TorchElasticEnvironment"), ("global_rank", r), ("steps", 3), ("world_size", 2))
-                for r in (0, 1)}  # fmt: skip
+    expected = {
+        (("cluster", "TorchElasticEnvironment"), ("global_rank", r), ("steps", 3), ("world_size", 2)) for r in (0, 1)
+    }
     assert ranks == expected
 
 
@@ -99,8 +143,23 @@ def test_a_missing_script_is_a_clear_error(tmp_path) -> None:
 
 
 def test_an_unreachable_coordinator_is_a_clear_error() -> None:
-    result = _run([sys.executable, "-m", "pliant", "agent", "--coordinator", "127.0.0.1:1", "--job", "j",
-                   "--rpc-retry", "1", "--insecure", str(SCRIPT)], timeout=60)  # fmt: skip
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "agent",
+            "--coordinator",
+            "127.0.0.1:1",
+            "--job",
+            "j",
+            "--rpc-retry",
+            "1",
+            "--insecure",
+            str(SCRIPT),
+        ],
+        timeout=60,
+    )
     assert result.returncode == 1
     assert "no coordinator answered at 127.0.0.1:1 for 1s" in result.stderr, result.stderr
 

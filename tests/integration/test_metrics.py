@@ -26,18 +26,53 @@ def _workers(agent_pid: int) -> list[psutil.Process]:
     return worker_processes(agent_pid)
 
 
-def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordinator, spawn_agent, tmp_path: Path,
-                                                                    fleet) -> None:  # fmt: skip
+def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(
+    make_coordinator, spawn_agent, tmp_path: Path, fleet
+) -> None:
     server = make_coordinator()
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
-    agent = spawn_agent(server, [
-        sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "job", "--node-id", "a",
-        "--host", "127.0.0.1", "--nnodes", "1", "--nproc-per-node", "2", "--heartbeat-ttl", "3", "--join-grace", "0.2",
-        "--stop-grace", "2", "--metrics-port", str(port), "--checkpoint-dir", str(tmp_path / "ckpt"),
-        "--rescale", "restart",  # the restart path's series; test_in_place checks the in-place ones
-        str(SCRIPT), "--steps", "100000", "--step-time", "0.03", "--save-every", "20",
-    ], name="agent")  # fmt: skip
+    agent = spawn_agent(
+        server,
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "agent",
+            "--coordinator",
+            server.address,
+            "--job",
+            "job",
+            "--node-id",
+            "a",
+            "--host",
+            "127.0.0.1",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--heartbeat-ttl",
+            "3",
+            "--join-grace",
+            "0.2",
+            "--stop-grace",
+            "2",
+            "--metrics-port",
+            str(port),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--rescale",
+            "restart",  # the restart path's series; test_in_place checks the in-place ones
+            str(SCRIPT),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.03",
+            "--save-every",
+            "20",
+        ],
+        name="agent",
+    )
     wait_for(lambda: scrape(url).get("pliant_worker_step", 0) >= 45, 90, "two periodic checkpoints")
     first = scrape(url)
     assert first["pliant_worker_world_size"] == 2 and first["pliant_worker_generation"] == 1
@@ -50,8 +85,11 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(make_coordi
     assert first['pliant_worker_collective_seconds_total{op="grad_allreduce"}'] > 0
 
     os.kill(_workers(agent.pid)[0].pid, signal.SIGKILL)
-    wait_for(lambda: scrape(url).get("pliant_worker_generation") == 2 and scrape(url).get("pliant_worker_step", 0)
-             > 45, 60, "the restarted generation stepping past the old step")  # fmt: skip
+    wait_for(
+        lambda: scrape(url).get("pliant_worker_generation") == 2 and scrape(url).get("pliant_worker_step", 0) > 45,
+        60,
+        "the restarted generation stepping past the old step",
+    )
     after = scrape(url)
     assert after['pliant_agent_worker_exits_total{code="-9"}'] == 1
     assert after["pliant_agent_worker_restarts_total"] == 1 and after["pliant_agent_generation"] == 2

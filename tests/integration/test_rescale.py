@@ -80,15 +80,19 @@ def test_rescale_4_to_2_to_3_matches_a_static_run(make_coordinator, spawn_agent,
     assert diff <= TOLERANCE
 
 
-def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordinator, spawn_agent, tmp_path: Path,
-                                                                   fleet) -> None:  # fmt: skip
+def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(
+    make_coordinator, spawn_agent, tmp_path: Path, fleet
+) -> None:
     steps, every = 400, 5
     server = make_coordinator()
     extra = ("--rescale-grace", "5")
     args = [*_agent(server.address, "node-a", 2, tmp_path, steps, extra), "--save-every", str(every)]
     a = spawn_agent(server, args, name="agent-a")
-    b = spawn_agent(server, [*_agent(server.address, "node-b", 2, tmp_path, steps, extra), "--save-every", str(every)],
-              name="agent-b")  # fmt: skip
+    b = spawn_agent(
+        server,
+        [*_agent(server.address, "node-b", 2, tmp_path, steps, extra), "--save-every", str(every)],
+        name="agent-b",
+    )
     wait_for(lambda: _stepping(tmp_path, 4, 12), 90, "world 4 past step 12")
     b.kill(signal.SIGKILL)
     killed = time.time()
@@ -106,8 +110,18 @@ def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(make_coordin
 
 
 def test_a_checkpoint_of_another_job_is_refused(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "1", "--max-restarts", "0",
-            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "pliant",
+        "run",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
     script = [str(SCRIPT), "--steps", "4", "--save-every", "2", "--samples", "100"]
     first = subprocess.run([*base, "--job", "first", *script], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -123,12 +137,37 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path) ->
     scratch: it resumes from a committed checkpoint, ignoring the save that was cut short, and finishes."""
     ckpt = tmp_path / "ckpt"
     events = tmp_path / "events.jsonl"
-    cmd = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--max-restarts", "0",
-           "--checkpoint-dir", str(ckpt), str(SCRIPT), "--steps", "60", "--save-every", "1", "--width", "1024",
-           "--samples", "200", "--events", str(events)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pliant",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt),
+        str(SCRIPT),
+        "--steps",
+        "60",
+        "--save-every",
+        "1",
+        "--width",
+        "1024",
+        "--samples",
+        "200",
+        "--events",
+        str(events),
+    ]
     # TMPDIR: the embedded etcd's temporary data, which a kill -9 leaves, goes where the test's files go.
-    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                           env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    run = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     try:
         wait_for(lambda: len([e for e in _events(tmp_path) if e["rank"] == 0]) >= 8, 90, "8 steps")
         time.sleep(0.15)  # a save (17 MB per checkpoint) is in flight nearly all the time

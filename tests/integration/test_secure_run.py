@@ -25,9 +25,32 @@ def _printed(proc_output: callable, pattern: str) -> re.Match[str]:
 
 def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> None:
     events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
-    first = spawn([sys.executable, "-m", "pliant", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
-                   "--certs-dir", str(certs), "--heartbeat-ttl", "3", "--join-grace", "0.3", str(SCRIPT),
-                   "--steps", "100000", "--step-time", "0.03", "--events", str(events)], name="first")  # fmt: skip
+    first = spawn(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--certs-dir",
+            str(certs),
+            "--heartbeat-ttl",
+            "3",
+            "--join-grace",
+            "0.3",
+            str(SCRIPT),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.03",
+            "--events",
+            str(events),
+        ],
+        name="first",
+    )
     join = _printed(first.output, r"other nodes join with:\n  (\S+ .*run .*)\n").group(1)
     assert join.startswith("PLIANT_JOIN_TOKEN=") and "--ca-cert-hash sha256:" in join and "--tls-dir" not in join
     assert "--join-token" not in join, "the token stays off the command line (ps shows it to every local user)"
@@ -46,9 +69,22 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
     argv[argv.index("run") + 1 : argv.index("run") + 1] = ["--node-id", "second"]
     second = spawn(argv, name="second")
     wait_for(lambda: {s.rank for s in read_steps(events) if s.world == 2} == {0, 1}, 90, "world 2 stepping")
-    status = subprocess.run([sys.executable, "-m", "pliant", "status", "--coordinator",
-                             re.search(r"--coordinator (\S+)", join).group(1), "--tls-dir", str(certs / "admin"),
-                             "--json"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "status",
+            "--coordinator",
+            re.search(r"--coordinator (\S+)", join).group(1),
+            "--tls-dir",
+            str(certs / "admin"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert status.returncode == 0 and '"node_id": "second"' in status.stdout, status.stderr
     pids = [first.pid, second.pid, *descendants(first.pid), *descendants(second.pid)]
     second.kill(15)  # a graceful leave
@@ -62,26 +98,88 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
 def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinator, pki, spawn, tmp_path) -> None:
     server = make_coordinator()
     admin = str(Path(admin_tls(pki).cert).parent)
-    created = subprocess.run([sys.executable, "-m", "pliant", "job", "create", "j1", "--coordinator", server.address,
-                              "--tls-dir", admin, "--nnodes", "1:2", "--nproc-per-node", "1", "--heartbeat-ttl", "3",
-                              "--join-token-file", str(_token_file(tmp_path))],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    created = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "job",
+            "create",
+            "j1",
+            "--coordinator",
+            server.address,
+            "--tls-dir",
+            admin,
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--heartbeat-ttl",
+            "3",
+            "--join-token-file",
+            str(_token_file(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert created.returncode == 0 and f"PLIANT_JOIN_TOKEN={TEST_JOIN_TOKEN}" in created.stdout, created.stderr
     events = tmp_path / "events.jsonl"
-    agent = spawn([sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "j1",
-                   "--tls-dir", str(Path(agent_tls(pki, "n1").cert).parent), "--join-token-file",
-                   str(_token_file(tmp_path)), "--nproc-per-node", "1", str(SCRIPT), "--steps", "5",
-                   "--events", str(events)], name="agent")  # fmt: skip
+    agent = spawn(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "agent",
+            "--coordinator",
+            server.address,
+            "--job",
+            "j1",
+            "--tls-dir",
+            str(Path(agent_tls(pki, "n1").cert).parent),
+            "--join-token-file",
+            str(_token_file(tmp_path)),
+            "--nproc-per-node",
+            "1",
+            str(SCRIPT),
+            "--steps",
+            "5",
+            "--events",
+            str(events),
+        ],
+        name="agent",
+    )
     wait_for(lambda: agent.proc.poll() is not None, 90, "the job to finish")
     assert agent.proc.returncode == 0, agent.output()[-3000:]
     assert sorted(s.step for s in read_steps(events)) == [0, 1, 2, 3, 4]
     # The agent's certificate may not create jobs: a job that does not exist says who creates it.
-    missing = subprocess.run([sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "nope",
-                              "--tls-dir", str(Path(agent_tls(pki, "n1").cert).parent), "--join-token",
-                              TEST_JOIN_TOKEN, str(SCRIPT)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "agent",
+            "--coordinator",
+            server.address,
+            "--job",
+            "nope",
+            "--tls-dir",
+            str(Path(agent_tls(pki, "n1").cert).parent),
+            "--join-token",
+            TEST_JOIN_TOKEN,
+            str(SCRIPT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 1 and "pliant job create nope" in missing.stderr, missing.stderr[-2000:]
-    deleted = subprocess.run([sys.executable, "-m", "pliant", "job", "delete", "j1", "--coordinator", server.address,
-                              "--tls-dir", admin], capture_output=True, text=True, timeout=60)  # fmt: skip
+    deleted = subprocess.run(
+        [sys.executable, "-m", "pliant", "job", "delete", "j1", "--coordinator", server.address, "--tls-dir", admin],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert deleted.returncode == 0, deleted.stderr
 
 

@@ -33,10 +33,23 @@ def _final(out: Path) -> dict:
 def test_the_session_script_runs_under_a_launcher(launcher: list[str], engine: str, tmp_path: Path) -> None:
     out = tmp_path / "final.json"
     result = subprocess.run(
-        [sys.executable, *launcher, str(SCRIPT), "--engine", engine, "--steps", "12", "--micro-batch", "24",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=160,
-    )  # fmt: skip
+        [
+            sys.executable,
+            *launcher,
+            str(SCRIPT),
+            "--engine",
+            engine,
+            "--steps",
+            "12",
+            "--micro-batch",
+            "24",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=160,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     final = _final(out)
     assert final["world"] == 2 and final["steps"] == 12 and final["loss"] < 100
@@ -48,10 +61,21 @@ def test_a_single_plain_process_gives_the_same_loss(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, *args, "--out", str(single)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", *args,
-         "--out", str(torchrun)],
-        capture_output=True, text=True, timeout=160,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            *args,
+            "--out",
+            str(torchrun),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=160,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert _final(single)["world"] == 1 and _final(torchrun)["world"] == 3
     assert abs(_final(single)["loss"] - _final(torchrun)["loss"]) < 1e-5, "same global batches, same training"
@@ -62,10 +86,24 @@ def test_a_collective_of_the_scripts_own_before_its_loop_is_refused_with_the_fix
     generation, so the script's author meets the rule on the first run, not on the first join."""
     hooks = Path(__file__).with_name("train_hooks.py")
     result = subprocess.run(
-        [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--max-restarts", "0", str(hooks),
-         "--steps", "5"],
-        capture_output=True, text=True, timeout=160, env={**os.environ, "TEST_BARRIER_AFTER_INIT": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            str(hooks),
+            "--steps",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=160,
+        env={**os.environ, "TEST_BARRIER_AFTER_INIT": "1"},
+    )
     assert result.returncode != 0
     out = result.stdout + result.stderr
     assert "SetupCollectiveError: torch.distributed.barrier at " in out and "train_hooks.py:" in out, out[-4000:]
@@ -79,9 +117,24 @@ def test_nccl_on_the_gpus_there_are(engine: str, tmp_path: Path) -> None:
     out = tmp_path / "final.json"
     nproc = str(torch.cuda.device_count())
     result = subprocess.run(
-        [sys.executable, "-m", "pliant", "run", "--nproc-per-node", nproc, str(SCRIPT), "--engine", engine,
-         "--steps", "12", "--out", str(out)],
-        capture_output=True, text=True, timeout=160,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pliant",
+            "run",
+            "--nproc-per-node",
+            nproc,
+            str(SCRIPT),
+            "--engine",
+            engine,
+            "--steps",
+            "12",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=160,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert _final(out)["world"] == int(nproc)

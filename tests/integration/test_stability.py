@@ -29,16 +29,56 @@ OUTAGE_S = float(os.environ.get("PLIANT_TEST_OUTAGE_S", "60"))  # longer outages
 STEPS = int(OUTAGE_S * 10 + 40)  # 0.1 s steps (fewer than 10 a second): training outlasts the outage
 
 
-def _args(coordinator: str, node: str, workdir: Path, steps: int, nnodes: str = "1:2", step_time: float = 0.1,
-          extra: tuple[str, ...] = (), checkpoints: bool = True, nproc: int = 2) -> list[str]:  # fmt: skip
+def _args(
+    coordinator: str,
+    node: str,
+    workdir: Path,
+    steps: int,
+    nnodes: str = "1:2",
+    step_time: float = 0.1,
+    extra: tuple[str, ...] = (),
+    checkpoints: bool = True,
+    nproc: int = 2,
+) -> list[str]:
     return [
-        sys.executable, "-m", "pliant", "agent", "--coordinator", coordinator, "--job", "job", "--node-id", node,
-        "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--heartbeat-ttl", "3", "--join-grace", "0.5",
-        "--stop-grace", "2", "--finish-grace", "10", "--log-dir", str(workdir / "logs"),
-        *(("--checkpoint-dir", str(workdir / "ckpt")) if checkpoints else ()), *extra,
-        str(HOOKS), "--steps", str(steps), "--step-time", str(step_time), "--save-every", "20",
-        "--events", str(workdir / "events.jsonl"), "--stop-file", str(workdir / "stop"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pliant",
+        "agent",
+        "--coordinator",
+        coordinator,
+        "--job",
+        "job",
+        "--node-id",
+        node,
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--heartbeat-ttl",
+        "3",
+        "--join-grace",
+        "0.5",
+        "--stop-grace",
+        "2",
+        "--finish-grace",
+        "10",
+        "--log-dir",
+        str(workdir / "logs"),
+        *(("--checkpoint-dir", str(workdir / "ckpt")) if checkpoints else ()),
+        *extra,
+        str(HOOKS),
+        "--steps",
+        str(steps),
+        "--step-time",
+        str(step_time),
+        "--save-every",
+        "20",
+        "--events",
+        str(workdir / "events.jsonl"),
+        "--stop-file",
+        str(workdir / "stop"),
+    ]
 
 
 def _events(workdir: Path) -> list[dict]:
@@ -46,8 +86,11 @@ def _events(workdir: Path) -> list[dict]:
 
 
 def _stepping(workdir: Path, generation: int, world: int, after: float = 0.0) -> bool:
-    ranks = {e["rank"] for e in _events(workdir) if e["generation"] == generation and e["world"] == world
-             and e["time"] > after}  # fmt: skip
+    ranks = {
+        e["rank"]
+        for e in _events(workdir)
+        if e["generation"] == generation and e["world"] == world and e["time"] > after
+    }
     return ranks == set(range(world))
 
 
@@ -122,18 +165,25 @@ def test_a_60s_control_plane_outage_changes_nothing(spawn_coordinator, spawn_age
             etcd.start()
 
         steps = _train_through_an_outage(
-            both, spawn_agent, fleet, tmp_path, down=lambda: threading.Thread(target=staged, daemon=True).start(),
-            up=lambda: [spawn_coordinator(name, address=address, etcd_url=etcd.endpoint)
-                        for name, address in (("r1", a1), ("r2", a2))],
-        )  # fmt: skip
+            both,
+            spawn_agent,
+            fleet,
+            tmp_path,
+            down=lambda: threading.Thread(target=staged, daemon=True).start(),
+            up=lambda: [
+                spawn_coordinator(name, address=address, etcd_url=etcd.endpoint)
+                for name, address in (("r1", a1), ("r2", a2))
+            ],
+        )
         assert steps > OUTAGE_S * 5, "0.1 s steps: about ten a second while the control plane is down"
     finally:
         etcd.stop()
 
 
 @pytest.mark.timeout(180)
-def test_workers_that_finish_during_an_outage_report_success_when_it_ends(spawn_coordinator, spawn_agent, fleet,
-                                                                         tmp_path) -> None:  # fmt: skip
+def test_workers_that_finish_during_an_outage_report_success_when_it_ends(
+    spawn_coordinator, spawn_agent, fleet, tmp_path
+) -> None:
     replica, address = spawn_coordinator("r1")
     target = types.SimpleNamespace(address=address)
     a = spawn_agent(target, _args(address, "a", tmp_path, steps=60, nnodes="1:1", step_time=0.1), name="agent-a")
@@ -151,8 +201,9 @@ def test_workers_that_finish_during_an_outage_report_success_when_it_ends(spawn_
 
 
 @pytest.mark.timeout(180)
-def test_a_malformed_record_of_one_job_leaves_the_others_training(make_coordinator, spawn_agent, fleet,
-                                                                  tmp_path) -> None:  # fmt: skip
+def test_a_malformed_record_of_one_job_leaves_the_others_training(
+    make_coordinator, spawn_agent, fleet, tmp_path
+) -> None:
     from pliant.coordinator.contract import JobSpec
 
     server = make_coordinator(health_listen="127.0.0.1:0")
@@ -160,8 +211,9 @@ def test_a_malformed_record_of_one_job_leaves_the_others_training(make_coordinat
     with fleet(server) as client:
         client.create_job(JobSpec("bad", 1, 1))
         store.client.put(store.job_key("bad", "state"), '{"since": 1.0}')  # valid JSON, no "state"
-        a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=40, nnodes="1:1", step_time=0.02),
-                        name="agent-a")  # fmt: skip
+        a = spawn_agent(
+            server, _args(server.address, "a", tmp_path, steps=40, nnodes="1:1", step_time=0.02), name="agent-a"
+        )
         _finished([a], 120)
         assert client.get_job("job").status.state is JobState.SUCCEEDED
         assert "KeyError" in server.reconciler.unreadable["bad"]
@@ -173,10 +225,12 @@ def test_a_malformed_record_of_one_job_leaves_the_others_training(make_coordinat
 @pytest.mark.timeout(180)
 def test_a_stopped_worker_is_a_hang_the_job_recovers_from(make_coordinator, spawn_agent, fleet, tmp_path) -> None:
     server = make_coordinator()
-    a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=150, nnodes="1:1", step_time=0.05,
-                                  extra=("--hang-timeout", "3")), name="agent-a")  # fmt: skip
-    wait_for(lambda: _stepping(tmp_path, 1, 2) and max(e["step"] for e in _events(tmp_path)) > 30, 90,
-             "steps past 30")  # fmt: skip
+    a = spawn_agent(
+        server,
+        _args(server.address, "a", tmp_path, steps=150, nnodes="1:1", step_time=0.05, extra=("--hang-timeout", "3")),
+        name="agent-a",
+    )
+    wait_for(lambda: _stepping(tmp_path, 1, 2) and max(e["step"] for e in _events(tmp_path)) > 30, 90, "steps past 30")
     victim = next(iter(sorted(_workers(a))))
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -184,8 +238,9 @@ def test_a_stopped_worker_is_a_hang_the_job_recovers_from(make_coordinator, spaw
     latency = time.monotonic() - stopped
     print(f"hang detected {latency:.1f}s after SIGSTOP (hang timeout 3s)")
     assert latency < 3 + 3, f"detected after {latency:.1f}s"
-    wait_for(lambda: "Most recent call first" in a.output() or "most recent call first" in a.output(), 10,
-             "the stack dump")  # fmt: skip
+    wait_for(
+        lambda: "Most recent call first" in a.output() or "most recent call first" in a.output(), 10, "the stack dump"
+    )
     _finished([a], 120)
     with fleet(server) as client:
         info = client.get_job("job")
@@ -197,12 +252,20 @@ def test_a_stopped_worker_is_a_hang_the_job_recovers_from(make_coordinator, spaw
 def test_a_join_during_a_slow_checkpoint_spends_no_restart(make_coordinator, spawn_agent, fleet, tmp_path) -> None:
     server = make_coordinator()
     env = {"TEST_SLOW_SAVE_S": "12"}
-    a = spawn_agent(server, _args(server.address, "a", tmp_path, steps=100000, extra=("--max-restarts", "0")),
-                    name="agent-a", env=env)  # fmt: skip
+    a = spawn_agent(
+        server,
+        _args(server.address, "a", tmp_path, steps=100000, extra=("--max-restarts", "0")),
+        name="agent-a",
+        env=env,
+    )
     wait_for(lambda: _stepping(tmp_path, 1, 2), 90, "node a stepping")
     joined = time.time()
-    b = spawn_agent(server, _args(server.address, "b", tmp_path, steps=100000, extra=("--max-restarts", "0")),
-                    name="agent-b", env=env)  # fmt: skip
+    b = spawn_agent(
+        server,
+        _args(server.address, "b", tmp_path, steps=100000, extra=("--max-restarts", "0")),
+        name="agent-b",
+        env=env,
+    )
     wait_for(lambda: _stepping(tmp_path, 2, 4), 120, "the world of 4 stepping")
     pause = min(e["time"] for e in _events(tmp_path) if e["generation"] == 2) - joined
     print(f"join -> world of 4 stepping: {pause:.1f}s, with a 12s rescale checkpoint on node a")
@@ -216,8 +279,9 @@ def test_a_join_during_a_slow_checkpoint_spends_no_restart(make_coordinator, spa
 
 
 @pytest.mark.timeout(180)
-def test_a_loop_without_checkpoints_never_waits_out_the_rescale_grace(make_coordinator, spawn_agent, fleet,
-                                                                     tmp_path) -> None:  # fmt: skip
+def test_a_loop_without_checkpoints_never_waits_out_the_rescale_grace(
+    make_coordinator, spawn_agent, fleet, tmp_path
+) -> None:
     """The README's first loop (pliant.worker, no --checkpoint-dir): a join used to wait the whole 30 s rescale grace
     (the signal was swallowed) and spend a restart; now the old workers stop at once, with a warning at start."""
     server = make_coordinator()
@@ -240,8 +304,9 @@ def test_a_loop_without_checkpoints_never_waits_out_the_rescale_grace(make_coord
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not unavailable(), reason="covered on real network namespaces (test_partitions.py)")
-def test_an_evicted_node_stops_its_workers_and_commits_nothing_after(make_coordinator, spawn_agent, fleet,
-                                                                     tmp_path) -> None:  # fmt: skip
+def test_an_evicted_node_stops_its_workers_and_commits_nothing_after(
+    make_coordinator, spawn_agent, fleet, tmp_path
+) -> None:
     server = make_coordinator()
     proxy = Proxy(server.address)
     try:
@@ -256,8 +321,9 @@ def test_an_evicted_node_stops_its_workers_and_commits_nothing_after(make_coordi
             assert gen.node_ids == ("b",) and gen.reason == "failure"
             wait_for(lambda: _stepping(tmp_path, 2, 2), 90, "node b's world stepping")
             fence_at = (tmp_path / "ckpt" / "pliant-fence.json").stat().st_mtime
-            wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in a_workers), 15,
-                     "node a's workers to be stopped")  # fmt: skip
+            wait_for(
+                lambda: not any(os.path.exists(f"/proc/{p}") for p in a_workers), 15, "node a's workers to be stopped"
+            )
             assert a.proc.poll() is None, "the agent itself keeps trying to reach the coordinator"
             assert "fenced" in a.output()
             for marker in (tmp_path / "ckpt").glob("step-*/pliant-commit.json"):

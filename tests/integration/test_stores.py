@@ -76,7 +76,7 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
             assert node1.arrivals("127.0.0.1", polled[-1]) == 0
         held = [
             c for c in psutil.Process(other.proc.pid).net_connections("tcp") if c.raddr and c.raddr.port in polled
-        ]  # fmt: skip (closed stores leave CLOSE_WAIT: fds held)
+        ]  # closed stores leave CLOSE_WAIT: fds held
         assert len(held) <= 4, held
         with pytest.raises(AgentError, match="did not give generation 99's store port within 1s"):
             node1.generation_port(node0.address, 99, timeout_s=1)
@@ -86,9 +86,14 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         other.close()
         zygote.close()
     address = node0.address
-    wait_for(lambda: not psutil.pid_exists(zygote.stores_pid) or
-             psutil.Process(zygote.stores_pid).status() == psutil.STATUS_ZOMBIE, 10,
-             "the store host to exit with its zygote's handle")  # fmt: skip
+    wait_for(
+        lambda: (
+            not psutil.pid_exists(zygote.stores_pid)
+            or psutil.Process(zygote.stores_pid).status() == psutil.STATUS_ZOMBIE
+        ),
+        10,
+        "the store host to exit with its zygote's handle",
+    )
     assert not reachable(address)
     with pytest.raises(StoreHostError, match="gone"):
         zygote.stores.request("get", 2.0, address=address, key="x")
@@ -143,8 +148,11 @@ def test_the_store_host_ends_when_its_agent_is_killed() -> None:
         agent.wait(10)
         started = time.monotonic()
         wait_for(lambda: not reachable(address), 10, "the agent store to close")
-        wait_for(lambda: not psutil.pid_exists(int(pid)) or
-                 psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE, 10, "the store host to exit")  # fmt: skip
+        wait_for(
+            lambda: not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE,
+            10,
+            "the store host to exit",
+        )
         print(f"store host gone {time.monotonic() - started:.2f}s after its agent's kill -9")
     finally:
         agent.kill()
@@ -152,8 +160,9 @@ def test_the_store_host_ends_when_its_agent_is_killed() -> None:
 
 
 @pytest.mark.slow
-def test_an_agent_whose_store_host_dies_leaves_the_job_and_exits(make_coordinator, spawn_agent, fleet,
-                                                                 tmp_path: Path) -> None:  # fmt: skip
+def test_an_agent_whose_store_host_dies_leaves_the_job_and_exits(
+    make_coordinator, spawn_agent, fleet, tmp_path: Path
+) -> None:
     """Without its stores a node can neither meet nor hand over: the agent leaves at once (no TTL wait for the
     others), stops its workers and exits 1 with the reason, so that its supervisor restarts the node."""
     server = make_coordinator()

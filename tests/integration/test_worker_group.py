@@ -39,8 +39,13 @@ def _started(tmp_path: Path, code: str) -> tuple[WorkerGroup, Path]:
     script = tmp_path / "worker.py"
     script.write_text(code)
     env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"))
-    group = WorkerGroup(1, [env], WorkerCommand((str(script),)), log_dir=tmp_path / "logs", base_env={
-        "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
+    group = WorkerGroup(
+        1,
+        [env],
+        WorkerCommand((str(script),)),
+        log_dir=tmp_path / "logs",
+        base_env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)},
+    )
     group.start()
     log = tmp_path / "logs" / "rank-0.log"
     wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")
@@ -82,7 +87,6 @@ def test_a_plain_script_is_stopped_for_a_rescale_with_sigterm_and_its_handler_ru
     assert not Path(str(tmp_path / "progress") + ".next").exists(), "no directive for a script that takes none"
 
 
-
 def test_a_stopped_group_leaves_its_workers_kept_copies_to_their_replacements(tmp_path: Path) -> None:
     """Buddy copies kept in node-local memory (pliant.worker.kept) outlive their worker for its replacement. A node
     whose only worker died does not re-form in place: its agent stops (reaps) the group and starts a fresh one for
@@ -90,13 +94,24 @@ def test_a_stopped_group_leaves_its_workers_kept_copies_to_their_replacements(tm
     first snapshot removes them; the agent's exit removes its whole directory)."""
     script = tmp_path / "idle.py"
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
-    env = WorkerEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, progress_file=str(tmp_path / "progress"),
-                    snapshot_dir=str(tmp_path / "snapshots"))  # fmt: skip
+    env = WorkerEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        progress_file=str(tmp_path / "progress"),
+        snapshot_dir=str(tmp_path / "snapshots"),
+    )
     kept = Path(env.kept_dir)
     kept.mkdir(parents=True)
     (kept / "123-1.bin").write_bytes(b"\0" * 4096)
-    group = WorkerGroup(1, [env], WorkerCommand((str(script),)), log_dir=tmp_path / "logs", base_env={
-        "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})  # fmt: skip
+    group = WorkerGroup(
+        1,
+        [env],
+        WorkerCommand((str(script),)),
+        log_dir=tmp_path / "logs",
+        base_env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)},
+    )
     group.start()
     log = tmp_path / "logs" / "rank-0.log"
     wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the worker to start")

@@ -88,8 +88,16 @@ class FakeStore:
         if entry.corrupt:
             raise CorruptRecord(entry.corrupt)
         members = tuple(sorted(entry.members.values(), key=lambda m: m.order))
-        return JobSnapshot(entry.spec, entry.status, members, entry.generation, tuple(entry.failures), frozenset(),
-                           entry.generation_rev, entry.status_rev)  # fmt: skip
+        return JobSnapshot(
+            entry.spec,
+            entry.status,
+            members,
+            entry.generation,
+            tuple(entry.failures),
+            frozenset(),
+            entry.generation_rev,
+            entry.status_rev,
+        )
 
     def lease_ages(self, job: str, members: tuple[Member, ...]) -> dict[str, float]:
         self._check()

@@ -172,8 +172,10 @@ def test_the_automatic_hang_timeout_follows_the_step_time() -> None:
 def test_job_end_signal_and_start_failure() -> None:
     agent = Agent()
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
-    assert agent.on(core.StartFailed(1, "store port")) == [core.Stop(), core.Send(core.Report("failure", 1, -1,
-                                                                                             "store port"))]
+    assert agent.on(core.StartFailed(1, "store port")) == [
+        core.Stop(),
+        core.Send(core.Report("failure", 1, -1, "store port")),
+    ]
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert agent.on(core.JobFinished(JobState.RUNNING, "")) == []
     assert agent.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True), core.Exit(0)]
@@ -288,8 +290,10 @@ def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
     actions = agent.on(core.GroupExited(GroupResult(1, {1: -9}), why, alive=1))
     assert actions == [core.Send(core.Report("failure", 1, -9, why))]  # no Stop: local rank 0 keeps its process
     assert agent.state.group == 1 and agent.state.phase is AgentState.RUNNING
-    assert agent.on(core.GenerationSeen(_gen(2, "a", "b")), after=0.5) == [core.Prepare(_gen(2, "a", "b")),
-                                                                          core.Reconfigure(_gen(2, "a", "b"))]
+    assert agent.on(core.GenerationSeen(_gen(2, "a", "b")), after=0.5) == [
+        core.Prepare(_gen(2, "a", "b")),
+        core.Reconfigure(_gen(2, "a", "b")),
+    ]
     # Every worker dead: the restart path.
     lost = Agent(in_place=True)
     lost.on(core.GenerationSeen(_gen(1, "a")))
@@ -365,8 +369,11 @@ def test_an_in_place_leave_tells_the_coordinator_first() -> None:
     agent = Agent(in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(agent)
-    assert agent.on(core.SignalReceived(signal.SIGTERM)) == [core.Leave(), core.Stop(rescale=True, leave=True),
-                                                              core.Exit(0)]  # fmt: skip
+    assert agent.on(core.SignalReceived(signal.SIGTERM)) == [
+        core.Leave(),
+        core.Stop(rescale=True, leave=True),
+        core.Exit(0),
+    ]
 
 
 def test_a_world_that_took_the_restart_path_after_a_hand_over_starts_fresh_workers() -> None:

@@ -21,27 +21,33 @@ from pliant.worker.cadence import (
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize(("slowest_s", "apart"), [
-    (0.0, 1),  # no step measured yet (a job's or a new world's first): vote again at once
-    (2.0, 1),  # long steps: every step, so a rescale waits one step, not several
-    (0.1, 1),
-    (0.05, 2),
-    (0.007, 14),  # the 7 ms DDP step of bench/engine.py: the vote's all-reduce is about 0.5 % of the time
-    (0.0001, 32),  # bounded
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("slowest_s", "apart"),
+    [
+        (0.0, 1),  # no step measured yet (a job's or a new world's first): vote again at once
+        (2.0, 1),  # long steps: every step, so a rescale waits one step, not several
+        (0.1, 1),
+        (0.05, 2),
+        (0.007, 14),  # the 7 ms DDP step of bench/engine.py: the vote's all-reduce is about 0.5 % of the time
+        (0.0001, 32),  # bounded
+    ],
+)
 def test_votes_come_about_every_tenth_of_a_second_or_every_step(slowest_s: float, apart: int) -> None:
     assert votes_apart(slowest_s) == apart
     assert votes_apart(slowest_s) * slowest_s <= max(VOTE_WITHIN_S, slowest_s)
 
 
-@pytest.mark.parametrize(("cost", "every"), [
-    (None, FIRST_SNAPSHOT_EVERY),  # not measured yet: far enough apart for a clean base
-    (0.0, MIN_SNAPSHOT_EVERY),  # free: as often as the base allows
-    (0.03, MIN_SNAPSHOT_EVERY),
-    (0.25, 17),  # 539 MB per ZeRO rank on 2 busy cores: 0.28 s over a 1.1 s step
-    (0.24, 16),
-    (50.0, MAX_SNAPSHOT_EVERY),  # bounded: at most this many steps run again after a death
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cost", "every"),
+    [
+        (None, FIRST_SNAPSHOT_EVERY),  # not measured yet: far enough apart for a clean base
+        (0.0, MIN_SNAPSHOT_EVERY),  # free: as often as the base allows
+        (0.03, MIN_SNAPSHOT_EVERY),
+        (0.25, 17),  # 539 MB per ZeRO rank on 2 busy cores: 0.28 s over a 1.1 s step
+        (0.24, 16),
+        (50.0, MAX_SNAPSHOT_EVERY),  # bounded: at most this many steps run again after a death
+    ],
+)
 def test_snapshots_are_as_frequent_as_the_budget_allows(cost: float | None, every: int) -> None:
     assert snapshots_apart(cost) == every
     if cost is not None and MIN_SNAPSHOT_EVERY < every < MAX_SNAPSHOT_EVERY:
@@ -55,8 +61,15 @@ class Clock:
         self.wall = self.cpu = 0.0
 
 
-def run(cadence: Cadence, steps: range, step_s: float, excess_s: float, cpu_excess_s: float | None = None,
-        clock: Clock | None = None, held: dict[int, float] | None = None) -> list[int]:  # fmt: skip
+def run(
+    cadence: Cadence,
+    steps: range,
+    step_s: float,
+    excess_s: float,
+    cpu_excess_s: float | None = None,
+    clock: Clock | None = None,
+    held: dict[int, float] | None = None,
+) -> list[int]:
     """Steps as the protocol runs them, with every step voting: a step takes ``step_s`` (half of it CPU time), and the
     one that takes a snapshot and the next one ``excess_s`` more between them (``cpu_excess_s`` more CPU time, by
     default as much); ``held``: step -> seconds more of both. Returns the committed steps at each snapshot."""

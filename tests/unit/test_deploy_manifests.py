@@ -104,8 +104,14 @@ def test_dashboard_is_well_formed() -> None:
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     titles = {p["title"] for p in board["panels"]}
-    assert {"World size and members", "Generations", "Step time", "Throughput", "Checkpoint times",
-            "Restarts and worker exits"} <= titles  # fmt: skip
+    assert {
+        "World size and members",
+        "Generations",
+        "Step time",
+        "Throughput",
+        "Checkpoint times",
+        "Restarts and worker exits",
+    } <= titles
     for panel in board["panels"]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
@@ -151,8 +157,15 @@ def test_every_channel_is_tls_with_client_certificates() -> None:
     docs = load_manifests()
     (etcd,) = [w for w in of_kind(docs, "StatefulSet") if w["metadata"]["name"] == "etcd"]
     args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
-    for flag in ("--client-cert-auth", "--peer-client-cert-auth", "--cert-file=", "--peer-cert-file=",
-                 "--trusted-ca-file=", "--auto-compaction-retention=", "--quota-backend-bytes="):  # fmt: skip
+    for flag in (
+        "--client-cert-auth",
+        "--peer-client-cert-auth",
+        "--cert-file=",
+        "--peer-cert-file=",
+        "--trusted-ca-file=",
+        "--auto-compaction-retention=",
+        "--quota-backend-bytes=",
+    ):
         assert any(a.startswith(flag) for a in args), flag
     assert not any("http://" in a for a in args if not a.startswith("--listen-metrics-urls")), args
     quota = int(next(a for a in args if a.startswith("--quota-backend-bytes=")).split("=")[1])
@@ -160,8 +173,12 @@ def test_every_channel_is_tls_with_client_certificates() -> None:
     assert volume.endswith("Gi") and quota < int(volume[:-2]) * 2**30, "etcd's quota must stay below its volume"
     coordinator = of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--tls-dir=/etc/pliant/tls" in coordinator and not any(a == "--insecure" for a in coordinator)
-    assert all(url.startswith("https://") for a in coordinator if a.startswith("--etcd=") for url in
-               a.split("=", 1)[1].split(","))  # fmt: skip
+    assert all(
+        url.startswith("https://")
+        for a in coordinator
+        if a.startswith("--etcd=")
+        for url in a.split("=", 1)[1].split(",")
+    )
     for name in ("pliant-agent", "pliant-create-job"):
         (workload,) = [w for w in _workloads() if w["metadata"]["name"] == name]
         container = workload["spec"]["template"]["spec"]["containers"][0]
@@ -178,9 +195,11 @@ def test_network_policies_close_every_component() -> None:
         assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == component
     sources = lambda spec, port: {  # noqa: E731 - who may reach ``port``
         peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
-        for rule in spec["ingress"] if not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
-        for peer in rule["from"] if "podSelector" in peer
-    }  # fmt: skip
+        for rule in spec["ingress"]
+        if not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+        for peer in rule["from"]
+        if "podSelector" in peer
+    }
     assert sources(policies["etcd"], 2379) == {"pliant-coordinator", "etcd"}
     assert sources(policies["pliant-coordinator"], 29400) == {"pliant-agent", "pliant-admin"}
     assert sources(policies["pliant-agent"], 12345) == {"pliant-agent"}, "store and gloo ports: the job's pods only"

@@ -53,8 +53,10 @@ def test_a_stream_writes_exactly_its_bytes_through_o_direct(tmp_path: Path) -> N
 
 def test_two_streams_open_on_one_thread_keep_their_own_bytes(tmp_path: Path) -> None:
     a, b = _pieces(2), _pieces(3)
-    with DirectFileSystem().create_stream(tmp_path / "a", "wb") as sa, \
-            DirectFileSystem().create_stream(tmp_path / "b", "wb") as sb:  # fmt: skip
+    with (
+        DirectFileSystem().create_stream(tmp_path / "a", "wb") as sa,
+        DirectFileSystem().create_stream(tmp_path / "b", "wb") as sb,
+    ):
         for x, y in zip(a, b, strict=True):
             sa.write(x)
             sb.write(y)
@@ -64,16 +66,22 @@ def test_two_streams_open_on_one_thread_keep_their_own_bytes(tmp_path: Path) -> 
 
 def _state() -> dict:
     torch.manual_seed(0)
-    return {"w": torch.randn(1_000_003), "ids": torch.arange(7, dtype=torch.int16),
-            "nested": {"m": torch.randn(100, 33), "step": 5, "name": "x"}}  # fmt: skip
+    return {
+        "w": torch.randn(1_000_003),
+        "ids": torch.arange(7, dtype=torch.int16),
+        "nested": {"m": torch.randn(100, 33), "step": 5, "name": "x"},
+    }
 
 
 def _save_and_load(writer: dcp.FileSystemWriter, path: Path) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notice
         dcp.save(_state(), storage_writer=writer, no_dist=True)
-        out = {"w": torch.zeros(1_000_003), "ids": torch.zeros(7, dtype=torch.int16),
-               "nested": {"m": torch.zeros(100, 33), "step": 0, "name": ""}}  # fmt: skip
+        out = {
+            "w": torch.zeros(1_000_003),
+            "ids": torch.zeros(7, dtype=torch.int16),
+            "nested": {"m": torch.zeros(100, 33), "step": 0, "name": ""},
+        }
         dcp.load(out, checkpoint_id=str(path), no_dist=True)
     return out
 
@@ -135,6 +143,8 @@ def test_a_write_error_other_than_a_refusal_is_raised(tmp_path: Path, monkeypatc
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)
-    with pytest.raises(OSError, match="No space left"), \
-            DirectFileSystem().create_stream(tmp_path / "f.bin", "wb") as stream:  # fmt: skip
+    with (
+        pytest.raises(OSError, match="No space left"),
+        DirectFileSystem().create_stream(tmp_path / "f.bin", "wb") as stream,
+    ):
         stream.write(b"x" * (CHUNK + 1))

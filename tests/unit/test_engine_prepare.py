@@ -24,11 +24,14 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int = 3)
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("cls", "kwargs"), [
-    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
-    (torch.optim.Adam, {"lr": 0.01}),
-    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
+        (torch.optim.Adam, {"lr": 0.01}),
+        (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    ],
+)
 def test_prepare_creates_the_state_without_moving_the_parameters(cls: type, kwargs: dict) -> None:
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
@@ -40,10 +43,13 @@ def test_prepare_creates_the_state_without_moving_the_parameters(cls: type, kwar
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("cls", "kwargs"), [
-    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
-    (torch.optim.Adam, {"lr": 0.01}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
+        (torch.optim.Adam, {"lr": 0.01}),
+    ],
+)
 def test_a_prepared_optimizer_cleared_trains_as_a_fresh_one(cls: type, kwargs: dict) -> None:
     """No peer held state (a fresh start of a later generation): the session clears the prepared state, and training
     is then exactly a fresh optimizer's (the zero-rate step must leave no trace: Adam's step count, SGD's dampening)."""

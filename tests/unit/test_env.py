@@ -9,11 +9,27 @@ from pliant.errors import ConfigError
 
 
 def test_round_trip() -> None:
-    env = WorkerEnv(rank=5, local_rank=1, world_size=6, local_world_size=2, node_rank=2, num_nodes=3,
-                    master_addr="10.0.0.1", master_port=29500, job_id="job", generation=4, max_restarts=3,
-                    node_id="n2", agent_store="10.0.0.3:4000", checkpoint_dir="/ckpt", incarnation="u1",
-                    checkpoint_key="ab" * 32,
-                    progress_file="/tmp/p", allow_fresh_start=True, snapshot_every=16)  # fmt: skip
+    env = WorkerEnv(
+        rank=5,
+        local_rank=1,
+        world_size=6,
+        local_world_size=2,
+        node_rank=2,
+        num_nodes=3,
+        master_addr="10.0.0.1",
+        master_port=29500,
+        job_id="job",
+        generation=4,
+        max_restarts=3,
+        node_id="n2",
+        agent_store="10.0.0.3:4000",
+        checkpoint_dir="/ckpt",
+        incarnation="u1",
+        checkpoint_key="ab" * 32,
+        progress_file="/tmp/p",
+        allow_fresh_start=True,
+        snapshot_every=16,
+    )
     variables = env.to_env()
     assert variables["RANK"] == "5" and variables["GROUP_RANK"] == "2" and variables["GROUP_WORLD_SIZE"] == "3"
     assert variables["TORCHELASTIC_RESTART_COUNT"] == "3", "restart count is generation - 1"
@@ -24,9 +40,18 @@ def test_round_trip() -> None:
 
 
 def test_under_torchrun_without_pliant_variables() -> None:
-    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-                "MASTER_ADDR": "h", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "rdzv",
-                "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "5"}  # fmt: skip
+    torchrun = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "29400",
+        "TORCHELASTIC_RUN_ID": "rdzv",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "5",
+    }
     env = WorkerEnv.from_env(torchrun)
     assert (env.rank, env.world_size, env.num_nodes, env.job_id, env.generation) == (1, 4, 2, "rdzv", 3)
     assert env.agent_store == "" and env.max_restarts == 5

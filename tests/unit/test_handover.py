@@ -25,8 +25,10 @@ def test_a_newcomer_unreachable_for_two_probes_in_a_row_is_reported_long_before_
     assert probe_due(pending, 2, 100.0 + PROBE_EVERY_S)
     pending, verdict = probed(pending, 2, {"d"}, 100.0 + PROBE_EVERY_S, GRACE_S)
     assert PROBES_FAILED == 2 and verdict.cut == ("d",) and not verdict.hand
-    assert verdict.message == ("newcomers d have not arrived yet and their agents are unreachable from this node "
-                               f"(2 probes {PROBE_EVERY_S:g}s apart)")  # fmt: skip
+    assert verdict.message == (
+        "newcomers d have not arrived yet and their agents are unreachable from this node "
+        f"(2 probes {PROBE_EVERY_S:g}s apart)"
+    )
 
 
 def test_a_probe_that_answers_again_starts_the_count_over() -> None:

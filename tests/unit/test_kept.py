@@ -21,8 +21,9 @@ from pliant.worker.kept import KeptError, KeptSlots, SlotHeader
 pytestmark = pytest.mark.timeout(30)
 
 
-def _header(own: tuple[str, int] | None, wards: dict[int, tuple[str, int]] | None = None, step: int = 16,
-            generation: int = 5) -> SlotHeader:  # fmt: skip
+def _header(
+    own: tuple[str, int] | None, wards: dict[int, tuple[str, int]] | None = None, step: int = 16, generation: int = 5
+) -> SlotHeader:
     return SlotHeader(generation, 4, 1, step, (0, 1, 2, 3, 0), own, wards or {})
 
 
@@ -32,8 +33,13 @@ def test_a_successor_reads_back_what_a_worker_kept(tmp_path: Path) -> None:
     own.copy_(torch.arange(4096) % 251)
     ward.fill_(7)
     mine.record(0, _header(mine.name(own), {3: mine.name(ward)}))  # type: ignore[arg-type]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name(own)[0], mine.name(ward)[0],  # type: ignore[index]
-                                                                 "slot-0.json"])  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [
+            mine.name(own)[0],
+            mine.name(ward)[0],  # type: ignore[index]
+            "slot-0.json",
+        ]
+    )
     successor = KeptSlots(str(tmp_path))
     [slot] = successor.load()
     assert slot.header == _header(mine.name(own), {3: mine.name(ward)})  # type: ignore[arg-type]
@@ -70,8 +76,11 @@ def test_an_unreadable_header_is_skipped_with_a_warning(tmp_path: Path, caplog: 
         assert KeptSlots(str(tmp_path)).load() == []
     assert caplog.text.count("kept snapshot") == 3
     assert "has 4096 bytes, its header says 8192" in caplog.text
-    for bad in ('{"version": 99}', _header(("../etc/passwd", 1)).to_json(),
-                _header(("x.bin", 1)).to_json().replace('"rank": 1', '"rank": 9')):  # fmt: skip
+    for bad in (
+        '{"version": 99}',
+        _header(("../etc/passwd", 1)).to_json(),
+        _header(("x.bin", 1)).to_json().replace('"rank": 1', '"rank": 9'),
+    ):
         with pytest.raises(KeptError):
             SlotHeader.from_json(bad)
 
@@ -86,8 +95,9 @@ def test_a_sweep_leaves_mapped_buffers_valid(tmp_path: Path) -> None:
     assert mine.name(own) is None and int(own.sum()) == 3 * 4096
 
 
-def test_no_room_means_process_memory_and_no_headers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_no_room_means_process_memory_and_no_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     mine = KeptSlots(str(tmp_path))
     first = mine.buffer(4096)
     mine.record(0, _header(mine.name(first)))
@@ -103,8 +113,9 @@ def test_no_room_means_process_memory_and_no_headers(tmp_path: Path, monkeypatch
 def test_the_agents_directory_is_its_own_and_a_dead_agents_is_swept(tmp_path: Path) -> None:
     made = snapshots.make(str(tmp_path), "node/1")
     assert Path(made).parent == tmp_path and Path(made).name.startswith("pliant-snapshots-node_1-")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     stale = tmp_path / "pliant-snapshots-old-x"
     stale.mkdir()
     (stale / "agent.pid").write_text(dead.stdout.strip())

@@ -23,9 +23,25 @@ def parse(mode: str, *argv: str) -> argparse.Namespace:
 
 
 def test_torchrun_spellings_are_accepted() -> None:
-    args = parse("run", "--nnodes=1:3", "--nproc_per_node=2", "--rdzv_id=j7", "--rdzv-endpoint", "h:29400",
-                 "--max_restarts", "5", "--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=90,last_call=5",
-                 "--monitor-interval", "1", SCRIPT, "--lr", "0.1")  # fmt: skip
+    args = parse(
+        "run",
+        "--nnodes=1:3",
+        "--nproc_per_node=2",
+        "--rdzv_id=j7",
+        "--rdzv-endpoint",
+        "h:29400",
+        "--max_restarts",
+        "5",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-conf",
+        "join_timeout=90,last_call=5",
+        "--monitor-interval",
+        "1",
+        SCRIPT,
+        "--lr",
+        "0.1",
+    )
     config = config_from_args(args, ["h:29400"], embedded=False)
     spec = config.spec
     assert (spec.job_id, spec.min_nodes, spec.max_nodes, spec.nproc_per_node, spec.max_restarts) == ("j7", 1, 3, 2, 5)

@@ -20,9 +20,13 @@ pytestmark = pytest.mark.timeout(30)
 
 def _state() -> dict:
     model = {f"layer{i}.weight": torch.zeros(10 * (i + 1)) for i in range(7)} | {"scale": torch.zeros(3)}
-    optim = {"state": {f"layer{i}.weight": {"momentum_buffer": torch.zeros(10 * (i + 1)), "step": torch.tensor(4.0)}
-                       for i in range(7)},
-             "param_groups": [{"lr": 0.1, "params": [f"layer{i}.weight" for i in range(7)]}]}  # fmt: skip
+    optim = {
+        "state": {
+            f"layer{i}.weight": {"momentum_buffer": torch.zeros(10 * (i + 1)), "step": torch.tensor(4.0)}
+            for i in range(7)
+        },
+        "param_groups": [{"lr": 0.1, "params": [f"layer{i}.weight" for i in range(7)]}],
+    }
     return {"model": model, "optim": optim, "zero_shard": {"state": {"own": torch.zeros(5)}}, "epoch": 2}
 
 
@@ -79,8 +83,10 @@ def test_a_save_from_a_snapshot_takes_its_views_and_copies_the_rest_at_once() ->
     live = {"w": torch.arange(6.0).reshape(2, 3), "m": torch.ones(4), "small": torch.zeros(2)}
     host = torch.zeros(64, dtype=torch.uint8)
     views = {id(live["w"]): host[:24].view(torch.float32).view(2, 3), id(live["m"]): host[32:48].view(torch.float32)}
-    state = {"train": {"model": {"w": live["w"]}, "optim": {"m": live["m"], "small": live["small"], "lr": [0.1]}},
-             "step": 7}  # fmt: skip
+    state = {
+        "train": {"model": {"w": live["w"]}, "optim": {"m": live["m"], "small": live["small"], "lr": [0.1]}},
+        "step": 7,
+    }
     saved, shards = from_snapshot(state, lambda t: views.get(id(t)))
     assert shards == {}, "no DTensors"
     assert saved["train"]["model"]["w"] is views[id(live["w"])] and saved["train"]["optim"]["m"] is views[id(live["m"])]
@@ -135,8 +141,9 @@ def test_an_async_saves_write_runs_on_idle_cpu_time_and_loads_back(tmp_path, mon
 
     monkeypatch.setattr(DirectWriter, "write_data", recorded)
     state = {"w": torch.arange(1000.0)}
-    thread = threading.Thread(target=dcp.save, args=(state,), kwargs={
-        "storage_writer": BackgroundWriter(str(tmp_path)), "no_dist": True})  # fmt: skip
+    thread = threading.Thread(
+        target=dcp.save, args=(state,), kwargs={"storage_writer": BackgroundWriter(str(tmp_path)), "no_dist": True}
+    )
     thread.start()
     thread.join()
     loaded = {"w": torch.zeros(1000)}

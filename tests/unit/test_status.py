@@ -22,10 +22,19 @@ NOW = 1_000_000.0
 
 def _job() -> JobInfo:
     spec = JobSpec("train", min_nodes=1, max_nodes=3, nproc_per_node=2)
-    members = (Member("n0", "10.0.0.1:5000", 2, NOW - 100), Member("n1", "10.0.0.2:5000", 2, NOW - 50),
-               Member("spare", "10.0.0.3:5000", 2, NOW - 10))  # fmt: skip
-    gen = Generation("train", 4, (GenerationMember("n0", 0, 0, 2, "10.0.0.1:5000"),
-                                  GenerationMember("n1", 1, 2, 2, "10.0.0.2:5000")), "join", 1, NOW - 40)  # fmt: skip
+    members = (
+        Member("n0", "10.0.0.1:5000", 2, NOW - 100),
+        Member("n1", "10.0.0.2:5000", 2, NOW - 50),
+        Member("spare", "10.0.0.3:5000", 2, NOW - 10),
+    )
+    gen = Generation(
+        "train",
+        4,
+        (GenerationMember("n0", 0, 0, 2, "10.0.0.1:5000"), GenerationMember("n1", 1, 2, 2, "10.0.0.2:5000")),
+        "join",
+        1,
+        NOW - 40,
+    )
     progress = {"n0": MemberProgress(1.0, 120, NOW - 3), "n1": MemberProgress(0.0, 118, NOW - 4)}
     return JobInfo(spec, JobStatus(JobState.RUNNING, NOW - 40), gen, members, progress)
 
@@ -46,9 +55,19 @@ def test_json_is_stable_for_scripts() -> None:
     (job,) = data["jobs"]
     assert (job["job_id"], job["state"], job["generation"], job["world_size"]) == ("train", "running", 4, 4)
     n0, n1, spare = job["members"]
-    assert n0 == {"node_id": "n0", "address": "10.0.0.1:5000", "slots": 2, "joined_at": NOW - 100,
-                  "in_generation": True, "node_rank": 0, "ranks": [0, 1], "heartbeat_age_s": 1.0, "step": 120,
-                  "step_at": NOW - 3, "strikes": 0}  # fmt: skip
+    assert n0 == {
+        "node_id": "n0",
+        "address": "10.0.0.1:5000",
+        "slots": 2,
+        "joined_at": NOW - 100,
+        "in_generation": True,
+        "node_rank": 0,
+        "ranks": [0, 1],
+        "heartbeat_age_s": 1.0,
+        "step": 120,
+        "step_at": NOW - 3,
+        "strikes": 0,
+    }
     assert n1["ranks"] == [2, 3]
     assert spare["in_generation"] is False and spare["heartbeat_age_s"] is None and spare["step"] is None
 

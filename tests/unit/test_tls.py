@@ -28,8 +28,11 @@ def test_pliant_certs_creates_a_ca_and_every_role(tmp_path: Path, capsys: pytest
     assert main(["certs", "create-coordinator", "coord.example.com", "10.0.0.5", "--certs-dir", certs]) == 0
     assert main(["certs", "create-agent", "node-7", "--certs-dir", certs]) == 0
     assert main(["certs", "create-admin", "alice", "--certs-dir", certs]) == 0
-    for sub, role, name in [("coordinator-coordinator", Role.COORDINATOR, "coordinator"),
-                            ("agent-node-7", Role.AGENT, "node-7"), ("admin-alice", Role.ADMIN, "alice")]:  # fmt: skip
+    for sub, role, name in [
+        ("coordinator-coordinator", Role.COORDINATOR, "coordinator"),
+        ("agent-node-7", Role.AGENT, "node-7"),
+        ("admin-alice", Role.ADMIN, "alice"),
+    ]:
         material = TlsConfig.from_dir(Path(certs) / sub).load(expect=role)
         assert material.identity == Identity(role, name)
         assert oct(os.stat(Path(certs) / sub / "tls.key").st_mode & 0o777) == "0o600"

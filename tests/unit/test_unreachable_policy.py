@@ -64,8 +64,16 @@ def test_a_report_evicts_the_live_members_it_names_when_they_are_not_the_larger_
 
 
 def test_a_side_counts_processes_and_those_of_older_members() -> None:
-    g = Generation("job", 5, (GenerationMember("a", 0, 0, 2, "a:1", 3), GenerationMember("b", 1, 2, 1, "b:1", 4),
-                              GenerationMember("c", 2, 3, 4, "c:1", 5)), "join")  # fmt: skip
+    g = Generation(
+        "job",
+        5,
+        (
+            GenerationMember("a", 0, 0, 2, "a:1", 3),
+            GenerationMember("b", 1, 2, 1, "b:1", 4),
+            GenerationMember("c", 2, 3, 4, "c:1", 5),
+        ),
+        "join",
+    )
     assert side(g, ["a"]) == (2, 2) and side(g, ["b", "c"]) == (1, 5) and side(g, ["c", "x"]) == (0, 4)
     assert evictions(g, "c", ["a"], ["a", "b", "c"]) == ()  # c is new; b, on its side, would say so itself
     assert evictions(g, "b", ["a"], ["a", "b", "c"]) == ("a",)  # 5 processes against 2
@@ -205,8 +213,13 @@ def test_the_planner_holds_a_struck_node_back_then_admits_it() -> None:
 def test_a_job_below_min_nodes_waits_for_the_hold_to_end_within_its_timeout() -> None:
     spec = dataclasses.replace(SPEC, min_nodes=2, min_nodes_timeout_s=60.0)
     a, b = Member("a", "a:1", order=1), Member("b", "b:1", order=2)
-    waiting = JobSnapshot(spec, JobStatus(JobState.WAITING, T0), (a, b), Generation("job", 6, (), "failure"),
-                          strikes=(Strike("b", "b:1", 3, T0),))  # fmt: skip
+    waiting = JobSnapshot(
+        spec,
+        JobStatus(JobState.WAITING, T0),
+        (a, b),
+        Generation("job", 6, (), "failure"),
+        strikes=(Strike("b", "b:1", 3, T0),),
+    )
     decision = plan(waiting, T0 + 2)
     assert isinstance(decision, WaitUntil) and decision.deadline == T0 + backoff_s(3) < T0 + 60
     assert decision.state is JobState.WAITING
