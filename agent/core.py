@@ -104,12 +104,12 @@ class CoreConfig:
         hang_timeout_s: no step progress for this long is a hang (None: automatic, see :func:`hang_timeout`).
         start_timeout_s: no first step (or a checkpoint save, or a wait for the next generation) for this long is a
             hang; 0 disables it.
-        in_place: ``--rescale in-place``: reconfigure groups that can (False: always the restart path).
+        rescale_in_place: ``--rescale in-place``: reconfigure groups that can (False: always the restart path).
     """
 
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
-    in_place: bool = False
+    rescale_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -334,8 +334,10 @@ def _no_group(state: CoreState) -> CoreState:
     return replace(state, group=None, progress=(), started_at=0.0, ready=False)
 
 
-def _in_place(state: CoreState) -> bool:
-    return state.config.in_place and state.ready and state.group is not None
+def _moves_in_place(state: CoreState) -> bool:
+    """Whether this node's running group takes the next generation in its processes: ``--rescale in-place``, and
+    every worker announced that it takes directives."""
+    return state.config.rescale_in_place and state.ready and state.group is not None
 
 
 def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreState, list[Action]]:
@@ -346,7 +348,7 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
     mine = next((m for m in gen.members if m.node_id == state.node_id), None)
     if mine is not None and mine.node_rank == 0:
         actions.append(Prepare(gen))
-    if mine is not None and _in_place(state):
+    if mine is not None and _moves_in_place(state):
         ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
         # The same processes: their progress carries on (a rank still in "wait" waits for this very generation).
         state = replace(state, group=gen.number, started_at=now, handed=gen.number)
@@ -358,7 +360,7 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
         # the step boundary, as in a graceful leave, so the others re-form without a restart. Workers that all wait
         # after a failed step have no boundary left to hand over at (their world broke; the next goes on without
         # them), and may sit in a meeting with a peer they cannot reach: they are stopped at once.
-        leave = mine is None and bool(gen.members) and _in_place(state)
+        leave = mine is None and bool(gen.members) and _moves_in_place(state)
         stranded = leave and bool(state.progress) and all(p.phase == "wait" for _, p in state.progress)
         actions.append(Stop() if stranded else Stop(rescale=True, leave=leave))
         state = _no_group(state)
@@ -383,7 +385,7 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
         # waits for newcomers): its exit is that generation's, or the failure report would be stale and lost.
         result = replace(result, generation=state.group)
     failure = result.first_failure
-    if failure is not None and event.alive and _in_place(state):
+    if failure is not None and event.alive and _moves_in_place(state):
         # The other local workers keep their processes and state; the next generation replaces the dead one.
         report = _failure(state, result.generation, failure[1], event.message or f"exit code {failure[1]}")
         return _set(state, AgentState.RUNNING, f"worker failure reported; {event.alive} workers wait in place"), [
@@ -551,7 +553,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         )
         return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
     if isinstance(event, SignalReceived):
-        if _in_place(state):
+        if _moves_in_place(state):
             # Leave first: the others' next generation (without this node) is on its way while this node's ranks
             # reach the step boundary, so they find their directives there and re-form without waiting.
             return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [

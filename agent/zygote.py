@@ -88,11 +88,11 @@ def _become_worker(sock: socket.socket, out_fd: int, job: dict[str, Any]) -> Non
 def _defer_process_group_teardown() -> None:
     """Keep destroyed process groups referenced until interpreter shutdown (forked workers only).
 
-    Seen here: a script calls ``destroy_process_group()``, then its DDP module is freed when ``main()`` returns and
+    When a script calls ``destroy_process_group()`` and its DDP module is freed as ``main()`` returns, the module
     drops the last reference to the gloo process group; ``~ProcessGroupGloo`` joins its run-loop thread while holding
     the GIL, and that thread waits for the GIL to release a Python object captured with its last work item: a
-    deadlock (about 1 run in 10 in forked workers, none seen in cold ones). Holding a reference defers the destructor
-    to interpreter shutdown, where a C++ thread asking for the GIL exits instead of waiting.
+    deadlock, in forked workers. Holding a reference defers the destructor to interpreter shutdown, where a C++ thread
+    asking for the GIL exits instead of waiting.
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None or not hasattr(dist, "destroy_process_group"):

@@ -116,7 +116,7 @@ def pliant_engine_step(
     )
     engine = session.engine(make_model(tiny), kind, torch.optim.SGD, lr=0.01)
     if vote:
-        engine.protocol = Protocol(session, in_place=True)
+        engine.protocol = Protocol(session, rescale_in_place=True)
         engine.protocol.parts.append(engine)
     batches = iter(session.loader(dataset(tiny=tiny), global_batch, MICRO))
     return lambda _i: engine.step(next(batches), loss_fn)

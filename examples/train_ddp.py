@@ -91,7 +91,7 @@ def main() -> None:
             print(f"step {step} world {world} loss {loss.item():.4f}", flush=True)
     # A barrier before the group goes: gloo's worker thread frees the last gradient all-reduce just after the
     # caller's wait returns, and a thread that needs the GIL while the interpreter finalizes aborts the process
-    # (torch 2.13: "terminate called without an active exception" at exit in about 1 run in 10 under torchrun).
+    # ("terminate called without an active exception" at exit).
     dist.barrier()
     dist.destroy_process_group()
 

@@ -117,6 +117,11 @@ class WorkerEnv:
     snapshot_every: int | None = None
     snapshot_dir: str = ""
 
+    @property
+    def under_agent(self) -> bool:
+        """True in a worker a pliant agent started (its agent store is known); False under torchrun or alone."""
+        return bool(self.agent_store)
+
     def __post_init__(self) -> None:
         if self.rescale not in RESCALE_MODES:
             raise ConfigError(f"PLIANT_RESCALE={self.rescale!r} must be one of {', '.join(RESCALE_MODES)}")

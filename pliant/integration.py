@@ -42,7 +42,7 @@ class RescaleRequest:
     @property
     def under_agent(self) -> bool:
         """True in a worker of a pliant agent; outside one (torchrun, a plain process) nothing is asked."""
-        return bool(self.env.agent_store)
+        return self.env.under_agent
 
     def listen(self) -> None:
         """Take the rescale signal and tell the agent so; a no-op outside an agent or off the main thread (where

@@ -109,7 +109,7 @@ class Engine(abc.ABC):
     protocol: Any = None
     """Set by the session under a pliant agent: the rescale protocol (:class:`pliant.worker.rescale.Protocol`) that
     runs each step with its commit vote, re-forms the engine in place and recovers from a peer's failure."""
-    in_place: bool = False
+    movable: bool = False
     """True when :meth:`rewrap` and :meth:`sync_state` can move this engine to a new world without a restart."""
     survives_peer_loss: bool = False
     """True when the survivors alone hold all of the state (replicas), so a peer that dies mid-step costs only that
@@ -253,7 +253,7 @@ class Engine(abc.ABC):
 
     def can_move(self) -> bool:
         """Whether moving in place fits now (e.g. the memory a gathered state needs); False takes the restart path."""
-        return self.in_place
+        return self.movable
 
     def before_move(self) -> None:  # noqa: B027 - replicated engines hold nothing only they have
         """At a step boundary, on the old world still whole (collective, leaving ranks included): gather what only
@@ -263,7 +263,7 @@ class Engine(abc.ABC):
         """Wrap :attr:`module` again for the process group now initialised (a new world). Collective.
 
         Raises:
-            EngineError: this engine cannot move in place (:attr:`in_place` is False).
+            EngineError: this engine cannot move in place (:attr:`movable` is False).
         """
         raise EngineError(f"the {type(self).__name__} cannot re-form in place; the restart path applies")
 

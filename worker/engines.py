@@ -150,7 +150,7 @@ class DDPEngine(Engine):
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
         return cls(self.model.parameters(), **kwargs)
 
-    in_place = True
+    movable = True
     replicated = ("model", "optim")
     survives_peer_loss = True
 
@@ -209,7 +209,7 @@ class ZeroEngine(DDPEngine):
     """
 
     optimizer: ZeroRedundancyOptimizer
-    in_place = True  # at a step boundary: the shards are gathered, then cut again for the new world
+    movable = True  # at a step boundary: the shards are gathered, then cut again for the new world
     survives_peer_loss = False  # a dead rank's shard is not on the survivors ...
     sharded = True  # ... but in its buddy's copy (pliant.worker.buddy), from which the survivors roll back
     replicated = ("model",)  # its "zero_shard" is this rank's own

@@ -144,7 +144,7 @@ class FSDPEngine(Engine):
         self._full: tuple[dict[str, Any], dict[str, Any]] | None = None
         why = unsupported()
         if why:
-            self.in_place = False
+            self.movable = False
             logger.warning("%s", why)
         self._build(model.to(device))
 
@@ -154,8 +154,8 @@ class FSDPEngine(Engine):
         The mesh is named anew for every world this process shards over (:data:`_MESHES`): torch's DTensor caches
         compare meshes by their ranks, layout and names, not by this process's place in them, so a later world of the
         same size, in which this process holds another rank (a node before it left), would get DTensors on the
-        earlier mesh back, whose coordinate is this process's old rank (found by the chaos soak: loading the state
-        cut another rank's share and failed on uneven rows; and DCP takes each shard's global offset from it)."""
+        earlier mesh back, whose coordinate is this process's old rank: loading the state would cut another rank's
+        share (and fail on uneven rows), and DCP takes each shard's global offset from it."""
         mesh = init_device_mesh(
             self.device.type, (dist.get_world_size(),), mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",)
         )
@@ -170,7 +170,7 @@ class FSDPEngine(Engine):
         self.optimizer = cls(model.parameters(), **kwargs)
         self.joinable = FSDPJoinable(self)
 
-    in_place = True  # at a step boundary: the full state is gathered, the model sharded again over the new world
+    movable = True  # at a step boundary: the full state is gathered, the model sharded again over the new world
     MEMORY_SHARE = 0.8  # the full model and optimizer state must fit in this share of the free host memory
 
     def can_move(self) -> bool:
@@ -178,7 +178,7 @@ class FSDPEngine(Engine):
         be one the engine can release: :func:`pliant.worker.fsdp_release.unsupported`)."""
         import psutil
 
-        if not self.in_place:
+        if not self.movable:
             return False
 
         local = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -166,7 +166,7 @@ def retire_groups() -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         _RETIRED_GROUPS.append(group)
     if has_nccl():  # aborting frees the communicators at once; destroying would wait for NCCL's watchdog thread,
-        dist.distributed_c10d._abort_process_group()  # which sleeps a minute after an error (seen on an H100)
+        dist.distributed_c10d._abort_process_group()  # which would sleep a minute after an error
     else:
         dist.destroy_process_group()
 
@@ -177,8 +177,8 @@ def new_world() -> None:
 
     The default group's store keys are prefixed with its name, the count of groups this process named so far;
     ``destroy_process_group`` resets the count, but an ``init_process_group`` that failed (abandoned for a newer
-    generation, or timed out) named a group and created none, so the next attempt's keys went under "1/" while a fresh
-    newcomer's went under "0/", and the ranks waited for each other's keys forever (found by the chaos soak)."""
+    generation, or timed out) names a group and creates none, so the next attempt's keys would go under "1/" while a
+    fresh newcomer's go under "0/", and the ranks would wait for each other's keys forever."""
     if not dist.is_initialized():
         dist.distributed_c10d._world.group_count = 0
 

@@ -8,11 +8,11 @@ cases remain, and a guard thread (one per protocol) watches every step for them:
   synchronisation. The guard aborts the default group's NCCL communicator when NCCL reports an error (a peer's
   connection closed: within about a second of a kill -9 on an H100), which releases the kernels and the blocked CPU.
 - **A step blocked while the agent already handed over a newer generation**, on either backend. Gloo waits on one
-  peer's connection at a time, and wakes only when that connection fails. The chaos soak found a rank that waited on a
-  peer cut off by a partition, whose process was then stopped (its agent, cut off from the control plane, fenced
-  itself) while the link was down: neither that close, nor the other survivor's severed sockets, nor keepalive
-  released it (why is not established), and the rank sat in DDP's gradient all-reduce until the agent's hang detection
-  replaced it a minute later, while the survivors had long re-formed without it. So when a newer generation's
+  peer's connection at a time, and wakes only when that connection fails. A rank waiting on a peer cut off by a
+  partition, whose process is then stopped while the link is down (its agent, cut off from the control plane, fenced
+  itself), is released neither by that close, nor by the other survivor's severed sockets, nor by keepalive: it would
+  sit in DDP's gradient all-reduce until the agent's hang detection replaced it, long after the survivors re-formed
+  without it. So when a newer generation's
   directive waits (:mod:`pliant.progress`) and the step has run for :data:`STALL_S` or three times the last step's
   time, whichever is longer, in a world of more than one rank (:func:`stalled`), the guard breaks the step: on NCCL
   it aborts the communicator; on gloo it shuts down the group's connections (:func:`pliant.worker.groups.shut_down`),

@@ -96,13 +96,14 @@ def backend_for(backend: str, under_agent: bool) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" and under_agent else backend
 
 
-def prepare(backend: str, in_place: bool) -> None:
-    """Before the first NCCL group of an in-place worker: keep torch's watchdog from tearing the process down on an
-    NCCL error (the guard aborts the communicator instead). A value set by the user is left alone."""
-    if backend == "nccl" and in_place:
+def prepare(backend: str, in_place_world: bool) -> None:
+    """Before the first NCCL group of a worker whose world re-forms in place: keep torch's watchdog from tearing the
+    process down on an NCCL error (the guard aborts the communicator instead). A value set by the user is left
+    alone."""
+    if backend == "nccl" and in_place_world:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         # On an error the watchdog would first dump debug info and wait a minute for the other ranks' dumps, holding
-        # up the re-formation that long (seen on an H100: 60 s).
+        # up the re-formation that long.
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 

@@ -117,12 +117,13 @@ class Protocol:
 
     Args:
         session: the worker's session (its env, backend, metrics; it registers engines, loaders and managers here).
-        in_place: the agent runs in-place rescales (``--rescale in-place``); False keeps only the restart path.
+        rescale_in_place: the agent runs in-place rescales (``--rescale in-place``); False keeps only the restart
+            path.
     """
 
-    def __init__(self, session: Session, in_place: bool) -> None:
+    def __init__(self, session: Session, rescale_in_place: bool) -> None:
         self.session = session
-        self.in_place = in_place
+        self.rescale_in_place = rescale_in_place
         self.asked = False
         self.boundary_due = False
         self.pending_sync = False
@@ -135,16 +136,17 @@ class Protocol:
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (failed_between_steps); the next step re-forms
         self.exited = ""  # why a RescaleExit ended this rank (leave, restart); a later step is the script's error
-        nccl, fds = session.backend == "nccl", lambda: session.group_fds  # a step that a dead or cut-off peer blocks
-        self.guard = Guard(session.env.progress_file, nccl, fds) if in_place else NoGuard()  # is broken: worker.guard
+        # A step that a dead or cut-off peer blocks is broken by the step guard (pliant.worker.guard).
+        nccl, fds = session.backend == "nccl", lambda: session.group_fds
+        self.guard = Guard(session.env.progress_file, nccl, fds) if rescale_in_place else NoGuard()
         if threading.current_thread() is threading.main_thread():
             signal.signal(RESCALE_SIGNAL, self._on_signal)
             # Python puts the default action (death) back as it exits: a script past its last step would die of a
             # signal its agent sent, and count as failed. Ignored from the start of the interpreter's exit.
             atexit.register(signal.signal, RESCALE_SIGNAL, signal.SIG_IGN)
             announce_signal(session.env.progress_file)  # the agent asks this worker to rescale with the signal
-        if in_place:  # the agent may now hand this worker its next generation (an engine that cannot move in place
-            announce_in_place(session.env.progress_file)  # makes the boundary take the restart path instead)
+        if rescale_in_place:  # the agent may now hand this worker its next generation (an engine that cannot move
+            announce_in_place(session.env.progress_file)  # in place makes the boundary take the restart path instead)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.asked = True
@@ -167,11 +169,11 @@ class Protocol:
     def sharded(self) -> Engine | None:
         """The one sharded engine whose buddy copies this protocol keeps (None: none, or more than one)."""
         sharded = [e for e in self.engines if e.sharded]
-        return sharded[0] if self.in_place and len(sharded) == 1 else None
+        return sharded[0] if self.rescale_in_place and len(sharded) == 1 else None
 
     def _recoverable(self, engine: Engine) -> bool:
         """A peer's death costs only a step (replicas) or the steps since the last snapshot (buddy copies)."""
-        return self.in_place and (engine.survives_peer_loss or (engine is self.sharded and self.copies.taken))
+        return self.rescale_in_place and (engine.survives_peer_loss or (engine is self.sharded and self.copies.taken))
 
     # -- joining a world -----------------------------------------------------------------------------------------------
 
@@ -197,7 +199,7 @@ class Protocol:
 
     def joined(self) -> None:
         """A fresh worker's session opened its world: if survivors hold state, take it from them before training."""
-        if self.in_place:
+        if self.rescale_in_place:
             self.pending_sync = self.exchange(holds_state=False)
             if self.pending_sync:
                 logger.info("rank %d joins a running world: its state comes from its peers", dist.get_rank())
@@ -365,7 +367,7 @@ class Protocol:
         directive = read_directive(env.progress_file) if env.progress_file else None
         if directive is not None and directive.generation <= env.generation:
             directive = None  # an old one; this rank's agent has not written its next yet
-        movable = self.in_place and all(e.can_move() for e in self.engines)
+        movable = self.rescale_in_place and all(e.can_move() for e in self.engines)
         restart = (directive is not None and directive.mode == "restart") or not movable
         flag = torch.tensor([int(restart)], dtype=torch.int64)
         try:

@@ -85,7 +85,7 @@ class Session:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.env = env or WorkerEnv.from_env()
-        if self.env.agent_store:
+        if self.env.under_agent:
             setup_library_logging()
         self.metrics = WorkerMetrics(self.env, registry)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -101,23 +101,23 @@ class Session:
         self.timeout = timedelta(seconds=timeout_s)
         self.group_fds: set[tuple[int, int]] = set()  # (descriptor, inode): groups.socket_fds
         self._owns_group = not dist.is_initialized()
-        self._in_place = bool(self.env.agent_store) and self.env.rescale == "in-place" and bool(self.env.master_port)
-        nccl.prepare(self.backend, self._in_place)
+        self._in_place_world = self.env.under_agent and self.env.rescale == "in-place" and bool(self.env.master_port)
+        nccl.prepare(self.backend, self._in_place_world)
         self._group_pending = self._owns_group
         # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
         self.protocol: Protocol | None = None
-        if self.env.agent_store and self._owns_group:
-            self.protocol = Protocol(self, in_place=self.env.rescale == "in-place")
+        if self.env.under_agent and self._owns_group:
+            self.protocol = Protocol(self, rescale_in_place=self.env.rescale == "in-place")
         # In place, the script's own collectives are refused until its first step (pliant.worker.setup_window).
         self.setup_window = SetupWindow()
-        if self._in_place and self.protocol is not None:
+        if self._in_place_world and self.protocol is not None:
             self.setup_window.start()
         # A fresh worker of a later generation may be joining a running world, whose survivors wait for it from the
         # moment it counts itself in: it meets them only when the script first needs the group (``engine()``,
         # ``loader()``, ``checkpoints()``, a collective), so building the model does not lengthen their pause.
-        if not (self._in_place and self.env.generation > 1):
+        if not (self._in_place_world and self.env.generation > 1):
             self._meet()
-        if self.env.agent_store and threading.current_thread() is threading.main_thread():
+        if self.env.under_agent and threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info(
             "rank %d/%d (generation %d, %s on %s)",
@@ -141,7 +141,7 @@ class Session:
         before = socket_fds()
         self._init_group(superseded, min(timedelta(seconds=meet_s), self.timeout) if meet_s else self.timeout)
         self.group_fds = socket_fds() - before
-        if self._in_place:
+        if self._in_place_world:
             keepalive(self.group_fds)
 
     def tracked(self, make: Callable[[], T]) -> T:
@@ -151,15 +151,15 @@ class Session:
         before = socket_fds()
         made = make()
         fds = socket_fds() - before
-        if self._in_place:
+        if self._in_place_world:
             keepalive(fds)
         self.group_fds |= fds
         return made
 
     def _init_group(self, superseded: Callable[[], bool], meet: timedelta) -> None:
         if self.env.master_port:
-            backend = nccl.backend_for(self.backend, under_agent=bool(self.env.agent_store))
-            store = connect_store(self.env, meet, superseded) if self.env.agent_store else None
+            backend = nccl.backend_for(self.backend, under_agent=self.env.under_agent)
+            store = connect_store(self.env, meet, superseded) if self.env.under_agent else None
             new_world()  # an earlier attempt in this process may have failed
             dist.init_process_group(
                 backend, store=store, rank=self.env.rank, world_size=self.env.world_size, timeout=meet
@@ -176,9 +176,9 @@ class Session:
         if not self._group_pending:
             return
         self._group_pending = False
-        if self._in_place:
+        if self._in_place_world:
             announce_arrival(self.env)
-        if self.protocol is not None and self._in_place:
+        if self.protocol is not None and self._in_place_world:
             self.protocol.form_group()  # follows a newer generation handed over while the ranks meet
         else:
             self.init_group()
@@ -358,7 +358,7 @@ class Session:
         worker threads, and a worker thread that needs the GIL as it exits either deadlocks with the destroying
         thread (when a DDP reducer drops the group as the training function returns) or, during interpreter shutdown,
         is ended by Python with ``pthread_exit`` inside a ``noexcept`` frame, which aborts the process ("terminate
-        called without an active exception", seen under torchrun on a loaded machine).
+        called without an active exception").
         """
         self.metrics.progress.write(self.metrics.progress.step, "done")
         self.setup_window.close()

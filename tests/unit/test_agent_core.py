@@ -236,7 +236,7 @@ def _ready(agent: Agent, ready: bool = True) -> None:
 
 
 def test_a_ready_group_is_handed_the_next_generation_in_place() -> None:
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a")))
     _ready(agent)
     actions = agent.on(core.GenerationSeen(_gen(2, "a", "b")))
@@ -248,42 +248,42 @@ def test_a_ready_group_is_handed_the_next_generation_in_place() -> None:
 
 
 def test_without_readiness_or_with_rescale_restart_the_restart_path_applies() -> None:
-    not_ready = Agent(in_place=True)
+    not_ready = Agent(rescale_in_place=True)
     not_ready.on(core.GenerationSeen(_gen(1, "a")))
     _ready(not_ready, False)  # a worker still starting, or a script without pliant.worker
     assert not_ready.kinds(not_ready.on(core.GenerationSeen(_gen(2, "a", "b")))) == ["Prepare", "Stop", "Start"]
-    restart = Agent(in_place=False)
+    restart = Agent(rescale_in_place=False)
     restart.on(core.GenerationSeen(_gen(1, "a")))
     _ready(restart)
     assert restart.kinds(restart.on(core.GenerationSeen(_gen(2, "a", "b")))) == ["Prepare", "Stop", "Start"]
     # A generation without this node stops the group even in place; its ranks leave at the step boundary (they hand
     # over what only they hold), so the others re-form in place without a restart.
-    evicted = Agent(in_place=True)
+    evicted = Agent(rescale_in_place=True)
     evicted.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(evicted)
     assert evicted.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True, leave=True)]
     # Unless every local rank waits after a failed step: their world broke, the next goes on without them, so there
     # is no boundary to hand over at, and they may be meeting a peer they cannot reach (up to MEET_S): stopped at once.
-    stranded = Agent(in_place=True)
+    stranded = Agent(rescale_in_place=True)
     stranded.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(stranded)
     stranded.on(core.Tick({0: (40, "wait", 1), 1: (40, "wait", 1)}, ready=True))
     assert stranded.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop()]
     assert "waited after a failed step" in stranded.state.reason
-    one_waits = Agent(in_place=True)  # one rank still steps: the boundary is still ahead, as before
+    one_waits = Agent(rescale_in_place=True)  # one rank still steps: the boundary is still ahead, as before
     one_waits.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(one_waits)
     one_waits.on(core.Tick({0: (40, "wait", 1), 1: (40, "step", 1)}, ready=True))
     assert one_waits.on(core.GenerationSeen(_gen(2, "b"))) == [core.Stop(rescale=True, leave=True)]
     # A generation with no one (the job below its minimum, or done): the group checkpoints and exits.
-    emptied = Agent(in_place=True)
+    emptied = Agent(rescale_in_place=True)
     emptied.on(core.GenerationSeen(_gen(1, "a")))
     _ready(emptied)
     assert emptied.on(core.GenerationSeen(_gen(2))) == [core.Stop(rescale=True)]
 
 
 def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(agent)
     why = "local rank 1 (rank 1) exited with code -9"
@@ -295,7 +295,7 @@ def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
         core.Reconfigure(_gen(2, "a", "b")),
     ]
     # Every worker dead: the restart path.
-    lost = Agent(in_place=True)
+    lost = Agent(rescale_in_place=True)
     lost.on(core.GenerationSeen(_gen(1, "a")))
     _ready(lost)
     assert lost.kinds(lost.on(core.GroupExited(GroupResult(1, {0: -9, 1: -9}), "", alive=0))) == ["Stop", "Send"]
@@ -305,7 +305,7 @@ def test_a_group_that_dies_before_a_pending_hand_over_reports_the_handed_generat
     """Handed generation 2 in place, the executor waits for newcomers before the workers re-form; the only worker
     exits meanwhile (its re-forming failed). The failure is generation 2's: one of generation 1 would be stale, and
     the agent would wait forever with no workers (found by the chaos soak)."""
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(agent)
     agent.on(core.GenerationSeen(_gen(2, "a", "b", "c")), after=0.5)
@@ -314,14 +314,14 @@ def test_a_group_that_dies_before_a_pending_hand_over_reports_the_handed_generat
     assert actions == [core.Stop(), core.Send(core.Report("failure", 2, 1, why))]
     assert agent.state.group is None and agent.state.phase is AgentState.WAITING
     # A group of an earlier generation, replaced by a fresh start (not handed in place), is only reaped.
-    fresh = Agent(in_place=False)
+    fresh = Agent(rescale_in_place=False)
     fresh.on(core.GenerationSeen(_gen(1, "a")))
     fresh.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert fresh.on(core.GroupExited(GroupResult(1, {0: 1}), "", alive=0)) == [core.Stop()]
 
 
 def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(agent)
     actions = agent.on(core.Tick({0: (4, "wait"), 1: (4, "step")}, ready=True), after=0.2)
@@ -348,14 +348,14 @@ def test_a_failure_report_says_whether_its_generation_trained_a_step() -> None:
     """A step's progress record names the generation it completed in. A failure report of a generation in which a
     worker of this node completed a step says that every member arrived (the coordinator strikes no newcomer of it);
     one of a generation handed in place that never met says not."""
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(agent)
     agent.on(core.Tick({0: (4, "step", 1), 1: (4, "step", 1)}, ready=True), after=0.2)
     agent.on(core.GenerationSeen(_gen(2, "a", "b", "c")), after=0.5)  # c never arrives
     actions = agent.on(core.Tick({0: (5, "step", 1), 1: (5, "wait", 2)}, ready=True), after=0.2)
     assert [a.report.arrived for a in actions] == [False]  # type: ignore[union-attr]
-    met = Agent(in_place=True)
+    met = Agent(rescale_in_place=True)
     met.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(met)
     met.on(core.Tick({0: (4, "step", 1), 1: (4, "step", 1)}, ready=True), after=0.2)
@@ -366,7 +366,7 @@ def test_a_failure_report_says_whether_its_generation_trained_a_step() -> None:
 
 
 def test_an_in_place_leave_tells_the_coordinator_first() -> None:
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     _ready(agent)
     assert agent.on(core.SignalReceived(signal.SIGTERM)) == [
@@ -377,7 +377,7 @@ def test_an_in_place_leave_tells_the_coordinator_first() -> None:
 
 
 def test_a_world_that_took_the_restart_path_after_a_hand_over_starts_fresh_workers() -> None:
-    agent = Agent(in_place=True)
+    agent = Agent(rescale_in_place=True)
     agent.on(core.GenerationSeen(_gen(1, "a")))
     _ready(agent)
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))  # handed in place...

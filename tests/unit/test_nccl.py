@@ -23,11 +23,11 @@ def test_in_place_turns_off_torchs_teardown_on_nccl_errors_unless_the_user_chose
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.setenv(name, "")  # noted, so that what prepare() sets is undone after the test
         monkeypatch.delenv(name)
-    nccl.prepare("gloo", in_place=True)
-    nccl.prepare("nccl", in_place=False)
+    nccl.prepare("gloo", in_place_world=True)
+    nccl.prepare("nccl", in_place_world=False)
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    nccl.prepare("nccl", in_place=True)
+    nccl.prepare("nccl", in_place_world=True)
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1", "a value the user set wins"
 
