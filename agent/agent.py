@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry
 from pliant.agent import core, snapshots
 from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.credentials import Credentials
-from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
 from pliant.agent.storehost import StoreHost
@@ -92,7 +91,12 @@ class Agent:
         self.join_token = config.join_token
         self.state = core.CoreState(
             config.node_id,
-            config=core.CoreConfig(config.hang_timeout_s, config.start_timeout_s, config.rescale == "in-place"),
+            config=core.CoreConfig(
+                config.hang_timeout_s,
+                config.start_timeout_s,
+                rescale_in_place=config.rescale == "in-place",
+                rescale_grace_s=config.rescale_grace_s,
+            ),
         )
         self.group: WorkerGroup | None = None
         self.grant: JoinGrant | None = None
@@ -114,7 +118,7 @@ class Agent:
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
-        self._handover: tuple[Generation, list[WorkerEnv], HandOver] | None = None
+        self._handing_envs: tuple[int, list[WorkerEnv]] | None = None  # the waiting hand-over's generation, envs
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
         self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
 
@@ -490,7 +494,7 @@ class Agent:
         while True:
             event = self._next_event(next_tick)
             if isinstance(event, core.Tick):
-                next_tick = time.monotonic() + (TICK_S if self._handover is None else 0.02)
+                next_tick = time.monotonic() + (TICK_S if self.state.handing is None else 0.02)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
                     self._leave()
                     raise AgentError(
@@ -498,7 +502,6 @@ class Agent:
                         "so that its supervisor restarts the node"
                     )
                 self._publish_renewing()
-                self._hand_over()
             elif isinstance(event, WatchEvent):
                 if event.generation is not None:
                     self._generations[event.generation.number] = event.generation
@@ -546,6 +549,14 @@ class Agent:
             self._stop_group(action)
         elif isinstance(action, core.Reconfigure):
             self._reconfigure(action.generation)
+        elif isinstance(action, core.ReadArrivals):
+            self._read_arrivals(action.generation)
+        elif isinstance(action, core.ProbeNewcomers):
+            gen, newcomers = action.generation, set(action.newcomers)
+            unreachable = frozenset(
+                m.node_id for m in gen.members if m.node_id in newcomers and not reachable(m.address)
+            )
+            self._events.put(core.NewcomersProbed(gen.number, action.arrived, unreachable))
         elif isinstance(action, core.Start):
             try:
                 self._start_workers(action.generation)
@@ -604,55 +615,43 @@ class Agent:
             "move in place, or a worker still starting)"
         )
 
+    def _handing_envs_of(self, gen: Generation) -> list[WorkerEnv]:
+        """This node's workers' envs in ``gen``, kept while its hand-over waits.
+
+        Raises:
+            AgentError: the generation's store did not open in time.
+        """
+        if self._handing_envs is None or self._handing_envs[0] != gen.number:
+            self._handing_envs = (gen.number, self._envs(gen))
+        return self._handing_envs[1]
+
+    def _read_arrivals(self, gen: Generation) -> None:
+        """How many workers counted themselves in at ``gen``'s store, for the waiting hand-over (:mod:`core`)."""
+        try:
+            envs = self._handing_envs_of(gen)
+        except AgentError as exc:
+            logger.warning("agent %s: cannot hand over generation %d: %s", self.config.node_id, gen.number, exc)
+            self._events.put(core.StartFailed(gen.number, str(exc)))
+            return
+        arrived = 0
+        try:
+            assert self.store is not None
+            arrived = self.store.arrivals(envs[0].master_addr, envs[0].master_port)
+        except Exception as exc:  # the store is not reachable yet: the next tick reads again
+            logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
+        self._events.put(core.ArrivalsRead(gen.number, arrived))
+
     def _reconfigure(self, gen: Generation) -> None:
-        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`); with newcomers, once their
-        workers counted themselves in (the survivors train on meanwhile), or report those it cannot reach
-        (:mod:`pliant.agent.handover`)."""
+        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`): :mod:`core` decided when
+        (with newcomers, once their workers counted themselves in)."""
         assert self.group is not None
         try:
-            envs = self._envs(gen)
+            envs = self._handing_envs_of(gen)
         except AgentError as exc:
             logger.warning("agent %s: cannot reconfigure for generation %d: %s", self.config.node_id, gen.number, exc)
             self._events.put(core.StartFailed(gen.number, str(exc)))
             return
-        old = self._generations.get(self.group.generation)
-        known = {m.node_id for m in old.members} if old else {m.node_id for m in gen.members}
-        newcomers = tuple(m.node_id for m in gen.members if m.node_id not in known)
-        needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
-        self._handover = (gen, envs, HandOver(newcomers, needed, time.monotonic() + self.config.rescale_grace_s))
-        self._hand_over()
-
-    def _hand_over(self) -> None:
-        """Finish a pending in-place hand-over once the newcomers arrived (or the rescale grace ran out), or report
-        the newcomers whose agents this node cannot reach (:mod:`pliant.agent.handover`)."""
-        if self._handover is None:
-            return
-        gen, envs, pending = self._handover
-        if self.group is None or self.state.group != gen.number:
-            self._handover = None  # superseded
-            return
-        if pending.needed:
-            arrived = 0
-            try:
-                assert self.store is not None
-                arrived = self.store.arrivals(envs[0].master_addr, envs[0].master_port)
-            except Exception as exc:  # the store is not reachable yet: next tick
-                logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
-            if not probe_due(pending, arrived, time.monotonic()):
-                return
-            cut = {m.node_id for m in gen.members if m.node_id in pending.newcomers and not reachable(m.address)}
-            pending, verdict = probed(pending, arrived, cut, time.monotonic(), self.config.rescale_grace_s)
-            if verdict.cut:  # the workers train on in their generation; the report brings the next one
-                self._handover = None
-                logger.warning(
-                    "agent %s: generation %d not handed over: %s", self.config.node_id, gen.number, verdict.message
-                )
-                self._reports.put(core.Report("failure", gen.number, -1, verdict.message))
-                return
-            if not verdict.hand:
-                self._handover = (gen, envs, pending)
-                return
-        self._handover = None
+        self._handing_envs = None
         kept, started = self.group.reconfigure(gen.number, envs)
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)

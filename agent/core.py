@@ -13,6 +13,12 @@ The rules:
   workers to checkpoint first: the restart path) and starts this node's workers if it is a member. As node rank 0 it
   opens the generation's store before stopping or reconfiguring its old group, so joining nodes never wait for it to
   learn the port.
+- **Hand-over to newcomers**: a generation that admits new nodes is handed to the running group only once the
+  newcomers' workers counted themselves in at the generation's store, so the survivors train on while the newcomers
+  start; meanwhile their agents are probed, and a newcomer this node cannot reach is reported instead
+  (:mod:`pliant.agent.handover`'s rules). On each tick while a hand-over waits, the executor is asked to read the
+  arrivals (:class:`ReadArrivals`); when a probe is due it probes (:class:`ProbeNewcomers`), and the verdict hands the
+  generation over (:class:`Reconfigure`) or reports the newcomers it cannot reach.
 - **Failures in place**: when a worker of such a group dies, the failure is reported and the other local workers
   keep their processes (they wait for the next generation). A worker that writes the ``wait`` phase saw a peer fail
   mid-step: its agent reports a failure for that generation at once, naming peers whose agents do not answer, so the
@@ -45,6 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from pliant.agent.contract import AgentState, GroupResult
+from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, JobState
 from pliant.fence import Fence
 
@@ -55,6 +62,7 @@ __all__ = [
     "HANG_FLOOR_S",
     "HANG_MULTIPLE",
     "Action",
+    "ArrivalsRead",
     "CoreConfig",
     "CoreState",
     "Dump",
@@ -68,9 +76,12 @@ __all__ = [
     "Joined",
     "LeaseLost",
     "Leave",
+    "NewcomersProbed",
     "PeersProbed",
     "Prepare",
+    "ProbeNewcomers",
     "ProbePeers",
+    "ReadArrivals",
     "Reconfigure",
     "Report",
     "Send",
@@ -105,11 +116,13 @@ class CoreConfig:
         start_timeout_s: no first step (or a checkpoint save, or a wait for the next generation) for this long is a
             hang; 0 disables it.
         rescale_in_place: ``--rescale in-place``: reconfigure groups that can (False: always the restart path).
+        rescale_grace_s: how long a hand-over in place waits for its newcomers before a last probe decides.
     """
 
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
     rescale_in_place: bool = False
+    rescale_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,9 @@ class CoreState:
     probed_at: float = -1e18
     ready: bool = False  # every live worker of the group announced that it re-forms in place
     handed: int | None = None  # the generation last handed to the running group in place
+    members: tuple[str, ...] = ()  # the node ids of the generation the running group last formed (or was handed)
+    handing: Generation | None = None  # a generation waiting for its newcomers before it is handed over in place
+    handover: HandOver | None = None  # that wait: its newcomers, deadline and probes
     trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
     done: bool = False  # every worker of this node exited 0 (the job's end not yet seen)
     reason: str = ""
@@ -213,6 +229,23 @@ class SignalReceived:
 
 
 @dataclass(frozen=True)
+class ArrivalsRead:
+    """What :class:`ReadArrivals` found: ``arrived`` workers counted in at ``generation``'s store (0: unreadable)."""
+
+    generation: int
+    arrived: int
+
+
+@dataclass(frozen=True)
+class NewcomersProbed:
+    """What :class:`ProbeNewcomers` found: the newcomers of ``generation`` whose agents did not answer."""
+
+    generation: int
+    arrived: int
+    unreachable: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Tick:
     """Periodic, with the workers' progress as read now (local rank -> (step, phase) or (step, phase, generation), for
     ranks that write one; the generation a "wait" names) and the checkpoint directory's fence, checked against the
@@ -234,6 +267,8 @@ Event = (
     | LeaseLost
     | PeersProbed
     | SignalReceived
+    | ArrivalsRead
+    | NewcomersProbed
     | Tick
 )
 
@@ -264,6 +299,23 @@ class Reconfigure:
     workers."""
 
     generation: Generation
+
+
+@dataclass(frozen=True)
+class ReadArrivals:
+    """Count the workers that counted themselves in at ``generation``'s store; answer with :class:`ArrivalsRead`."""
+
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class ProbeNewcomers:
+    """Probe the agents of ``generation``'s ``newcomers``; answer with :class:`NewcomersProbed` (``arrived`` passed
+    on)."""
+
+    generation: Generation
+    newcomers: tuple[str, ...]
+    arrived: int
 
 
 @dataclass(frozen=True)
@@ -299,7 +351,7 @@ class Exit:
     message: str = ""
 
 
-Action = Prepare | Stop | Reconfigure | Start | Send | Dump | ProbePeers | Leave | Exit
+Action = Prepare | Stop | Reconfigure | ReadArrivals | ProbeNewcomers | Start | Send | Dump | ProbePeers | Leave | Exit
 
 
 # -- decisions ---------------------------------------------------------------------------------------------------------
@@ -331,7 +383,7 @@ def _set(state: CoreState, phase: AgentState, reason: str = "", **changes: objec
 
 
 def _no_group(state: CoreState) -> CoreState:
-    return replace(state, group=None, progress=(), started_at=0.0, ready=False)
+    return replace(state, group=None, progress=(), started_at=0.0, ready=False, members=(), handing=None, handover=None)
 
 
 def _moves_in_place(state: CoreState) -> bool:
@@ -351,8 +403,16 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
     if mine is not None and _moves_in_place(state):
         ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
         # The same processes: their progress carries on (a rank still in "wait" waits for this very generation).
-        state = replace(state, group=gen.number, started_at=now, handed=gen.number)
+        state = replace(state, group=gen.number, started_at=now, handed=gen.number, handing=None, handover=None)
         why = f"generation {gen.number} in place, {ranks}"
+        known = set(state.members) or {m.node_id for m in gen.members}  # an unknown group's world: no newcomers
+        newcomers = tuple(m.node_id for m in gen.members if m.node_id not in known)
+        needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
+        if needed:  # handed over once the newcomers counted themselves in (the survivors train on meanwhile)
+            pending = HandOver(newcomers, needed, now + state.config.rescale_grace_s)
+            state = replace(state, handing=gen, handover=pending)
+            return _set(state, AgentState.RUNNING, f"{why}, once {', '.join(newcomers)} arrive"), actions
+        state = replace(state, members=tuple(m.node_id for m in gen.members))
         return _set(state, AgentState.RUNNING, why), [*actions, Reconfigure(gen)]
     stranded = False
     if state.group is not None:
@@ -370,7 +430,7 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
         return _set(state, AgentState.WAITING, why), actions
     actions.append(Start(gen))
     ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
-    state = replace(state, group=gen.number, started_at=now, progress=())
+    state = replace(state, group=gen.number, started_at=now, progress=(), members=tuple(m.node_id for m in gen.members))
     return _set(state, AgentState.RUNNING, f"generation {gen.number}, {ranks}"), actions
 
 
@@ -509,6 +569,35 @@ def _watch_membership(state: CoreState, now: float) -> tuple[CoreState, list[Act
     return replace(state, probed_at=now), [ProbePeers()]
 
 
+def _on_arrivals(state: CoreState, event: ArrivalsRead, now: float) -> tuple[CoreState, list[Action]]:
+    """Probe the newcomers of a waiting hand-over when a probe is due (all arrived, the grace ran out, or the last
+    probe is old)."""
+    pending, gen = state.handover, state.handing
+    if pending is None or gen is None or gen.number != event.generation:
+        return state, []  # handed over, reported or superseded since
+    if not probe_due(pending, event.arrived, now):
+        return state, []
+    return state, [ProbeNewcomers(gen, pending.newcomers, event.arrived)]
+
+
+def _on_probed(state: CoreState, event: NewcomersProbed, now: float) -> tuple[CoreState, list[Action]]:
+    """Hand the waiting generation over, report the newcomers this node cannot reach, or wait on."""
+    pending, gen = state.handover, state.handing
+    if pending is None or gen is None or gen.number != event.generation:
+        return state, []
+    pending, verdict = probed(pending, event.arrived, event.unreachable, now, state.config.rescale_grace_s)
+    if verdict.cut:  # the workers train on in their generation; the report brings the next one
+        report = _failure(state, gen.number, -1, verdict.message)
+        state = replace(state, handing=None, handover=None)
+        return _set(state, AgentState.RUNNING, f"generation {gen.number} not handed over: {verdict.message}"), [
+            Send(report)
+        ]
+    if verdict.hand:
+        state = replace(state, handing=None, handover=None, members=tuple(m.node_id for m in gen.members))
+        return _set(state, AgentState.RUNNING, f"generation {gen.number} handed over in place"), [Reconfigure(gen)]
+    return replace(state, handover=pending), []
+
+
 def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
     """The agent's next state and the actions to perform, in order, for ``event`` at agent-clock time ``now``."""
     if state.phase in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.LEFT):
@@ -563,6 +652,10 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
             ]
         actions = [Stop(rescale=True)] if state.group is not None else []
         return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
+    if isinstance(event, ArrivalsRead):
+        return _on_arrivals(state, event, now)
+    if isinstance(event, NewcomersProbed):
+        return _on_probed(state, event, now)
     if isinstance(event, Tick):
         if _done_unheard(state, now):
             why = (
@@ -576,7 +669,9 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
             report = _failure(state, state.group or 0, FENCED_EXIT_CODE, fenced)
             return _set(_no_group(state), AgentState.WAITING, fenced), [Stop(), Send(report)]
         state, actions = _watch_progress(state, event, now)
-        if actions:
-            return state, actions
-        return _watch_membership(state, now)
+        if not actions:
+            state, actions = _watch_membership(state, now)
+        if state.handing is not None:  # a hand-over waits: read its arrivals on every tick
+            actions = [*actions, ReadArrivals(state.handing)]
+        return state, actions
     raise TypeError(f"unknown agent event {event!r}")

@@ -1,5 +1,6 @@
-"""When a generation handed over in place waits for its newcomers, and when it gives up on them: pure decisions, time
-passed in. :meth:`pliant.agent.agent.Agent._hand_over` reads the arrivals, probes the newcomers' agents and acts.
+"""When a generation handed over in place waits for its newcomers, and when it gives up on them: pure rules, time
+passed in, which :func:`pliant.agent.core.decide` applies (the executor reads the arrivals and probes the agents when
+it asks).
 
 A generation that admits new nodes is handed to this node's running workers only once the newcomers' workers have
 counted themselves in at the generation's store (node rank 0's), so that the survivors train on while the newcomers
@@ -9,8 +10,7 @@ port each agent holds from before it joined) every :data:`PROBE_EVERY_S`:
 - a newcomer whose agent failed :data:`PROBES_FAILED` probes in a row cannot reach this node either (a cut, or it
   died): this node reports the generation's failure naming it, instead of handing the generation over. The workers
   train on in their generation, the coordinator evicts the newcomer (a strike: it never arrived) and the survivors
-  re-form in the next generation. Before these probes, the survivors' agent waited the whole rescale grace (30 s)
-  first, and a newcomer that could never arrive held the world's growth and its own next try that long;
+  re-form in the next generation, without waiting out the rescale grace;
 - once every newcomer counted in, or the rescale grace ran out, one last probe decides: counting in at node rank 0's
   store proves nothing to this node, which may not reach a newcomer that node rank 0 does (a cut in a world of
   three), and whose workers would then wait in a meeting that cannot form.
