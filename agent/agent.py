@@ -615,23 +615,22 @@ class Agent:
             "move in place, or a worker still starting)"
         )
 
-    def _handing_envs_of(self, gen: Generation) -> list[WorkerEnv]:
-        """This node's workers' envs in ``gen``, kept while its hand-over waits.
-
-        Raises:
-            AgentError: the generation's store did not open in time.
-        """
+    def _handing_envs_of(self, gen: Generation) -> list[WorkerEnv] | None:
+        """This node's workers' envs in ``gen``, kept while its hand-over waits; None when the generation's store did
+        not open in time (then :class:`core.StartFailed` is on its way)."""
         if self._handing_envs is None or self._handing_envs[0] != gen.number:
-            self._handing_envs = (gen.number, self._envs(gen))
+            try:
+                self._handing_envs = (gen.number, self._envs(gen))
+            except AgentError as exc:
+                logger.warning("agent %s: cannot hand over generation %d: %s", self.config.node_id, gen.number, exc)
+                self._events.put(core.StartFailed(gen.number, str(exc)))
+                return None
         return self._handing_envs[1]
 
     def _read_arrivals(self, gen: Generation) -> None:
         """How many workers counted themselves in at ``gen``'s store, for the waiting hand-over (:mod:`core`)."""
-        try:
-            envs = self._handing_envs_of(gen)
-        except AgentError as exc:
-            logger.warning("agent %s: cannot hand over generation %d: %s", self.config.node_id, gen.number, exc)
-            self._events.put(core.StartFailed(gen.number, str(exc)))
+        envs = self._handing_envs_of(gen)
+        if envs is None:
             return
         arrived = 0
         try:
@@ -645,11 +644,8 @@ class Agent:
         """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`): :mod:`core` decided when
         (with newcomers, once their workers counted themselves in)."""
         assert self.group is not None
-        try:
-            envs = self._handing_envs_of(gen)
-        except AgentError as exc:
-            logger.warning("agent %s: cannot reconfigure for generation %d: %s", self.config.node_id, gen.number, exc)
-            self._events.put(core.StartFailed(gen.number, str(exc)))
+        envs = self._handing_envs_of(gen)
+        if envs is None:
             return
         self._handing_envs = None
         kept, started = self.group.reconfigure(gen.number, envs)

@@ -3,52 +3,25 @@ real coordinator, and what its ranks wrote per trained step (one JSON line each:
 
 from __future__ import annotations
 
-import sys
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from tests.integration.harness import ROOT, read_jsonl
+from tests.conftest import wait_for
+from tests.integration.harness import ROOT, pliant_agent, read_jsonl
 
-__all__ = ["EXAMPLES", "agent_argv", "events", "generation", "stepping", "trained_twice"]
+__all__ = ["EXAMPLES", "Run", "agent_argv", "events", "generation", "join_kill_join_leave", "stepping", "trained_twice"]
 
 EXAMPLES = ROOT / "examples"
 
 
 def agent_argv(address: str, node: str, tmp: Path, script: Path, extra: tuple[str, ...] = ()) -> list[str]:
     """A ``pliant agent`` of job "job" on node ``node``: 1:2 nodes, one worker, short graces, three restarts."""
-    return [
-        sys.executable,
-        "-m",
-        "pliant",
-        "agent",
-        "--coordinator",
-        address,
-        "--job",
-        "job",
-        "--node-id",
-        node,
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--heartbeat-ttl",
-        "3",
-        "--join-grace",
-        "0.5",
-        "--stop-grace",
-        "2",
-        "--rescale-grace",
-        "30",
-        "--finish-grace",
-        "10",
-        "--max-restarts",
-        "3",
-        "--checkpoint-dir",
-        str(tmp / "ckpt"),
-        "--log-dir",
-        str(tmp / "logs"),
-        str(script),
-        *extra,
-    ]
+    flags = ["--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "3"]
+    flags += ["--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "logs")]
+    return pliant_agent(address, node, *flags, str(script), *extra, nproc=1)
 
 
 def events(tmp: Path) -> list[dict]:
@@ -75,3 +48,42 @@ def trained_twice(tmp: Path, steps: int) -> dict[int, list[int]]:
             trained.setdefault(event["step"], []).append(event["generation"])
     assert set(trained) == set(range(steps)), f"steps never trained: {sorted(set(range(steps)) - set(trained))[:20]}"
     return {step: gens for step, gens in trained.items() if len(gens) > 1}
+
+
+@dataclass(frozen=True)
+class Run:
+    """What :func:`join_kill_join_leave` went through: node a's agent (running until the job ends), the generation
+    of the first join, and the generation the kill -9 ended."""
+
+    agent: Any
+    joined: int
+    killed_in: int
+
+
+def join_kill_join_leave(
+    server: Any, spawn_agent: Callable[..., Any], tmp: Path, script: Path, extra: tuple[str, ...], wait_s: float
+) -> Run:
+    """Node a trains alone; node b joins; node b's agent is killed (kill -9); node b joins again; node b leaves
+    (SIGTERM); then the job runs to its end. Each change is waited for as rank 0 stepping in the new world (at most
+    ``wait_s`` each)."""
+    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp, script, extra), name="agent-a")
+    wait_for(lambda: stepping(tmp, 1, 10), wait_s, "node a stepping alone")
+
+    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp, script, extra), name="agent-b")
+    wait_for(lambda: stepping(tmp, 2, 10), wait_s, "world 2 stepping (join)")
+    joined = killed_in = generation(tmp)
+
+    b.kill(signal.SIGKILL)  # node b is lost: a's worker fails, the next world resumes from the last checkpoint
+    wait_for(lambda: stepping(tmp, 1, 10, after=killed_in), wait_s, "node a stepping alone again (kill -9)")
+
+    b2 = spawn_agent(server, agent_argv(server.address, "node-b", tmp, script, extra), name="agent-b2")
+    rejoined_after = generation(tmp)
+    wait_for(lambda: stepping(tmp, 2, 10, after=rejoined_after), wait_s, "world 2 stepping (join again)")
+
+    left_after = generation(tmp)
+    b2.kill(signal.SIGTERM)  # a graceful leave
+    wait_for(lambda: b2.proc.poll() is not None, 60, "node b to leave")
+    wait_for(lambda: stepping(tmp, 1, 3, after=left_after), wait_s, "node a stepping alone (leave)")
+    wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
+    assert a.proc.returncode == 0, a.output()[-4000:]
+    return Run(a, joined, killed_in)

@@ -32,6 +32,7 @@ __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with
     "end_soon",
     "longest_pause",
     "max_param_diff",
+    "pliant_agent",
     "read_jsonl",
     "read_steps",
     "scrape",
@@ -57,16 +58,11 @@ def read_steps(path: Path) -> list[Step]:
     return [Step(**item) for item in read_jsonl(path)]
 
 
-def agent_args(
-    coordinator: str,
-    job: str,
-    node: str,
-    workdir: Path,
-    nnodes: str = "1:2",
-    steps: int = 100000,
-    extra: tuple[str, ...] = (),
+def pliant_agent(
+    coordinator: str, node: str, *flags: str, job: str = "job", nnodes: str = "1:2", nproc: int = 2
 ) -> list[str]:
-    """``pliant agent`` running 2 workers of the example script, with events and checkpoint under ``workdir``."""
+    """``python -m pliant agent`` joining ``coordinator`` as ``node`` with the tests' short timings (heartbeat TTL
+    3 s, join grace 0.5 s, stop grace 2 s), then ``flags``: more flags, the script and its arguments."""
     return [
         sys.executable,
         "-m",
@@ -81,30 +77,31 @@ def agent_args(
         "--nnodes",
         nnodes,
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--heartbeat-ttl",
         "3",
         "--join-grace",
         "0.5",
         "--stop-grace",
         "2",
-        "--finish-grace",
-        "1",
-        "--log-dir",
-        str(workdir / "logs"),
-        *extra,
-        str(SCRIPT),
-        "--steps",
-        str(steps),
-        "--step-time",
-        "0.05",
-        "--ckpt",
-        str(workdir / "ckpt.pt"),
-        "--events",
-        str(workdir / "events.jsonl"),
-        "--log-every",
-        "50",
+        *flags,
     ]
+
+
+def agent_args(
+    coordinator: str,
+    job: str,
+    node: str,
+    workdir: Path,
+    nnodes: str = "1:2",
+    steps: int = 100000,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """``pliant agent`` running 2 workers of the example script, with events and checkpoint under ``workdir``."""
+    script = [str(SCRIPT), "--steps", str(steps), "--step-time", "0.05", "--ckpt", str(workdir / "ckpt.pt")]
+    script += ["--events", str(workdir / "events.jsonl"), "--log-every", "50"]
+    flags = ["--finish-grace", "1", "--log-dir", str(workdir / "logs"), *extra]
+    return pliant_agent(coordinator, node, *flags, *script, job=job, nnodes=nnodes)
 
 
 def wait_world(events: Path, restart: int, world: int, timeout_s: float, after_step: int = -1) -> list[Step]:
@@ -182,27 +179,7 @@ def elastic_agent(
     """``pliant agent`` running examples/train_elastic.py (``step_time`` s steps) with its events and final parameters
     under ``tmp``; ``checkpoints`` adds ``--checkpoint-dir tmp/ckpt``."""
     ckpt = ("--checkpoint-dir", str(tmp / "ckpt")) if checkpoints else ()
-    return [
-        sys.executable,
-        "-m",
-        "pliant",
-        "agent",
-        "--coordinator",
-        coordinator,
-        "--job",
-        "job",
-        "--node-id",
-        node,
-        "--nnodes",
-        "1:3",
-        "--nproc-per-node",
-        str(nproc),
-        "--heartbeat-ttl",
-        "3",
-        "--join-grace",
-        "0.5",
-        "--stop-grace",
-        "2",
+    flags = [
         "--rescale-grace",
         "30",
         "--finish-grace",
@@ -212,10 +189,10 @@ def elastic_agent(
         *ckpt,
         "--log-dir",
         str(tmp / "logs"),
-        *extra,
-        *elastic_script(tmp, steps, step_time),
-        *script,
     ]
+    return pliant_agent(
+        coordinator, node, *flags, *extra, *elastic_script(tmp, steps, step_time), *script, nnodes="1:3", nproc=nproc
+    )
 
 
 def elastic_script(tmp: Path, steps: int, step_time: float = 0.1) -> list[str]:

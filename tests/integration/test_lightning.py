@@ -7,7 +7,6 @@ Without the plugin the agent says in one line what to add."""
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.integration.framework_jobs import EXAMPLES, agent_argv, generation, stepping, trained_twice
+from tests.integration.framework_jobs import EXAMPLES, agent_argv, join_kill_join_leave, trained_twice
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
@@ -45,27 +44,8 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
         "--accelerator",
         "gpu" if strategy == "fsdp" else "cpu",
     )
-    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp_path, SCRIPT, extra), name="agent-a")
-    wait_for(lambda: stepping(tmp_path, 1, 10), 90, "node a stepping alone")
-
-    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b")
-    wait_for(lambda: stepping(tmp_path, 2, 10), 90, "world 2 stepping (join)")
-    joined = generation(tmp_path)
-
-    killed_in = generation(tmp_path)
-    b.kill(signal.SIGKILL)  # node b is lost: a's worker fails, the next world resumes from the join's checkpoint
-    wait_for(lambda: stepping(tmp_path, 1, 10, after=killed_in), 90, "node a stepping alone again (kill -9)")
-
-    b2 = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b2")
-    rejoined_after = generation(tmp_path)
-    wait_for(lambda: stepping(tmp_path, 2, 10, after=rejoined_after), 90, "world 2 stepping (join again)")
-
-    left_after = generation(tmp_path)
-    b2.kill(signal.SIGTERM)  # a graceful leave
-    wait_for(lambda: b2.proc.poll() is not None, 60, "node b to leave")
-    wait_for(lambda: stepping(tmp_path, 1, 3, after=left_after), 90, "node a stepping alone (leave)")
-    wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
-    assert a.proc.returncode == 0, a.output()[-4000:]
+    run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=90)
+    a, joined, killed_in = run.agent, run.joined, run.killed_in
 
     final = json.loads((tmp_path / "final.json").read_text())
     assert final["global_step"] == STEPS, final

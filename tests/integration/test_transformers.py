@@ -6,13 +6,11 @@ twice only after the kill (from the last complete checkpoint), never after a gra
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
-from tests.integration.framework_jobs import EXAMPLES, agent_argv, generation, stepping, trained_twice
+from tests.integration.framework_jobs import EXAMPLES, join_kill_join_leave, trained_twice
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (the dev extras)")
 
@@ -40,27 +38,8 @@ def test_a_trainer_script_with_the_callback_follows_joins_kills_and_leaves(
         "--out",
         str(tmp_path / "final.json"),
     )
-    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp_path, SCRIPT, extra), name="agent-a")
-    wait_for(lambda: stepping(tmp_path, 1, 10), 120, "node a stepping alone")
-
-    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b")
-    wait_for(lambda: stepping(tmp_path, 2, 10), 120, "world 2 stepping (join)")
-    joined = generation(tmp_path)
-
-    killed_in = generation(tmp_path)
-    b.kill(signal.SIGKILL)  # node b is lost: a's worker fails, the next world resumes from the join's checkpoint
-    wait_for(lambda: stepping(tmp_path, 1, 10, after=killed_in), 120, "node a stepping alone again (kill -9)")
-
-    b2 = spawn_agent(server, agent_argv(server.address, "node-b", tmp_path, SCRIPT, extra), name="agent-b2")
-    rejoined_after = generation(tmp_path)
-    wait_for(lambda: stepping(tmp_path, 2, 10, after=rejoined_after), 120, "world 2 stepping (join again)")
-
-    left_after = generation(tmp_path)
-    b2.kill(signal.SIGTERM)  # a graceful leave
-    wait_for(lambda: b2.proc.poll() is not None, 60, "node b to leave")
-    wait_for(lambda: stepping(tmp_path, 1, 3, after=left_after), 120, "node a stepping alone (leave)")
-    wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
-    assert a.proc.returncode == 0, a.output()[-4000:]
+    run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=120)
+    a, joined, killed_in = run.agent, run.joined, run.killed_in
 
     final = json.loads((tmp_path / "final.json").read_text())
     assert final["global_step"] == STEPS, final
