@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import types
@@ -19,7 +18,7 @@ from bench.netns import unavailable
 from pliant.coordinator.contract import JobState
 from pliant.coordinator.etcd_server import EtcdServer
 from tests.conftest import health_serving, wait_for
-from tests.integration.harness import assert_all_gone, end_soon, read_jsonl, worker_processes
+from tests.integration.harness import assert_all_gone, end_soon, pliant_agent, read_jsonl, worker_processes
 from tests.integration.proxy import Proxy
 
 pytestmark = [pytest.mark.slow]
@@ -40,45 +39,11 @@ def _args(
     checkpoints: bool = True,
     nproc: int = 2,
 ) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pliant",
-        "agent",
-        "--coordinator",
-        coordinator,
-        "--job",
-        "job",
-        "--node-id",
-        node,
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        str(nproc),
-        "--heartbeat-ttl",
-        "3",
-        "--join-grace",
-        "0.5",
-        "--stop-grace",
-        "2",
-        "--finish-grace",
-        "10",
-        "--log-dir",
-        str(workdir / "logs"),
-        *(("--checkpoint-dir", str(workdir / "ckpt")) if checkpoints else ()),
-        *extra,
-        str(HOOKS),
-        "--steps",
-        str(steps),
-        "--step-time",
-        str(step_time),
-        "--save-every",
-        "20",
-        "--events",
-        str(workdir / "events.jsonl"),
-        "--stop-file",
-        str(workdir / "stop"),
-    ]
+    flags = ["--finish-grace", "10", "--log-dir", str(workdir / "logs")]
+    flags += ["--checkpoint-dir", str(workdir / "ckpt")] if checkpoints else []
+    script = [str(HOOKS), "--steps", str(steps), "--step-time", str(step_time), "--save-every", "20"]
+    script += ["--events", str(workdir / "events.jsonl"), "--stop-file", str(workdir / "stop")]
+    return pliant_agent(coordinator, node, *flags, *extra, *script, nnodes=nnodes, nproc=nproc)
 
 
 def _events(workdir: Path) -> list[dict]:
