@@ -10,10 +10,10 @@ strategies with three changes, and nothing else for the script to write:
   passed, so Lightning's checks, its ranks and its ``DistributedSampler`` (``num_replicas``) agree with the world the
   agent formed.
 - **A rescale saves at a step boundary.** The strategy takes the rescale signal (:mod:`pliant.integration`) and at
-  the start of every training batch the ranks agree on whether one was asked. When one was, every rank saves a
-  Lightning checkpoint (``Trainer.save_checkpoint``: Lightning's own format, as its SLURM requeue path does) and
-  exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes for "saved for the rescale", not a failure.
-  The batch whose start it was is not trained: it is the first one of the next world.
+  the start of training batches (about every 0.1 s) the ranks vote on whether one was asked. When one was, every
+  rank saves a Lightning checkpoint (``Trainer.save_checkpoint``: Lightning's own format, as its SLURM requeue path
+  does) and exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes for "saved for the rescale", not a
+  failure. The batch whose start it was is not trained: it is the first one of the next world.
 - **The next world resumes from it.** At setup, when the script passed no ``ckpt_path`` and a rescale checkpoint
   exists, the fit resumes from it: weights, optimizer, loop progress (``global_step``), callbacks. The checkpoint is
   ``<--checkpoint-dir>/lightning/rescale.ckpt`` (the directory every node shares), else under the trainer's

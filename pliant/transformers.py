@@ -7,10 +7,10 @@ fresh workers. Without the callback a rescale stops the workers as torchrun does
 callback adds two things:
 
 - **A rescale saves at a step boundary.** The callback takes the rescale signal (:mod:`pliant.integration`) and at
-  the end of every optimizer step the ranks agree on whether one was asked. When one was, the step is saved as a
-  Trainer checkpoint (``<output_dir>/checkpoint-<global_step>``, the Trainer's own format and rotation:
-  ``save_total_limit`` applies) and every rank exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes
-  for "saved for the rescale", not a failure. No step is trained twice after a join or a leave.
+  the end of optimizer steps (about every 0.1 s) the ranks vote on whether one was asked. When one was, the step is
+  saved as a Trainer checkpoint (``<output_dir>/checkpoint-<global_step>``, the Trainer's own format and rotation:
+  ``save_total_limit`` applies) and every rank exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent
+  takes for "saved for the rescale", not a failure. No step is trained twice after a join or a leave.
 - **The next world resumes from the last complete checkpoint.** In every generation after a job's first, when the
   script calls ``trainer.train()`` without ``resume_from_checkpoint`` (or with ``False``), the fit resumes from
   :func:`last_checkpoint` of ``output_dir``: weights, optimizer, scheduler, ``global_step`` and the data position.
