@@ -133,6 +133,9 @@ class Zygote:
         argv = [sys.executable, "-u", "-m", "pliant.agent.zygote", *map(str, fds)]
         if preload is not None and preload.imports:
             argv += ["--preload", preload.to_json()]
+        if preload is not None and preload.source != "script":  # the script's own list is logged once imported
+            named = ", ".join(i.module for i in preload.imports) or "nothing"
+            logger.info("worker zygote: preloading torch and %s (%s)", named, preload.source)
         self.proc = subprocess.Popen(
             die_with_parent(argv), env=self.base_env, stdin=subprocess.DEVNULL, pass_fds=fds, start_new_session=True
         )

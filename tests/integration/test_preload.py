@@ -93,3 +93,5 @@ def test_the_preload_can_be_named_or_turned_off(tmp_path: Path, caplog: pytest.L
             assert f"WARM {warm}" in worker.stdout.read().decode()
         finally:
             zygote.close()
+    logs = "\n".join(r.getMessage() for r in caplog.records)
+    assert "preloading torch and plainmod (--preload)" in logs and "preloading torch and nothing (--no-preload)" in logs
