@@ -70,7 +70,7 @@ class AgentConfig:
         rescale: ``in-place`` (groups that can re-form keep their processes and state across generations) or
             ``restart`` (every new generation stops the group after a checkpoint).
         snapshot_every: committed steps between a sharded engine's buddy copies, or None (``auto``) to choose them
-            from their measured cost (exported to workers; :mod:`pliant.worker.cadence`).
+            from their measured cost (exported to workers; :mod:`pliant.worker.inplace.cadence`).
         snapshot_dir: the folder in node-local memory where the agent makes the directory its workers keep their
             buddy copies in, so that a dead worker's outlive it (:mod:`pliant.agent.snapshots`); None: ``/dev/shm``
             where it is writable; "": none (the copies live in the workers' memory only).

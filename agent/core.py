@@ -7,7 +7,7 @@ and performs the actions it returns, in order. Everything here is unit-tested wi
 The rules:
 
 - **Generations**: with ``--rescale in-place`` and a group whose workers all announced that they re-form in place
-  (pliant.worker; see :mod:`pliant.worker.rescale`), a newer generation that keeps this node *reconfigures* the
+  (pliant.worker; see :mod:`pliant.worker.inplace.protocol`), a newer generation that keeps this node *reconfigures* the
   running group: each live worker gets its new env as a directive, and a local rank whose worker died gets a fresh
   worker, which takes its state from the survivors. Otherwise the newer generation stops the running group (asking
   workers to checkpoint first: the restart path) and starts this node's workers if it is a member. As node rank 0 it

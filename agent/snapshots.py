@@ -1,5 +1,5 @@
 """The node's snapshot directory: where its workers keep their buddy copies so that they outlive a worker's death
-(:mod:`pliant.worker.kept`).
+(:mod:`pliant.worker.inplace.kept`).
 
 One directory per agent, made at its start in node-local memory (``/dev/shm`` unless ``--snapshot-dir`` names another
 folder; ``--snapshot-dir ''`` turns it off), handed to the workers as ``PLIANT_SNAPSHOT_DIR`` and removed when the

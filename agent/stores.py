@@ -213,7 +213,8 @@ class NodeStore:
 
     def arrivals(self, host: str, port: int) -> int:
         """How many fresh workers announced that they are about to join the generation whose store is at
-        ``host:port`` (see :func:`pliant.worker.groups.announce_arrival`). The host keeps the client for the next poll.
+        ``host:port`` (see :func:`pliant.worker.inplace.groups.announce_arrival`). The host keeps the client for the
+        next poll.
 
         Raises:
             StoreHostError: that store is not reachable (yet).

@@ -43,9 +43,9 @@ from torch.utils.data import TensorDataset
 
 import pliant.worker as pw
 from pliant.env import WorkerEnv
-from pliant.worker.buddy import BuddyCopies
 from pliant.worker.checkpoint import CheckpointManager
-from pliant.worker.contract import Engine, Staged
+from pliant.worker.contract import LOCAL, Engine, Runner, Staged
+from pliant.worker.inplace.buddy import BuddyCopies
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 6  # steps after a save whose excess time counts, at least (more while the save is still being written)
@@ -111,6 +111,12 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
         engine.staging = settle  # the next optimizer step waits for the copy
         return copies.staged(step)
 
+    class Snapshots(Runner):
+        """The rescale protocol's part in a save: the buddy snapshot of the step."""
+
+        def snapshot_for_save(self, engine: Engine, step: int) -> Staged | None:
+            return snapshot_of(engine, step)
+
     copies = BuddyCopies(lambda make: make())
     results: dict[str, float] = {}
     done = 0
@@ -124,9 +130,8 @@ def rank_main(rank: int, world: int, port: int, directory: str, mb: int, kind: s
             async_save=not mode.startswith("sync"),
             keep=1,
             direct_io=not mode.endswith("-buffered"),
+            runner=Snapshots() if mode.startswith("snapshot") else LOCAL,
         )
-        if mode.startswith("snapshot"):
-            ckpt.snapshot_of = snapshot_of
         plain, stalls, totals, spans = [], [], [], []
         for _ in range(REPEATS):
             for _ in range(4):

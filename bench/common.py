@@ -236,8 +236,8 @@ def in_run_cost(times: dict[int, float], steps: range, snapshots: list[int], hor
 def snapshot_steps(changes: list[tuple[int, int]], until: int, first_every: int) -> list[int]:
     """The committed steps at which an automatic interval's snapshots were taken, up to step ``until``, from the K
     changes the workers logged (``changes``: (K, the vote's step) in order) and the first K, with the protocol's own
-    rule (:class:`pliant.worker.cadence.Cadence`); re-formations not included."""
-    from pliant.worker.cadence import Cadence
+    rule (:class:`pliant.worker.inplace.cadence.Cadence`); re-formations not included."""
+    from pliant.worker.inplace.cadence import Cadence
 
     cadence, taken = Cadence(first_every), []
     for step in range(until):

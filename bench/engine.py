@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pliant.worker as pw
 from pliant.env import WorkerEnv
-from pliant.worker.rescale import Protocol
+from pliant.worker.inplace.protocol import Protocol
 
 MICRO = 64
 CHUNK = 25  # steps of one run timed before the next run's
@@ -115,9 +115,9 @@ def pliant_engine_step(
         )
     )
     engine = session.engine(make_model(tiny), kind, torch.optim.SGD, lr=0.01)
-    if vote:
-        engine.protocol = Protocol(session, rescale_in_place=True)
-        engine.protocol.parts.append(engine)
+    if vote:  # the runner a session under an agent gives its engines
+        engine.runner = Protocol(session.world, session.device, session.metrics, rescale_in_place=True)
+        engine.runner.add_engine(engine)
     batches = iter(session.loader(dataset(tiny=tiny), global_batch, MICRO))
     return lambda _i: engine.step(next(batches), loss_fn)
 

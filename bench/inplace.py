@@ -11,11 +11,11 @@ broadcast at wrap time is off); ``restart`` checkpoints at the step boundary (sy
 new processes. The bandwidth comes from the survivor's own log line (the bytes broadcast over the re-formation's
 seconds, set-up included).
 
-Then the cost of ZeRO's buddy copies (pliant.worker.buddy) at the default snapshot interval (``auto``: the workers
-choose K from the copies' measured cost, pliant.worker.cadence; the K in force is their ``pliant_worker_snapshot_every``
-gauge): one node with 2 ZeRO ranks trains the same model under ``--rescale in-place`` with snapshots (copied and sent
-to the buddy in the background) and without copies in the window (``--snapshot-every`` 10**6: the one snapshot after
-the first step comes before it), steady-state steps/s over the same step window,
+Then the cost of ZeRO's buddy copies (pliant.worker.inplace.buddy) at the default snapshot interval (``auto``: the
+workers choose K from the copies' measured cost, pliant.worker.inplace.cadence; the K in force is their
+``pliant_worker_snapshot_every`` gauge): one node with 2 ZeRO ranks trains the same model under ``--rescale in-place``
+with snapshots (copied and sent to the buddy in the background) and without copies in the window (``--snapshot-every``
+10**6: the one snapshot after the first step comes before it), steady-state steps/s over the same step window,
 in ``--pairs`` alternating pairs of runs (the spread between two runs of the same job on a small machine exceeds the
 copies' cost: the median of the pairs' costs is reported). Inside each run the cost is also estimated from rank 0's
 step durations by their place after a snapshot (``in_run_cost``; the snapshots' steps follow from the K changes the
@@ -55,7 +55,7 @@ from common import (
 )
 
 from pliant.net import free_port
-from pliant.worker.cadence import FIRST_SNAPSHOT_EVERY
+from pliant.worker.inplace.cadence import FIRST_SNAPSHOT_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_elastic.py"

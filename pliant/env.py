@@ -28,15 +28,15 @@ __all__ = [
 # The rescale protocol: the agent sends RESCALE_SIGNAL to its workers when a new generation (or its own leave) is
 # coming, after writing each worker's directive (pliant.progress). pliant.worker agrees on a step boundary across
 # ranks and either re-forms in place or, on the restart path, checkpoints and exits with RESCALE_EXIT_CODE, which the
-# agent does not count as a failure (see pliant.worker.rescale). The signal goes only to workers that announced they
-# handle it (pliant.progress); scripts that do not use pliant.worker are stopped as torchrun stops them: SIGTERM, then
-# SIGKILL after the stop grace.
+# agent does not count as a failure (see pliant.worker.inplace.protocol). The signal goes only to workers that announced
+# they handle it (pliant.progress); scripts that do not use pliant.worker are stopped as torchrun stops them: SIGTERM,
+# then SIGKILL after the stop grace.
 RESCALE_SIGNAL = signal.SIGUSR1
 RESCALE_EXIT_CODE = 75
 RESCALE_MODES = ("in-place", "restart")
 # An in-place worker whose step its step guard broke but which stayed blocked writes its stacks and exits with this
-# code (pliant.worker.guard): a failure, which its agent reports as it does any dead worker's (the survivors re-form in
-# place without it).
+# code (pliant.worker.inplace.guard): a failure, which its agent reports as it does any dead worker's (the survivors
+# re-form in place without it).
 GUARD_EXIT_CODE = 76
 AUTO = "auto"  # --snapshot-every auto / PLIANT_SNAPSHOT_EVERY=auto: K from the snapshots' measured cost
 # The agent sends STACKS_SIGNAL to a hung worker before it stops it: the worker's faulthandler (registered by the zygote
@@ -87,11 +87,11 @@ class WorkerEnv:
             (:mod:`pliant.progress`; "" when no agent watches).
         rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
             checkpoint and exit on a rescale); the agent's ``--rescale``.
-        snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.buddy`), or
-            None to choose them from their measured cost (:mod:`pliant.worker.cadence`); the agent's
+        snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.inplace.buddy`), or
+            None to choose them from their measured cost (:mod:`pliant.worker.inplace.cadence`); the agent's
             ``--snapshot-every`` (``auto``: None).
         snapshot_dir: the agent's folder (node-local memory, tmpfs) where workers keep their buddy copies so that
-            they outlive a worker's death (:mod:`pliant.worker.kept`); "" keeps them in process memory only.
+            they outlive a worker's death (:mod:`pliant.worker.inplace.kept`); "" keeps them in process memory only.
     """
 
     rank: int = 0

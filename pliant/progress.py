@@ -13,10 +13,10 @@ agent that already handed it a newer one does not report the failure again, and 
 same step is a new one), ``done`` (the session closed).
 
 **The directive file** ``<progress file>.next`` is how an agent hands a running worker its next generation (the
-in-place rescale, :mod:`pliant.worker.rescale`): a JSON object ``{"generation": N, "mode": M, "env": {...}}`` written
-through a temporary file and a rename, then the rescale signal. Modes: ``in-place`` (re-form in generation N with
-``env``, the worker's new :class:`pliant.env.WorkerEnv` variables), ``leave`` (hand over and exit: this node is not in
-generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it handles the rescale
+in-place rescale, :mod:`pliant.worker.inplace.protocol`): a JSON object ``{"generation": N, "mode": M, "env": {...}}``
+written through a temporary file and a rename, then the rescale signal. Modes: ``in-place`` (re-form in generation N
+with ``env``, the worker's new :class:`pliant.env.WorkerEnv` variables), ``leave`` (hand over and exit: this node is not
+in generation N), ``restart`` (checkpoint and exit for a fresh start). The worker announces that it handles the rescale
 signal by creating ``<progress file>.signal`` (a worker that did not is stopped as torchrun stops one: SIGTERM, then
 SIGKILL after the stop grace), and that it can take in-place directives by creating ``<progress file>.inplace``.
 

@@ -43,11 +43,10 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.fence import FENCE, Fence, read_fence
 from pliant.seal import SealError, seal, unseal
-from pliant.worker.contract import Engine, Staged, WorkerError
+from pliant.worker.contract import LOCAL, Engine, Runner, WorkerError, WorldPart
 from pliant.worker.directio import DIR_MODE, FILE_MODE, DirectWriter
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 from pliant.worker.sealed import DataLoadPlanner, SealedReader, metadata_digest, restrict_objects, unrestrict
@@ -68,6 +67,9 @@ from pliant.worker.staging import (
     stager,
     write_in_background,
 )
+
+if TYPE_CHECKING:
+    from pliant.worker.inplace.world import World
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -177,7 +179,7 @@ class _TrainState(Stateful):
                 group.setdefault("initial_lr", base)
 
 
-class CheckpointManager:
+class CheckpointManager(WorldPart):
     """Save and restore a training run.
 
     Args:
@@ -195,6 +197,9 @@ class CheckpointManager:
         allow_fresh_start: when checkpoints exist but none loads, start from step 0 instead of raising.
         direct_io: write the files around the page cache (``O_DIRECT``, :mod:`pliant.worker.directio`) where the file
             system takes it; False: through it, as DCP's own writer does.
+        runner: the engines' runner (default: the plain local step). Under an agent, the rescale protocol: a
+            newcomer's :meth:`restore` takes the survivors' state from it, a save may write from its buddy snapshot,
+            and a save a peer's failure broke is abandoned when it says the next step recovers.
     """
 
     def __init__(
@@ -212,6 +217,7 @@ class CheckpointManager:
         incarnation: str = "",
         direct_io: bool = True,
         key: bytes | None = None,
+        runner: Runner = LOCAL,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
@@ -228,9 +234,7 @@ class CheckpointManager:
         self.incarnation, self.key = incarnation, key or None
         self._ignored: dict[str, str] = {}  # checkpoint path -> why its marker is ignored (said once)
         self._fence_problem = ""  # why the fence file was last ignored (said once)
-        self.from_peers: Callable[[], int | None] | None = None  # the rescale protocol's state from survivors
-        self.snapshot_of: Callable[[Engine, int], Staged | None] | None = None  # its buddy snapshot of a step
-        self.peer_failed: Callable[[BaseException], bool] | None = None  # its "a peer failed; the next step re-forms"
+        self.runner = runner
         self._in_flight: Future[Any] | None = None
         self._committed = threading.Event()  # the in-flight save's completion callback has run (commit or error)
         self._in_flight_path: Path | None = None
@@ -250,6 +254,22 @@ class CheckpointManager:
         self.close()  # this rank's share of the state is cut anew in this world
         if dist.get_rank() == 0:
             self._open_directory()
+
+    # -- moving to the next world (WorldPart)
+    # ---------------------------------------------------------------------------
+
+    def before_restart(self, step: int) -> None:
+        """The restart path: save ``step`` (not yet run) now, synchronously; fresh workers restore from it."""
+        stall = self.save(step, sync=True)
+        logger.info("rescale (restart path): step %d checkpointed in %.2fs", step, stall)
+
+    def quiesce(self) -> None:
+        """Finish the save in flight (:meth:`wait`): this manager's group is about to be retired."""
+        self.wait()
+
+    def after_move(self, world: World) -> None:
+        """Open this manager's group in the new world (:meth:`reopen`), its sockets noted by the world."""
+        world.tracked(lambda: self.reopen(world.env.generation))
 
     def close(self) -> None:
         """Free the host copies that async saves reuse (the next async save makes them again)."""
@@ -317,7 +337,7 @@ class CheckpointManager:
     def after_step(self, steps_done: int) -> None:
         """Call after every optimizer step with the number of steps done: saves every ``every_steps`` steps, and
         raises the error of an async save that failed. (Rescales happen in ``engine.step``:
-        :mod:`pliant.worker.rescale`.)"""
+        :mod:`pliant.worker.inplace.protocol`.)"""
         self._reap()
         if self.every_steps and steps_done % self.every_steps == 0:
             self.save(steps_done)
@@ -402,10 +422,8 @@ class CheckpointManager:
         takes now if its cadence did not: the copy is the snapshot's (the next optimizer step waits for it, as for
         every snapshot), and the state is not copied a second time. None: no snapshot can feed this save (``state``
         is then resolved for DCP's stager)."""
-        if self.snapshot_of is None:
-            return None
         state.update(resolve(state))
-        staged = self.snapshot_of(self.engine, step)
+        staged = self.runner.snapshot_for_save(self.engine, step)
         if staged is None:
             return None
         saved, shards = from_snapshot(state, staged.lookup)
@@ -459,8 +477,8 @@ class CheckpointManager:
 
     def _abandoned(self, path: Path | None, exc: BaseException) -> bool:
         """A save that failed with ``exc`` is abandoned (never committed) when a peer failed during it and the next
-        step re-forms in place (the protocol's ``peer_failed``); else the caller raises."""
-        if self.peer_failed is None or not self.peer_failed(exc):
+        step re-forms in place (:meth:`Runner.peer_failed`); else the caller raises."""
+        if not self.runner.peer_failed(exc):
             return False
         logger.warning("checkpoint save to %s abandoned: a peer failed during it (%s)", path, str(exc)[:200])
         return True
@@ -567,10 +585,9 @@ class CheckpointManager:
             CheckpointError: the newest checkpoint belongs to another job or another model; or checkpoints exist but
                 none loads (unless ``allow_fresh_start``).
         """
-        if self.from_peers is not None:
-            resumed = self.from_peers()
-            if resumed is not None:
-                return resumed  # a newcomer to a running world: its state came from the survivors, not from disk
+        resumed = self.runner.state_from_peers()
+        if resumed is not None:
+            return resumed  # a newcomer to a running world: its state came from the survivors, not from disk
         unusable: list[tuple[Path, str]] = []
         for step in self._candidates():
             path = self.directory / f"{_PREFIX}{step:012d}"

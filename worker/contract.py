@@ -1,4 +1,6 @@
-"""The worker library's contract: engine kinds, the Engine interface, a global batch as a rank sees it, and errors."""
+"""The worker library's contract: engine kinds, the Engine interface, a global batch as a rank sees it, what runs a
+step (:class:`Runner`), what the rescale protocol moves at a boundary (:class:`WorldPart`), the one way out of a worker
+(:class:`RescaleExit`), and errors."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pliant.env import RESCALE_EXIT_CODE
 from pliant.errors import PliantError
 
 if TYPE_CHECKING:
@@ -16,10 +19,25 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pliant.worker.inplace.world import World
     from pliant.worker.metrics import WorkerMetrics
     from pliant.worker.plan import StepPlan
 
-__all__ = ["DataError", "Engine", "EngineError", "EngineKind", "GlobalBatch", "LossFn", "Staged", "WorkerError"]
+__all__ = [
+    "LOCAL",
+    "DataError",
+    "Engine",
+    "EngineError",
+    "EngineKind",
+    "ExitReason",
+    "GlobalBatch",
+    "LossFn",
+    "RescaleExit",
+    "Runner",
+    "Staged",
+    "WorkerError",
+    "WorldPart",
+]
 
 
 class WorkerError(PliantError):
@@ -32,6 +50,32 @@ class DataError(WorkerError, ValueError):
 
 class EngineError(WorkerError, ValueError):
     """A bad engine setting, or a model the engine cannot wrap."""
+
+
+class ExitReason(enum.Enum):
+    """Why :class:`RescaleExit` ends a rank's part in the job (the directive's mode, :mod:`pliant.progress`)."""
+
+    LEAVE = "leave"
+    """This rank's node is not in the next generation (a graceful leave, a scale-down)."""
+    RESTART = "restart"
+    """The restart path: the checkpoint of the step boundary is saved; fresh workers restore from it."""
+
+
+class RescaleExit(SystemExit):
+    """Raised by ``engine.step`` at a step boundary when this rank leaves the job (its node is not in the next
+    generation) or its agent asked for the restart path (after the checkpoint was saved). It is the one way
+    pliant.worker ends a script: let it propagate; the process exits with :data:`pliant.env.RESCALE_EXIT_CODE`,
+    which the agent expects. (A worker whose step is wedged in C++ beyond release ends itself differently, with
+    :data:`pliant.env.GUARD_EXIT_CODE`, which its agent treats as a dead worker's:
+    :func:`pliant.worker.inplace.groups.give_up`.)
+
+    Attributes:
+        reason: why.
+    """
+
+    def __init__(self, reason: ExitReason) -> None:
+        super().__init__(RESCALE_EXIT_CODE)
+        self.reason = reason
 
 
 class EngineKind(enum.Enum):
@@ -80,7 +124,7 @@ class GlobalBatch:
 
 @dataclass(frozen=True)
 class Staged:
-    """A host copy of this rank's state at a step (a buddy snapshot, :mod:`pliant.worker.buddy`) that an async
+    """A host copy of this rank's state at a step (a buddy snapshot, :mod:`pliant.worker.inplace.buddy`) that an async
     checkpoint of that step writes from (:mod:`pliant.worker.staging`).
 
     Attributes:
@@ -95,7 +139,70 @@ class Staged:
     pin: Callable[[Future[Any]], None]
 
 
-class Engine(abc.ABC):
+class Runner:
+    """What runs an engine's steps, and what a run's other parts ask of it. This class is the plain local step (no
+    agent, torchrun, a single process); under an agent, the session gives every engine, loader and checkpoint manager
+    it makes the rescale protocol instead (:class:`pliant.worker.inplace.protocol.Protocol`), at construction."""
+
+    def step(self, engine: Engine, batch: GlobalBatch, loss_fn: LossFn) -> float:
+        """Run one step of ``engine`` (see :meth:`Engine.step`)."""
+        started = time.perf_counter()
+        loss = engine.forward_backward(batch, loss_fn)
+        engine.settle()
+        engine.apply_update()
+        engine.observe(batch, started)
+        return loss
+
+    def state_from_peers(self) -> int | None:
+        """A newcomer's training state from the ranks already training, once: the step it resumes at, or None when
+        nothing came from peers (always, here). Called where a run starts: a loader's iteration, a checkpoint
+        manager's restore."""
+        return None
+
+    def snapshot_for_save(self, engine: Engine, step: int) -> Staged | None:
+        """A host copy of ``engine``'s state at the committed ``step`` that a checkpoint of it may write from; None
+        (always, here): the checkpoint copies the state itself."""
+        return None
+
+    def peer_failed(self, exc: BaseException) -> bool:
+        """A collective between steps failed with ``exc``: True when the next step recovers from it (a peer went
+        away, in place); False (always, here): the caller raises."""
+        return False
+
+
+LOCAL = Runner()
+"""The plain local step."""
+
+
+class WorldPart(abc.ABC):  # noqa: B024 - every method has a default: a part overrides the ones it needs
+    """What the rescale protocol moves from one world to the next at a step boundary: an engine or a checkpoint
+    manager. The protocol calls each method on every part, in the order the script made them; each default does
+    nothing."""
+
+    def can_move(self) -> bool:
+        """Whether moving in place fits now (e.g. the memory a gathered state needs); False takes the restart path."""
+        return True
+
+    def before_restart(self, step: int) -> None:  # noqa: B027
+        """The restart path, on the old world still whole (collective): save what fresh workers restore, the step
+        ``step`` not yet run."""
+
+    def quiesce(self) -> None:  # noqa: B027
+        """Before the old world's groups are retired: finish what runs on them in the background."""
+
+    def before_move(self) -> None:  # noqa: B027
+        """On the old world still whole (collective, leaving ranks included): gather what only some ranks hold, so
+        the survivors can rebuild it in the next world."""
+
+    def after_move(self, world: World) -> None:  # noqa: B027
+        """The new world's group is formed (collective): take it (wrap again, open groups of its own, noted by
+        ``world.tracked``)."""
+
+    def abandon(self) -> None:  # noqa: B027
+        """A peer failed mid-step: drop the work in flight on the old world; it is never committed."""
+
+
+class Engine(WorldPart):
     """A parallel wrapper of a model and its optimizer that runs one global step at a time.
 
     The update of a step does not depend on the world size: each micro-batch's mean loss is weighted by its share of
@@ -106,9 +213,10 @@ class Engine(abc.ABC):
     optimizer: torch.optim.Optimizer
     metrics: WorkerMetrics | None = None
     """Set by the session: where step times, samples and shadow steps are reported."""
-    protocol: Any = None
-    """Set by the session under a pliant agent: the rescale protocol (:class:`pliant.worker.rescale.Protocol`) that
-    runs each step with its commit vote, re-forms the engine in place and recovers from a peer's failure."""
+    runner: Runner = LOCAL
+    """What runs each step (given at construction): the plain local step, or under a pliant agent the rescale protocol
+    (:class:`pliant.worker.inplace.protocol.Protocol`), which votes to commit, re-forms the engine in place and
+    recovers from a peer's failure."""
     movable: bool = False
     """True when :meth:`rewrap` and :meth:`sync_state` can move this engine to a new world without a restart."""
     survives_peer_loss: bool = False
@@ -117,7 +225,7 @@ class Engine(abc.ABC):
     sharded: bool = False
     """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state, FSDP2's rows).
     Under the in-place protocol such an engine survives a peer's death through buddy copies
-    (:mod:`pliant.worker.buddy`): :meth:`shard` and :meth:`rebuild`."""
+    (:mod:`pliant.worker.inplace.buddy`): :meth:`shard` and :meth:`rebuild`."""
     replicated: tuple[str, ...] = ()
     """The sections of :meth:`state_dict` that every rank holds alike (DDP's model and optimizer; ZeRO's model). A
     checkpoint copies and writes each of their tensors on one rank only (by size, or as :meth:`saved_by` says),
@@ -170,20 +278,13 @@ class Engine(abc.ABC):
         Under a pliant agent the step goes through the rescale protocol: a commit vote before the optimizer step,
         re-forming in place at a step boundary when the agent hands over a new generation, and redoing the step in
         the new world when a peer dies mid-step. A rank that leaves the job there raises
-        :class:`pliant.worker.rescale.RescaleExit` (a ``SystemExit``): let it end the script.
+        :class:`RescaleExit` (a ``SystemExit``): let it end the script.
 
         Returns:
             This rank's sum of ``loss * samples`` over its micro-batches (divide by ``batch.num_samples`` after a sum
             across ranks for the global mean).
         """
-        if self.protocol is not None:
-            return self.protocol.step(self, batch, loss_fn)  # type: ignore[no-any-return]
-        started = time.perf_counter()
-        loss = self.forward_backward(batch, loss_fn)
-        self.settle()
-        self.apply_update()
-        self.observe(batch, started)
-        return loss
+        return self.runner.step(self, batch, loss_fn)
 
     @abc.abstractmethod
     def forward_backward(self, batch: GlobalBatch, loss_fn: LossFn) -> float:
@@ -255,9 +356,9 @@ class Engine(abc.ABC):
         """Whether moving in place fits now (e.g. the memory a gathered state needs); False takes the restart path."""
         return self.movable
 
-    def before_move(self) -> None:  # noqa: B027 - replicated engines hold nothing only they have
-        """At a step boundary, on the old world still whole (collective, leaving ranks included): gather what only
-        some ranks hold, so the survivors can rebuild it in the next world."""
+    def after_move(self, world: World) -> None:
+        """Wrapped again for the new world (:meth:`rewrap`)."""
+        self.rewrap()
 
     def rewrap(self) -> None:
         """Wrap :attr:`module` again for the process group now initialised (a new world). Collective.
@@ -291,8 +392,8 @@ class Engine(abc.ABC):
     ) -> int:
         """Rebuild the whole state of an old world from its shards, after :meth:`rewrap` (collective): for each old
         rank (in order), ``receive(old rank, nbytes)`` returns that shard packed as :meth:`shard` made it
-        (:func:`pliant.worker.packing.pack`); ``hyper`` (None on a newcomer) are the optimizer's hyperparameters of
-        the same step. :meth:`sync_state` then cuts the state for the new world. Returns the bytes received.
+        (:func:`pliant.worker.inplace.packing.pack`); ``hyper`` (None on a newcomer) are the optimizer's hyperparameters
+        of the same step. :meth:`sync_state` then cuts the state for the new world. Returns the bytes received.
 
         Raises:
             EngineError: the engine is not :attr:`sharded`.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from pliant.worker.contract import DataError, GlobalBatch
+from pliant.worker.contract import LOCAL, DataError, GlobalBatch, Runner
 from pliant.worker.plan import StepPlan, plan_step
 
 __all__ = ["ElasticLoader", "ElasticSampler"]
@@ -128,6 +128,8 @@ class ElasticLoader:
         rank, world_size: this rank in the current world.
         max_steps: stop after this many global steps in total (None: go on epoch after epoch).
         collate_fn, num_workers, pin_memory: passed to the DataLoader.
+        runner: the engines' runner (default: the plain local step); under an agent, a newcomer's iteration starts
+            where the state its peers send puts it (:meth:`pliant.worker.contract.Runner.state_from_peers`).
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class ElasticLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
+        runner: Runner = LOCAL,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
@@ -149,7 +152,7 @@ class ElasticLoader:
         self._loader_args = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory}
         self._shadow: Any = None
         self._version = 0  # bumped when the world or the cursor changes under a running iteration
-        self.on_start: Callable[[], None] | None = None  # the rescale protocol's "get the state from peers first"
+        self.runner = runner
 
     def state_dict(self) -> dict[str, int | bool]:
         return self.sampler.state_dict()
@@ -235,8 +238,7 @@ class ElasticLoader:
 
     def __iter__(self) -> Iterator[GlobalBatch]:
         s = self.sampler
-        if self.on_start is not None:
-            self.on_start()
+        self.runner.state_from_peers()  # a newcomer in place: its position comes with the state from its peers
         while self.max_steps is None or s.step < self.max_steps:
             version = self._version
             plans = self._epoch_plans()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
+from pliant.worker.contract import LOCAL, Engine, EngineError, GlobalBatch, LossFn, Runner
 
 __all__ = [
     "DDPEngine",
@@ -85,6 +85,7 @@ class DDPEngine(Engine):
         group: the process group (default: the world).
         init_sync: DDP broadcasts rank 0's parameters as it wraps (False: a rank joining a running world in place,
             whose state then comes from the rank that holds it, :meth:`sync_state`; rank 0 may be a newcomer).
+        runner: what runs each step (:attr:`Engine.runner`; default: the plain local step).
         ddp_kwargs: passed to ``DistributedDataParallel`` (``gradient_as_bucket_view`` is True unless given).
     """
 
@@ -97,8 +98,10 @@ class DDPEngine(Engine):
         group: dist.ProcessGroup | None = None,
         init_sync: bool = True,
         prepared: torch.optim.Optimizer | None = None,
+        runner: Runner = LOCAL,
         **ddp_kwargs: Any,
     ) -> None:
+        self.runner = runner
         self.device = device
         self.group = group
         # Gradients as views of DDP's buckets: no separate gradients (the size of the model) to allocate and copy
@@ -211,7 +214,7 @@ class ZeroEngine(DDPEngine):
     optimizer: ZeroRedundancyOptimizer
     movable = True  # at a step boundary: the shards are gathered, then cut again for the new world
     survives_peer_loss = False  # a dead rank's shard is not on the survivors ...
-    sharded = True  # ... but in its buddy's copy (pliant.worker.buddy), from which the survivors roll back
+    sharded = True  # ... but in its buddy's copy (pliant.worker.inplace.buddy), from which the survivors roll back
     replicated = ("model",)  # its "zero_shard" is this rank's own
     MEMORY_SHARE = 0.8  # moving in place needs the whole optimizer state on every rank; at most this much free RAM
 
@@ -308,7 +311,7 @@ class ZeroEngine(DDPEngine):
     def rebuild(
         self, partition: list[int], receive: Callable[[int, int], torch.Tensor], hyper: list[dict[str, Any]] | None
     ) -> int:
-        from pliant.worker.packing import packed_size, unpack
+        from pliant.worker.inplace.packing import packed_size, unpack
 
         full = self._template()
         for group, saved in zip(full.param_groups, hyper or [], strict=False):

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from pliant.worker.contract import Engine, EngineError, GlobalBatch, LossFn
+from pliant.worker.contract import LOCAL, Engine, EngineError, GlobalBatch, LossFn, Runner
 from pliant.worker.engines import (
     _materialize,
     broadcast_hyper,
@@ -125,6 +125,7 @@ class FSDPEngine(Engine):
         device: where the model lives.
         group: unused with FSDP2 (the world mesh is used); must be None.
         shard: returns the sub-modules to ``fully_shard`` before the root (default: its direct children).
+        runner: what runs each step (:attr:`Engine.runner`; default: the plain local step).
     """
 
     def __init__(
@@ -135,7 +136,9 @@ class FSDPEngine(Engine):
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         shard: Callable[[torch.nn.Module], list[torch.nn.Module]] = _default_shard,
+        runner: Runner = LOCAL,
     ) -> None:
+        self.runner = runner
         if group is not None:
             raise EngineError("the fsdp engine shards over the whole world; drop the group argument")
         self.device, self.group = device, group
@@ -252,7 +255,7 @@ class FSDPEngine(Engine):
     def rebuild(
         self, partition: list[int], receive: Callable[[int, int], torch.Tensor], hyper: list[dict[str, Any]] | None
     ) -> int:
-        from pliant.worker.packing import packed_size, unpack
+        from pliant.worker.inplace.packing import packed_size, unpack
 
         world = partition[0] if partition else 1
         template = self._optimizer_template()

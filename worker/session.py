@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,20 +25,18 @@ from torch.utils.data import Dataset
 
 from pliant.env import STACKS_SIGNAL, WorkerEnv
 from pliant.logsetup import setup_library_logging
-from pliant.worker import nccl
 from pliant.worker.checkpoint import CheckpointError, CheckpointManager
-from pliant.worker.contract import Engine, EngineError, EngineKind
+from pliant.worker.contract import LOCAL, Engine, EngineError, EngineKind, Runner
 from pliant.worker.data import ElasticLoader, ElasticSampler
-from pliant.worker.groups import announce_arrival, connect_store, keepalive, new_world, retire_groups, socket_fds
+from pliant.worker.inplace import nccl
+from pliant.worker.inplace.groups import retire_groups
+from pliant.worker.inplace.protocol import Protocol
+from pliant.worker.inplace.world import World
 from pliant.worker.metrics import WorkerMetrics
-from pliant.worker.rescale import Protocol
-from pliant.worker.setup_window import SetupWindow
 
 __all__ = ["Session", "init"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def settle_gloo_threads(timeout_s: float = 2.0) -> None:
@@ -68,7 +66,7 @@ class Session:
     Args:
         env: the env contract (default: read once from the environment).
         backend: ``gloo`` or ``nccl`` (default: nccl on GPU ``LOCAL_RANK`` when every process on the node has a GPU of
-            its own, else gloo on the CPU; :func:`pliant.worker.nccl.plan_device`).
+            its own, else gloo on the CPU; :func:`pliant.worker.inplace.nccl.plan_device`).
         timeout_s: collective timeout.
         registry: where the worker's metrics go (default: a new registry; under the agent they also land in the
             node's multiprocess directory, which the agent serves).
@@ -84,13 +82,13 @@ class Session:
         timeout_s: float = 600.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.env = env or WorkerEnv.from_env()
-        if self.env.under_agent:
+        env = env or WorkerEnv.from_env()
+        if env.under_agent:
             setup_library_logging()
-        self.metrics = WorkerMetrics(self.env, registry)
+        self.metrics = WorkerMetrics(env, registry)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        plan = nccl.plan_device(backend, self.env.local_rank, self.env.local_world_size, gpus)
-        if plan.warning and self.env.local_rank == 0:
+        plan = nccl.plan_device(backend, env.local_rank, env.local_world_size, gpus)
+        if plan.warning and env.local_rank == 0:
             logger.warning("%s", plan.warning)
         self.backend = plan.backend
         if plan.cuda_index is None:
@@ -98,90 +96,47 @@ class Session:
         else:
             self.device = torch.device("cuda", plan.cuda_index)
             torch.cuda.set_device(self.device)
-        self.timeout = timedelta(seconds=timeout_s)
-        self.group_fds: set[tuple[int, int]] = set()  # (descriptor, inode): groups.socket_fds
+        self.world = World(env, self.backend, timedelta(seconds=timeout_s), self.metrics.progress)
         self._owns_group = not dist.is_initialized()
-        self._in_place_world = self.env.under_agent and self.env.rescale == "in-place" and bool(self.env.master_port)
-        nccl.prepare(self.backend, self._in_place_world)
+        nccl.prepare(self.backend, self.world.in_place)
         self._group_pending = self._owns_group
-        # Under an agent, rescales go through the protocol in every engine step (pliant.worker.rescale).
+        # Under an agent, every engine step runs through the rescale protocol (pliant.worker.inplace.protocol).
         self.protocol: Protocol | None = None
-        if self.env.under_agent and self._owns_group:
-            self.protocol = Protocol(self, rescale_in_place=self.env.rescale == "in-place")
-        # In place, the script's own collectives are refused until its first step (pliant.worker.setup_window).
-        self.setup_window = SetupWindow()
-        if self._in_place_world and self.protocol is not None:
-            self.setup_window.start()
+        if env.under_agent and self._owns_group:
+            self.protocol = Protocol(self.world, self.device, self.metrics, rescale_in_place=env.rescale == "in-place")
+        self._runner: Runner = self.protocol or LOCAL
         # A fresh worker of a later generation may be joining a running world, whose survivors wait for it from the
         # moment it counts itself in: it meets them only when the script first needs the group (``engine()``,
         # ``loader()``, ``checkpoints()``, a collective), so building the model does not lengthen their pause.
-        if not (self._in_place_world and self.env.generation > 1):
+        if not (self.world.in_place and env.generation > 1):
             self._meet()
-        if self.env.under_agent and threading.current_thread() is threading.main_thread():
+        if env.under_agent and threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent's "dump your stacks" (hangs)
         logger.info(
             "rank %d/%d (generation %d, %s on %s)",
             self.rank,
             self.world_size,
-            self.env.generation,
+            env.generation,
             self.backend,
             self.device,
         )
 
-    def init_group(self, superseded: Callable[[], bool] = lambda: False, meet_s: float | None = None) -> None:
-        """Initialise the default process group for :attr:`env`'s world, noting the sockets it opened
-        (:attr:`group_fds`, for :func:`pliant.worker.groups.sever`). In place, those sockets also get TCP keepalive
-        (:func:`pliant.worker.groups.keepalive`): a peer cut off by a partition fails the collectives waiting on it
-        within seconds instead of the collective timeout.
-
-        Under an agent the generation's store is reached by :func:`pliant.worker.groups.connect_store`, which gives up
-        once ``superseded()``; under torchrun, by torch's env:// rendezvous. ``meet_s`` bounds the meeting (reaching
-        the store and every rank's connections) instead of the collective timeout, which the group then takes (the
-        shorter of the two bounds it)."""
-        before = socket_fds()
-        self._init_group(superseded, min(timedelta(seconds=meet_s), self.timeout) if meet_s else self.timeout)
-        self.group_fds = socket_fds() - before
-        if self._in_place_world:
-            keepalive(self.group_fds)
-
-    def tracked(self, make: Callable[[], T]) -> T:
-        """Run ``make``, which opens a process group of this world (a checkpoint manager's, the buddy copies'), noting
-        the sockets it opens among :attr:`group_fds`, which a peer failure severs and the step guard shuts down: a
-        collective blocked on that group (an async save's, on a peer gone) is released with the others."""
-        before = socket_fds()
-        made = make()
-        fds = socket_fds() - before
-        if self._in_place_world:
-            keepalive(fds)
-        self.group_fds |= fds
-        return made
-
-    def _init_group(self, superseded: Callable[[], bool], meet: timedelta) -> None:
-        if self.env.master_port:
-            backend = nccl.backend_for(self.backend, under_agent=self.env.under_agent)
-            store = connect_store(self.env, meet, superseded) if self.env.under_agent else None
-            new_world()  # an earlier attempt in this process may have failed
-            dist.init_process_group(
-                backend, store=store, rank=self.env.rank, world_size=self.env.world_size, timeout=meet
-            )
-            if meet != self.timeout:
-                dist.distributed_c10d._set_pg_timeout(self.timeout)
-                if store is not None:
-                    store.set_timeout(self.timeout)
-        else:  # a plain single process: no store to meet at
-            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+    @property
+    def env(self) -> WorkerEnv:
+        """The env of the world this process is in now (a newer generation's after a rescale in place)."""
+        return self.world.env
 
     def _meet(self) -> None:
         """Join the world now, if that was left for the first moment the script needs it (see ``__init__``)."""
         if not self._group_pending:
             return
         self._group_pending = False
-        if self._in_place_world:
-            announce_arrival(self.env)
-        if self.protocol is not None and self._in_place_world:
+        if self.world.in_place:
+            self.world.announce_arrival()
+        if self.protocol is not None and self.world.in_place:
             self.protocol.form_group()  # follows a newer generation handed over while the ranks meet
         else:
-            self.init_group()
+            self.world.meet()
         if self.protocol is not None:
             self.protocol.joined()
 
@@ -222,7 +177,7 @@ class Session:
             from pliant.worker.fsdp import FSDPEngine
 
             self._meet()
-            engine = FSDPEngine(model, optimizer, optimizer_kwargs, self.device)
+            engine = FSDPEngine(model, optimizer, optimizer_kwargs, self.device, runner=self._runner)
         else:
             from pliant.worker.engines import DDPEngine, ZeroEngine
 
@@ -233,13 +188,20 @@ class Session:
             joining = self.protocol is not None and self.protocol.pending_sync  # its state comes from peers
             if prepared is not None and not joining:
                 prepared.state.clear()  # no peer holds state: the optimizer starts fresh (or from a checkpoint)
-            engine = cls(model, optimizer, optimizer_kwargs, self.device, init_sync=not joining, prepared=prepared)
+            engine = cls(
+                model,
+                optimizer,
+                optimizer_kwargs,
+                self.device,
+                init_sync=not joining,
+                prepared=prepared,
+                runner=self._runner,
+            )
         engine.metrics = self.metrics
         if scheduler is not None:
             engine.use_scheduler(scheduler)
         if self.protocol is not None:
-            engine.protocol = self.protocol
-            self.protocol.parts.append(engine)
+            self.protocol.add_engine(engine)
         return engine
 
     def loader(
@@ -266,6 +228,7 @@ class Session:
             collate_fn,
             num_workers,
             pin_memory=self.device.type == "cuda",
+            runner=self._runner,
         )
         if self.protocol is not None:
             self.protocol.add_loader(loader)
@@ -300,7 +263,7 @@ class Session:
             raise CheckpointError("no checkpoint directory: pass directory=... or run with --checkpoint-dir DIR")
         env = self.env
         fresh = env.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
-        manager = self.tracked(
+        manager = self.world.tracked(
             lambda: CheckpointManager(
                 directory,
                 engine,
@@ -315,13 +278,11 @@ class Session:
                 incarnation=env.incarnation,
                 direct_io=direct_io,
                 key=bytes.fromhex(env.checkpoint_key),
+                runner=self._runner,
             )
         )
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step
-            self.protocol.parts.append(manager)
-            manager.from_peers = self.protocol.sync_pending
-            manager.snapshot_of = self.protocol.snapshot_for_save
-            manager.peer_failed = self.protocol.failed_between_steps
+            self.protocol.add_part(manager)
         return manager
 
     def all_reduce_sum(self, value: float) -> float:
@@ -340,7 +301,7 @@ class Session:
                 dist.all_reduce(tensor)
             total = float(tensor.item())
         except RuntimeError as exc:  # a peer died between steps: the next engine.step re-forms and goes on
-            if self.protocol is None or not self.protocol.failed_between_steps(exc):
+            if not self._runner.peer_failed(exc):
                 raise
             logger.warning(
                 "rank %d: a peer failed during all_reduce_sum; returning this rank's own value (%g)",
@@ -354,14 +315,15 @@ class Session:
     def close(self) -> None:
         """Destroy the process groups this session created.
 
-        The groups are never freed (:func:`pliant.worker.groups.retire_groups`): a gloo group's destructor joins its
-        worker threads, and a worker thread that needs the GIL as it exits either deadlocks with the destroying
+        The groups are never freed (:func:`pliant.worker.inplace.groups.retire_groups`): a gloo group's destructor joins
+        its worker threads, and a worker thread that needs the GIL as it exits either deadlocks with the destroying
         thread (when a DDP reducer drops the group as the training function returns) or, during interpreter shutdown,
         is ended by Python with ``pthread_exit`` inside a ``noexcept`` frame, which aborts the process ("terminate
         called without an active exception").
         """
         self.metrics.progress.write(self.metrics.progress.step, "done")
-        self.setup_window.close()
+        if self.protocol is not None:
+            self.protocol.close()
         if self._group_pending:  # never needed the world: it is not waited for either (a script that did nothing)
             return
         if self._owns_group and dist.is_initialized():

@@ -5,10 +5,10 @@ Two routes, both ending in DCP's files (any world size loads them):
 - **DCP's stager** (:func:`stager`): DCP's ``DefaultStager`` with async staging, kept from save to save so its host
   copies (cached by source storage; on CUDA pinned) are reused: each save copies into memory it already touched.
 - **The buddy snapshot** (:func:`from_snapshot`): a sharded engine under the in-place protocol already copies its
-  shard to host memory every K steps (:mod:`pliant.worker.buddy`). A save of a step that has such a copy (the protocol
-  takes one for it if the cadence did not, half an interval or more after the last) writes from that copy: no second
-  copy of the state, no second host buffer. ZeRO's state is plain tensors, which the copy's tensors replace. FSDP2's
-  is DTensors: they stay in the state, for DCP to plan their layout from (global shape, this rank's rows), and
+  shard to host memory every K steps (:mod:`pliant.worker.inplace.buddy`). A save of a step that has such a copy (the
+  protocol takes one for it if the cadence did not, half an interval or more after the last) writes from that copy: no
+  second copy of the state, no second host buffer. ZeRO's state is plain tensors, which the copy's tensors replace.
+  FSDP2's is DTensors: they stay in the state, for DCP to plan their layout from (global shape, this rank's rows), and
   :class:`SnapshotPlanner` hands DCP's writer the copy of their local shards instead of the live ones. No DTensor is
   built on the host, so a CUDA mesh's state is written from host memory as a CPU one's.
 
@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pliant.worker.buddy import BACKGROUND_NICE
 from pliant.worker.directio import DirectWriter
+from pliant.worker.inplace.buddy import BACKGROUND_NICE
 
 __all__ = [
     "BackgroundWriter",
@@ -65,11 +65,11 @@ def idle_priority() -> None:
     """Run the calling thread only on CPU time the host's other threads leave idle: Linux's ``SCHED_IDLE``, which
     any thread may take for itself. Any normal thread that wakes (a training thread, from a collective's wait) takes
     the core from it; a thread at nice 10 keeps about a tenth of a busy core, and a waking thread need not preempt it.
-    Where the policy is refused (not Linux), nice :data:`pliant.worker.buddy.BACKGROUND_NICE`.
+    Where the policy is refused (not Linux), nice :data:`pliant.worker.inplace.buddy.BACKGROUND_NICE`.
 
     Nothing that waits for the write starves: the waiter blocks and leaves its core idle. The buddy copies' sends keep
-    nice 10: lowered this way, they made the cadence (:mod:`pliant.worker.cadence`) take a snapshot every 6-7 steps in
-    two of three benchmark runs, at a 12 % throughput cost (docs/architecture.md)."""
+    nice 10: lowered this way, they made the cadence (:mod:`pliant.worker.inplace.cadence`) take a snapshot every 6-7
+    steps in two of three benchmark runs, at a 12 % throughput cost (docs/architecture.md)."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

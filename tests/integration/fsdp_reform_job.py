@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from pliant.net import free_port
 from pliant.worker.fsdp import FSDPEngine, _rows
 from pliant.worker.fsdp_release import StaleParameterError
-from pliant.worker.groups import retire_groups
+from pliant.worker.inplace.groups import retire_groups
 
 
 def _model(outputs: int) -> torch.nn.Module:

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from pliant.env import WorkerEnv
 from pliant.net import free_port
 from pliant.progress import Directive, write_directive
-from pliant.worker.groups import PROBE_S, RendezvousError, RendezvousWatch, Superseded, connect_store
+from pliant.worker.inplace.groups import PROBE_S, RendezvousError, RendezvousWatch, Superseded, connect_store
+from pliant.worker.inplace.world import newer_directive
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -29,7 +31,7 @@ import sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 from pliant.env import WorkerEnv
-from pliant.worker.groups import connect_store, new_world
+from pliant.worker.inplace.groups import connect_store, new_world
 rank, first, second, reset = (int(a) for a in sys.argv[1:])
 def meet(port, seconds):
     env = WorkerEnv(rank=rank, world_size=2, master_port=port)
@@ -103,7 +105,7 @@ def test_a_superseded_rendezvous_loses_every_socket_it_opened_until_it_returns(t
     address = listener.getsockname()
     old = socket.create_connection(address)  # opened before the rendezvous: not the watch's
     old_peer, _ = listener.accept()
-    watch = RendezvousWatch(progress, generation=7)
+    watch = RendezvousWatch(partial(newer_directive, progress), generation=7)
     try:
         first = socket.create_connection(address)
         first_peer, _ = listener.accept()

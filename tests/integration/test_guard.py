@@ -1,5 +1,6 @@
-"""The step guard on gloo (pliant.worker.guard): a rank blocked in a collective on a peer that went silent without
-closing its connection is released once its agent hands over a newer generation; real gloo processes on loopback."""
+"""The step guard on gloo (pliant.worker.inplace.guard): a rank blocked in a collective on a peer that went silent
+without closing its connection is released once its agent hands over a newer generation; real gloo processes on
+loopback."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from pliant.progress import Directive, write_directive
-from pliant.worker.guard import STALL_S
+from pliant.worker.inplace.guard import STALL_S
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -23,10 +24,11 @@ _RANK = """
 import sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from pliant.worker.groups import retire_groups, socket_fds
+from pliant.worker.inplace.groups import retire_groups, socket_fds
 from pliant.worker.session import settle_gloo_threads
-from pliant.worker.guard import Guard
-from pliant.worker.rescale import is_peer_failure
+from pliant.worker.inplace.guard import Guard
+from pliant.worker.inplace.protocol import is_peer_failure
+from pliant.worker.inplace.world import newer_directive
 rank, port, progress = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
 before = socket_fds()
@@ -36,7 +38,7 @@ dist.barrier()
 print("met", flush=True)
 if rank == 2:
     time.sleep(80)
-guard = Guard(progress, nccl=False, sockets=lambda: fds)
+guard = Guard(lambda than: newer_directive(progress, than), nccl=False, sockets=lambda: fds)
 guard.begin(5)
 started = time.monotonic()
 try:
@@ -89,12 +91,15 @@ def test_a_step_blocked_on_a_silent_peer_breaks_once_a_newer_generation_waits(tm
 def test_a_slow_step_of_a_lone_rank_is_not_broken_when_a_newer_generation_waits(tmp_path: Path) -> None:
     """A world of one rank: nothing can block its step, so a step slowed past the rule (a newcomer starting on the
     same machine) runs to its end, and the rank re-forms at the boundary; with peers the same step is broken."""
-    from pliant.worker.guard import Guard
+    from pliant.worker.inplace.guard import Guard
+    from pliant.worker.inplace.world import newer_directive
 
     progress = str(tmp_path / "progress-0")
     write_directive(progress, Directive(6, "in-place"))  # the newer generation waits from the start
     for peers in (False, True):
-        guard = Guard(progress, nccl=False, sockets=set)  # no step before this one: the rule's floor, STALL_S
+        guard = Guard(
+            lambda than: newer_directive(progress, than), nccl=False, sockets=set
+        )  # no step before this one: the rule's floor, STALL_S
         guard.begin(5, peers=peers)
         time.sleep(STALL_S + 0.5)  # a slow step, past the rule
         try:
@@ -116,7 +121,7 @@ import os, sys, time
 import torch
 import pliant.worker as pw
 from pliant.env import WorkerEnv
-from pliant.worker.groups import sever
+from pliant.worker.inplace.groups import sever
 rank, port, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 session = pw.Session(env=WorkerEnv(rank=rank, local_rank=rank, world_size=3, local_world_size=3, master_port=port),
@@ -128,7 +133,7 @@ if rank == 2:
     time.sleep(80)
 manager.save(1)
 time.sleep(1.0)
-sever(session.group_fds)
+sever(session.world.group_fds)
 print("exiting", flush=True)
 """
 
@@ -171,10 +176,11 @@ def test_an_async_save_blocked_on_a_silent_peer_is_released_by_severing_the_sess
 # step guard of generation 5 with a short give-up time. argv: progress file.
 _WEDGED = """
 import logging, sys, threading
-import pliant.worker.guard as guard
+import pliant.worker.inplace.guard as guard
+from pliant.worker.inplace.world import newer_directive
 logging.basicConfig(level=logging.INFO)
 guard.GIVE_UP_S = 1.0
-g = guard.Guard(sys.argv[1], nccl=False, sockets=lambda: set())
+g = guard.Guard(lambda than: newer_directive(sys.argv[1], than), nccl=False, sockets=lambda: set())
 g.begin(5)
 print("stepping", flush=True)
 def blocked_in_the_step():

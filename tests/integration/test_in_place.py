@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pliant.net import free_port
-from pliant.worker.cadence import FIRST_SNAPSHOT_EVERY
+from pliant.worker.inplace.cadence import FIRST_SNAPSHOT_EVERY
 from tests.conftest import wait_for
 from tests.integration.harness import (
     GLOBAL_BATCH,
@@ -125,7 +125,8 @@ def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
 
 
 def snapshot_intervals(output: str) -> list[int]:
-    """The automatic snapshot intervals (K) the workers logged (pliant.worker.cadence), the first one included."""
+    """The automatic snapshot intervals (K) the workers logged (pliant.worker.inplace.cadence), the first one
+    included."""
     return [FIRST_SNAPSHOT_EVERY] + [int(k) for k in re.findall(r"buddy snapshots every (\d+) steps", output)]
 
 
@@ -194,7 +195,7 @@ def test_a_kill_9_of_a_worker_then_of_a_node_redoes_at_most_a_snapshot(
     assert metrics['pliant_worker_reconfigurations_total{why="failure"}'] >= 1, rescales  # its surviving worker
     assert metrics["pliant_worker_state_sync_bytes_total"] > 0  # ... and the new one's state from peers
     assert metrics['pliant_agent_worker_exits_total{code="-9"}'] == 1
-    if engine != "ddp":  # the automatic interval in force (pliant.worker.cadence)
+    if engine != "ddp":  # the automatic interval in force (pliant.worker.inplace.cadence)
         assert metrics["pliant_worker_snapshot_every"] in snapshot_intervals(a.output()), metrics
     after = _pids([e for e in events if e["generation"] > formed], 4)
     assert {r: after[r] for r in survivors} == survivors, "the survivors kept their processes"
@@ -247,7 +248,7 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     """ZeRO or FSDP2, world 4 on two nodes: kill -9 node a's second worker and, at the same moment, node b whole.
     Every rank's buddy is on the other node, so that worker's shard and its ward's are in no live process (as in the
     soaks with two workers per node, where a survivor blocked on the dead node gave up). Its replacement on node a
-    reads back the copies it kept in node-local memory (pliant.worker.kept), and node a rolls back in place: no
+    reads back the copies it kept in node-local memory (pliant.worker.inplace.kept), and node a rolls back in place: no
     restart, no disk (there is no checkpoint directory), the survivor keeps its process, exact."""
     steps = 140
     server = make_coordinator()

@@ -3,8 +3,8 @@
 On a one-GPU machine every node's worker shares the GPU; each agent is a host of its own to NCCL (``NCCL_HOSTID``, set
 by the ``spawn_agent`` fixture), so its ranks talk over NCCL's network transport as on separate machines. A join, a
 kill -9 of a worker (its agent replaces it in place) and a kill -9 of a whole node: node a's worker keeps its process
-throughout, the failures are caught by the step guard (:mod:`pliant.worker.guard`) rather than the collective timeout,
-and the result equals a static run on the same global batches with every sample once."""
+throughout, the failures are caught by the step guard (:mod:`pliant.worker.inplace.guard`) rather than the collective
+timeout, and the result equals a static run on the same global batches with every sample once."""
 
 from __future__ import annotations
 

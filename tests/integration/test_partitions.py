@@ -427,11 +427,13 @@ _MEETS = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-import pliant.worker.groups as groups
+import pliant.worker.inplace.groups as groups
+from functools import partial
+from pliant.worker.inplace.world import newer_directive
 groups.MEET_GIVE_UP_S = 2.0
 rank, host, port, progress = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore(host, port, 2, False, timeout=timedelta(seconds=30))
-watch = groups.RendezvousWatch(progress, generation=5)
+watch = groups.RendezvousWatch(partial(newer_directive, progress), generation=5)
 print("meeting", flush=True)
 try:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))

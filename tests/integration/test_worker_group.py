@@ -88,8 +88,8 @@ def test_a_plain_script_is_stopped_for_a_rescale_with_sigterm_and_its_handler_ru
 
 
 def test_a_stopped_group_leaves_its_workers_kept_copies_to_their_replacements(tmp_path: Path) -> None:
-    """Buddy copies kept in node-local memory (pliant.worker.kept) outlive their worker for its replacement. A node
-    whose only worker died does not re-form in place: its agent stops (reaps) the group and starts a fresh one for
+    """Buddy copies kept in node-local memory (pliant.worker.inplace.kept) outlive their worker for its replacement. A
+    node whose only worker died does not re-form in place: its agent stops (reaps) the group and starts a fresh one for
     the next generation, while the survivors roll back in place, so the stop must leave them (the replacement's
     first snapshot removes them; the agent's exit removes its whole directory)."""
     script = tmp_path / "idle.py"

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from bench.common import change_gap, in_run_cost, longest_pause, snapshot_steps
-from pliant.worker.cadence import FIRST_SNAPSHOT_EVERY
+from pliant.worker.inplace.cadence import FIRST_SNAPSHOT_EVERY
 
 
 def _times(durations: list[float]) -> dict[int, float]:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from pliant.worker.buddy import (
+from pliant.worker.inplace.buddy import (
     Held,
     RollbackError,
     buddies,
@@ -15,7 +15,7 @@ from pliant.worker.buddy import (
     decode,
     encode,
 )
-from pliant.worker.packing import pack, pack_later, packed_size, unpack
+from pliant.worker.inplace.packing import pack, pack_later, packed_size, unpack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,7 +65,7 @@ def test_held_copies_cross_ranks_as_one_integer_row() -> None:
 def test_a_dead_ranks_kept_copies_complete_what_its_buddy_took_with_it() -> None:
     """The soak's case: node 1 (old ranks 2, 3) died, and old rank 1 (node 0), blocked on a send to it, gave up. Old
     rank 1's shard and old rank 3's (its ward) were in no live process; the fresh worker that replaced old rank 1
-    reads them back from its node's memory (pliant.worker.kept)."""
+    reads them back from its node's memory (pliant.worker.inplace.kept)."""
     survivor = Held(0, (24, 16), {2: (16,)}, generation=5)
     with pytest.raises(RollbackError):
         choose_rollback([survivor, Held(-1)], 4)
@@ -144,7 +144,7 @@ class _Receive:
 def test_a_slots_receives_are_waited_for_once_whoever_asks() -> None:
     """The arrival's thread waits; the next snapshot, a roll back's ward_complete and the kept-copy recorder all ask
     it, never the receives themselves."""
-    from pliant.worker.buddy import _Arrival, _Slot
+    from pliant.worker.inplace.buddy import _Arrival, _Slot
 
     receives, recorded = [_Receive(), _Receive()], []
     arrival = _Arrival(receives, lambda: recorded.append(True))

@@ -1,5 +1,5 @@
-"""The protocol's cadence (pliant.worker.cadence): when every rank votes and when it takes a buddy snapshot, from the
-integers the vote all-reduces, so every rank computes the same steps."""
+"""The protocol's cadence (pliant.worker.inplace.cadence): when every rank votes and when it takes a buddy snapshot,
+from the integers the vote all-reduces, so every rank computes the same steps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from pliant.worker.cadence import (
+from pliant.worker.inplace.cadence import (
     FIRST_SNAPSHOT_EVERY,
     MAX_SNAPSHOT_EVERY,
     MIN_SNAPSHOT_EVERY,

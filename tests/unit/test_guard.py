@@ -4,7 +4,7 @@ broken step still blocked ends the process (wedged). The guard on real gloo proc
 
 from __future__ import annotations
 
-from pliant.worker.guard import GIVE_UP_S, STALL_S, stalled, wedged
+from pliant.worker.inplace.guard import GIVE_UP_S, STALL_S, stalled, wedged
 
 
 def test_no_step_running_is_never_stalled() -> None:
@@ -42,7 +42,7 @@ def test_the_restart_path_s_guard_takes_every_call_the_step_guard_takes() -> Non
     path's every step)."""
     import inspect
 
-    from pliant.worker.guard import Guard, NoGuard
+    from pliant.worker.inplace.guard import Guard, NoGuard
 
     for name in ("begin", "end", "check"):
         assert inspect.signature(getattr(NoGuard, name)) == inspect.signature(getattr(Guard, name)), name

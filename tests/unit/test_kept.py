@@ -1,4 +1,4 @@
-"""Buddy snapshot buffers kept in node-local files (pliant.worker.kept) and the agent's snapshot directory
+"""Buddy snapshot buffers kept in node-local files (pliant.worker.inplace.kept) and the agent's snapshot directory
 (pliant.agent.snapshots): what a dead worker leaves is what its successor reads back, and nothing half-written or
 foreign is ever read."""
 
@@ -15,8 +15,8 @@ import torch
 
 from pliant.agent import snapshots
 from pliant.errors import ConfigError
-from pliant.worker import kept as kept_module
-from pliant.worker.kept import KeptError, KeptSlots, SlotHeader
+from pliant.worker.inplace import kept as kept_module
+from pliant.worker.inplace.kept import KeptError, KeptSlots, SlotHeader
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
-"""The CPU-checkable parts of NCCL's handling under the in-place protocol (pliant.worker.nccl); the step guard's abort
-of a communicator runs in tests/integration/test_in_place_nccl.py where a GPU exists."""
+"""The CPU-checkable parts of NCCL's handling under the in-place protocol (pliant.worker.inplace.nccl); the step guard's
+abort of a communicator runs in tests/integration/test_in_place_nccl.py where a GPU exists."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from pliant.worker import nccl
 from pliant.worker.contract import WorkerError
+from pliant.worker.inplace import nccl
 
 
 def test_nccl_under_an_agent_also_gets_gloo_for_the_protocols_cpu_tensors() -> None:

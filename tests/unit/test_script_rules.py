@@ -1,7 +1,7 @@
 """The rules of a pliant.worker script, enforced where they are broken: a script that catches the RescaleExit ending
-its rank and steps again (pliant.worker.rescale), or runs a collective of its own between init() and its loop
-(pliant.worker.setup_window), gets an error naming the mistake and the fix, not a rank that trains outside any world
-or a newcomer that hangs."""
+its rank and steps again (pliant.worker.inplace.protocol), or runs a collective of its own between init() and its loop
+(pliant.worker.inplace.setup_window), gets an error naming the mistake and the fix, not a rank that trains outside any
+world or a newcomer that hangs."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from pliant.worker.rescale import Protocol, RescaleError, RescaleExit
-from pliant.worker.setup_window import SetupCollectiveError, SetupWindow, scripts_own
+from pliant.worker.contract import ExitReason, RescaleExit
+from pliant.worker.inplace.protocol import Protocol, RescaleError
+from pliant.worker.inplace.setup_window import SetupCollectiveError, SetupWindow, scripts_own
 
 
 def test_a_step_after_a_swallowed_rescale_exit_is_refused_with_the_fix() -> None:
     protocol = Protocol.__new__(Protocol)  # the exit's bookkeeping alone; a real session is not needed for it
-    protocol.exited = ""
+    protocol.exited = None
     exit_ = protocol._exit("leave")
     assert isinstance(exit_, RescaleExit) and isinstance(exit_, SystemExit) and exit_.code == 75
+    assert exit_.reason is ExitReason.LEAVE and protocol.exited is ExitReason.LEAVE
     with pytest.raises(RescaleError, match=r"after RescaleExit \('leave'\).*let RescaleExit propagate"):
         protocol.step(None, None, None)  # type: ignore[arg-type]
 

@@ -1,5 +1,5 @@
-"""Process groups' sockets are known by descriptor and inode (pliant.worker.groups.socket_fds): a new group's socket
-that reuses a descriptor closed after the snapshot counts as new, and a stale entry never touches the socket that
+"""Process groups' sockets are known by descriptor and inode (pliant.worker.inplace.groups.socket_fds): a new group's
+socket that reuses a descriptor closed after the snapshot counts as new, and a stale entry never touches the socket that
 reused its descriptor. Real sockets of this process (Linux /proc)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pliant.worker.groups import shut_down, socket_fds
+from pliant.worker.inplace.groups import shut_down, socket_fds
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd (Linux)")
 

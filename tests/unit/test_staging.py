@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from pliant.worker.buddy import BACKGROUND_NICE
 from pliant.worker.directio import DirectWriter
+from pliant.worker.inplace.buddy import BACKGROUND_NICE
 from pliant.worker.staging import BackgroundWriter, SnapshotPlanner, from_snapshot, idle_priority, split_replicas
 
 pytestmark = pytest.mark.timeout(30)

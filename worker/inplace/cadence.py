@@ -7,9 +7,9 @@ vote's all-reduced integers, and every rank derives the same steps from the same
 :data:`VOTE_WITHIN_S` (every step for long steps, at most every :data:`MAX_VOTE_EVERY` steps), from the slowest
 rank's last step time, which the vote itself carries. The first step of a job or of a new world votes.
 
-**Buddy snapshots** (:mod:`pliant.worker.buddy`; ``pliant run --snapshot-every auto``, the default). A snapshot costs
-the training the copy of the rank's shard, its send to the buddy and the receipt of the wards' copies, all while the
-step after it computes. What that costs depends on the machine: on a GPU the copy is a DMA on its own engine; on two
+**Buddy snapshots** (:mod:`pliant.worker.inplace.buddy`; ``pliant run --snapshot-every auto``, the default). A snapshot
+costs the training the copy of the rank's shard, its send to the buddy and the receipt of the wards' copies, all while
+the step after it computes. What that costs depends on the machine: on a GPU the copy is a DMA on its own engine; on two
 busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, the committed steps between snapshots
 (and the most steps a peer's death makes the survivors run again), is chosen from the cost measured here, as CheckFreq
 (FAST '21) chooses its checkpoints' frequency:

@@ -2,8 +2,8 @@
 
 A sharded engine (ZeRO) holds state that only one rank has: its shard of the optimizer state (and, for the rollback
 below, its shard of the parameters). Every K committed steps (``pliant run --snapshot-every``; by default K comes
-from the snapshots' measured cost, :mod:`pliant.worker.cadence`), once after the first step and once right after each
-(re-)formation of the world, every rank:
+from the snapshots' measured cost, :mod:`pliant.worker.inplace.cadence`), once after the first step and once right after
+each (re-)formation of the world, every rank:
 
 1. copies its shard (the parameters it owns, their optimizer state, and on rank 0 the module's buffers) into a host
    buffer it reuses (on CUDA a pinned one, by non-blocking copies; on CPU a memcpy on a thread), with the step, its
@@ -22,9 +22,9 @@ survivors roll back together to the newest snapshot step at which every old rank
 its owner's own copy or a buddy's (:func:`choose_rollback`, pure); each shard is broadcast from its holder, every
 rank rebuilds the whole state from them, the new world is cut from it, and the steps since that snapshot run again
 on the same global batches (at most K, plus the steps of an exchange still in flight). The buffers are files in the
-node's memory (:mod:`pliant.worker.kept`), so a dead rank's copies outlive it: the fresh worker that replaces it on
-the same node offers them too (:meth:`BuddyCopies.adopt`). When a shard and every copy of it are gone (its rank's node
-died with its buddy, or a rank and its buddy died where nothing was kept), re-forming fails and the restart path
+node's memory (:mod:`pliant.worker.inplace.kept`), so a dead rank's copies outlive it: the fresh worker that replaces it
+on the same node offers them too (:meth:`BuddyCopies.adopt`). When a shard and every copy of it are gone (its rank's
+node died with its buddy, or a rank and its buddy died where nothing was kept), re-forming fails and the restart path
 takes over, from the last disk checkpoint.
 
 The cost: host memory of two copies of the own shard and of each ward's, a memcpy of the own shard every K steps,
@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from pliant.worker.contract import Engine, Staged, WorkerError
-from pliant.worker.kept import KeptSlot, KeptSlots, SlotHeader
-from pliant.worker.packing import on_thread, pack_later, packed_size, spans
+from pliant.worker.inplace.kept import KeptSlot, KeptSlots, SlotHeader
+from pliant.worker.inplace.packing import on_thread, pack_later, packed_size, spans
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -106,7 +106,7 @@ class Held:
         own: the steps of its complete own copies.
         wards: old rank -> the steps of its complete copies of that rank's shard.
         generation: the world its copies were taken in (-1: none).
-        kept: the copies are a dead predecessor's, read back from node-local memory (:mod:`pliant.worker.kept`);
+        kept: the copies are a dead predecessor's, read back from node-local memory (:mod:`pliant.worker.inplace.kept`);
             they count only when they are of the survivors' world.
     """
 
@@ -237,9 +237,10 @@ class BuddyCopies:
 
     Args:
         track_fds: called around the creation of the copies' process group, to note the sockets it opens
-            (``Session.group_fds``, which a failure severs).
+            (``World.tracked``: into ``World.group_fds``, which a failure severs).
         metrics: the worker's metrics (the snapshots' stall and bytes), if any.
-        kept_dir: where this rank's buffers live as files that outlive the process (:mod:`pliant.worker.kept`; its
+        kept_dir: where this rank's buffers live as files that outlive the process (:mod:`pliant.worker.inplace.kept`;
+        its
             local rank's folder of the agent's snapshot directory); "" keeps them in process memory only.
     """
 
@@ -483,7 +484,7 @@ class BuddyCopies:
 
     def adopt(self) -> Held:
         """What a fresh worker holds from the dead worker it replaces: the copies that one kept in node-local memory
-        (:mod:`pliant.worker.kept`), if any. Its buffers then serve :meth:`buffer` until this rank's own first
+        (:mod:`pliant.worker.inplace.kept`), if any. Its buffers then serve :meth:`buffer` until this rank's own first
         snapshot."""
         slots = [s for s in self.kept.load() if s.header.step >= 0]
         if not slots:

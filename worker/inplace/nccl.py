@@ -1,7 +1,7 @@
 """NCCL under the in-place protocol: a failed peer must fail the survivors' step, never hang it or corrupt it.
 
-Gloo raises as soon as a peer's connection closes (:mod:`pliant.worker.rescale`). NCCL does not: its kernels wait on
-the GPU for data that never comes, the CPU blocks at its next synchronisation (``loss.item()``), and when the
+Gloo raises as soon as a peer's connection closes (:mod:`pliant.worker.inplace.protocol`). NCCL does not: its kernels
+wait on the GPU for data that never comes, the CPU blocks at its next synchronisation (``loss.item()``), and when the
 communicator is finally torn down the step's buffers hold partial sums. So, in place on NCCL:
 
 - the default process group is ``cpu:gloo,cuda:nccl`` (:func:`backend_for`): the protocol's small control tensors
@@ -9,7 +9,7 @@ communicator is finally torn down the step's buffers hold partial sums. So, in p
 - torch's own handling of NCCL errors is off (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, and no debug dump on an error:
   ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``; :func:`prepare`, where a value the user set wins). Its default tears the process
   down on the first error, and a survivor must live on;
-- the step guard (:mod:`pliant.worker.guard`) aborts the default group's NCCL communicator (:func:`abort_nccl`),
+- the step guard (:mod:`pliant.worker.inplace.guard`) aborts the default group's NCCL communicator (:func:`abort_nccl`),
   which releases the kernels and the blocked CPU, when NCCL reports an error (:func:`nccl_error`) or a newer
   generation waits for a blocked step; before the optimizer step the step synchronises with the GPU and the guard
   raises a peer failure when the communicator failed or was aborted: no survivor applies a step the others did not.

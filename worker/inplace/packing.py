@@ -1,5 +1,5 @@
-"""A shard's tensors packed into one reusable byte buffer, and back: how buddy snapshots (:mod:`pliant.worker.buddy`)
-copy a rank's state to host memory, on a thread while the training computes.
+"""A shard's tensors packed into one reusable byte buffer, and back: how buddy snapshots
+(:mod:`pliant.worker.inplace.buddy`) copy a rank's state to host memory, on a thread while the training computes.
 
 Every tensor starts at a multiple of :data:`ALIGN` bytes (any dtype can view it), and the padding is written too, so
 two packs of the same tensors are the same bytes whatever the buffer held.

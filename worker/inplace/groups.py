@@ -1,4 +1,4 @@
-"""Process groups' sockets and lifecycle, for the rescale protocol (:mod:`pliant.worker.rescale`): which sockets a
+"""Process groups' sockets and lifecycle, for the in-place world (:mod:`pliant.worker.inplace.world`): which sockets a
 group opened, shutting them down so that peers blocked with this rank fail at once (``sever``) or so that this rank's
 own blocked collective fails too (``shut_down``), TCP keepalive so that a silent peer fails them within seconds
 (``keepalive``), and retiring a group without running its destructor
@@ -23,9 +23,9 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from pliant.env import GUARD_EXIT_CODE, WorkerEnv
-from pliant.progress import Directive, read_directive
+from pliant.progress import Directive
 from pliant.worker.contract import WorkerError
-from pliant.worker.nccl import has_nccl
+from pliant.worker.inplace.nccl import has_nccl
 
 __all__ = [
     "ARRIVED_KEY",
@@ -123,8 +123,8 @@ def sever(sockets: Iterable[tuple[int, int]]) -> None:
 def shut_down(sockets: Iterable[tuple[int, int]]) -> None:
     """Shut down both directions of the process groups' connections, so that a collective this rank is blocked in
     fails at once ("Connection closed"), whichever peer it waits on, and so do the peers' waiting on this rank (the
-    step guard's break, :mod:`pliant.worker.guard`). Listening sockets are left alone: gloo aborts the process when
-    its listener's ``accept`` fails."""
+    step guard's break, :mod:`pliant.worker.inplace.guard`). Listening sockets are left alone: gloo aborts the process
+    when its listener's ``accept`` fails."""
     for sock in _still_open(sockets):
         with contextlib.suppress(OSError):
             if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
@@ -257,15 +257,24 @@ class RendezvousWatch:
     """While a process group's ranks meet, watch for a newer generation's directive; from when one comes until the
     rendezvous returns, shut down every socket opened since the watch began (the store client's, gloo's; again every
     tenth of a second, so a socket connected meanwhile fails too), so the blocked rendezvous fails
-    (:meth:`pliant.worker.rescale.Protocol.form_group`).
+    (:meth:`pliant.worker.inplace.world.World.form`).
 
     A meeting still blocked :data:`MEET_GIVE_UP_S` after that ends the process (:func:`give_up`): gloo's listening
     side of a pair whose peer never connects (cut off, or dead, before it did) waits past the group's timeout, and
     shutting down sockets does not wake it (reproduced on network namespaces: still blocked after 100 s with a 20 s
-    timeout; pytorch/gloo #520). A fresh worker then takes this rank, as after any worker's death."""
+    timeout; pytorch/gloo #520). A fresh worker then takes this rank, as after any worker's death.
 
-    def __init__(self, progress_file: str, generation: int) -> None:
-        self.progress_file, self.generation = progress_file, generation
+    Args:
+        newer: the world's directive reader (:meth:`pliant.worker.inplace.world.World.newer`): the directive of a
+            generation newer than the one given, or None. Called from the watch's thread.
+        generation: the generation whose ranks meet.
+
+    Threads: the watch's thread sets :attr:`newer` once, under the lock; :meth:`finish` (the meeting's thread) ends
+    the watch under the same lock, so a group that formed is never severed.
+    """
+
+    def __init__(self, newer: Callable[[int], Directive | None], generation: int) -> None:
+        self._newer, self.generation = newer, generation
         self.before = socket_fds()
         self.newer: Directive | None = None
         self._lock = threading.Lock()
@@ -282,8 +291,8 @@ class RendezvousWatch:
         severed: float | None = None
         while not self._stop.wait(0.1):
             if self.newer is None:
-                directive = read_directive(self.progress_file) if self.progress_file else None
-                if directive is None or directive.generation <= self.generation:
+                directive = self._newer(self.generation)
+                if directive is None:
                     continue
             with self._lock:
                 if self._done:  # the group formed meanwhile: it stays, and the boundary moves it on

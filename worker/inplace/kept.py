@@ -1,9 +1,9 @@
 """Buddy snapshot buffers that outlive their process: node-local shared memory, read back by the worker that
 replaces a dead one.
 
-A sharded engine's buddy copies (:mod:`pliant.worker.buddy`) protect a rank's shard against the loss of that rank or
-of its node: the shard's owner holds one copy, a rank on another node the other. A shard is lost only when both die
-together, and then the job goes back to its last disk checkpoint. That happened in soaks with two workers per node:
+A sharded engine's buddy copies (:mod:`pliant.worker.inplace.buddy`) protect a rank's shard against the loss of that
+rank or of its node: the shard's owner holds one copy, a rank on another node the other. A shard is lost only when both
+die together, and then the job goes back to its last disk checkpoint. That happened in soaks with two workers per node:
 a node died, and a worker of another node, blocked in gloo on a send to the dead node, gave up (its step guard) with
 its buddy on the dead node.
 
@@ -13,8 +13,8 @@ its wards') in files under its agent's snapshot directory (``pliant run --snapsh
 buddy write them exactly as they wrote anonymous memory, so this costs no extra copy and no extra memory; a small
 header per slot (JSON, replaced atomically) says which step each buffer holds once it is whole. When the process dies,
 the files stay; the fresh worker its agent starts for the same local rank reads the headers and offers those copies
-to the roll back (:meth:`KeptSlots.load`; :func:`pliant.worker.buddy.choose_rollback` takes them only when they are of
-the survivors' world). The first snapshot of a new world removes the folder's older files; the agent removes its
+to the roll back (:meth:`KeptSlots.load`; :func:`pliant.worker.inplace.buddy.choose_rollback` takes them only when they
+are of the survivors' world). The first snapshot of a new world removes the folder's older files; the agent removes its
 directory when it exits, and a later agent on the host removes those of agents that died.
 
 Limits: where the directory is missing or too small (a container's 64 MB ``/dev/shm``), or on CUDA (the own copy is
@@ -55,7 +55,7 @@ class SlotHeader:
     """What one slot's files hold, once whole.
 
     Attributes:
-        generation: the world whose buddy copies these are (:attr:`pliant.worker.buddy.BuddyCopies.generation`).
+        generation: the world whose buddy copies these are (:attr:`pliant.worker.inplace.buddy.BuddyCopies.generation`).
         world: that world's size.
         rank: this rank's rank in that world.
         step: the committed step of the copies.

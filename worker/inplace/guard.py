@@ -1,8 +1,8 @@
 """The step guard of an in-place worker: a step that a dead or cut-off peer blocks is broken, never left to hang.
 
 Most failures need no guard: on gloo a peer's death closes its connections, and every collective waiting on it raises
-at once; TCP keepalive (:func:`pliant.worker.groups.keepalive`) fails a connection to a peer that went silent. Two
-cases remain, and a guard thread (one per protocol) watches every step for them:
+at once; TCP keepalive (:func:`pliant.worker.inplace.groups.keepalive`) fails a connection to a peer that went silent.
+Two cases remain, and a guard thread (one per protocol) watches every step for them:
 
 - **NCCL** does not raise: its kernels wait on the GPU for data that never comes, and the CPU blocks at its next
   synchronisation. The guard aborts the default group's NCCL communicator when NCCL reports an error (a peer's
@@ -15,14 +15,14 @@ cases remain, and a guard thread (one per protocol) watches every step for them:
   without it. So when a newer generation's
   directive waits (:mod:`pliant.progress`) and the step has run for :data:`STALL_S` or three times the last step's
   time, whichever is longer, in a world of more than one rank (:func:`stalled`), the guard breaks the step: on NCCL
-  it aborts the communicator; on gloo it shuts down the group's connections (:func:`pliant.worker.groups.shut_down`),
-  which fails the collective waiting on any of them (and the peers' waiting on this rank). A healthy step that
-  merely outlasts the rule is redone in the new world (DDP: that step; ZeRO and FSDP2: the steps since their last
-  buddy snapshot); no sample is lost or repeated.
+  it aborts the communicator; on gloo it shuts down the group's connections
+  (:func:`pliant.worker.inplace.groups.shut_down`), which fails the collective waiting on any of them (and the peers'
+  waiting on this rank). A healthy step that merely outlasts the rule is redone in the new world (DDP: that step; ZeRO
+  and FSDP2: the steps since their last buddy snapshot); no sample is lost or repeated.
 
 After a break, :meth:`Guard.check` (before the optimizer step) raises a peer failure, so this rank never applies the
-step; :func:`pliant.worker.rescale.is_peer_failure` takes the error as one, and the failure path re-forms the world in
-the same process.
+step; :func:`pliant.worker.inplace.protocol.is_peer_failure` takes the error as one, and the failure path re-forms the
+world in the same process.
 
 **A break that releases nothing.** A suite run saw a rank whose break (its sockets shut down) did not end its step:
 it was blocked in something other than a collective on those sockets, and the survivors waited for it in the next
@@ -43,9 +43,9 @@ from collections.abc import Callable
 
 import torch
 
-from pliant.progress import read_directive
-from pliant.worker.groups import give_up, shut_down
-from pliant.worker.nccl import abort_nccl, nccl_backend, nccl_error
+from pliant.progress import Directive
+from pliant.worker.inplace.groups import give_up, shut_down
+from pliant.worker.inplace.nccl import abort_nccl, nccl_backend, nccl_error
 
 __all__ = ["GIVE_UP_S", "POLL_S", "STALL_S", "Guard", "NoGuard", "stalled", "wedged"]
 
@@ -89,13 +89,20 @@ class Guard:
     """Watches an in-place worker's steps (see the module docstring). A daemon thread.
 
     Args:
-        progress_file: the worker's progress file (its agent's directives are read next to it).
+        newer: the world's directive reader (:meth:`pliant.worker.inplace.world.World.newer`): the directive of a
+            generation newer than the one given, or None. Called from the guard's thread.
         nccl: the default group runs its collectives on NCCL (else gloo).
-        sockets: the process groups' socket descriptors (``Session.group_fds``), which a break shuts down on gloo.
+        sockets: the process groups' socket descriptors (``World.group_fds``), which a break shuts down on gloo.
+
+    Threads: the step's thread calls :meth:`begin`, :meth:`end` and :meth:`check`; the guard's thread watches. Every
+    field they share (the running step's start, generation and peers, the last step's time, the break) is read and
+    written under the lock.
     """
 
-    def __init__(self, progress_file: str, nccl: bool, sockets: Callable[[], set[tuple[int, int]]]) -> None:
-        self.progress_file = progress_file
+    def __init__(
+        self, newer: Callable[[int], Directive | None], nccl: bool, sockets: Callable[[], set[tuple[int, int]]]
+    ) -> None:
+        self._newer = newer
         self.nccl = nccl
         self._sockets = sockets
         self.generation: int | None = 0
@@ -132,7 +139,7 @@ class Guard:
         the step or the communicator failed.
 
         Raises:
-            RuntimeError: naming the backend (:func:`pliant.worker.rescale.is_peer_failure` takes it as a peer
+            RuntimeError: naming the backend (:func:`pliant.worker.inplace.protocol.is_peer_failure` takes it as a peer
                 failure).
         """
         if self.nccl:
@@ -162,8 +169,8 @@ class Guard:
             why = nccl_error(backend) if backend is not None else ""
             now = time.monotonic()
             if not why and generation is not None and stalled(started, last, now, peers):
-                directive = read_directive(self.progress_file) if self.progress_file else None
-                if directive is not None and directive.generation > generation:
+                directive = self._newer(generation)
+                if directive is not None:
                     why = f"the step has run {now - started:.1f}s while generation {directive.generation} waits"
             if why:
                 self._break(generation, why)
