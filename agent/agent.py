@@ -441,6 +441,7 @@ class Agent:
                 unreachable,
                 lease,
                 arrived=report.arrived,
+                cause=report.cause,
             )
         logger.info(
             "agent %s: %s of generation %d reported (%s; current generation %d)%s",

@@ -52,13 +52,11 @@ from dataclasses import dataclass, field, replace
 
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.agent.handover import HandOver, probe_due, probed
-from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, JobState
+from pliant.coordinator.contract import FailureCause, Generation, JobState
 from pliant.fence import Fence
 
 __all__ = [
-    "FENCED_EXIT_CODE",
     "FENCE_AFTER",
-    "HANG_EXIT_CODE",
     "HANG_FLOOR_S",
     "HANG_MULTIPLE",
     "Action",
@@ -97,8 +95,6 @@ __all__ = [
 
 HANG_FLOOR_S = 60.0
 HANG_MULTIPLE = 10.0
-HANG_EXIT_CODE = -1  # the exit code a hang is reported with (the workers were killed by the agent)
-FENCED_EXIT_CODE = -3  # the exit code a fenced world is reported with (the agent stopped its workers)
 # Peers are asked after this many TTLs without a renewal, and a peer's unbroken renewals must have lasted as long: a
 # returning coordinator gives every member one TTL before it evicts anyone, and nodes reconnect at different moments,
 # so a shorter streak does not yet show that this node alone is cut off.
@@ -131,9 +127,10 @@ class Report:
 
     kind: str  # "failure" | "success"
     generation: int
-    exit_code: int = 0
+    exit_code: int = 0  # of a failure whose cause is EXITED: the worker's (negative: the signal that killed it)
     message: str = ""
     arrived: bool = False  # a worker of this node completed a step in ``generation``: every member arrived
+    cause: FailureCause = FailureCause.EXITED
 
 
 @dataclass(frozen=True)
@@ -447,7 +444,9 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     failure = result.first_failure
     if failure is not None and event.alive and _moves_in_place(state):
         # The other local workers keep their processes and state; the next generation replaces the dead one.
-        report = _failure(state, result.generation, failure[1], event.message or f"exit code {failure[1]}")
+        report = _failure(
+            state, result.generation, FailureCause.EXITED, event.message or f"exit code {failure[1]}", failure[1]
+        )
         return _set(state, AgentState.RUNNING, f"worker failure reported; {event.alive} workers wait in place"), [
             Send(report)
         ]
@@ -471,7 +470,9 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
         ]
     failure = result.first_failure
     code = failure[1] if failure else 1
-    report = _failure(state, result.generation, code, event.message or f"a worker exited with code {code}")
+    report = _failure(
+        state, result.generation, FailureCause.EXITED, event.message or f"a worker exited with code {code}", code
+    )
     return _set(state, AgentState.WAITING, "worker failure reported"), [Stop(), Send(report)]
 
 
@@ -490,9 +491,10 @@ def _fenced_by(state: CoreState, fence: Fence | None) -> str:
     )
 
 
-def _failure(state: CoreState, generation: int, code: int, message: str) -> Report:
-    """A failure report of ``generation``, saying whether this node's workers trained a step in it."""
-    return Report("failure", generation, code, message, state.trained_in >= generation)
+def _failure(state: CoreState, generation: int, cause: FailureCause, message: str, exit_code: int = 0) -> Report:
+    """A failure report of ``generation`` (``exit_code``: a worker's, when it exited), saying whether this node's
+    workers trained a step in it."""
+    return Report("failure", generation, exit_code, message, state.trained_in >= generation, cause)
 
 
 def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState, list[Action]]:
@@ -541,13 +543,13 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
             continue
         generation = state.group
         assert generation is not None
-        report = _failure(state, generation, HANG_EXIT_CODE, f"hang: {why}")
+        report = _failure(state, generation, FailureCause.HUNG, f"hang: {why}")
         state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
         return state, [Dump(why), Stop(), Send(report)]
     if waiting:
         message = f"local rank {min(waiting)} saw a peer fail mid-step and waits in place for the next generation"
         state = _set(state, state.phase, "a peer failed; waiting in place")
-        return state, [Send(_failure(state, state.group, WAIT_EXIT_CODE, message))]  # no worker of ours failed
+        return state, [Send(_failure(state, state.group, FailureCause.WAITING, message))]  # no worker of ours failed
     return state, []
 
 
@@ -587,7 +589,7 @@ def _on_probed(state: CoreState, event: NewcomersProbed, now: float) -> tuple[Co
         return state, []
     pending, verdict = probed(pending, event.arrived, event.unreachable, now, state.config.rescale_grace_s)
     if verdict.cut:  # the workers train on in their generation; the report brings the next one
-        report = _failure(state, gen.number, -1, verdict.message)
+        report = _failure(state, gen.number, FailureCause.NOT_ARRIVED, verdict.message)
         state = replace(state, handing=None, handover=None)
         return _set(state, AgentState.RUNNING, f"generation {gen.number} not handed over: {verdict.message}"), [
             Send(report)
@@ -620,7 +622,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
     if isinstance(event, StartFailed):
         if state.group != event.generation:
             return state, []
-        report = _failure(state, event.generation, -1, event.message)
+        report = _failure(state, event.generation, FailureCause.START_FAILED, event.message)
         return _set(_no_group(state), AgentState.WAITING, f"cannot start: {event.message}"), [Stop(), Send(report)]
     if isinstance(event, HeartbeatOk):
         return _renewed(state, now), []
@@ -666,7 +668,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         fenced = _fenced_by(state, event.fence)
         if fenced:
             # Reported, so that the control plane that runs this world learns why it stopped.
-            report = _failure(state, state.group or 0, FENCED_EXIT_CODE, fenced)
+            report = _failure(state, state.group or 0, FailureCause.FENCED, fenced)
             return _set(_no_group(state), AgentState.WAITING, fenced), [Stop(), Send(report)]
         state, actions = _watch_progress(state, event, now)
         if not actions:

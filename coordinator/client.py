@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pliant.coordinator.contract import (
+    FailureCause,
     JobInfo,
     JobSpec,
     JobStatus,
@@ -25,7 +26,7 @@ from pliant.coordinator.contract import (
     WatchEvent,
     error_for_status,
 )
-from pliant.coordinator.convert import generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
+from pliant.coordinator.convert import cause_to_pb, generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
 from pliant.net import parse_host_port
 from pliant.tls import Role, TlsMaterial, channel_credentials, new_csr
 from pliant.v1 import coordinator_pb2 as pb
@@ -241,9 +242,11 @@ class CoordinatorClient:
         unreachable_nodes: Sequence[str] = (),
         lease_id: int = 0,
         arrived: bool = False,
+        cause: FailureCause = FailureCause.EXITED,
     ) -> tuple[bool, int]:
-        """Report a worker failure (and peers whose agents are unreachable), with this node's membership lease;
-        ``arrived``: this node's workers trained a step in ``generation``. Returns (accepted, current generation)."""
+        """Report a failure of ``generation`` on this node (``cause``; ``exit_code``: the worker's, when it exited),
+        and peers whose agents are unreachable, with this node's membership lease; ``arrived``: this node's workers
+        trained a step in ``generation``. Returns (accepted, current generation)."""
         req = pb.ReportFailureRequest(
             job_id=job_id,
             node_id=node_id,
@@ -253,6 +256,7 @@ class CoordinatorClient:
             unreachable_nodes=list(unreachable_nodes),
             lease_id=lease_id,
             arrived=arrived,
+            cause=cause_to_pb(cause),
         )
         resp = self._call("ReportFailure", req)
         return resp.accepted, resp.current_generation

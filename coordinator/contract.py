@@ -23,7 +23,6 @@ __all__ = [
     "MAX_NPROC",
     "MAX_REASON_BYTES",
     "MAX_WORLD_SIZE",
-    "WAIT_EXIT_CODE",
     "Admission",
     "AlreadyExists",
     "CoordinatorError",
@@ -31,6 +30,7 @@ __all__ = [
     "Decision",
     "FailJob",
     "FailedPrecondition",
+    "FailureCause",
     "FailureReport",
     "FencingError",
     "Generation",
@@ -491,15 +491,36 @@ class Admission:
     checkpoint_key: bytes = b""
 
 
-WAIT_EXIT_CODE = -2  # a FailureReport of workers that wait in place after a peer failed
+class FailureCause(enum.Enum):
+    """What a failure report says happened on the reporting node (``pb.FailureCause`` on the wire)."""
+
+    EXITED = "exited"
+    """A worker exited with a non-zero code, or was killed by a signal (the report's ``exit_code``)."""
+    HUNG = "hung"
+    """No step within the hang timeout: the agent stopped its workers."""
+    WAITING = "waiting"
+    """No worker of the node failed: they wait in place after a peer failed; the planner gives the failure's cause a
+    moment to be reported (:data:`pliant.coordinator.planner.REPORT_GRACE_S`)."""
+    NOT_ARRIVED = "not-arrived"
+    """A hand-over in place gave up on newcomers that never arrived."""
+    START_FAILED = "start-failed"
+    """The node could not start its workers."""
+    FENCED = "fenced"
+    """Another incarnation of the job took the checkpoint directory over; this world stopped."""
+
+    @classmethod
+    def of_legacy_code(cls, exit_code: int) -> FailureCause:
+        """The cause an agent that sends none meant by ``exit_code`` (-1 hung, -2 waiting, -3 fenced; any other
+        code a worker's exit)."""
+        return {-1: cls.HUNG, -2: cls.WAITING, -3: cls.FENCED}.get(exit_code, cls.EXITED)
 
 
 @dataclass(frozen=True)
 class FailureReport:
-    """An agent's report that a worker of ``generation`` on ``node_id`` failed (``exit_code`` :data:`WAIT_EXIT_CODE`:
-    none did, they wait in place after a peer failed; the planner gives the failure's cause a moment to be reported),
-    the members whose agents it could not reach (``unreachable``; see :func:`pliant.coordinator.policy.evictions`),
-    and whether its workers trained a step in ``generation`` (``arrived``: every member arrived)."""
+    """An agent's report that ``generation`` failed on ``node_id`` (``cause``, with a worker's ``exit_code`` when it
+    is :attr:`FailureCause.EXITED`), the members whose agents it could not reach (``unreachable``; see
+    :func:`pliant.coordinator.policy.evictions`), and whether its workers trained a step in ``generation``
+    (``arrived``: every member arrived)."""
 
     node_id: str
     generation: int
@@ -508,14 +529,23 @@ class FailureReport:
     reported_at: float = 0.0
     unreachable: tuple[str, ...] = ()
     arrived: bool = False
+    cause: FailureCause = FailureCause.EXITED
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({**asdict(self), "cause": self.cause.value}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> FailureReport:
         data = json.loads(text)
-        return _from_mapping(cls, {**data, "unreachable": tuple(data.get("unreachable", ()))})
+        cause = data.get("cause")
+        return _from_mapping(
+            cls,
+            {
+                **data,
+                "unreachable": tuple(data.get("unreachable", ())),
+                "cause": FailureCause(cause) if cause else FailureCause.of_legacy_code(data.get("exit_code", 1)),
+            },
+        )
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pliant.coordinator.contract import (
+    FailureCause,
     Generation,
     GenerationMember,
     JobInfo,
@@ -15,6 +16,8 @@ from pliant.coordinator.contract import (
 from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = [
+    "cause_from_pb",
+    "cause_to_pb",
     "generation_from_pb",
     "generation_to_pb",
     "job_info_from_pb",
@@ -33,6 +36,27 @@ _STATE_TO_PB = {
     JobState.FAILED: pb.JOB_STATE_FAILED,
 }
 _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+_CAUSE_TO_PB = {
+    FailureCause.EXITED: pb.FAILURE_CAUSE_EXITED,
+    FailureCause.HUNG: pb.FAILURE_CAUSE_HUNG,
+    FailureCause.WAITING: pb.FAILURE_CAUSE_WAITING,
+    FailureCause.NOT_ARRIVED: pb.FAILURE_CAUSE_NOT_ARRIVED,
+    FailureCause.START_FAILED: pb.FAILURE_CAUSE_START_FAILED,
+    FailureCause.FENCED: pb.FAILURE_CAUSE_FENCED,
+}
+_CAUSE_FROM_PB = {v: k for k, v in _CAUSE_TO_PB.items()}
+
+
+def cause_to_pb(cause: FailureCause) -> int:
+    return _CAUSE_TO_PB[cause]
+
+
+def cause_from_pb(value: int, exit_code: int) -> FailureCause:
+    """A report's cause; an agent that sends none (``FAILURE_CAUSE_UNSPECIFIED``) meant it by its exit code."""
+    cause = _CAUSE_FROM_PB.get(value)
+    return cause if cause is not None else FailureCause.of_legacy_code(exit_code)
 
 
 def state_to_pb(state: JobState) -> int:

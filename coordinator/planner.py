@@ -20,7 +20,7 @@ Rules (see docs/architecture.md):
 - A report whose named nodes are not corroborated yet, from the smaller side of a cut, or a newcomer's against
   older members (:func:`pliant.coordinator.policy.reported_evictions`), evicts nobody at once; while it waits for the
   nodes it named to report or fall silent, the planner waits too, and the executor evicts them when it comes due.
-- Reports from nodes whose workers only wait after a peer failed (``WAIT_EXIT_CODE``) give the failure's cause
+- Reports from nodes whose workers only wait after a peer failed (:attr:`FailureCause.WAITING`) give the failure's cause
   :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
   whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
   third node, which reaches both, otherwise spent a restart and re-formed the same world again and again.
@@ -42,9 +42,9 @@ from collections.abc import Sequence
 
 from pliant.coordinator.contract import (
     MAX_WORLD_SIZE,
-    WAIT_EXIT_CODE,
     Decision,
     FailJob,
+    FailureCause,
     Generation,
     GenerationMember,
     JobSnapshot,
@@ -188,7 +188,7 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
                 f"their reports or their silence{doubted}",
                 JobState.RUNNING,
             )
-    if running and failures and all(f.exit_code == WAIT_EXIT_CODE for f in failures):
+    if running and failures and all(f.cause is FailureCause.WAITING for f in failures):
         # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
         # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.
         until = min(f.reported_at for f in failures) + REPORT_GRACE_S
@@ -197,7 +197,7 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
                 until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause", JobState.RUNNING
             )
     if running and failed_nodes:
-        culprits = sorted({f.node_id for f in failures if f.exit_code != WAIT_EXIT_CODE}) or failed_nodes
+        culprits = sorted({f.node_id for f in failures if f.cause is not FailureCause.WAITING}) or failed_nodes
         for node in culprits:
             charged[node] = charged.get(node, 0) + 1
         over = [n for n in culprits if charged[n] > spec.max_restarts]

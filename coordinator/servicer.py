@@ -39,7 +39,14 @@ from pliant.coordinator.contract import (
     validate_id,
     validate_slots,
 )
-from pliant.coordinator.convert import generation_to_pb, job_info_to_pb, spec_from_pb, state_to_pb, without_addresses
+from pliant.coordinator.convert import (
+    cause_from_pb,
+    generation_to_pb,
+    job_info_to_pb,
+    spec_from_pb,
+    state_to_pb,
+    without_addresses,
+)
 from pliant.coordinator.revocation import RENEWAL_OVERLAP_S, Denylist, replaced_certificate, revocation_of
 from pliant.coordinator.signer import Signer
 from pliant.coordinator.store import EtcdStore
@@ -324,6 +331,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._clock(),
             tuple(dict.fromkeys(unreachable)),
             request.arrived,
+            cause_from_pb(request.cause, request.exit_code),
         )
         accepted, current = self._store.report_failure(job, report)
         self._poke(job)

@@ -19,6 +19,7 @@ from pliant.coordinator.contract import (
     Admission,
     AlreadyExists,
     FailedPrecondition,
+    FailureCause,
     FailureReport,
     Generation,
     InvalidArgument,
@@ -494,11 +495,11 @@ class MemberStore(EtcdBase):
         else:
             outcome = ""
         logger.info(
-            "failure reported in job %s generation %d by %s (exit %d)%s",
+            "failure reported in job %s generation %d by %s (%s)%s",
             job,
             number,
             report.node_id,
-            report.exit_code,
+            f"exit {report.exit_code}" if report.cause is FailureCause.EXITED else report.cause.value,
             outcome,
         )
 

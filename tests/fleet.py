@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
-from pliant.coordinator.contract import CoordinatorError, JobInfo, JobSpec, WatchEvent
+from pliant.coordinator.contract import CoordinatorError, FailureCause, JobInfo, JobSpec, WatchEvent
 from pliant.tls import LocalCA, Role, TlsConfig, TlsMaterial, channel_credentials
 
 __all__ = ["COORDINATOR_HOSTS", "Fleet", "Heartbeats", "admin_tls", "agent_tls", "coordinator_tls", "secure_channel"]
@@ -141,10 +141,11 @@ class Fleet:
         message: str = "",
         unreachable_nodes: Sequence[str] = (),
         arrived: bool = False,
+        cause: FailureCause = FailureCause.EXITED,
     ) -> tuple[bool, int]:
         lease = self.leases.get((job_id, node_id), 0)
         return self.node(node_id).report_failure(
-            job_id, node_id, generation, exit_code, message, unreachable_nodes, lease, arrived
+            job_id, node_id, generation, exit_code, message, unreachable_nodes, lease, arrived, cause
         )
 
     def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:

@@ -200,6 +200,11 @@ class CheckpointManager(WorldPart):
         runner: the engines' runner (default: the plain local step). Under an agent, the rescale protocol: a
             newcomer's :meth:`restore` takes the survivors' state from it, a save may write from its buddy snapshot,
             and a save a peer's failure broke is abandoned when it says the next step recovers.
+
+    Threads: the training thread owns every field and calls every method. An async save runs in the background
+    (:func:`pliant.worker.background.in_background`, or DCP's own thread for its stager); its completion callback,
+    on that thread, commits the save and writes only ``_commit_error`` and the save's ``committed`` event, which the
+    training thread reads after waiting for that event (:meth:`wait`).
     """
 
     def __init__(

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
+from pliant.worker.background import in_background
 from pliant.worker.directio import DirectWriter
 from pliant.worker.inplace.buddy import BACKGROUND_NICE
 
@@ -211,16 +212,9 @@ def write_in_background(
     snapshot's copy is complete); ``direct``: around the page cache (:class:`BackgroundWriter`). Returns the write's
     future."""
     planner = SnapshotPlanner(shards) if shards else None
-    future: Future[Any] = Future()
 
-    def run() -> None:
-        try:
-            ready()
-            future.set_result(
-                dcp.save(state, storage_writer=BackgroundWriter(path, direct), planner=planner, process_group=group)
-            )
-        except BaseException as exc:  # DCP's CheckpointException is one: reported to whoever waits for the save
-            future.set_exception(exc)
+    def write() -> Any:
+        ready()
+        return dcp.save(state, storage_writer=BackgroundWriter(path, direct), planner=planner, process_group=group)
 
-    threading.Thread(target=run, name="pliant-checkpoint-write", daemon=True).start()
-    return future
+    return in_background(write, "pliant-checkpoint-write")

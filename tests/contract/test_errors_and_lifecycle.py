@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from pliant.coordinator import etcd_server
-from pliant.coordinator.contract import FailureReport, JobSpec, JobState, NotFound, Unavailable
+from pliant.coordinator.contract import FailureCause, FailureReport, JobSpec, JobState, NotFound, Unavailable
 from pliant.coordinator.etcd_server import EtcdServer, EtcdServerError
 from pliant.coordinator.policy import BACKOFF_BASE_S, REPORT_GRACE_S, corroboration_s
 from pliant.coordinator.store import EtcdStore
@@ -274,7 +274,9 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
                 lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60, "b admitted"
             )
             waited = time.monotonic() - joined
-            assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
+            assert client.report_failure(
+                "job", "a", gen.number, 0, "b never arrived", ["b"], cause=FailureCause.NOT_ARRIVED
+            ) == (True, gen.number)
             wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted")
             return waited
 
@@ -309,7 +311,9 @@ def test_a_cut_between_two_members_evicts_one_side_and_holds_it_back_when_it_kee
             10,
             "b admitted, lifted again",
         )
-        assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
+        assert client.report_failure(
+            "job", "a", gen.number, 0, "b never arrived", ["b"], cause=FailureCause.NOT_ARRIVED
+        ) == (True, gen.number)
         wait_for(lambda: client.get_job("job").generation.node_ids == ("a",), 10, "b evicted: strike 4")
         grant = client.join("job", "b", "127.0.0.1:2")
         time.sleep(1.0)
@@ -338,7 +342,9 @@ def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordi
             gen = wait_for(
                 lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b") and g, 60, "b admitted"
             )
-            assert client.report_failure("job", "a", gen.number, -1, "b never arrived", ["b"]) == (True, gen.number)
+            assert client.report_failure(
+                "job", "a", gen.number, 0, "b never arrived", ["b"], cause=FailureCause.NOT_ARRIVED
+            ) == (True, gen.number)
             number = wait_for(
                 lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number, 10, "b evicted"
             )
@@ -353,9 +359,15 @@ def test_a_spare_that_cannot_reach_the_members_is_held_until_it_does(make_coordi
         client.heartbeat("job", "b", lease, reaches_generation=number)  # the cut healed
         wait_for(lambda: client.get_job("job").generation.node_ids == ("a", "b"), 10, "b admitted, its hold lifted")
         assert time.monotonic() - struck < BACKOFF_BASE_S + 5
-        assert client.report_failure("job", "a", client.get_job("job").generation.number, -1, "b never arrived", ["b"])[
-            0
-        ]  # strike 2: lifts=1 of count 2, no lift this time
+        assert client.report_failure(
+            "job",
+            "a",
+            client.get_job("job").generation.number,
+            0,
+            "b never arrived",
+            ["b"],
+            cause=FailureCause.NOT_ARRIVED,
+        )[0]  # strike 2: lifts=1 of count 2, no lift this time
         number = wait_for(
             lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",) and g.number,
             10,

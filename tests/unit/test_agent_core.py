@@ -8,7 +8,7 @@ import pytest
 
 from pliant.agent import core
 from pliant.agent.contract import AgentState, GroupResult
-from pliant.coordinator.contract import WAIT_EXIT_CODE, Generation, GenerationMember, JobState
+from pliant.coordinator.contract import FailureCause, Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
 from pliant.fence import Fence
 
@@ -135,7 +135,7 @@ def test_a_rank_without_progress_is_hung() -> None:
     actions = agent.on(core.Tick({0: (7, "step"), 1: (5, "step")}), after=1.5)  # rank 1: 5.5 s since step 5
     assert agent.kinds(actions) == ["Dump", "Stop", "Send"]
     report = actions[-1].report  # type: ignore[union-attr]
-    assert report.kind == "failure" and report.exit_code == core.HANG_EXIT_CODE
+    assert report.kind == "failure" and report.cause is FailureCause.HUNG
     assert "local rank 1 made no progress for 6s after step 5" in report.message
     assert agent.state.group is None
 
@@ -174,7 +174,7 @@ def test_job_end_signal_and_start_failure() -> None:
     agent.on(core.GenerationSeen(_gen(1, "a", "b")))
     assert agent.on(core.StartFailed(1, "store port")) == [
         core.Stop(),
-        core.Send(core.Report("failure", 1, -1, "store port")),
+        core.Send(core.Report("failure", 1, 0, "store port", cause=FailureCause.START_FAILED)),
     ]
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert agent.on(core.JobFinished(JobState.RUNNING, "")) == []
@@ -199,7 +199,7 @@ def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node_and_says_s
     assert agent.on(core.Tick({}, fence=Fence("other", "u8", 9, ("u7",)))) == []  # another job's: its worker refuses
     actions = agent.on(core.Tick({}, fence=Fence("job", "u7", 5)))
     assert actions[0] == core.Stop() and isinstance(actions[1], core.Send)
-    assert actions[1].report.kind == "failure" and actions[1].report.exit_code == core.FENCED_EXIT_CODE
+    assert actions[1].report.kind == "failure" and actions[1].report.cause is FailureCause.FENCED
     assert "fenced: generation 5 owns the checkpoint directory" in agent.state.reason
     assert agent.state.reason in actions[1].report.message
 
@@ -382,17 +382,17 @@ def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
     actions = agent.on(core.Tick({0: (4, "wait"), 1: (4, "step")}, ready=True), after=0.2)
     assert agent.kinds(actions) == ["Send"]
     report = actions[0].report  # type: ignore[union-attr]
-    assert (report.kind, report.generation, report.exit_code) == ("failure", 1, WAIT_EXIT_CODE)
+    assert (report.kind, report.generation, report.cause) == ("failure", 1, FailureCause.WAITING)
     assert "saw a peer fail mid-step" in report.message
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == [
-        core.Send(core.Report("failure", 1, WAIT_EXIT_CODE, report.message.replace("rank 0", "rank 1")))
+        core.Send(core.Report("failure", 1, 0, report.message.replace("rank 0", "rank 1"), cause=FailureCause.WAITING))
     ]  # local rank 1 entered "wait" now
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # still waiting
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=0.2) == []  # the same wait
     # Handed generation 2, local rank 0 could not meet its ranks there: it waits again, now in generation 2.
     assert agent.on(core.Tick({0: (4, "wait", 2), 1: (4, "wait")}, ready=True), after=0.2) == [
-        core.Send(core.Report("failure", 2, WAIT_EXIT_CODE, report.message))
+        core.Send(core.Report("failure", 2, 0, report.message, cause=FailureCause.WAITING))
     ]
     # Waiting longer than the start timeout is a hang like a slow start.
     hung = agent.on(core.Tick({0: (4, "wait"), 1: (4, "wait")}, ready=True), after=700.0)

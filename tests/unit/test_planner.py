@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from pliant.coordinator.contract import (
-    WAIT_EXIT_CODE,
     FailJob,
+    FailureCause,
     FailureReport,
     Generation,
     JobSnapshot,
@@ -272,7 +272,10 @@ CASES = [
         gen=generation(2, [A, B, C], "join"),
         state=JobState.RUNNING,
         now=T0 + 5,
-        failures=[FailureReport("a", 2, WAIT_EXIT_CODE, reported_at=T0), FailureReport("c", 2, 1, reported_at=T0)],
+        failures=[
+            FailureReport("a", 2, 0, reported_at=T0, cause=FailureCause.WAITING),
+            FailureReport("c", 2, 1, reported_at=T0),
+        ],
         expect=NewGeneration,
         nodes=("a", "b", "c"),
         charged=(("c", 1),),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pliant.coordinator.contract import (
-    WAIT_EXIT_CODE,
+    FailureCause,
     FailureReport,
     FencingError,
     JobSpec,
@@ -192,7 +192,7 @@ def test_a_report_from_the_smaller_side_evicts_the_silent_named_nodes_after_the_
     clock.now += 6.0  # the leader heard every heartbeat for more than half a TTL ...
     store.ages[("job", "b")] = store.ages[("job", "c")] = 6.0  # ... and none from b and c for that long
     store.jobs["job"].failures.append(
-        FailureReport("a", world.number, WAIT_EXIT_CODE, "a peer failed", clock.now, ("b", "c"))
+        FailureReport("a", world.number, 0, "a peer failed", clock.now, ("b", "c"), cause=FailureCause.WAITING)
     )
     assert rec.reconcile("job", store.fence) == clock.now + REPORT_GRACE_S  # waiting for their reports
     assert store.evicted == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pliant.coordinator.contract import (
-    WAIT_EXIT_CODE,
+    FailureCause,
     FailureReport,
     Generation,
     GenerationMember,
@@ -91,10 +91,10 @@ def test_a_report_from_the_smaller_side_evicts_later_unless_the_named_report() -
         reported = reported_evictions(g, reports, live, silent, TTL, now)
         return reported.nodes, reported.pending
 
-    lone = FailureReport("a", 3, WAIT_EXIT_CODE, reported_at=T0, unreachable=("b", "c"))
+    lone = FailureReport("a", 3, 0, reported_at=T0, unreachable=("b", "c"), cause=FailureCause.WAITING)
     assert deferred([lone], live, T0 + 1) == ((), T0 + REPORT_GRACE_S)
     assert deferred([lone], live, T0 + REPORT_GRACE_S) == (("b", "c"), None)
-    answer = FailureReport("b", 3, WAIT_EXIT_CODE, reported_at=T0 + 0.1, unreachable=("a",))
+    answer = FailureReport("b", 3, 0, reported_at=T0 + 0.1, unreachable=("a",), cause=FailureCause.WAITING)
     assert deferred([lone, answer], live, T0 + 9) == (("a",), None)  # b's own report decides: a goes (2 against 1)
     assert deferred([lone], ["b", "c"], T0 + 9) == ((), None)  # a itself was evicted meanwhile
     assert deferred([lone], ["a", "c"], T0 + 9) == (("c",), None)  # b went with its lease
@@ -147,7 +147,7 @@ def test_the_other_side_or_another_member_corroborates_and_the_first_report_deci
     assert reported_evictions(three, named[:1], ["a", "b", "c"], (), TTL).nodes == ()
     assert reported_evictions(three, named, ["a", "b", "c"], (), TTL).nodes == ("c",)
     readmitted = gen(7, {"a": 1, "b": 7})
-    never = FailureReport("a", 7, -1, "b never arrived", unreachable=("b",))
+    never = FailureReport("a", 7, 0, "b never arrived", unreachable=("b",), cause=FailureCause.NOT_ARRIVED)
     assert reported_evictions(readmitted, [never], ["a", "b"], (), TTL).nodes == ("b",)
     arrived = dataclasses.replace(never, arrived=True)  # b trained in the world: an established member now
     assert reported_evictions(readmitted, [arrived], ["a", "b"], (), TTL).nodes == ()
@@ -250,7 +250,7 @@ def test_reports_of_waiting_workers_give_the_failures_cause_a_moment() -> None:
     restart the world at once: the report naming the unreachable peer, or the failed worker's own, comes first."""
     a, b, c = (Member(n, f"{n}:1", order=i) for i, n in enumerate("abc"))
     world = gen(5, {"a": 1, "b": 1, "c": 1})
-    waiting = FailureReport("c", 5, WAIT_EXIT_CODE, "a peer failed", reported_at=T0)
+    waiting = FailureReport("c", 5, 0, "a peer failed", reported_at=T0, cause=FailureCause.WAITING)
     snap = dataclasses.replace(_snap([a, b, c], world, []), failures=(waiting,))
     held = plan(snap, T0 + 0.5)
     assert isinstance(held, WaitUntil) and held.deadline == T0 + REPORT_GRACE_S and "waiting for the cause" in held.why
@@ -266,7 +266,9 @@ def test_reports_of_waiting_workers_give_the_failures_cause_a_moment() -> None:
 
 def test_the_leader_times_a_nodes_failure_reports_from_its_first() -> None:
     clock = LeaderClock()
-    snap = dataclasses.replace(_snap([], gen(5, {}), []), failures=(FailureReport("c", 5, WAIT_EXIT_CODE),))
+    snap = dataclasses.replace(
+        _snap([], gen(5, {}), []), failures=(FailureReport("c", 5, 0, cause=FailureCause.WAITING),)
+    )
     assert clock.view(snap, 10.0).failures[0].reported_at == 10.0
     again = dataclasses.replace(snap, failures=(FailureReport("c", 5, -9, reported_at=99.0),))  # its second report
     assert clock.view(again, 11.0).failures[0].reported_at == 10.0

@@ -48,9 +48,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pliant.worker.background import in_background
 from pliant.worker.contract import Engine, Staged, WorkerError
 from pliant.worker.inplace.kept import KeptSlot, KeptSlots, SlotHeader
-from pliant.worker.inplace.packing import on_thread, pack_later, packed_size, spans
+from pliant.worker.inplace.packing import pack_later, packed_size, spans
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -163,40 +164,42 @@ def _on_lowered_thread(make: Callable[[], Any]) -> Any:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         return make()
 
-    return on_thread(lowered, "pliant-buddy-group")()
+    return in_background(lowered, "pliant-buddy-group").result()
 
 
 # -- the copies ------------------------------------------------------------------------------------------------------
 
 
 class _Arrival:
-    """Waits for a slot's receives, once, on a thread of its own: a gloo receive's ``wait`` consumes its completion,
-    so a second ``wait`` of the same receive never returns. Everything that waits for them waits here.
+    """Waits for a slot's receives, once, in the background (:func:`~pliant.worker.background.in_background`): a gloo
+    receive's ``wait`` consumes its completion, so a second ``wait`` of the same receive never returns. Everything
+    that waits for them waits here.
 
     Args:
         receives: the wards' receives.
-        then: called on that thread once every one arrived.
+        then: called once every one arrived: on the arrival's thread, or at once on this one when they all had
+            already.
+
+    Threads: the arrival's thread completes the future; any thread waits for it.
     """
 
     def __init__(self, receives: Sequence[dist.Work], then: Callable[[], object]) -> None:
-        self.failed: BaseException | None = None
-        self._done = threading.Event()
+        def arrive() -> None:
+            for work in receives:
+                work.wait()  # raises when a peer failed
 
-        def watch() -> None:
-            try:
-                for work in receives:
-                    work.wait()
-            except RuntimeError as exc:  # a peer failed
-                self.failed = exc
-            self._done.set()
-            if self.failed is None:
-                then()
+        self._task = in_background(arrive, "pliant-snapshot-arrivals")
+        self._task.add_done_callback(lambda task: then() if task.exception() is None else None)
 
-        threading.Thread(target=watch, name="pliant-snapshot-arrivals", daemon=True).start()
+    @property
+    def failed(self) -> BaseException | None:
+        """What failed a receive (a peer went away), once the arrival ended; None: none failed, or not ended yet."""
+        return self._task.exception() if self._task.done() else None
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """True once every receive arrived; False when one failed or ``timeout_s`` ran out first."""
-        return self._done.wait(timeout_s) and self.failed is None
+        done, _ = wait_all([self._task], timeout_s)
+        return bool(done) and self._task.exception() is None
 
 
 @dataclass
@@ -239,9 +242,17 @@ class BuddyCopies:
         track_fds: called around the creation of the copies' process group, to note the sockets it opens
             (``World.tracked``: into ``World.group_fds``, which a failure severs).
         metrics: the worker's metrics (the snapshots' stall and bytes), if any.
-        kept_dir: where this rank's buffers live as files that outlive the process (:mod:`pliant.worker.inplace.kept`;
-        its
-            local rank's folder of the agent's snapshot directory); "" keeps them in process memory only.
+        kept_dir: where this rank's buffers live as files that outlive the process
+            (:mod:`pliant.worker.inplace.kept`; its local rank's folder of the agent's snapshot directory); "" keeps
+            them in process memory only.
+
+    Threads: the training thread owns every field and makes every exchange. Two kinds of background task write to
+    a slot: a snapshot's copy (which starts the send to the buddy, sets the slot's ``sends``, ``send_failed`` and,
+    while the take is still current, its ``step``) and a slot's arrival (which sets its ``arrived``). ``_lock`` (an
+    RLock) guards each slot's ``step``, ``take`` and ``arrived`` and every call into :attr:`kept` (a
+    :class:`~pliant.worker.inplace.kept.KeptSlots`, which has no lock of its own), so a header written from a
+    background task never describes a slot the training thread is taking again. The training thread reads what the
+    copy's task wrote only after waiting for that task (:meth:`finish`, :meth:`settle`).
     """
 
     def __init__(

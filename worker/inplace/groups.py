@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pliant.env import GUARD_EXIT_CODE, WorkerEnv
 from pliant.progress import Directive
+from pliant.worker.background import in_background
 from pliant.worker.contract import WorkerError
 from pliant.worker.inplace.nccl import has_nccl
 
@@ -280,8 +281,7 @@ class RendezvousWatch:
         self._lock = threading.Lock()
         self._done = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="pliant-rendezvous-watch", daemon=True)
-        self._thread.start()
+        self._task = in_background(self._watch, "pliant-rendezvous-watch")
 
     def superseded(self) -> bool:
         """A newer generation's directive came while the ranks met."""
@@ -312,5 +312,5 @@ class RendezvousWatch:
         with self._lock:
             self._done = True
         self._stop.set()
-        self._thread.join()
+        self._task.result()  # the watch's own error, if it failed
         return self.newer

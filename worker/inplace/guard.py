@@ -44,16 +44,22 @@ from collections.abc import Callable
 import torch
 
 from pliant.progress import Directive
+from pliant.worker.background import in_background
+from pliant.worker.contract import WorkerError
 from pliant.worker.inplace.groups import give_up, shut_down
 from pliant.worker.inplace.nccl import abort_nccl, nccl_backend, nccl_error
 
-__all__ = ["GIVE_UP_S", "POLL_S", "STALL_S", "Guard", "NoGuard", "stalled", "wedged"]
+__all__ = ["GIVE_UP_S", "POLL_S", "STALL_S", "Guard", "GuardError", "NoGuard", "stalled", "wedged"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often the guard looks at the step's time and the communicator's error state
 STALL_S = 2.0  # a step blocked this long (at least) while a newer generation is waiting is taken as broken
 GIVE_UP_S = 10.0  # a broken step still blocked this long (at least) after its break ends the process; see wedged
+
+
+class GuardError(WorkerError):
+    """The step guard itself failed: the worker exits with it rather than train unguarded."""
 
 
 def stalled(started: float | None, last_step_s: float, now: float, peers: bool = True) -> bool:
@@ -112,8 +118,7 @@ class Guard:
         self._why = ""
         self._broken: float | None = None  # when the running step was broken (monotonic)
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._watch, name="pliant-step-guard", daemon=True)
-        self._thread.start()
+        self._task = in_background(self._watch, "pliant-step-guard")  # runs until the process ends
 
     def begin(self, generation: int | None, peers: bool = True) -> None:
         """A step (or a collective between steps) starts in ``generation``; None: only NCCL's own errors count (the
@@ -141,7 +146,10 @@ class Guard:
         Raises:
             RuntimeError: naming the backend (:func:`pliant.worker.inplace.protocol.is_peer_failure` takes it as a peer
                 failure).
+            GuardError: the guard's own loop stopped.
         """
+        if self._task.done():  # the guard's loop stopped: it raised (a bug), and steps are no longer guarded
+            raise GuardError(f"the step guard stopped: {self._task.exception()!r}")
         if self.nccl:
             torch.cuda.current_stream().synchronize()
             backend = nccl_backend()

@@ -129,6 +129,9 @@ class KeptSlots:
 
     Args:
         directory: the folder; "" keeps the buffers in anonymous memory (nothing outlives the process).
+
+    Threads: none of its own, and no lock: its owner (:class:`~pliant.worker.inplace.buddy.BuddyCopies`) calls it
+    from the training thread and from its background tasks, always under the owner's lock.
     """
 
     def __init__(self, directory: str) -> None:

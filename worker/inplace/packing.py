@@ -7,13 +7,13 @@ two packs of the same tensors are the same bytes whatever the buffer held.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "on_thread", "pack", "pack_later", "packed_size", "spans", "unpack"]
+from pliant.worker.background import in_background
+
+__all__ = ["ALIGN", "pack", "pack_later", "packed_size", "spans", "unpack"]
 
 ALIGN = 16  # every tensor starts at a multiple of this many bytes in a packed buffer (any dtype can view it)
 
@@ -75,31 +75,7 @@ def pack_later(
         if then is not None:
             then(buffer)
 
-    return out, on_thread(run, "pliant-snapshot")
-
-
-def on_thread(work: Callable[[], Any], name: str) -> Callable[[], Any]:
-    """Start ``work`` on a daemon thread; returns a function that waits for it and returns what it returned, or
-    raises what it raised, on the caller's thread."""
-    made: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            made.append(work())
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-
-    def wait() -> Any:
-        thread.join()
-        if failed:
-            raise failed[0]
-        return made[0]
-
-    return wait
+    return out, in_background(run, "pliant-snapshot").result
 
 
 def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
