@@ -27,6 +27,7 @@ from pliant.agent.contract import AgentConfig, AgentError
 from pliant.agent.credentials import Credentials
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
+from pliant.agent.stopping import StopStage
 from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
@@ -96,9 +97,12 @@ class Agent:
                 config.start_timeout_s,
                 rescale_in_place=config.rescale == "in-place",
                 rescale_grace_s=config.rescale_grace_s,
+                stop_grace_s=config.stop_grace_s,
+                finish_grace_s=config.finish_grace_s,
             ),
         )
         self.group: WorkerGroup | None = None
+        self._stopping: WorkerGroup | None = None  # the group being stopped (core.CoreState.stopping has its stage)
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
         self._stores: StoreHost | None = None
@@ -168,8 +172,9 @@ class Agent:
             return 1
         finally:
             self._stop.set()
-            if self.group is not None:
-                self.group.stop(self.config.stop_grace_s)
+            for group in (self._stopping, self.group):
+                if group is not None:
+                    group.stop(self.config.stop_grace_s)
             if self.store is not None:
                 self.store.close()
             if self.zygote is not None:
@@ -460,6 +465,10 @@ class Agent:
             return self._events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             pass
+        if self._stopping is not None and not self._stopping.late():  # every worker of the stopped group exited
+            stopped, self._stopping = self._stopping, None
+            stopped.reap()
+            return core.GroupStopped(stopped.generation)
         if self.group is not None:
             result = self.group.poll()
             if result is not None and not result.stopped:
@@ -495,7 +504,8 @@ class Agent:
         while True:
             event = self._next_event(next_tick)
             if isinstance(event, core.Tick):
-                next_tick = time.monotonic() + (TICK_S if self.state.handing is None else 0.02)
+                quick = self.state.handing is not None or self.state.stopping is not None
+                next_tick = time.monotonic() + (0.02 if quick else TICK_S)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
                     self._leave()
                     raise AgentError(
@@ -548,6 +558,8 @@ class Agent:
             self.store.open_generation(action.generation.number)
         elif isinstance(action, core.Stop):
             self._stop_group(action)
+        elif isinstance(action, core.Escalate):
+            self._escalate(action.stage)
         elif isinstance(action, core.Reconfigure):
             self._reconfigure(action.generation)
         elif isinstance(action, core.ReadArrivals):
@@ -583,13 +595,21 @@ class Agent:
     # -- actions -------------------------------------------------------------------------------------------------------
 
     def _stop_group(self, action: core.Stop) -> None:
+        """Begin stopping the running group (:mod:`pliant.agent.stopping`); the core escalates on its ticks, and the
+        loop reports the group gone (:class:`core.GroupStopped`)."""
         group, self.group = self.group, None
-        if group is None:
+        if self._stopping is not None:  # the core stops one group at a time: a second is a bug, not a wait
+            logger.error(
+                "agent %s: a stop came while generation %d still stopped; killing that one",
+                self.config.node_id,
+                self._stopping.generation,
+            )
+            self._stopping.stop(0.0)
+            self._stopping = None
+        if group is None:  # nothing runs: gone at once
+            self._events.put(core.GroupStopped(self.state.group or 0))
             return
-        if action.finish:
-            deadline = time.monotonic() + self.config.finish_grace_s
-            while group.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+        self._stopping = group
         if action.leave:
             self.metrics.rescales.labels("in-place").inc()
             logger.info(
@@ -606,7 +626,24 @@ class Agent:
                 group.generation,
                 self._why_restart(),
             )
-        group.stop(self.config.stop_grace_s, self.config.rescale_grace_s if action.rescale else 0.0, action.leave)
+        awaited = group.begin_stop(rescale=action.rescale, leave=action.leave, finish=action.finish)
+        if action.rescale and not awaited:  # no worker takes the request: SIGTERM went at once
+            self._events.put(core.StopStarted(StopStage.TERM))
+
+    def _escalate(self, stage: StopStage) -> None:
+        """The stopping group's stage ran out (the core's deadline): enter ``stage``."""
+        group = self._stopping
+        if group is None:
+            return
+        if stage is StopStage.DUMP:
+            group.dump_late(self.config.rescale_grace_s)
+        elif stage is StopStage.TERM:
+            group.signal(signal.SIGTERM)
+        elif stage is StopStage.KILL:
+            group.signal(signal.SIGKILL)
+        elif stage is StopStage.GONE:  # what outlived SIGKILL: logged, and no longer waited for
+            self._stopping = None
+            group.reap()
 
     def _why_restart(self) -> str:
         if self.config.rescale != "in-place":

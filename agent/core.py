@@ -37,6 +37,11 @@ The rules:
   fenced by the checkpoint directory instead: once a newer generation opened it (its fence file), the old group is
   stopped (and reported), and its commits are refused anyway. A new incarnation of the job (started again after every
   node was lost) takes the directory over; the fence then stops any world of the older one.
+- **Stopping is a state**: a group is stopped in stages with deadlines (:mod:`pliant.agent.stopping`): the executor
+  starts each stage when told (:class:`Stop`, then :class:`Escalate` once a tick finds the stage's deadline passed)
+  and never waits; it reports the group gone (:class:`GroupStopped`). What needs the old workers gone (the next
+  group's :class:`Start`, :class:`Leave`, :class:`Exit`, and whatever was decided after them) waits in
+  ``CoreState.stopping`` until then.
 - **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
   phase that makes no progress for the hang timeout (by default ``HANG_MULTIPLE`` x the median step time, at least
   ``HANG_FLOOR_S``), or that stays in the start or save phase for the start timeout, is hung: the agent dumps every
@@ -52,6 +57,7 @@ from dataclasses import dataclass, field, replace
 
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.agent.handover import HandOver, probe_due, probed
+from pliant.agent.stopping import Graces, Stopping, StopStage, begin, defer, escalated, first_stage
 from pliant.coordinator.contract import FailureCause, Generation, JobState
 from pliant.fence import Fence
 
@@ -64,10 +70,12 @@ __all__ = [
     "CoreConfig",
     "CoreState",
     "Dump",
+    "Escalate",
     "Event",
     "Exit",
     "GenerationSeen",
     "GroupExited",
+    "GroupStopped",
     "HeartbeatFailed",
     "HeartbeatOk",
     "JobFinished",
@@ -87,6 +95,7 @@ __all__ = [
     "Start",
     "StartFailed",
     "Stop",
+    "StopStarted",
     "Tick",
     "decide",
     "hang_timeout",
@@ -112,13 +121,22 @@ class CoreConfig:
         start_timeout_s: no first step (or a checkpoint save, or a wait for the next generation) for this long is a
             hang; 0 disables it.
         rescale_in_place: ``--rescale in-place``: reconfigure groups that can (False: always the restart path).
-        rescale_grace_s: how long a hand-over in place waits for its newcomers before a last probe decides.
+        rescale_grace_s: how long a hand-over in place waits for its newcomers before a last probe decides, and how
+            long workers asked to save or hand over for a rescale may take to exit.
+        stop_grace_s: SIGTERM -> SIGKILL.
+        finish_grace_s: how long workers may take to exit by themselves after the job succeeded elsewhere.
     """
 
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
     rescale_in_place: bool = False
     rescale_grace_s: float = 30.0
+    stop_grace_s: float = 5.0
+    finish_grace_s: float = 10.0
+
+    @property
+    def graces(self) -> Graces:
+        return Graces(finish_s=self.finish_grace_s, rescale_s=self.rescale_grace_s, stop_s=self.stop_grace_s)
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,7 @@ class CoreState:
     members: tuple[str, ...] = ()  # the node ids of the generation the running group last formed (or was handed)
     handing: Generation | None = None  # a generation waiting for its newcomers before it is handed over in place
     handover: HandOver | None = None  # that wait: its newcomers, deadline and probes
+    stopping: Stopping | None = None  # a group being stopped, and what waits for it to be gone
     trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
     done: bool = False  # every worker of this node exited 0 (the job's end not yet seen)
     reason: str = ""
@@ -191,6 +210,21 @@ class GroupExited:
     result: GroupResult
     message: str = ""  # the executor's description of the first failure (rank, code)
     alive: int = 0  # workers of the group still running
+
+
+@dataclass(frozen=True)
+class GroupStopped:
+    """The group being stopped has no live worker left (the executor reaped it, or gave up on it: ``GONE``)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class StopStarted:
+    """The first stage the executor could enter for a :class:`Stop` when it differs from the one asked: a rescale
+    none of whose workers takes the request is stopped with SIGTERM at once (``TERM``)."""
+
+    stage: StopStage
 
 
 @dataclass(frozen=True)
@@ -258,6 +292,8 @@ Event = (
     | GenerationSeen
     | JobFinished
     | GroupExited
+    | GroupStopped
+    | StopStarted
     | StartFailed
     | HeartbeatOk
     | HeartbeatFailed
@@ -282,12 +318,22 @@ class Prepare:
 
 @dataclass(frozen=True)
 class Stop:
-    """Stop the running group: ``rescale`` asks the workers to checkpoint and exit first (``leave``: to hand over and
-    exit, the others re-forming in place); ``finish`` lets them end by themselves within the finish grace."""
+    """Begin stopping the running group (:mod:`pliant.agent.stopping`): ``rescale`` asks the workers to checkpoint and
+    exit (``leave``: to hand over and exit, the others re-forming in place); ``finish`` lets them end by themselves;
+    neither: SIGTERM. The executor answers :class:`GroupStopped` once no worker is left (at once when it has no
+    group)."""
 
     rescale: bool = False
     finish: bool = False
     leave: bool = False
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """The stopping group's stage ran out: enter ``stage`` (``DUMP``: the late workers' stacks to their logs;
+    ``TERM``: SIGTERM; ``KILL``: SIGKILL; ``GONE``: give up on what outlived SIGKILL)."""
+
+    stage: StopStage
 
 
 @dataclass(frozen=True)
@@ -348,7 +394,20 @@ class Exit:
     message: str = ""
 
 
-Action = Prepare | Stop | Reconfigure | ReadArrivals | ProbeNewcomers | Start | Send | Dump | ProbePeers | Leave | Exit
+Action = (
+    Prepare
+    | Stop
+    | Escalate
+    | Reconfigure
+    | ReadArrivals
+    | ProbeNewcomers
+    | Start
+    | Send
+    | Dump
+    | ProbePeers
+    | Leave
+    | Exit
+)
 
 
 # -- decisions ---------------------------------------------------------------------------------------------------------
@@ -602,8 +661,44 @@ def _on_probed(state: CoreState, event: NewcomersProbed, now: float) -> tuple[Co
 
 def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
     """The agent's next state and the actions to perform, in order, for ``event`` at agent-clock time ``now``."""
+    stopping = state.stopping
+    if isinstance(event, GroupStopped):  # what waited for the group to be gone
+        return (replace(state, stopping=None), list(stopping.then)) if stopping is not None else (state, [])
+    if isinstance(event, StopStarted):
+        if stopping is None:
+            return state, []
+        return replace(state, stopping=begin(event.stage, state.config.graces, now, stopping.then)), []
+    escalate: list[Action] = []
+    if isinstance(event, Tick) and stopping is not None:  # a stage's deadline passed: the next stage
+        following = escalated(stopping, state.config.graces, now)
+        if following is not None and following.stage is StopStage.GONE:
+            return replace(state, stopping=None), [Escalate(StopStage.GONE), *stopping.then]
+        if following is not None:
+            state, escalate = replace(state, stopping=following), [Escalate(following.stage)]
     if state.phase in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.LEFT):
-        return state, []
+        return state, escalate
+    state, actions = _decide(state, event, now)
+    state, actions = _sequenced(state, actions, now)
+    return state, [*escalate, *actions]
+
+
+def _sequenced(state: CoreState, actions: list[Action], now: float) -> tuple[CoreState, list[Action]]:
+    """Queue what must wait for a group to be gone (:mod:`pliant.agent.stopping`): everything after a :class:`Stop`
+    that begins one, and, while a group stops, every start, leave or exit and what was decided after it."""
+    if state.stopping is not None:
+        actions, then = defer(state.stopping.then, actions, (Start, Leave, Exit), Stop, Start)
+        return replace(state, stopping=replace(state.stopping, then=then)), actions
+    at = next((i for i, action in enumerate(actions) if isinstance(action, Stop)), None)
+    if at is None:
+        return state, actions
+    stop = actions[at]
+    assert isinstance(stop, Stop)
+    stopping = begin(first_stage(stop.rescale, stop.finish), state.config.graces, now, tuple(actions[at + 1 :]))
+    return replace(state, stopping=stopping), actions[: at + 1]
+
+
+def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
+    """:func:`decide` for every event but a stop's own, before what must wait for a stop is queued."""
     if isinstance(event, Joined):
         state = replace(state, ttl_s=event.ttl_s, renewing_since=None)
         return _set(_renewed(state, now), AgentState.WAITING if state.group is None else state.phase, "joined"), []

@@ -302,6 +302,7 @@ class WorkerGroup:
         self.gone: list[_Worker] = []  # workers that died while the others stayed (an in-place group)
         self.started_at = 0.0
         self._stopped = False
+        self._why = ""  # how the stop is told in its log line (" for the rescale")
 
     @property
     def pids(self) -> list[int]:
@@ -441,49 +442,78 @@ class WorkerGroup:
             return GroupResult(self.generation, exited, stopped=self._stopped)
         return None
 
-    def stop(self, grace_s: float, rescale_grace_s: float = 0.0, leave: bool = False) -> GroupResult:
-        """Stop the workers and reap them all.
+    # -- stopping, a stage at a time (the agent's core keeps the deadlines: pliant.agent.stopping) ---------------------
 
-        With ``rescale_grace_s`` (a rescale): first ask the workers that run the rescale protocol to checkpoint and
-        exit (a ``restart`` directive and the rescale signal; ``leave``: a ``leave`` directive, to hand over and exit
-        while the others re-form in place) and wait up to that long. Then SIGTERM every worker's process group (what
-        torchrun does, so a script's own SIGTERM handler runs: save on preemption), and SIGKILL what is left after
-        ``grace_s``.
-        """
+    def begin_stop(self, rescale: bool = False, leave: bool = False, finish: bool = False) -> bool:
+        """Begin stopping the workers without waiting. ``finish``: nothing yet (they end by themselves). ``rescale``:
+        ask the workers that run the rescale protocol to checkpoint and exit (a ``restart`` directive and the rescale
+        signal; ``leave``: a ``leave`` directive, to hand over and exit while the others re-form in place); when none
+        takes the request, SIGTERM at once. Otherwise SIGTERM every worker's process group (what torchrun does, so a
+        script's own SIGTERM handler runs: save on preemption). Returns whether a request or the finish is awaited
+        (False: SIGTERM was sent)."""
         self._stopped = True
-        if rescale_grace_s > 0 and self.direct("leave" if leave else "restart", self.generation + 1):
-            deadline = time.monotonic() + rescale_grace_s
-            while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
-                time.sleep(0.02)
-            late = [w.proc.pid for w in self.workers if w.proc.poll() is None]
-            if late:  # what held them (their Python stacks, through the output pumps) before they are stopped
-                logger.warning(
-                    "generation %d: workers %s did not exit within the rescale grace (%.0fs); their stacks follow",
-                    self.generation,
-                    late,
-                    rescale_grace_s,
-                )
-                for pid in late:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, STACKS_SIGNAL)
-                time.sleep(0.5)
+        self._why = " for the rescale" if rescale else ""
+        if finish or (rescale and self.direct("leave" if leave else "restart", self.generation + 1)):
+            return True
+        self.signal(signal.SIGTERM)
+        return False
+
+    def late(self) -> list[int]:
+        """The pids of the workers still running."""
+        return [w.proc.pid for w in self.workers if w.proc.poll() is None]
+
+    def dump_late(self, grace_s: float) -> None:
+        """The workers still running after a rescale's grace of ``grace_s``: their Python stacks to their logs (through
+        the output pumps), before they are stopped."""
+        late = self.late()
+        if late:
+            logger.warning(
+                "generation %d: workers %s did not exit within the rescale grace (%.0fs); their stacks follow",
+                self.generation,
+                late,
+                grace_s,
+            )
+        for pid in late:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, STACKS_SIGNAL)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every worker's process group."""
         for worker in self.workers:
-            _kill_group(worker.proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
-            time.sleep(0.02)
+            _kill_group(worker.proc, sig)
+
+    def reap(self) -> GroupResult:
+        """The stopped group's result, once no worker runs (one that outlived SIGKILL is logged and left)."""
         for worker in self.workers:
-            _kill_group(worker.proc, signal.SIGKILL)
-        for worker in self.workers:
-            try:
-                worker.proc.wait(10)
-            except subprocess.TimeoutExpired:
+            if worker.proc.poll() is None:
                 logger.error("worker pid %d did not die after SIGKILL", worker.proc.pid)
             worker.pump.join(2)
         codes = {w.env.local_rank: w.proc.returncode for w in self.workers}
-        why = " for the rescale" if rescale_grace_s > 0 else ""
-        logger.info("generation %d: workers stopped%s (%s)", self.generation, why, _stopped_codes(codes))
+        logger.info("generation %d: workers stopped%s (%s)", self.generation, self._why, _stopped_codes(codes))
         return GroupResult(self.generation, codes, stopped=True)
+
+    def stop(self, grace_s: float, rescale_grace_s: float = 0.0, leave: bool = False) -> GroupResult:
+        """Stop the workers and reap them all, waiting (the agent's own exit; tests): with ``rescale_grace_s`` (a
+        rescale), ask first and wait up to that long (:meth:`begin_stop`); then SIGTERM, and SIGKILL what is left
+        after ``grace_s``."""
+
+        def wait(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and self.late():
+                time.sleep(0.02)
+
+        if self.begin_stop(rescale=rescale_grace_s > 0, leave=leave):
+            wait(rescale_grace_s)
+            if self.late():
+                self.dump_late(rescale_grace_s)
+                time.sleep(0.5)
+            self.signal(signal.SIGTERM)
+        wait(grace_s)
+        self.signal(signal.SIGKILL)
+        for worker in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(10)
+        return self.reap()
 
 
 def _stopped_codes(codes: Mapping[int, int | None]) -> str:

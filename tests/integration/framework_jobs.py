@@ -12,7 +12,17 @@ from typing import Any
 from tests.conftest import wait_for
 from tests.integration.harness import ROOT, pliant_agent, read_jsonl
 
-__all__ = ["EXAMPLES", "Run", "agent_argv", "events", "generation", "join_kill_join_leave", "stepping", "trained_twice"]
+__all__ = [
+    "EXAMPLES",
+    "Run",
+    "agent_argv",
+    "events",
+    "generation",
+    "join_kill_join_leave",
+    "script_flags",
+    "stepping",
+    "trained_twice",
+]
 
 EXAMPLES = ROOT / "examples"
 
@@ -22,6 +32,13 @@ def agent_argv(address: str, node: str, tmp: Path, script: Path, extra: tuple[st
     flags = ["--rescale-grace", "30", "--finish-grace", "10", "--max-restarts", "3"]
     flags += ["--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "logs")]
     return pliant_agent(address, node, *flags, str(script), *extra, nproc=1)
+
+
+def script_flags(tmp: Path, steps: int, *flags: str) -> tuple[str, ...]:
+    """The flags every example script takes in these tests: ``--max-steps``, a simulated step time, and where its
+    ranks write their steps (``events``) and rank 0 its final state (``final.json``); then ``flags``."""
+    common = ("--max-steps", str(steps), "--step-time", "0.03")
+    return (*common, "--events", str(tmp / "events.jsonl"), "--out", str(tmp / "final.json"), *flags)
 
 
 def events(tmp: Path) -> list[dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.framework_jobs import EXAMPLES, events, join_kill_join_leave, trained_twice
+from tests.integration.framework_jobs import EXAMPLES, events, join_kill_join_leave, script_flags, trained_twice
 
 pytest.importorskip("accelerate", reason="the Accelerate test needs accelerate (the dev extras)")
 
@@ -24,20 +24,8 @@ def test_a_plain_accelerate_script_resumes_from_its_newest_checkpoint_after_ever
     make_coordinator, spawn_agent, tmp_path: Path
 ) -> None:
     server = make_coordinator()
-    extra = (
-        "--output-dir",
-        str(tmp_path / "ckpt" / "accelerate"),
-        "--max-steps",
-        str(STEPS),
-        "--save-every",
-        str(SAVE_EVERY),
-        "--step-time",
-        "0.03",
-        "--events",
-        str(tmp_path / "events.jsonl"),
-        "--out",
-        str(tmp_path / "final.json"),
-    )
+    output_dir = str(tmp_path / "ckpt" / "accelerate")
+    extra = script_flags(tmp_path, STEPS, "--output-dir", output_dir, "--save-every", str(SAVE_EVERY))
     run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=120)
 
     final = json.loads((tmp_path / "final.json").read_text())

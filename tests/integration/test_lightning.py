@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.integration.framework_jobs import EXAMPLES, agent_argv, join_kill_join_leave, trained_twice
+from tests.integration.framework_jobs import EXAMPLES, agent_argv, join_kill_join_leave, script_flags, trained_twice
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
@@ -30,20 +30,8 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     make_coordinator, spawn_agent, tmp_path: Path, strategy: str
 ) -> None:
     server = make_coordinator()
-    extra = (
-        "--max-steps",
-        str(STEPS),
-        "--step-time",
-        "0.03",
-        "--events",
-        str(tmp_path / "events.jsonl"),
-        "--out",
-        str(tmp_path / "final.json"),
-        "--strategy",
-        strategy,
-        "--accelerator",
-        "gpu" if strategy == "fsdp" else "cpu",
-    )
+    accelerator = "gpu" if strategy == "fsdp" else "cpu"
+    extra = script_flags(tmp_path, STEPS, "--strategy", strategy, "--accelerator", accelerator)
     run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=90)
     a, joined, killed_in = run.agent, run.joined, run.killed_in
 

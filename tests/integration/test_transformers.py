@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.framework_jobs import EXAMPLES, join_kill_join_leave, trained_twice
+from tests.integration.framework_jobs import EXAMPLES, join_kill_join_leave, script_flags, trained_twice
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (the dev extras)")
 
@@ -24,20 +24,9 @@ def test_a_trainer_script_with_the_callback_follows_joins_kills_and_leaves(
     make_coordinator, spawn_agent, tmp_path: Path
 ) -> None:
     server = make_coordinator()
-    extra = (
-        "--output-dir",
-        str(tmp_path / "ckpt" / "hf"),
-        "--max-steps",
-        str(STEPS),
-        "--save-steps",
-        "100000",  # no periodic checkpoints: after the kill the next world resumes from the join's
-        "--step-time",
-        "0.03",
-        "--events",
-        str(tmp_path / "events.jsonl"),
-        "--out",
-        str(tmp_path / "final.json"),
-    )
+    output_dir = str(tmp_path / "ckpt" / "hf")
+    # No periodic checkpoints: after the kill the next world resumes from the join's.
+    extra = script_flags(tmp_path, STEPS, "--output-dir", output_dir, "--save-steps", "100000")
     run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=120)
     a, joined, killed_in = run.agent, run.joined, run.killed_in
 

@@ -21,16 +21,22 @@ def _gen(number: int, *nodes: str, reason: str = "join") -> Generation:
 
 
 class Agent:
-    """Drives decide() like the executor does, recording the actions."""
+    """Drives decide() like the executor does, recording the actions. With ``instant_stops`` (the default) its
+    groups stop at once: a :class:`core.Stop` is answered with :class:`core.GroupStopped` in the same call, and what
+    waited for it follows in the returned actions."""
 
-    def __init__(self, node: str = "a", **config: object) -> None:
+    def __init__(self, node: str = "a", instant_stops: bool = True, **config: object) -> None:
         self.state = core.CoreState(node, config=core.CoreConfig(**config))  # type: ignore[arg-type]
         self.now = 100.0
         self.actions: list[core.Action] = []
+        self.instant_stops = instant_stops
 
     def on(self, event: core.Event, after: float = 0.0) -> list[core.Action]:
         self.now += after
         self.state, actions = core.decide(self.state, event, self.now)
+        if self.instant_stops and any(isinstance(a, core.Stop) for a in actions):
+            self.state, then = core.decide(self.state, core.GroupStopped(0), self.now)
+            actions = [*actions, *then]
         self.actions += actions
         return actions
 
@@ -464,3 +470,70 @@ def test_workers_done_with_the_control_plane_there_wait_for_the_jobs_end() -> No
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     agent.on(core.HeartbeatFailed())
     assert core.Exit(0) not in agent.on(core.Tick(), after=10 * core.DONE_UNHEARD_S)
+
+
+# -- stopping is a state (pliant.agent.stopping): the executor never waits ---------------------------------------------
+
+
+def _stopping(agent: Agent) -> core.StopStage | None:
+    return agent.state.stopping.stage if agent.state.stopping is not None else None
+
+
+def _tick(agent: Agent, after: float) -> list[core.Action]:
+    """A tick ``after`` seconds on, its membership renewed meanwhile (no fencing in these tests)."""
+    agent.on(core.HeartbeatOk(), after=after)
+    return agent.on(core.Tick())
+
+
+def test_a_rescale_stop_holds_the_next_group_until_the_old_one_is_gone() -> None:
+    agent = Agent(instant_stops=False, rescale_grace_s=30.0, stop_grace_s=5.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert agent.on(core.GenerationSeen(_gen(2, "b", "a"))) == [core.Stop(rescale=True)]  # the Start waits
+    assert _stopping(agent) is core.StopStage.RESCALE and agent.state.group == 2
+    assert _tick(agent, 29.0) == []  # the workers save within the rescale grace
+    assert agent.on(core.GroupStopped(1), after=0.5) == [core.Start(_gen(2, "b", "a"))]
+    assert agent.state.stopping is None
+
+
+def test_a_stop_escalates_on_ticks_dump_term_kill_and_gives_up_after_sigkill() -> None:
+    agent = Agent(instant_stops=False, rescale_grace_s=30.0, stop_grace_s=5.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    agent.on(core.GenerationSeen(_gen(2, "b", "a")))
+    assert _tick(agent, 30.0) == [core.Escalate(core.StopStage.DUMP)]
+    assert _tick(agent, 0.2) == []
+    assert _tick(agent, 0.3) == [core.Escalate(core.StopStage.TERM)]
+    assert _tick(agent, 4.9) == []
+    assert _tick(agent, 0.1) == [core.Escalate(core.StopStage.KILL)]
+    given_up = _tick(agent, 10.0)  # a worker that outlived SIGKILL: not waited for longer
+    assert given_up == [core.Escalate(core.StopStage.GONE), core.Start(_gen(2, "b", "a"))]
+    assert agent.state.stopping is None
+    assert agent.on(core.GroupStopped(1)) == []  # a late report of the same group changes nothing
+
+
+def test_a_rescale_no_worker_takes_is_sigterm_at_once_and_sigkill_after_the_stop_grace() -> None:
+    agent = Agent(instant_stops=False, rescale_grace_s=30.0, stop_grace_s=5.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    agent.on(core.GenerationSeen(_gen(2, "b", "a")))
+    assert agent.on(core.StopStarted(core.StopStage.TERM), after=0.01) == []  # a plain script: torchrun's SIGTERM
+    assert _tick(agent, 5.0) == [core.Escalate(core.StopStage.KILL)]
+
+
+def test_the_jobs_end_lets_workers_finish_then_sigterms_and_exits_once_they_are_gone() -> None:
+    agent = Agent(instant_stops=False, finish_grace_s=10.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert agent.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True)]  # Exit(0) waits
+    assert agent.state.phase is AgentState.SUCCEEDED
+    assert _tick(agent, 10.0) == [core.Escalate(core.StopStage.TERM)]  # escalated in a final phase
+    assert agent.on(core.GroupStopped(1), after=0.1) == [core.Exit(0)]
+
+
+def test_decisions_made_while_a_group_stops_wait_for_it_and_a_newer_generation_replaces_the_planned() -> None:
+    agent = Agent(instant_stops=False)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    agent.on(core.GenerationSeen(_gen(2, "b", "a")))  # stopping group 1; group 2 planned
+    newer = agent.on(core.GenerationSeen(_gen(3, "a", "b")))  # node rank 0 now: the store opens at once
+    assert newer == [core.Prepare(_gen(3, "a", "b"))]  # no second stop: group 2 never started
+    assert agent.state.stopping is not None and agent.state.stopping.then == (core.Start(_gen(3, "a", "b")),)
+    leaving = agent.on(core.SignalReceived(signal.SIGTERM))
+    assert leaving == []  # leave and exit wait for the stop too
+    assert agent.on(core.GroupStopped(1)) == [core.Leave(), core.Exit(0)]

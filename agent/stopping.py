@@ -1,0 +1,123 @@
+"""Stopping a worker group, as a state with deadlines (pure; applied by :func:`pliant.agent.core.decide`).
+
+A group is stopped in stages, each with a grace after which the next begins; the executor never waits for one. It
+starts a stage when told to (:class:`pliant.agent.core.Stop`, then :class:`pliant.agent.core.Escalate`), tells
+which first stage it could enter (``StopStarted``), and reports the group gone once every worker exited
+(``GroupStopped``); the core checks the deadline on its ticks. The stages:
+
+- ``FINISH`` (the job succeeded elsewhere): the workers end by themselves, within the finish grace.
+- ``RESCALE`` (a rescale): the workers that run the rescale protocol were told to save and exit (``restart``) or to
+  hand over and exit (``leave``), within the rescale grace. A group none of whose workers takes the request enters
+  ``TERM`` at once instead (a plain script: torchrun's SIGTERM).
+- ``DUMP``, after a ``RESCALE`` that ran out: the late workers' stacks are dumped to their logs, for
+  :data:`DUMP_S`, so they are there before the workers are stopped.
+- ``TERM``: SIGTERM to every worker's process group (a script's own handler runs: save on preemption), within the
+  stop grace.
+- ``KILL``: SIGKILL, within :data:`KILL_REAP_S`.
+- ``GONE``: a worker that outlived SIGKILL (a process stuck in the kernel) is given up on, with an error.
+
+What the core decided to do once the group is gone (start the next group, exit, leave) waits in
+:attr:`Stopping.then`: nothing that needs the old workers gone (their checkpoint saved, their ports, their GPU) runs
+before. While a group stops, anything of that kind decided meanwhile joins the queue, and a group that was only
+planned (its start still queued) is dropped from it when a newer decision stops it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["DUMP_S", "KILL_REAP_S", "Graces", "StopStage", "Stopping", "begin", "defer", "escalated", "first_stage"]
+
+DUMP_S = 0.5  # the late workers' stack dumps reach their logs through the output pumps within this
+KILL_REAP_S = 10.0  # a worker SIGKILLed is reaped within this, or given up on
+
+
+class StopStage(enum.Enum):
+    """A stage of stopping a group (see the module docstring)."""
+
+    FINISH = "finish"
+    RESCALE = "rescale"
+    DUMP = "dump"
+    TERM = "term"
+    KILL = "kill"
+    GONE = "gone"
+
+
+@dataclass(frozen=True)
+class Graces:
+    """How long each stage may last (from :class:`pliant.agent.contract.AgentConfig`)."""
+
+    finish_s: float = 10.0
+    rescale_s: float = 30.0
+    stop_s: float = 5.0
+
+    def of(self, stage: StopStage) -> float:
+        return {
+            StopStage.FINISH: self.finish_s,
+            StopStage.RESCALE: self.rescale_s,
+            StopStage.DUMP: DUMP_S,
+            StopStage.TERM: self.stop_s,
+            StopStage.KILL: KILL_REAP_S,
+            StopStage.GONE: 0.0,
+        }[stage]
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """A group being stopped: its ``stage``, until ``deadline`` (agent clock), and what waits for it to be gone."""
+
+    stage: StopStage
+    deadline: float
+    then: tuple[Any, ...] = ()
+
+
+def first_stage(rescale: bool, finish: bool) -> StopStage:
+    """The stage a stop begins with: the job's end lets the workers finish; a rescale asks them to save or hand over;
+    anything else is SIGTERM."""
+    if finish:
+        return StopStage.FINISH
+    return StopStage.RESCALE if rescale else StopStage.TERM
+
+
+def begin(stage: StopStage, graces: Graces, now: float, then: tuple[Any, ...] = ()) -> Stopping:
+    """A stop entering ``stage`` at ``now``."""
+    return Stopping(stage, now + graces.of(stage), then)
+
+
+def escalated(stopping: Stopping, graces: Graces, now: float) -> Stopping | None:
+    """The next stage once ``stopping``'s deadline passed at ``now``; None while it has not."""
+    if now < stopping.deadline:
+        return None
+    following = {
+        StopStage.FINISH: StopStage.TERM,
+        StopStage.RESCALE: StopStage.DUMP,
+        StopStage.DUMP: StopStage.TERM,
+        StopStage.TERM: StopStage.KILL,
+        StopStage.KILL: StopStage.GONE,
+        StopStage.GONE: StopStage.GONE,
+    }[stopping.stage]
+    return replace(stopping, stage=following, deadline=now + graces.of(following))
+
+
+def defer(
+    then: tuple[Any, ...], actions: list[Any], waits: tuple[type, ...], stop: type, start: type
+) -> tuple[list[Any], tuple[Any, ...]]:
+    """While a group stops: split ``actions`` into those to perform now and the queue ``then`` extended. From the first
+    action of a kind in ``waits`` on, actions queue, in order. A ``stop`` among them stops the group that was only
+    planned: the ``start`` actions queued so far are dropped, and the stop itself is not performed (the group already
+    stopping is the only one the executor has)."""
+    now_actions: list[Any] = []
+    queued = list(then)
+    waiting = False
+    for action in actions:
+        if isinstance(action, stop):
+            queued = [a for a in queued if not isinstance(a, start)]
+            waiting = True
+        elif waiting or isinstance(action, waits):
+            waiting = True
+            queued.append(action)
+        else:
+            now_actions.append(action)
+    return now_actions, tuple(queued)
