@@ -18,6 +18,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -38,6 +40,7 @@ from pliant.coordinator.contract import (
     CoordinatorError,
     FailedPrecondition,
     Generation,
+    GenerationMember,
     NotFound,
     PermissionDenied,
     Unauthenticated,
@@ -62,6 +65,15 @@ _GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordin
 
 class _JoinRefused(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class _PortFound:
+    """A node that is not rank 0 read ``generation``'s store port from node rank 0's agent store, in the background:
+    its workers for that generation start now (unless that start was cancelled meanwhile)."""
+
+    generation: Generation
+    port: int
 
 
 class Agent:
@@ -103,6 +115,7 @@ class Agent:
         )
         self.group: WorkerGroup | None = None
         self._stopping: WorkerGroup | None = None  # the group being stopped (core.CoreState.stopping has its stage)
+        self._pending_start: Generation | None = None  # a start reading its store port in the background (_PortFound)
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
         self._stores: StoreHost | None = None
@@ -522,6 +535,14 @@ class Agent:
                     if code is not None:
                         return code
                 event = core.JobFinished(event.status.state, event.status.reason)
+            elif isinstance(event, _PortFound):
+                if self._pending_start is event.generation:  # not cancelled, nor superseded, meanwhile
+                    self._pending_start = None
+                    try:
+                        self._spawn(event.generation, event.port)
+                    except AgentError as exc:
+                        self._events.put(core.StartFailed(event.generation.number, str(exc)))
+                continue
             elif isinstance(event, _JoinRefused):
                 print(f"pliant agent: error: cannot join again: {event}", file=sys.stderr, flush=True)
                 return 1
@@ -606,7 +627,8 @@ class Agent:
             )
             self._stopping.stop(0.0)
             self._stopping = None
-        if group is None:  # nothing runs: gone at once
+        if group is None:  # nothing runs (a start still reading its store port is cancelled): gone at once
+            self._pending_start = None
             self._events.put(core.GroupStopped(self.state.group or 0))
             return
         self._stopping = group
@@ -658,7 +680,7 @@ class Agent:
         not open in time (then :class:`core.StartFailed` is on its way)."""
         if self._handing_envs is None or self._handing_envs[0] != gen.number:
             try:
-                self._handing_envs = (gen.number, self._envs(gen))
+                self._handing_envs = (gen.number, self._envs(gen, self._generation_port(gen)))
             except AgentError as exc:
                 logger.warning("agent %s: cannot hand over generation %d: %s", self.config.node_id, gen.number, exc)
                 self._events.put(core.StartFailed(gen.number, str(exc)))
@@ -699,31 +721,70 @@ class Agent:
         )
 
     def _start_workers(self, gen: Generation) -> None:
+        """Start this node's workers of ``gen``. As node rank 0 (its own store) at once; otherwise once the store port
+        is read from node rank 0's agent store, in the background (:class:`_PortFound`), so the loop never waits for a
+        node rank 0 that is slow to stop its old group, or dead.
+
+        Raises:
+            AgentError: this node's store did not open the generation's store.
+        """
+        assert self.store is not None
+        if self._me(gen).node_rank == 0:
+            self._spawn(gen, self.store.open_generation(gen.number))
+            return
+        self._pending_start = gen
+        store = self.store
+
+        def read_port() -> None:
+            try:
+                port = self._port_from_rank_0(gen, store, lambda: self._pending_start is not gen)
+            except AgentError as exc:
+                if self._pending_start is gen:  # not cancelled: the start failed
+                    self._events.put(core.StartFailed(gen.number, str(exc)))
+                return
+            self._events.put(_PortFound(gen, port))
+
+        threading.Thread(target=read_port, name="store-port", daemon=True).start()
+
+    def _spawn(self, gen: Generation, master_port: int) -> None:
         log_dir = None
         if self.config.log_dir:
             log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
-        self.group = WorkerGroup(gen.number, self._envs(gen), self.command, log_dir, self.base_env, self.zygote)
+        envs = self._envs(gen, master_port)
+        self.group = WorkerGroup(gen.number, envs, self.command, log_dir, self.base_env, self.zygote)
         self.group.start()
         self._tracked.append(self.group)
         self.metrics.group_started(gen.number)
 
-    def _envs(self, gen: Generation) -> list[WorkerEnv]:
-        """This node's workers' env contracts in ``gen``.
+    def _me(self, gen: Generation) -> GenerationMember:
+        return next(m for m in gen.members if m.node_id == self.config.node_id)
+
+    def _port_from_rank_0(self, gen: Generation, store: NodeStore, cancelled: Callable[[], bool]) -> int:
+        """``gen``'s store port, read from node rank 0's agent store (any thread). Node rank 0 opens the store before
+        it stops its old group, so this is normally at once; the bound is the longest node rank 0 may take to stop
+        that group, so a slow checkpoint never fails a join. A newer generation, or ``cancelled()``, ends the wait.
 
         Raises:
-            AgentError: the generation's store did not open in time.
+            AgentError: the port was not there in time, or the wait was ended.
         """
+        wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
+
+        def superseded() -> bool:
+            return self._newest_seen > gen.number or cancelled()
+
+        return store.generation_port(gen.store_address, gen.number, timeout_s=wait_s, superseded=superseded)
+
+    def _generation_port(self, gen: Generation) -> int:
+        """``gen``'s store port, waited for on this thread (a hand-over in place; see :meth:`_start_workers`)."""
         assert self.store is not None
-        me = next(m for m in gen.members if m.node_id == self.config.node_id)
-        if me.node_rank == 0:
-            master_port = self.store.open_generation(gen.number)
-        else:
-            # Node rank 0 opens the store before it stops its old group, so this is normally at once; the bound is
-            # the longest node rank 0 may take to stop that group, so a slow checkpoint never fails a join.
-            wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
-            master_port = self.store.generation_port(
-                gen.store_address, gen.number, timeout_s=wait_s, superseded=lambda: self._newest_seen > gen.number
-            )
+        if self._me(gen).node_rank == 0:
+            return self.store.open_generation(gen.number)
+        return self._port_from_rank_0(gen, self.store, lambda: False)
+
+    def _envs(self, gen: Generation, master_port: int) -> list[WorkerEnv]:
+        """This node's workers' env contracts in ``gen``, whose store listens on ``master_port``."""
+        assert self.store is not None
+        me = self._me(gen)
         master_addr, config = gen.store_address.rsplit(":", 1)[0], self.config
         return [
             WorkerEnv(
