@@ -70,7 +70,7 @@ class _JoinRefused(Exception):
 @dataclass(frozen=True)
 class _PortFound:
     """A node that is not rank 0 read ``generation``'s store port from node rank 0's agent store, in the background:
-    its workers for that generation start now (unless that start was cancelled meanwhile)."""
+    what waited for it (a start, or a hand-over in place) goes on now, unless it was cancelled meanwhile."""
 
     generation: Generation
     port: int
@@ -115,7 +115,11 @@ class Agent:
         )
         self.group: WorkerGroup | None = None
         self._stopping: WorkerGroup | None = None  # the group being stopped (core.CoreState.stopping has its stage)
-        self._pending_start: Generation | None = None  # a start reading its store port in the background (_PortFound)
+        # Loop thread: what waits for a store port read in the background (_PortFound); read by that reader.
+        self._pending_start: Generation | None = None  # a start
+        self._pending_hand: Generation | None = None  # a hand-over in place
+        self._port_reads: set[int] = set()  # the generations whose store port is being read
+        self._found_port: tuple[int, int] | None = None  # the last port read: (generation, port)
         self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
         self._stores: StoreHost | None = None
@@ -135,7 +139,6 @@ class Agent:
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
-        self._handing_envs: tuple[int, list[WorkerEnv]] | None = None  # the waiting hand-over's generation, envs
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
         self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
 
@@ -536,12 +539,7 @@ class Agent:
                         return code
                 event = core.JobFinished(event.status.state, event.status.reason)
             elif isinstance(event, _PortFound):
-                if self._pending_start is event.generation:  # not cancelled, nor superseded, meanwhile
-                    self._pending_start = None
-                    try:
-                        self._spawn(event.generation, event.port)
-                    except AgentError as exc:
-                        self._events.put(core.StartFailed(event.generation.number, str(exc)))
+                self._port_found(event)
                 continue
             elif isinstance(event, _JoinRefused):
                 print(f"pliant agent: error: cannot join again: {event}", file=sys.stderr, flush=True)
@@ -619,6 +617,7 @@ class Agent:
         """Begin stopping the running group (:mod:`pliant.agent.stopping`); the core escalates on its ticks, and the
         loop reports the group gone (:class:`core.GroupStopped`)."""
         group, self.group = self.group, None
+        self._pending_hand = None  # a hand-over still reading its store port: the group it was for stops
         if self._stopping is not None:  # the core stops one group at a time: a second is a bug, not a wait
             logger.error(
                 "agent %s: a stop came while generation %d still stopped; killing that one",
@@ -648,7 +647,7 @@ class Agent:
                 group.generation,
                 self._why_restart(),
             )
-        awaited = group.begin_stop(rescale=action.rescale, leave=action.leave, finish=action.finish)
+        awaited = group.begin_stop(rescale=action.rescale, leave=action.leave, finish=action.finish, hung=action.hung)
         if action.rescale and not awaited:  # no worker takes the request: SIGTERM went at once
             self._events.put(core.StopStarted(StopStage.TERM))
 
@@ -675,40 +674,30 @@ class Agent:
             "move in place, or a worker still starting)"
         )
 
-    def _handing_envs_of(self, gen: Generation) -> list[WorkerEnv] | None:
-        """This node's workers' envs in ``gen``, kept while its hand-over waits; None when the generation's store did
-        not open in time (then :class:`core.StartFailed` is on its way)."""
-        if self._handing_envs is None or self._handing_envs[0] != gen.number:
-            try:
-                self._handing_envs = (gen.number, self._envs(gen, self._generation_port(gen)))
-            except AgentError as exc:
-                logger.warning("agent %s: cannot hand over generation %d: %s", self.config.node_id, gen.number, exc)
-                self._events.put(core.StartFailed(gen.number, str(exc)))
-                return None
-        return self._handing_envs[1]
-
     def _read_arrivals(self, gen: Generation) -> None:
-        """How many workers counted themselves in at ``gen``'s store, for the waiting hand-over (:mod:`core`)."""
-        envs = self._handing_envs_of(gen)
-        if envs is None:
-            return
+        """How many workers counted themselves in at ``gen``'s store, for the waiting hand-over (:mod:`core`); 0 while
+        the store's port is still being read."""
+        port = self._store_port(gen)
         arrived = 0
-        try:
-            assert self.store is not None
-            arrived = self.store.arrivals(envs[0].master_addr, envs[0].master_port)
-        except Exception as exc:  # the store is not reachable yet: the next tick reads again
-            logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
+        if port is not None:
+            master_addr = gen.store_address.rsplit(":", 1)[0]
+            try:
+                assert self.store is not None
+                arrived = self.store.arrivals(master_addr, port)
+            except Exception as exc:  # the store is not reachable yet: the next tick reads again
+                logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
         self._events.put(core.ArrivalsRead(gen.number, arrived))
 
     def _reconfigure(self, gen: Generation) -> None:
         """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`): :mod:`core` decided when
         (with newcomers, once their workers counted themselves in)."""
         assert self.group is not None
-        envs = self._handing_envs_of(gen)
-        if envs is None:
+        port = self._store_port(gen)
+        if port is None:  # handed over once the port is read (_PortFound)
+            self._pending_hand = gen
             return
-        self._handing_envs = None
-        kept, started = self.group.reconfigure(gen.number, envs)
+        self._pending_hand = None
+        kept, started = self.group.reconfigure(gen.number, self._envs(gen, port))
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
         logger.info(
@@ -721,30 +710,70 @@ class Agent:
         )
 
     def _start_workers(self, gen: Generation) -> None:
-        """Start this node's workers of ``gen``. As node rank 0 (its own store) at once; otherwise once the store port
-        is read from node rank 0's agent store, in the background (:class:`_PortFound`), so the loop never waits for a
-        node rank 0 that is slow to stop its old group, or dead.
+        """Start this node's workers of ``gen``: at once when its store port is known (node rank 0 opens it itself),
+        otherwise once it is read (:class:`_PortFound`), so the loop never waits for a node rank 0 that is slow to stop
+        its old group, or dead.
 
         Raises:
             AgentError: this node's store did not open the generation's store.
         """
+        port = self._store_port(gen)
+        if port is None:
+            self._pending_start = gen
+            return
+        self._spawn(gen, port)
+
+    def _store_port(self, gen: Generation) -> int | None:
+        """``gen``'s store port when known now: node rank 0 opens it (in its own agent store, at once); another node
+        has it once read from node rank 0's agent store. None while that read runs, in the background: it reports
+        :class:`_PortFound`, or :class:`core.StartFailed` when the port was not there in time.
+
+        Raises:
+            AgentError: this node, node rank 0, could not open the generation's store.
+        """
         assert self.store is not None
         if self._me(gen).node_rank == 0:
-            self._spawn(gen, self.store.open_generation(gen.number))
+            return self.store.open_generation(gen.number)
+        if self._found_port is not None and self._found_port[0] == gen.number:
+            return self._found_port[1]
+        if gen.number not in self._port_reads:
+            self._port_reads.add(gen.number)
+            threading.Thread(target=self._read_port, args=(gen,), name="store-port", daemon=True).start()
+        return None
+
+    def _read_port(self, gen: Generation) -> None:
+        """Read ``gen``'s store port from node rank 0's agent store (the background reader; see :meth:`_store_port`)."""
+        assert self.store is not None
+
+        def wanted() -> bool:
+            return gen in (self._pending_start, self._pending_hand) or self.state.handing == gen
+
+        try:
+            port = self._port_from_rank_0(gen, self.store, lambda: not wanted())
+        except AgentError as exc:
+            if wanted():  # not cancelled: what waited for it failed
+                self._events.put(core.StartFailed(gen.number, str(exc)))
+            self._events.put(_PortFound(gen, 0))
             return
-        self._pending_start = gen
-        store = self.store
+        self._events.put(_PortFound(gen, port))
 
-        def read_port() -> None:
+    def _port_found(self, found: _PortFound) -> None:
+        """What waited for ``found``'s store port goes on (a port of 0: the read failed; nothing goes on)."""
+        gen = found.generation
+        self._port_reads.discard(gen.number)
+        if not found.port:
+            self._pending_start = None if self._pending_start is gen else self._pending_start
+            self._pending_hand = None if self._pending_hand is gen else self._pending_hand
+            return
+        self._found_port = (gen.number, found.port)
+        if self._pending_start is gen:
+            self._pending_start = None
             try:
-                port = self._port_from_rank_0(gen, store, lambda: self._pending_start is not gen)
+                self._spawn(gen, found.port)
             except AgentError as exc:
-                if self._pending_start is gen:  # not cancelled: the start failed
-                    self._events.put(core.StartFailed(gen.number, str(exc)))
-                return
-            self._events.put(_PortFound(gen, port))
-
-        threading.Thread(target=read_port, name="store-port", daemon=True).start()
+                self._events.put(core.StartFailed(gen.number, str(exc)))
+        elif self._pending_hand is gen:
+            self._reconfigure(gen)
 
     def _spawn(self, gen: Generation, master_port: int) -> None:
         log_dir = None
@@ -773,13 +802,6 @@ class Agent:
             return self._newest_seen > gen.number or cancelled()
 
         return store.generation_port(gen.store_address, gen.number, timeout_s=wait_s, superseded=superseded)
-
-    def _generation_port(self, gen: Generation) -> int:
-        """``gen``'s store port, waited for on this thread (a hand-over in place; see :meth:`_start_workers`)."""
-        assert self.store is not None
-        if self._me(gen).node_rank == 0:
-            return self.store.open_generation(gen.number)
-        return self._port_from_rank_0(gen, self.store, lambda: False)
 
     def _envs(self, gen: Generation, master_port: int) -> list[WorkerEnv]:
         """This node's workers' env contracts in ``gen``, whose store listens on ``master_port``."""

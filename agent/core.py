@@ -320,12 +320,14 @@ class Prepare:
 class Stop:
     """Begin stopping the running group (:mod:`pliant.agent.stopping`): ``rescale`` asks the workers to checkpoint and
     exit (``leave``: to hand over and exit, the others re-forming in place); ``finish`` lets them end by themselves;
-    neither: SIGTERM. The executor answers :class:`GroupStopped` once no worker is left (at once when it has no
+    neither: SIGTERM. ``hung``: the workers' stacks are being dumped (:class:`Dump`), SIGTERM follows once they had
+    time to reach the logs. The executor answers :class:`GroupStopped` once no worker is left (at once when it has no
     group)."""
 
     rescale: bool = False
     finish: bool = False
     leave: bool = False
+    hung: bool = False
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,8 @@ class Send:
 
 @dataclass(frozen=True)
 class Dump:
-    """Dump every worker's Python stacks to its log."""
+    """Ask every worker for its Python stacks, into its log (a hang; the :class:`Stop` that follows gives them the
+    time to get there)."""
 
     why: str
 
@@ -604,7 +607,7 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         assert generation is not None
         report = _failure(state, generation, FailureCause.HUNG, f"hang: {why}")
         state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
-        return state, [Dump(why), Stop(), Send(report)]
+        return state, [Dump(why), Stop(hung=True), Send(report)]
     if waiting:
         message = f"local rank {min(waiting)} saw a peer fail mid-step and waits in place for the next generation"
         state = _set(state, state.phase, "a peer failed; waiting in place")
@@ -693,7 +696,8 @@ def _sequenced(state: CoreState, actions: list[Action], now: float) -> tuple[Cor
         return state, actions
     stop = actions[at]
     assert isinstance(stop, Stop)
-    stopping = begin(first_stage(stop.rescale, stop.finish), state.config.graces, now, tuple(actions[at + 1 :]))
+    stage = first_stage(stop.rescale, stop.finish, stop.hung)
+    stopping = begin(stage, state.config.graces, now, tuple(actions[at + 1 :]))
     return replace(state, stopping=stopping), actions[: at + 1]
 
 

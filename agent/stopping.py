@@ -9,8 +9,8 @@ which first stage it could enter (``StopStarted``), and reports the group gone o
 - ``RESCALE`` (a rescale): the workers that run the rescale protocol were told to save and exit (``restart``) or to
   hand over and exit (``leave``), within the rescale grace. A group none of whose workers takes the request enters
   ``TERM`` at once instead (a plain script: torchrun's SIGTERM).
-- ``DUMP``, after a ``RESCALE`` that ran out: the late workers' stacks are dumped to their logs, for
-  :data:`DUMP_S`, so they are there before the workers are stopped.
+- ``DUMP``, after a ``RESCALE`` that ran out, or first when the workers hung: the (late or hung) workers' stacks
+  are dumped to their logs, for :data:`DUMP_S`, so they are there before the workers are stopped.
 - ``TERM``: SIGTERM to every worker's process group (a script's own handler runs: save on preemption), within the
   stop grace.
 - ``KILL``: SIGKILL, within :data:`KILL_REAP_S`.
@@ -73,11 +73,13 @@ class Stopping:
     then: tuple[Any, ...] = ()
 
 
-def first_stage(rescale: bool, finish: bool) -> StopStage:
+def first_stage(rescale: bool, finish: bool, hung: bool = False) -> StopStage:
     """The stage a stop begins with: the job's end lets the workers finish; a rescale asks them to save or hand over;
-    anything else is SIGTERM."""
+    hung workers' stacks are dumped first; anything else is SIGTERM."""
     if finish:
         return StopStage.FINISH
+    if hung:
+        return StopStage.DUMP
     return StopStage.RESCALE if rescale else StopStage.TERM
 
 

@@ -344,13 +344,14 @@ class WorkerGroup:
         return out
 
     def dump_stacks(self) -> None:
-        """Ask every live worker for its Python stacks (faulthandler, into its log), waking a stopped one first."""
+        """Ask every live worker for its Python stacks (faulthandler, into its log through the output pumps), waking a
+        stopped one first. Returns at once: a stop's ``DUMP`` stage gives the dumps their time
+        (:mod:`pliant.agent.stopping`)."""
         for worker in self.workers:
             if worker.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.proc.pid, signal.SIGCONT)
                     os.kill(worker.proc.pid, STACKS_SIGNAL)
-        time.sleep(1.0)  # the dumps go through the output pumps into the log
 
     def direct(self, mode: str, generation: int, envs: Mapping[int, WorkerEnv] | None = None) -> int:
         """Write each live worker's directive (its env in ``envs`` by local rank, for ``in-place``), then send it
@@ -444,8 +445,9 @@ class WorkerGroup:
 
     # -- stopping, a stage at a time (the agent's core keeps the deadlines: pliant.agent.stopping) ---------------------
 
-    def begin_stop(self, rescale: bool = False, leave: bool = False, finish: bool = False) -> bool:
-        """Begin stopping the workers without waiting. ``finish``: nothing yet (they end by themselves). ``rescale``:
+    def begin_stop(self, rescale: bool = False, leave: bool = False, finish: bool = False, hung: bool = False) -> bool:
+        """Begin stopping the workers without waiting. ``finish``: nothing yet (they end by themselves); ``hung``:
+        nothing yet (their stacks are on their way to the logs; SIGTERM follows). ``rescale``:
         ask the workers that run the rescale protocol to checkpoint and exit (a ``restart`` directive and the rescale
         signal; ``leave``: a ``leave`` directive, to hand over and exit while the others re-form in place); when none
         takes the request, SIGTERM at once. Otherwise SIGTERM every worker's process group (what torchrun does, so a
@@ -453,7 +455,7 @@ class WorkerGroup:
         (False: SIGTERM was sent)."""
         self._stopped = True
         self._why = " for the rescale" if rescale else ""
-        if finish or (rescale and self.direct("leave" if leave else "restart", self.generation + 1)):
+        if finish or hung or (rescale and self.direct("leave" if leave else "restart", self.generation + 1)):
             return True
         self.signal(signal.SIGTERM)
         return False

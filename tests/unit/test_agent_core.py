@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from pliant.agent import core
+from pliant.agent import core, stopping
 from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import FailureCause, Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
@@ -508,6 +508,21 @@ def test_a_stop_escalates_on_ticks_dump_term_kill_and_gives_up_after_sigkill() -
     assert given_up == [core.Escalate(core.StopStage.GONE), core.Start(_gen(2, "b", "a"))]
     assert agent.state.stopping is None
     assert agent.on(core.GroupStopped(1)) == []  # a late report of the same group changes nothing
+
+
+def test_hung_workers_stacks_get_their_time_before_sigterm() -> None:
+    """A hang asks for the workers' stacks and begins the stop with the dump stage: SIGTERM follows once the dumps had
+    :data:`stopping.DUMP_S` to reach the logs, and the executor never sleeps for them."""
+    agent = Agent(instant_stops=False, hang_timeout_s=5.0, stop_grace_s=5.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    agent.on(core.Tick({0: (1, "step")}, ready=True))
+    actions = agent.on(core.Tick({0: (1, "step")}, ready=True), after=6.0)
+    assert agent.kinds(actions) == ["Dump", "Stop"] and actions[1] == core.Stop(hung=True)  # the report waits
+    assert _stopping(agent) is core.StopStage.DUMP
+    assert _tick(agent, stopping.DUMP_S - 0.1) == []
+    assert _tick(agent, 0.1) == [core.Escalate(core.StopStage.TERM)]
+    assert _tick(agent, 5.0) == [core.Escalate(core.StopStage.KILL)]
+    assert agent.kinds(agent.on(core.GroupStopped(1))) == ["Send"]
 
 
 def test_a_rescale_no_worker_takes_is_sigterm_at_once_and_sigkill_after_the_stop_grace() -> None:
