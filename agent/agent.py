@@ -25,7 +25,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
-from pliant.agent.contract import AgentConfig, AgentError
+from pliant.agent.contract import AgentConfig, AgentError, ExitCode
 from pliant.agent.credentials import Credentials
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
@@ -41,6 +41,8 @@ from pliant.coordinator.contract import (
     FailedPrecondition,
     Generation,
     GenerationMember,
+    JobFinished,
+    JobState,
     NotFound,
     PermissionDenied,
     Unauthenticated,
@@ -59,6 +61,7 @@ __all__ = ["Agent"]
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
+HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
 _GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordinator will never take: drop it
 
@@ -77,8 +80,9 @@ class _PortFound:
 
 
 class Agent:
-    """One node's supervisor. ``run()`` returns the process exit code: 0 when the job succeeded or this node left
-    gracefully, 1 when the job failed (never because the coordinator was away).
+    """One node's supervisor. ``run()`` returns the process exit code (:class:`ExitCode`): 0 when the job succeeded, 1
+    when it failed (never because the coordinator was away), 2 when this agent could not take part, 128 + N when it
+    left gracefully on signal N.
 
     Args:
         config: the agent's configuration.
@@ -139,8 +143,20 @@ class Agent:
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
+        self._ticked_at: float | None = None  # the loop's last tick (loop thread; read by the metrics thread)
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
         self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
+
+    def health(self) -> str:
+        """For ``/healthz`` (any thread): "" while the loop ticks, else why not: it has not started yet (a startup
+        probe's wait: the join, the zygote's imports) or has not ticked for :data:`HEALTHY_WITHIN_S` (a wedged
+        executor; the heartbeat and metrics threads may still run). An agent whose control plane is away is healthy:
+        its workers train on."""
+        ticked = self._ticked_at
+        if ticked is None:
+            return "starting: joining the job"
+        idle = time.monotonic() - ticked
+        return f"the agent's loop has not ticked for {idle:.0f}s" if idle > HEALTHY_WITHIN_S else ""
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -159,7 +175,7 @@ class Agent:
             self.address = f"{self.config.host}:{port}"
             if self.config.metrics_port is not None:
                 self.metrics_server = serve_metrics(
-                    self.metrics.registry, f"{self.config.host}:{self.config.metrics_port}"
+                    self.metrics.registry, f"{self.config.host}:{self.config.metrics_port}", health=self.health
                 )
             if not self.config.checkpoint_dir:
                 logger.warning(
@@ -182,10 +198,13 @@ class Agent:
             self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
             self.store.key = self.grant.checkpoint_key if self.grant is not None else b""  # seals its records
             return self._loop()
+        except JobFinished as exc:  # a node that comes late ends as the job did
+            print(f"pliant agent: job {exc.job} already {exc.state.value}; nothing to do", file=sys.stderr, flush=True)
+            return ExitCode.SUCCEEDED if exc.state is JobState.SUCCEEDED else ExitCode.JOB_FAILED
         except (CoordinatorError, AgentError, BootstrapError) as exc:
             logger.error("agent %s: %s", self.config.node_id, exc)
             print(f"pliant agent: error: {exc}", file=sys.stderr, flush=True)
-            return 1
+            return ExitCode.ERROR
         finally:
             self._stop.set()
             for group in (self._stopping, self.group):
@@ -520,6 +539,7 @@ class Agent:
         while True:
             event = self._next_event(next_tick)
             if isinstance(event, core.Tick):
+                self._ticked_at = time.monotonic()
                 quick = self.state.handing is not None or self.state.stopping is not None
                 next_tick = time.monotonic() + (0.02 if quick else TICK_S)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
@@ -543,7 +563,7 @@ class Agent:
                 continue
             elif isinstance(event, _JoinRefused):
                 print(f"pliant agent: error: cannot join again: {event}", file=sys.stderr, flush=True)
-                return 1
+                return ExitCode.ERROR
             code = self._dispatch(event)  # type: ignore[arg-type]
             if code is not None:
                 return code
@@ -606,7 +626,7 @@ class Agent:
         elif isinstance(action, core.Leave):
             self._leave()
         elif isinstance(action, core.Exit):
-            if action.code:
+            if action.code == ExitCode.JOB_FAILED:
                 print(f"pliant: job {self.config.spec.job_id} failed: {action.message}", file=sys.stderr, flush=True)
             return action.code
         return None

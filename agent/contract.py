@@ -13,11 +13,31 @@ from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
 from pliant.tls import TlsConfig
 
-__all__ = ["AgentConfig", "AgentError", "AgentState", "GroupResult", "default_node_id"]
+__all__ = ["AgentConfig", "AgentError", "AgentState", "ExitCode", "GroupResult", "default_node_id", "left_on"]
 
 
 class AgentError(PliantError):
     """Base of the agent's errors."""
+
+
+class ExitCode(enum.IntEnum):
+    """What an agent's (``pliant agent``, ``pliant run``) exit code says about the job, for whatever restarts it: a
+    Kubernetes Job's pod failure policy acts on it (``pliant k8s job``), a shell script may too.
+
+    Besides these, ``128 + N`` (:func:`left_on`): this node left gracefully on signal N (143: SIGTERM, 130: SIGINT)
+    and the job goes on without it, so a supervisor should start the node again (a Kubernetes index is replaced)."""
+
+    SUCCEEDED = 0
+    """The job succeeded (or had already when this agent came)."""
+    JOB_FAILED = 1
+    """The job failed (its restarts spent, below its minimum nodes for too long, failed by an admin)."""
+    ERROR = 2
+    """This agent could not take part (a bad flag, a refused join, its store host died); the job goes on."""
+
+
+def left_on(signum: int) -> int:
+    """The exit code of an agent that left the job gracefully on signal ``signum``: the shell's ``128 + N``."""
+    return 128 + signum
 
 
 class AgentState(enum.Enum):

@@ -55,7 +55,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from pliant.agent.contract import AgentState, GroupResult
+from pliant.agent.contract import AgentState, ExitCode, GroupResult, left_on
 from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.stopping import Graces, Stopping, StopStage, begin, defer, escalated, first_stage
 from pliant.coordinator.contract import FailureCause, Generation, JobState
@@ -256,6 +256,8 @@ class PeersProbed:
 
 @dataclass(frozen=True)
 class SignalReceived:
+    """SIGTERM or SIGINT: leave the job gracefully, and exit with :func:`pliant.agent.contract.left_on` it."""
+
     signum: int
 
 
@@ -393,6 +395,9 @@ class Leave:
 
 @dataclass(frozen=True)
 class Exit:
+    """End the agent with ``code`` (:class:`pliant.agent.contract.ExitCode`, or :func:`left_on` a signal); a failed
+    job's ``message`` is printed."""
+
     code: int
     message: str = ""
 
@@ -714,8 +719,8 @@ def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list
         finish = event.state is JobState.SUCCEEDED
         stop: list[Action] = [Stop(finish=finish)] if state.group is not None else []
         if finish:
-            return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [*stop, Exit(0)]
-        return _set(_no_group(state), AgentState.FAILED, event.reason), [*stop, Exit(1, event.reason)]
+            return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [*stop, Exit(ExitCode.SUCCEEDED)]
+        return _set(_no_group(state), AgentState.FAILED, event.reason), [*stop, Exit(ExitCode.JOB_FAILED, event.reason)]
     if isinstance(event, GroupExited):
         return _on_exit(state, event, now)
     if isinstance(event, StartFailed):
@@ -749,10 +754,14 @@ def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list
             return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [
                 Leave(),
                 Stop(rescale=True, leave=True),
-                Exit(0),
+                Exit(left_on(event.signum)),
             ]
         actions = [Stop(rescale=True)] if state.group is not None else []
-        return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*actions, Leave(), Exit(0)]
+        return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [
+            *actions,
+            Leave(),
+            Exit(left_on(event.signum)),
+        ]
     if isinstance(event, ArrivalsRead):
         return _on_arrivals(state, event, now)
     if isinstance(event, NewcomersProbed):
@@ -763,7 +772,7 @@ def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list
                 f"this node's workers finished, and the control plane has not been reached for "
                 f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting"
             )
-            return _set(state, AgentState.SUCCEEDED, why), [Exit(0)]
+            return _set(state, AgentState.SUCCEEDED, why), [Exit(ExitCode.SUCCEEDED)]
         fenced = _fenced_by(state, event.fence)
         if fenced:
             # Reported, so that the control plane that runs this world learns why it stopped.

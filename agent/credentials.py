@@ -10,7 +10,7 @@ import time
 from pliant.agent.contract import AgentConfig
 from pliant.bootstrap import BootstrapError, CertificateLifetime, renewal_due, request_certificate
 from pliant.coordinator.client import CoordinatorClient
-from pliant.coordinator.contract import CoordinatorError
+from pliant.coordinator.contract import CoordinatorError, JobFinished
 from pliant.tls import TlsMaterial
 
 __all__ = ["Credentials"]
@@ -47,6 +47,7 @@ class Credentials:
         an earlier agent of this node id still holds its membership (as long as the join waits for it).
 
         Raises:
+            JobFinished: the job has finished.
             BootstrapError: a refusal (its message says which and what to do), or nothing answered.
         """
         config = self.config
@@ -73,6 +74,9 @@ class Credentials:
                         )
                     self.stop.wait(0.5)
                     continue
+                finished = JobFinished.parse(str(exc)) if exc.code == "FAILED_PRECONDITION" else None
+                if finished is not None:
+                    raise finished from exc
                 raise
         self.client.use_tls(tls)
         self.lifetime = CertificateLifetime.of(tls.cert_pem, time.time())

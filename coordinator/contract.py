@@ -36,6 +36,7 @@ __all__ = [
     "Generation",
     "GenerationMember",
     "InvalidArgument",
+    "JobFinished",
     "JobInfo",
     "JobSnapshot",
     "JobSpec",
@@ -96,6 +97,27 @@ class FailedPrecondition(CoordinatorError):
     """The request is valid but the job's state forbids it, e.g. joining a finished job (FAILED_PRECONDITION)."""
 
 
+class JobFinished(FailedPrecondition):
+    """The job has finished (``state``: succeeded or failed), so it takes no join: a node that comes late ends as the
+    job did (FAILED_PRECONDITION on the wire, its message in the one form :meth:`parse` reads back)."""
+
+    _FORM = re.compile(
+        r"job '(?P<job>[^']*)' already (?P<state>succeeded|failed) \((?P<reason>.*)\); start a new job id", re.DOTALL
+    )
+
+    def __init__(self, job: str, state: JobState, reason: str = "") -> None:
+        super().__init__(
+            f"job {job!r} already {state.value} ({reason or 'no reason given'}); start a new job id to train again"
+        )
+        self.job, self.state = job, state
+
+    @classmethod
+    def parse(cls, message: str) -> JobFinished | None:
+        """The error ``message`` (a FAILED_PRECONDITION's, possibly quoted inside another message) carries, if any."""
+        found = cls._FORM.search(message)
+        return cls(found["job"], JobState(found["state"]), found["reason"]) if found else None
+
+
 class Unavailable(CoordinatorError, ConnectionError):
     """etcd or the coordinator cannot be reached; nothing was written and the call is safe to retry (UNAVAILABLE)."""
 
@@ -149,6 +171,10 @@ def error_for_status(code: grpc.StatusCode, message: str) -> CoordinatorError:
     """Return the domain error for a gRPC status received by a client (INTERNAL and unknown codes -> base class)."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unavailable(message or "the coordinator did not answer in time")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        finished = JobFinished.parse(message)
+        if finished is not None:
+            return finished
     for cls, known in _STATUS_BY_ERROR:
         if known == code:
             return cls(message)

@@ -18,11 +18,11 @@ from etcd3 import etcdrpc
 from pliant.coordinator.contract import (
     Admission,
     AlreadyExists,
-    FailedPrecondition,
     FailureCause,
     FailureReport,
     Generation,
     InvalidArgument,
+    JobFinished,
     JobSpec,
     JobState,
     JobStatus,
@@ -66,7 +66,7 @@ class MemberStore(EtcdBase):
             the lease, the current generation number (0: none yet), the heartbeat TTL and the job's checkpoint key.
 
         Raises:
-            NotFound: no such job. FailedPrecondition: the job finished. AlreadyExists: the node id holds a live lease.
+            NotFound: no such job. JobFinished: the job finished. AlreadyExists: the node id holds a live lease.
             Unauthenticated: the token is missing or wrong. InvalidArgument: ``member.slots`` exceeds the spec's
             ``nproc_per_node``.
         """
@@ -127,9 +127,7 @@ class MemberStore(EtcdBase):
             written = responses[0].response_put.header.revision
             self._txn([self.tx.mod(member_key) == written], [self.tx.delete(member_key)])
             self._revoke_quietly(lease.id)
-            raise FailedPrecondition(
-                f"job {job!r} already {status.state.value} ({status.reason}); start a new job id to train again"
-            )
+            raise JobFinished(job, status.state, status.reason)
         generation = decode(self.job_key(job, "generation"), Generation.from_json, gen_kv[0][0]).number if gen_kv else 0
         self._bound[lease.id] = (job, member.node_id)
         logger.info("node %s joined job %s (address %s)", member.node_id, job, member.address)
@@ -173,7 +171,7 @@ class MemberStore(EtcdBase):
 
         Raises:
             Unauthenticated: the token is missing or wrong, or there is no such job (the same answer: a caller without
-                the token learns nothing, not even whether the job exists). FailedPrecondition: the job finished.
+                the token learns nothing, not even whether the job exists). JobFinished: the job finished.
         """
         try:
             self._spec(job)
@@ -181,8 +179,9 @@ class MemberStore(EtcdBase):
             raise _token_refused(job, token) from None
         self._check_token(job, token)
         state = self.client.get(self.job_key(job, "state"))[0]
-        if state is not None and decode(self.job_key(job, "state"), JobStatus.from_json, state).state.terminal:
-            raise FailedPrecondition(f"job {job!r} has finished; start a new job to train again")
+        status = decode(self.job_key(job, "state"), JobStatus.from_json, state) if state is not None else None
+        if status is not None and status.state.terminal:
+            raise JobFinished(job, status.state, status.reason)
 
     @etcd_call
     def check_member(self, job: str, node_id: str, lease_id: int) -> None:

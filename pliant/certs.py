@@ -35,7 +35,7 @@ from pliant.tls import (
     write_tls_dir,
 )
 
-__all__ = ["add_certs_commands", "certs_main", "load_ca"]
+__all__ = ["CA_KEY", "add_certs_commands", "certs_main", "create_ca_files", "load_ca"]
 
 CA_KEY = "ca.key"
 
@@ -113,16 +113,25 @@ def _refuse_overwrite(path: Path, overwrite: bool) -> None:
         raise ConfigError(f"{path} already exists; pass --overwrite to replace it, or choose another --out")
 
 
-def _create_ca(args: argparse.Namespace) -> str:
-    path = Path(args.certs_dir)
-    _refuse_overwrite(path / CA_KEY, args.overwrite)
-    ca = new_ca(lifetime_days=args.lifetime_days)
+def create_ca_files(
+    directory: str | os.PathLike[str], common_name: str = "pliant CA", lifetime_days: float = 3650
+) -> IssuedCert:
+    """Make a CA and write ``ca.crt`` and ``ca.key`` (mode 0600) into ``directory`` (created 0700), replacing any."""
+    path = Path(directory)
+    ca = new_ca(common_name, lifetime_days)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     (path / CA_CERT).write_bytes(ca.cert_pem)
     fd = os.open(path / CA_KEY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an overwritten key gets this mode, whatever the old file had
     with os.fdopen(fd, "wb") as out:
         out.write(ca.key_pem)
+    return ca
+
+
+def _create_ca(args: argparse.Namespace) -> str:
+    path = Path(args.certs_dir)
+    _refuse_overwrite(path / CA_KEY, args.overwrite)
+    create_ca_files(path, lifetime_days=args.lifetime_days)
     return f"CA written to {path / CA_CERT} and {path / CA_KEY} (keep the key offline; only ca.crt is distributed)"
 
 

@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pliant.coordinator.admin import add_job_commands
 
     add_job_commands(sub)
+    from pliant.k8s.cli import add_k8s_commands
+
+    add_k8s_commands(sub)
 
     etcd = sub.add_parser(
         "etcd",

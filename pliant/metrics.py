@@ -1,4 +1,5 @@
-"""Serving Prometheus metrics: the HTTP endpoint every pliant process exposes its injected registry on.
+"""Serving Prometheus metrics: the HTTP endpoint every pliant process exposes its injected registry on, and, where its
+owner says how it is doing, ``/healthz`` beside it (a Kubernetes probe's target).
 
 Each role defines its own metrics over a :class:`prometheus_client.CollectorRegistry` that its owner passes in
 (``pliant.coordinator.metrics``, ``pliant.agent.metrics``, ``pliant.worker.metrics``); library code never touches the
@@ -10,16 +11,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from pliant.errors import ConfigError
 from pliant.net import parse_host_port
 
-__all__ = ["FAST_BUCKETS_S", "SLOW_BUCKETS_S", "MetricsServer", "add_metrics_port_flag", "serve_metrics"]
+__all__ = ["FAST_BUCKETS_S", "SLOW_BUCKETS_S", "Health", "MetricsServer", "add_metrics_port_flag", "serve_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +34,22 @@ SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 
 """Checkpoint saves and loads."""
 
 
+Health = Callable[[], str]
+"""How a process is doing, for ``/healthz``: "" when well, else why not (answered with 503)."""
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes and probes are not logged."""
+
+
 @dataclass
 class MetricsServer:
-    """A running ``/metrics`` endpoint (any path answers)."""
+    """A running ``/metrics`` endpoint (any path answers, but ``/healthz`` when a health check was given)."""
 
     host: str
     port: int
@@ -47,17 +65,40 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, listen: str) -> MetricsServer:
-    """Serve ``registry`` over HTTP on ``listen`` (HOST:PORT; port 0 picks a free one) from a daemon thread.
+def _with_health(metrics: Callable[..., Iterable[bytes]], health: Health) -> Callable[..., Iterable[bytes]]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/healthz":
+            return metrics(environ, start_response)
+        problem = health()
+        status = "503 Service Unavailable" if problem else "200 OK"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [(problem or "ok").encode() + b"\n"]
+
+    return app
+
+
+def serve_metrics(registry: CollectorRegistry, listen: str, health: Health | None = None) -> MetricsServer:
+    """Serve ``registry`` over HTTP on ``listen`` (HOST:PORT; port 0 picks a free one) from a daemon thread, and
+    ``health`` on ``/healthz`` when given.
 
     Raises:
         ConfigError: the address is malformed or cannot be bound.
     """
     host, port = parse_host_port(listen, what="metrics address", allow_zero=True)
+    app = make_wsgi_app(registry)
+    if health is not None:
+        app = _with_health(app, health)
+
+    class Server(_Server):
+        pass
+
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        Server.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+        httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
     except OSError as exc:
         raise ConfigError(f"cannot serve metrics on {listen}: {exc}; pick a free --metrics-port") from exc
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+    thread.start()
     server = MetricsServer(host, httpd.server_address[1], httpd, thread)
     logger.info("metrics on http://%s/metrics", server.address)
     return server

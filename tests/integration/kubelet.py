@@ -1,23 +1,41 @@
-"""A tiny local "kubelet" for tests: runs the containers of deploy/*.yaml as local processes, exactly as written.
+"""A tiny local "kubelet" and Job controller for tests: runs the containers of Kubernetes manifests as local processes,
+exactly as written.
 
-Each pod of a Deployment or StatefulSet gets its own loopback address (127.0.K.N), so every pod can bind the ports its
-manifest names. Kubernetes semantics kept: ``env`` values and ``fieldRef`` (metadata.name, status.podIP), ``$(VAR)``
-expansion in command and args, StatefulSet pod names ``<set>-<i>``. What a cluster would provide is mapped:
+Each pod gets its own loopback address (127.W.K.N: W per pytest-xdist worker, K per workload), so every pod can bind the
+ports its manifest names, and two workers' clusters never meet. Kubernetes
+semantics kept: ``env`` values, ``fieldRef`` (metadata.name, status.podIP) and ``secretKeyRef``, ``$(VAR)`` expansion
+in command and args, StatefulSet pod names ``<set>-<i>``. What a cluster would provide is mapped:
 
 - DNS (in HOST:PORT): ``<pod>.<headless service>`` resolves to that pod's address, ``<service>`` to the first pod
   it selects;
 - the image: ``/app`` is the repository, ``pliant`` the installed console script, ``etcd`` the etcd binary;
 - volumes: each mount path becomes a directory under the test's temporary directory (per pod, or shared for a PVC);
-  a Secret volume is filled from the test's ``secrets`` (its ``items`` mapping, ``optional`` keys skipped), and
-  ``subPathExpr`` picks the pod's own subdirectory; ``secretKeyRef`` env values come from the same secrets;
-- a Job is one pod, run to completion by the test.
+  a Secret volume is filled from the Secrets (the manifests' own, and the test's ``secrets``: its ``items`` mapping,
+  ``optional`` keys skipped; ``subPathExpr`` picks the pod's own subdirectory), a ConfigMap volume from the
+  manifests' ConfigMaps;
+- a plain Job is one pod, run to completion by the test; an Indexed Job is run by :class:`IndexedJob`, which keeps
+  the Job controller's rules for it: a pod per index below ``completions`` (named ``<job>-<index>-<suffix>``, with
+  ``JOB_COMPLETION_INDEX``), ``restartPolicy: Never``, the pod failure policy on exit codes, ``backoffLimit``,
+  elastic scaling by patching ``parallelism`` and ``completions`` together, a deleted pod's SIGTERM to its PID 1 and
+  SIGKILL after its ``terminationGracePeriodSeconds``, and the Job's Complete / Failed condition.
+
+Not kept: scheduling, resources, probes (the tests call the probe endpoints themselves), NetworkPolicies, and the
+``DisruptionTarget`` condition (a deletion here is a user's ``kubectl delete pod``).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import os
 import re
+import secrets as random
 import shutil
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +53,13 @@ def load_manifests(directory: Path = DEPLOY) -> list[dict[str, Any]]:
     for path in sorted(directory.glob("*.yaml")):
         if path.name == "kustomization.yaml":
             continue
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+        docs += parse_manifests(path.read_text())
     return docs
+
+
+def parse_manifests(text: str) -> list[dict[str, Any]]:
+    """The objects of a multi-document YAML text (what ``kubectl apply -f -`` reads)."""
+    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -48,6 +71,17 @@ def selects(service: dict[str, Any], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def is_indexed(workload: dict[str, Any]) -> bool:
+    return workload["kind"] == "Job" and workload["spec"].get("completionMode") == "Indexed"
+
+
+def secret_data(secret: dict[str, Any]) -> dict[str, bytes]:
+    """A Secret object's keys and bytes (``data`` is base64, ``stringData`` plain)."""
+    out = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+    out.update({k: str(v).encode() for k, v in (secret.get("stringData") or {}).items()})
+    return out
+
+
 @dataclass
 class Pod:
     """One pod's single container, ready to run."""
@@ -57,6 +91,8 @@ class Pod:
     workload: str
     labels: dict[str, str]
     container: dict[str, Any]
+    spec: dict[str, Any] = field(default_factory=dict)  # the pod template's spec
+    extra_env: dict[str, str] = field(default_factory=dict)  # what the controller adds (JOB_COMPLETION_INDEX)
     volumes: dict[str, Path] = field(default_factory=dict)  # mount path -> local directory
     secret_mounts: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)  # (mount, secret source)
 
@@ -71,7 +107,7 @@ class Cluster:
         docs: the manifests.
         workdir: where volumes live.
         etcd_binary: the local etcd executable.
-        secrets: Secret name -> key -> bytes (what ``kubectl create secret`` would hold).
+        secrets: Secret name -> key -> bytes (Secrets made outside the manifests, as ``kubectl create secret`` would).
     """
 
     def __init__(
@@ -81,35 +117,39 @@ class Cluster:
         etcd_binary: str,
         secrets: dict[str, dict[str, bytes]] | None = None,
     ) -> None:
-        self.docs = docs
+        self.docs: list[dict[str, Any]] = []
         self.workdir = workdir
-        self.secrets = secrets or {}
+        self.secrets = dict(secrets or {})
+        self.config_maps: dict[str, dict[str, str]] = {}
+        self.claims: dict[str, Path] = {}
         self.executables = {"pliant": str(Path(sys.executable).with_name("pliant")), "etcd": etcd_binary}
         self.pods: list[Pod] = []
-        claims = {
-            c["metadata"]["name"]: workdir / "pvc" / c["metadata"]["name"]
-            for c in of_kind(docs, "PersistentVolumeClaim")
-        }
-        workloads = of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job")
-        for k, workload in enumerate(workloads, start=1):
+        self.names: dict[str, str] = {}
+        self._subnets = 0
+        self._hosts: dict[int, int] = {}
+        self._octet = 10 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+        self.add(docs)
+
+    def add(self, docs: list[dict[str, Any]]) -> list[Pod]:
+        """Take in more objects (``kubectl apply``): their Secrets, ConfigMaps and claims, and the pods of their
+        StatefulSets, Deployments and plain Jobs (returned); an Indexed Job's pods are :class:`IndexedJob`'s."""
+        self.docs += docs
+        for secret in of_kind(docs, "Secret"):
+            self.secrets[secret["metadata"]["name"]] = secret_data(secret)
+        for config_map in of_kind(docs, "ConfigMap"):
+            self.config_maps[config_map["metadata"]["name"]] = dict(config_map.get("data") or {})
+        for claim in of_kind(docs, "PersistentVolumeClaim"):
+            self.claims[claim["metadata"]["name"]] = self.workdir / "pvc" / claim["metadata"]["name"]
+        added = []
+        for workload in of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job"):
+            if is_indexed(workload):
+                continue
             name, spec = workload["metadata"]["name"], workload["spec"]
-            template = spec["template"]
-            (container,) = template["spec"]["containers"]
+            subnet = self.subnet()
             for i in range(spec.get("replicas", 1)):
                 pod_name = f"{name}-{i}" if workload["kind"] == "StatefulSet" else f"{name}-{i:05d}"
-                pod = Pod(pod_name, f"127.0.{k}.{i + 1}", name, template["metadata"]["labels"], container)
-                volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
-                for mount in container.get("volumeMounts", []):
-                    source = volumes.get(mount["name"], {})
-                    claim = source.get("persistentVolumeClaim")
-                    local = claims[claim["claimName"]] if claim else workdir / "pods" / pod_name / mount["name"]
-                    local.mkdir(parents=True, exist_ok=True)
-                    pod.volumes[mount["mountPath"]] = local
-                    if "secret" in source:
-                        pod.secret_mounts.append((mount, source["secret"]))
-                self.pods.append(pod)
-        self.names: dict[str, str] = {}
-        for service in of_kind(docs, "Service"):
+                added.append(self.make_pod(pod_name, name, spec["template"], subnet))
+        for service in of_kind(self.docs, "Service"):
             selected = [p for p in self.pods if selects(service, p.labels)]
             if not selected:
                 continue
@@ -117,6 +157,43 @@ class Cluster:
             if service["spec"].get("clusterIP") == "None":
                 for pod in selected:
                     self.names[f"{pod.name}.{service['metadata']['name']}"] = pod.ip
+        return added
+
+    def subnet(self) -> int:
+        """A new workload's address block: its pods are 127.W.K.N."""
+        self._subnets += 1
+        self._hosts[self._subnets] = 0
+        return self._subnets
+
+    def make_pod(
+        self, name: str, workload: str, template: dict[str, Any], subnet: int, extra_env: dict[str, str] | None = None
+    ) -> Pod:
+        """A pod of ``template`` named ``name`` with the next address of ``subnet``, its volumes made."""
+        self._hosts[subnet] += 1
+        (container,) = template["spec"]["containers"]
+        pod = Pod(
+            name,
+            f"127.{self._octet}.{subnet}.{self._hosts[subnet]}",
+            workload,
+            dict(template["metadata"]["labels"]),
+            container,
+            template["spec"],
+            dict(extra_env or {}),
+        )
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        for mount in container.get("volumeMounts", []):
+            source = volumes.get(mount["name"], {})
+            claim = source.get("persistentVolumeClaim")
+            local = self.claims[claim["claimName"]] if claim else self.workdir / "pods" / name / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            pod.volumes[mount["mountPath"]] = local
+            if "secret" in source:
+                pod.secret_mounts.append((mount, source["secret"]))
+            if "configMap" in source:
+                for key, text in self.config_maps[source["configMap"]["name"]].items():
+                    (local / key).write_text(text)
+        self.pods.append(pod)
+        return pod
 
     def pods_of(self, workload: str) -> list[Pod]:
         return [p for p in self.pods if p.workload == workload]
@@ -155,7 +232,7 @@ class Cluster:
 
     def command(self, pod: Pod) -> tuple[list[str], dict[str, str]]:
         """The pod's argv and environment, as the container would get them (names and paths mapped)."""
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(pod.extra_env)
         for var in pod.container.get("env", []):
             if "value" in var:
                 env[var["name"]] = str(var["value"])
@@ -176,3 +253,155 @@ class Cluster:
         argv = [expand(a) for a in [*pod.container.get("command", []), *pod.container.get("args", [])]]
         argv[0] = self.executables.get(argv[0]) or shutil.which(argv[0]) or argv[0]
         return argv, env
+
+
+@dataclass
+class _Running:
+    pod: Pod
+    index: int
+    process: Any
+    deleted_at: float | None = None  # SIGTERM sent; SIGKILL after the grace
+
+
+class IndexedJob:
+    """The Job controller's rules for one elastic Indexed Job (see the module docstring), on a thread of its own.
+
+    Threads: the controller thread runs :meth:`_reconcile`; the test calls :meth:`patch`, :meth:`delete_pod` and reads
+    the state; ``_lock`` guards every field.
+
+    Args:
+        cluster: where its pods get addresses and volumes.
+        job: the Job object.
+        start: starts a pod's process and returns it (``proc``: its ``subprocess.Popen``; ``pid``).
+    """
+
+    def __init__(self, cluster: Cluster, job: dict[str, Any], start: Callable[[Pod], Any]) -> None:
+        self.cluster, self.job, self._start = cluster, job, start
+        self.name = job["metadata"]["name"]
+        spec = job["spec"]
+        self.completions = int(spec["completions"])
+        self.parallelism = int(spec["parallelism"])
+        self.backoff_limit = int(spec.get("backoffLimit", 6))
+        self.rules = spec.get("podFailurePolicy", {}).get("rules", [])
+        self.grace_s = float(spec["template"]["spec"].get("terminationGracePeriodSeconds", 30))
+        self.subnet = cluster.subnet()
+        self.running: list[_Running] = []
+        self.succeeded: set[int] = set()
+        self.failed_pods = 0
+        self.exits: list[tuple[str, int, int]] = []  # (pod, index, exit code) of every pod that ended
+        self.condition = ""  # "Complete" or "Failed"
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"job-{self.name}", daemon=True)
+        self._thread.start()
+
+    def patch(self, parallelism: int, completions: int) -> None:
+        """``kubectl patch job NAME -p '{"spec":{"parallelism":P,"completions":C}}'`` (an elastic Indexed Job
+        changes both together)."""
+        with self._lock:
+            assert parallelism == completions, "an elastic Indexed Job changes parallelism and completions together"
+            self.parallelism, self.completions = parallelism, completions
+
+    def delete_pod(self, name: str) -> None:
+        """``kubectl delete pod NAME``: SIGTERM to its PID 1 now, SIGKILL after the grace."""
+        with self._lock:
+            for running in self.running:
+                if running.pod.name == name and running.deleted_at is None:
+                    self._terminate(running)
+
+    def pods(self) -> list[Pod]:
+        """The pods running now, by index."""
+        with self._lock:
+            return [r.pod for r in sorted(self.running, key=lambda r: r.index)]
+
+    def process(self, name: str) -> Any:
+        with self._lock:
+            return next(r.process for r in self.running if r.pod.name == name)
+
+    def close(self) -> None:
+        """Stop the controller and SIGKILL every pod."""
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            for running in self.running:
+                _kill_group(running.process.pid, signal.SIGKILL)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            with self._lock:
+                self._reconcile(time.monotonic())
+
+    def _terminate(self, running: _Running) -> None:
+        running.deleted_at = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(running.process.pid, signal.SIGTERM)  # the container's PID 1 only, as the kubelet does
+
+    def _action(self, code: int) -> str:
+        """The pod failure policy's action for a container that exited ``code`` (the first rule that matches)."""
+        for rule in self.rules:
+            on = rule.get("onExitCodes")
+            if on is None:
+                continue
+            matched = code in on["values"]
+            if matched == (on["operator"] == "In"):
+                return rule["action"]
+        return "Count"
+
+    def _reconcile(self, now: float) -> None:
+        if self.condition:
+            return
+        for running in list(self.running):
+            code = running.process.proc.poll()
+            if code is None:
+                if running.deleted_at is not None and now - running.deleted_at > self.grace_s:
+                    _kill_group(running.process.pid, signal.SIGKILL)
+                continue
+            self.running.remove(running)
+            self.exits.append((running.pod.name, running.index, code))
+            if code == 0:
+                self.succeeded.add(running.index)
+                continue
+            action = self._action(code)
+            if action == "FailJob":
+                self._fail()
+                return
+            if action == "Count":
+                self.failed_pods += 1
+                if self.failed_pods > self.backoff_limit:
+                    self._fail()
+                    return
+        wanted = set(range(self.completions))
+        for running in self.running:
+            if running.index not in wanted and running.deleted_at is None:
+                self._terminate(running)  # scaled down: the highest indexes go
+        if wanted <= self.succeeded:
+            self.condition = "Complete"
+            for running in self.running:
+                if running.deleted_at is None:
+                    self._terminate(running)
+            return
+        busy = {r.index for r in self.running}
+        for index in sorted(wanted - self.succeeded - busy):
+            if len([r for r in self.running if r.deleted_at is None]) >= self.parallelism:
+                break
+            name = f"{self.name}-{index}-{random.token_hex(3)[:5]}"
+            env = {"JOB_COMPLETION_INDEX": str(index)}
+            template = self.job["spec"]["template"]
+            labeled = {
+                **template,
+                "metadata": {
+                    "labels": {**template["metadata"]["labels"], "batch.kubernetes.io/job-completion-index": str(index)}
+                },
+            }
+            pod = self.cluster.make_pod(name, self.name, labeled, self.subnet, env)
+            self.running.append(_Running(pod, index, self._start(pod)))
+
+    def _fail(self) -> None:
+        self.condition = "Failed"
+        for running in self.running:
+            _kill_group(running.process.pid, signal.SIGKILL)
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)

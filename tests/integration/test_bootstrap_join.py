@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from pliant.agent.contract import ExitCode
 from pliant.net import free_port_pair
 from tests.conftest import wait_for
 from tests.integration.harness import SCRIPT, read_steps
@@ -86,7 +87,7 @@ def test_a_standalone_replica_signs_and_the_agent_renews_while_it_trains(etcd, p
     # A wrong pin: refused before the token is sent, in one line.
     wrong_pin = ["--ca-cert-hash", "sha256:" + "0" * 64, str(SCRIPT)]
     wrong = subprocess.run([*joining, *wrong_pin], capture_output=True, text=True, timeout=60)
-    assert wrong.returncode == 1 and "not sending the join token" in wrong.stderr, wrong.stderr[-2000:]
+    assert wrong.returncode == ExitCode.ERROR and "not sending the join token" in wrong.stderr, wrong.stderr[-2000:]
 
     events = tmp_path / "events.jsonl"
     script = [str(SCRIPT), "--steps", "120", "--step-time", "0.1", "--events", str(events)]

@@ -1,7 +1,10 @@
-"""deploy/ checked for real: the manifests' containers run as local processes and train, with TLS everywhere (etcd
-clients and peers, the coordinator API) and the Secrets an operator creates with `pliant certs`; a real Prometheus
-scrapes them with the manifests' ServiceMonitor targets and the PrometheusRule loaded; the dashboard's queries name only
-metrics that the running job exports.
+"""Kubernetes as an operator runs it, for real: the control plane of deploy/ with the Secrets `pliant k8s secrets`
+printed, then training jobs rendered by `pliant k8s job`, their containers run as local processes exactly as written
+(tests/integration/kubelet.py, with the Job controller's rules for the agents' elastic Indexed Job). Two jobs train
+side by side; a deleted agent pod leaves gracefully and its index's new pod joins again; one job is scaled 2 -> 3 -> 2
+by patching its parallelism and completions; both end Completed with no agent restarted. TLS everywhere (etcd clients
+and peers, the coordinator API, agents' certificates from the bootstrap join); a real Prometheus scrapes the pods with
+the PrometheusRule loaded; the dashboard's queries name only metrics a running job exports.
 """
 
 from __future__ import annotations
@@ -14,21 +17,35 @@ import signal
 import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from bench.common import end_soon, read_jsonl
+from pliant.agent.contract import left_on
+from pliant.certs import load_ca
 from pliant.net import free_port
-from pliant.tls import LocalCA, Role
+from pliant.tls import Role, issue_cert, write_tls_dir
 from tests.conftest import Spawned, health_serving, wait_for
-from tests.integration.kubelet import DEPLOY, Cluster, load_manifests, of_kind, selects
+from tests.integration.kubelet import (
+    DEPLOY,
+    Cluster,
+    IndexedJob,
+    Pod,
+    is_indexed,
+    load_manifests,
+    of_kind,
+    parse_manifests,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 DASHBOARD = DEPLOY / "grafana" / "pliant-dashboard.json"
 
@@ -57,101 +74,140 @@ def _scrape_step(address: str) -> float:
         return 0.0
 
 
-class Deployment:
-    """The manifests running as local processes."""
-
-    def __init__(self, cluster: Cluster, procs: dict[str, Spawned]) -> None:
-        self.cluster = cluster
-        self.procs = procs
-
-    def metrics_targets(self) -> list[str]:
-        """HOST:PORT of every pod behind a Service the ServiceMonitor selects, on the endpoint's port."""
-        (monitor,) = of_kind(self.cluster.docs, "ServiceMonitor")
-        wanted = {e["port"] for e in monitor["spec"]["endpoints"]}
-        values = monitor["spec"]["selector"]["matchExpressions"][0]["values"]
-        targets = []
-        for service in of_kind(self.cluster.docs, "Service"):
-            if service["metadata"]["labels"].get("app.kubernetes.io/name") not in values:
-                continue
-            ports = [p["name"] for p in service["spec"]["ports"] if p["name"] in wanted]
-            for pod in self.cluster.pods:
-                if selects(service, pod.labels):
-                    targets += [f"{pod.ip}:{pod.port(port)}" for port in ports]
-        return sorted(set(targets))
-
-
-def make_secrets(cluster: Cluster, workdir: Path) -> dict[str, dict[str, bytes]]:
-    """The Secrets the manifests mount, as an operator would create them with `pliant certs` (one CA for etcd, one
-    for pliant), with the names and addresses the pods are reached by."""
-    etcd_ca, pliant_ca = LocalCA(workdir / "etcd-ca"), LocalCA(workdir / "pliant-ca")
-
-    def files(tls: Any, prefix: str = "tls") -> dict[str, bytes]:
-        return {
-            "ca.crt": Path(tls.ca).read_bytes(),
-            f"{prefix}.crt": Path(tls.cert).read_bytes(),
-            f"{prefix}.key": Path(tls.key).read_bytes(),
-        }
-
-    # etcd checks a peer's certificate against the address it connects from: locally that is 127.0.0.1, not the pod's.
-    etcd_names = [n for p in cluster.pods_of("etcd") for n in (f"{p.name}.etcd", p.ip)] + ["127.0.0.1"]
-    coordinator_names = ["pliant-coordinator", *(p.ip for p in cluster.pods_of("pliant-coordinator"))]
-    coordinator = pliant_ca.issue("coordinator", Role.COORDINATOR, "coordinator", coordinator_names)
-    agents: dict[str, bytes] = {}
-    for pod in cluster.pods_of("pliant-agent"):
-        agents.update(files(pliant_ca.issue(pod.name, Role.AGENT, pod.name), pod.name))
-    return {
-        "etcd-tls": files(etcd_ca.issue("etcd", Role.COORDINATOR, "etcd", etcd_names)),
-        "pliant-etcd-client-tls": files(etcd_ca.issue("etcd-client", Role.COORDINATOR, "pliant-coordinator")),
-        "pliant-coordinator-tls": files(coordinator),
-        "pliant-admin-tls": files(pliant_ca.issue("admin", Role.ADMIN, "operator")),
-        "pliant-agent-tls": {"ca.crt": pliant_ca.ca.cert_pem, **{k: v for k, v in agents.items() if k != "ca.crt"}},
-        "pliant-join-token": {"token": b"deploy-test-join-token-0123456789"},
-    }
-
-
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from pliant.coordinator.etcd_server import find_etcd_binary
-
-    workdir = tmp_path_factory.mktemp("cluster")
-    cluster = Cluster(load_manifests(), workdir, find_etcd_binary())
-    cluster.secrets = make_secrets(cluster, workdir)
-    procs: dict[str, Spawned] = {}
-
-    def start(workload: str) -> None:
-        for pod in cluster.pods_of(workload):
-            argv, env = cluster.command(pod)
-            procs[pod.name] = Spawned(argv, workdir / f"{pod.name}.log", {**_base_env(), **env})
-
+def _healthz(address: str) -> tuple[int, str]:
     try:
-        start("etcd")
-        for pod in cluster.pods_of("etcd"):
-            url = f"http://{pod.ip}:{pod.port('metrics')}/health"
-            wait_for(lambda url=url: _healthy(url), 60, f"etcd member {url}")
-        start("pliant-coordinator")
-        for address in [f"{p.ip}:{p.port('health')}" for p in cluster.pods_of("pliant-coordinator")]:
-            wait_for(lambda a=address: health_serving(a), 60, f"coordinator health {address}")
-        start("pliant-create-job")  # the admin's Job: create the job with the token's Secret
-        creator = procs[cluster.pods_of("pliant-create-job")[0].name]
-        wait_for(lambda: creator.proc.poll() is not None, 60, "the create-job Job to complete")
-        assert creator.proc.returncode == 0, creator.output()
-        assert "job example created" in creator.output()
-        start("pliant-agent")
-        agents = [f"{p.ip}:{p.port('metrics')}" for p in cluster.pods_of("pliant-agent")]
-        wait_for(lambda: all(_scrape_step(a) >= 5 for a in agents), 180, "both agents' workers past step 5")
-        yield Deployment(cluster, procs)
-    except BaseException:
-        for name, proc in procs.items():
-            print(f"--- {name} ---\n{proc.output()[-3000:]}")
-        raise
-    finally:
-        for proc in procs.values():
-            proc.kill()
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
 
 
 def _base_env() -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")
     return {k: v for k, v in os.environ.items() if k in keep}
+
+
+def _pliant(*args: str) -> str:
+    """A ``pliant`` command as the operator types it; its stdout."""
+    done = subprocess.run([sys.executable, "-m", "pliant", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@dataclass
+class ControlPlane:
+    """deploy/ running, with the operator's certificates in ``pki``."""
+
+    cluster: Cluster
+    pki: Path
+    procs: dict[str, Spawned] = field(default_factory=dict)
+
+    def start(self, pod: Pod) -> Spawned:
+        argv, env = self.cluster.command(pod)
+        self.procs[pod.name] = Spawned(argv, self.cluster.workdir / f"{pod.name}.log", {**_base_env(), **env})
+        return self.procs[pod.name]
+
+    def apply(self, manifests: str) -> list[dict[str, Any]]:
+        """``kubectl apply -f -``: the objects' plain Jobs run to completion; returns the objects."""
+        objects = parse_manifests(manifests)
+        for pod in self.cluster.add(objects):
+            proc = self.start(pod)
+            wait_for(lambda proc=proc: proc.proc.poll() is not None, 90, f"Job pod {pod.name} to complete")
+            assert proc.proc.returncode == 0, proc.output()
+        return objects
+
+    def run_job(self, job: str, nnodes: str, nodes: int, steps: int) -> TrainingJob:
+        """``pliant k8s job ... | kubectl apply -f -`` for examples/train_elastic.py, its events and stop file on the
+        job's checkpoint volume."""
+        rendered = _pliant(
+            "k8s",
+            "job",
+            f"--job={job}",
+            "--image=pliant:0.1.0",
+            f"--nnodes={nnodes}",
+            f"--nodes={nodes}",
+            "--nproc-per-node=1",
+            f"--ca-cert={self.pki / 'ca.crt'}",
+            "--cpu=1",
+            "--memory=2Gi",
+            "--rescale-grace=20",
+            "/app/examples/train_elastic.py",
+            f"--steps={steps}",
+            "--step-time=0.05",
+            "--events=/checkpoints/events.jsonl",  # the job's own volume
+            "--stop-file=/checkpoints/stop",
+        )
+        objects = self.apply(rendered)
+        (agents,) = [o for o in of_kind(objects, "Job") if is_indexed(o)]
+        controller = IndexedJob(self.cluster, agents, self.start)
+        return TrainingJob(job, controller, self.cluster.claims[f"pliant-{job}-checkpoints"], steps)
+
+    def status(self, job: str) -> dict[str, Any]:
+        """`pliant status --json` as the operator runs it, with the admin certificate."""
+        coordinator = self.cluster.pods_of("pliant-coordinator")[0]
+        out = _pliant(
+            "status", "--coordinator", f"{coordinator.ip}:29400", "--json", "--tls-dir", str(self.pki / "admin")
+        )
+        return next(j for j in json.loads(out)["jobs"] if j["job_id"] == job)
+
+
+@dataclass
+class TrainingJob:
+    name: str
+    controller: IndexedJob
+    directory: Path  # its checkpoint volume: events.jsonl, stop, and the checkpoints under <job>/
+    steps: int
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.directory / "events.jsonl")
+
+    def stepping(self, world: int, after: float = 0.0) -> bool:
+        return any(e["world"] == world and e["time"] > after for e in self.events())
+
+    def end(self) -> None:
+        """End the training 10 steps after its newest step (the script's stop file)."""
+        self.steps = end_soon(self.directory / "events.jsonl", self.directory / "stop", self.steps, margin=10)
+
+
+def _redone(events: list[dict]) -> list[int]:
+    """Steps that more than one generation ran: committed work lost to a world change."""
+    ran: dict[int, set[int]] = {}
+    for e in events:
+        ran.setdefault(e["step"], set()).add(e["generation"])
+    return sorted(step for step, generations in ran.items() if len(generations) > 1)
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    from pliant.coordinator.etcd_server import find_etcd_binary
+
+    workdir = tmp_path_factory.mktemp("cluster")
+    cluster = Cluster(load_manifests(), workdir, find_etcd_binary())
+    plane = ControlPlane(cluster, workdir / "pki")
+    # Here a Service's name resolves to a pod's loopback address, and etcd checks a peer's certificate against the
+    # address it connects from (127.0.0.1): both go into the certificates, as an ingress's name would in a cluster.
+    sans = [p.ip for p in cluster.pods_of("etcd") + cluster.pods_of("pliant-coordinator")] + ["127.0.0.1"]
+    plane.apply(_pliant("k8s", "secrets", f"--dir={plane.pki}", *(f"--san={s}" for s in sans)))
+    try:
+        for pod in cluster.pods_of("etcd"):
+            plane.start(pod)
+        for pod in cluster.pods_of("etcd"):
+            url = f"http://{pod.ip}:{pod.port('metrics')}/health"
+            wait_for(lambda url=url: _healthy(url), 60, f"etcd member {url}")
+        for pod in cluster.pods_of("pliant-coordinator"):
+            plane.start(pod)
+        for address in [f"{p.ip}:{p.port('health')}" for p in cluster.pods_of("pliant-coordinator")]:
+            wait_for(lambda a=address: health_serving(a), 60, f"coordinator health {address}")
+        yield plane
+    except BaseException:
+        for name, proc in plane.procs.items():
+            print(f"--- {name} ---\n{proc.output()[-3000:]}")
+        raise
+    finally:
+        for proc in plane.procs.values():
+            proc.kill()
 
 
 def _healthy(url: str) -> bool:
@@ -161,24 +217,81 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def test_manifests_run_as_written_and_train(deployment: Deployment) -> None:
-    cluster = deployment.cluster
-    (job,) = _status_all(cluster)
-    agents = cluster.pods_of("pliant-agent")
-    assert job["state"] == "running"
-    assert job["world_size"] == 2 * len(agents)
-    assert sorted(m["node_id"] for m in job["members"]) == sorted(p.name for p in agents)
-    assert all(m["heartbeat_age_s"] is not None and m["heartbeat_age_s"] <= 5 for m in job["members"])
-    before = [_scrape_step(f"{p.ip}:9400") for p in agents]
-    wait_for(
-        lambda: all(_scrape_step(f"{p.ip}:9400") > b for p, b in zip(agents, before, strict=True)),
-        30,
-        "training steps advancing on every agent",
-    )
-    print("\nsmoke test ran:")
-    for pod in cluster.pods:
-        argv, _env = cluster.command(pod)
-        print(f"  {pod.name} ({pod.ip}): {' '.join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv))}")
+@pytest.mark.long
+def test_two_jobs_train_side_by_side_scale_drain_and_complete(control_plane: ControlPlane) -> None:
+    plane = control_plane
+    gamma = plane.run_job("gamma", "1:2", 2, 100000)
+    beta = plane.run_job("beta", "1:3", 2, 100000)
+    try:
+        wait_for(lambda: gamma.stepping(2) and beta.stepping(2), 180, "both jobs stepping at world 2")
+        assert plane.status("gamma")["world_size"] == plane.status("beta")["world_size"] == 2
+        pod = gamma.controller.pods()[0]
+        assert _healthz(f"{pod.ip}:{pod.port('metrics')}") == (200, "ok\n"), "the startup and liveness probes' endpoint"
+
+        # One job finishes: its Job is Complete, every agent exited 0, none was restarted.
+        gamma.end()
+        wait_for(lambda: gamma.controller.condition, 120, "gamma's agents to end")
+        assert gamma.controller.condition == "Complete", gamma.controller.exits
+        assert sorted((index, code) for _pod, index, code in gamma.controller.exits) == [(0, 0), (1, 0)]
+        assert plane.status("gamma")["state"] == "succeeded"
+
+        # The other is scaled by its knob: kubectl patch job pliant-beta -p '{"spec":{"parallelism":3,...}}'.
+        beta.controller.patch(3, 3)
+        wait_for(lambda: beta.stepping(3), 120, "beta stepping at world 3")
+        # A deleted pod (a drain, a spot reclaim): SIGTERM to its agent, which leaves in place; its index gets a new
+        # pod, which joins again.
+        victim = beta.controller.pods()[1]
+        process = beta.controller.process(victim.name)
+        deleted = _now(beta)
+        beta.controller.delete_pod(victim.name)
+        wait_for(lambda: process.proc.poll() is not None, 60, "the deleted pod's agent to leave")
+        assert process.proc.returncode == left_on(signal.SIGTERM), process.output()[-3000:]
+        wait_for(lambda: beta.stepping(2, after=deleted), 60, "beta stepping without the deleted pod")
+        wait_for(lambda: beta.stepping(3, after=_last_world(beta, 2)), 120, "the index's new pod joined")
+        assert victim.name not in {p.name for p in beta.controller.pods()}
+        # And back to two.
+        grown = _now(beta)
+        beta.controller.patch(2, 2)
+        wait_for(lambda: beta.stepping(2, after=grown), 90, "beta back at world 2")
+        assert not _redone(beta.events()), "a graceful leave or a scale-down loses no committed step"
+
+        beta.end()
+        wait_for(lambda: beta.controller.condition, 120, "beta's agents to end")
+        assert beta.controller.condition == "Complete", beta.controller.exits
+        assert plane.status("beta")["state"] == "succeeded"
+        # The two that left on SIGTERM (the deleted pod and the index scaled away) are not failures: no agent restarted.
+        left = sorted(index for _pod, index, code in beta.controller.exits if code == left_on(signal.SIGTERM))
+        assert left == [1, 2] and beta.controller.failed_pods == 0, beta.controller.exits
+        assert all(code in (0, left_on(signal.SIGTERM)) for _pod, _index, code in beta.controller.exits)
+        print(f"\ngamma's pods: {gamma.controller.exits}\nbeta's pods: {beta.controller.exits}")
+    finally:
+        gamma.controller.close()
+        beta.controller.close()
+
+
+def _now(job: TrainingJob) -> float:
+    return max((e["time"] for e in job.events()), default=0.0)
+
+
+def _last_world(job: TrainingJob, world: int) -> float:
+    return max((e["time"] for e in job.events() if e["world"] == world), default=0.0)
+
+
+@pytest.fixture(scope="module")
+def deployment(control_plane: ControlPlane) -> Iterator[TrainingJob]:
+    """A job of two agents training on the control plane."""
+    job = control_plane.run_job("alpha", "1:2", 2, 100000)
+    try:
+        wait_for(lambda: job.stepping(2), 180, "alpha stepping at world 2")
+        yield job
+    finally:
+        job.controller.close()
+
+
+def _targets(plane: ControlPlane, job: TrainingJob) -> list[str]:
+    """What the ServiceMonitor (the coordinators' Service) and the PodMonitor (every agent pod) select."""
+    coordinators = [f"{p.ip}:{p.port('metrics')}" for p in plane.cluster.pods_of("pliant-coordinator")]
+    return coordinators + [f"{p.ip}:{p.port('metrics')}" for p in job.controller.pods()]
 
 
 def _rule_group(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -187,15 +300,18 @@ def _rule_group(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Any]]:
+def prometheus(
+    control_plane: ControlPlane, deployment: TrainingJob, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], Any]]:
     """A real Prometheus scraping the deployment every second, with the PrometheusRule's rules loaded."""
     binary = _tool("prometheus")
     workdir = tmp_path_factory.mktemp("prometheus")
-    (workdir / "pliant-rules.yaml").write_text(yaml.safe_dump(_rule_group(deployment.cluster.docs)))
+    (workdir / "pliant-rules.yaml").write_text(yaml.safe_dump(_rule_group(control_plane.cluster.docs)))
+    targets = _targets(control_plane, deployment)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["pliant-rules.yaml"],
-        "scrape_configs": [{"job_name": "pliant", "static_configs": [{"targets": deployment.metrics_targets()}]}],
+        "scrape_configs": [{"job_name": "pliant", "static_configs": [{"targets": targets}]}],
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     address = f"127.0.0.1:{free_port()}"
@@ -217,7 +333,6 @@ def prometheus(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory)
 
     try:
         wait_for(lambda: _ready(address), 60, "prometheus ready")
-        targets = deployment.metrics_targets()
         wait_for(lambda: len(query('up{job="pliant"} == 1')) == len(targets), 60, "every target scraped")
         yield query
     finally:
@@ -232,26 +347,20 @@ def _ready(address: str) -> bool:
         return False
 
 
-def test_prometheus_scrapes_the_job(deployment: Deployment, prometheus: Callable[[str], Any]) -> None:
+def test_prometheus_scrapes_the_job(deployment: TrainingJob, prometheus: Callable[[str], Any]) -> None:
     query = prometheus
-    agents = deployment.cluster.pods_of("pliant-agent")
-    world = query("max(pliant_job_world_size)")
-    assert float(world[0]["value"][1]) == 2 * len(agents)
+    agents = deployment.controller.pods()
+    world = query('max(pliant_job_world_size{job_id="alpha"})')
+    assert float(world[0]["value"][1]) == len(agents)
     assert float(query("sum(pliant_coordinator_leader)")[0]["value"][1]) == 1.0
-    assert len(query("pliant_worker_world_size == 4")) == len(agents)
+    assert len(query("pliant_worker_world_size == 2")) == len(agents)
     wait_for(lambda: query("sum(rate(pliant_worker_samples_total[5s])) > 0"), 30, "a positive samples rate")
     wait_for(lambda: query("sum(rate(pliant_worker_step_duration_seconds_count[5s])) > 0"), 30, "step histogram")
     joined = query(
         "sum by (job_id) (rate(pliant_worker_steps_total[5s]) * on (instance) group_left (job_id) pliant_agent_info)"
     )
-    assert [r["metric"]["job_id"] for r in joined] == ["example"]
+    assert [r["metric"]["job_id"] for r in joined] == ["alpha"]
     assert not query('ALERTS{alertstate="firing"}')
-    print("\nper-node scrape (agents):")
-    for pod in agents:
-        inst = f"{pod.ip}:{pod.port('metrics')}"
-        duration = query(f'scrape_duration_seconds{{instance="{inst}"}}')[0]["value"][1]
-        samples = query(f'scrape_samples_scraped{{instance="{inst}"}}')[0]["value"][1]
-        print(f"  {pod.name}: scrape {float(duration) * 1000:.1f} ms, {samples} samples")
 
 
 def _dashboard_exprs() -> list[str]:
@@ -260,11 +369,11 @@ def _dashboard_exprs() -> list[str]:
 
 
 def test_dashboard_and_rules_name_only_exported_metrics(
-    deployment: Deployment, prometheus: Callable[[str], Any]
+    control_plane: ControlPlane, deployment: TrainingJob, prometheus: Callable[[str], Any]
 ) -> None:
     query = prometheus
     exported = {r["metric"]["__name__"] for r in query('{__name__=~"pliant_.+"}')}
-    for target in deployment.metrics_targets():  # families declared but without a series yet (no exit so far)
+    for target in _targets(control_plane, deployment):  # families declared but without a series yet
         for line in _http(f"http://{target}/metrics").splitlines():
             if line.startswith("# TYPE pliant_"):
                 _, _, name, kind = line.split()
@@ -272,58 +381,43 @@ def test_dashboard_and_rules_name_only_exported_metrics(
                     {f"{name}_bucket", f"{name}_count", f"{name}_sum"} if kind == "histogram" else set()
                 )
     names = set()
-    rule_exprs = [r["expr"] for g in _rule_group(deployment.cluster.docs)["groups"] for r in g["rules"]]
+    rule_exprs = [r["expr"] for g in _rule_group(control_plane.cluster.docs)["groups"] for r in g["rules"]]
     for expr in _dashboard_exprs() + rule_exprs:
         names |= set(re.findall(r"\b(pliant_[a-z_]+)", expr))
         if expr in rule_exprs:
             continue
-        query(expr.replace("$__rate_interval", "10s").replace('"$job_id"', '".*"'))  # it parses and runs
+        query(expr.replace("$__rate_interval", "10s").replace('"$job_id"', '"alpha"'))  # it parses and runs
+    steps = query(
+        next(e for e in _dashboard_exprs() if "pliant_worker_samples_total" in e)
+        .replace("$__rate_interval", "10s")
+        .replace('"$job_id"', '"alpha"')
+    )
+    assert [r["metric"]["job_id"] for r in steps] == ["alpha"], "the worker panels follow the dashboard's job"
     missing = sorted(n for n in names if n not in exported)
     assert not missing, f"dashboard or rules name metrics the job does not export: {missing}"
-    print(f"\n{len(exported)} pliant metrics exported: {', '.join(sorted(exported))}")
 
 
-def test_promtool_checks_rules_and_metrics(deployment: Deployment, tmp_path: Path) -> None:
+def test_promtool_checks_rules_and_metrics(
+    control_plane: ControlPlane, deployment: TrainingJob, tmp_path: Path
+) -> None:
     promtool = _tool("promtool")
-    (tmp_path / "pliant-rules.yaml").write_text(yaml.safe_dump(_rule_group(deployment.cluster.docs)))
+    (tmp_path / "pliant-rules.yaml").write_text(yaml.safe_dump(_rule_group(control_plane.cluster.docs)))
     shutil.copy(DEPLOY / "prometheus" / "alerts-test.yaml", tmp_path / "alerts-test.yaml")
     for args in (["check", "rules", "pliant-rules.yaml"], ["test", "rules", "alerts-test.yaml"]):
         result = subprocess.run([promtool, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
-    for target in deployment.metrics_targets():
+    for target in _targets(control_plane, deployment):
         text = _http(f"http://{target}/metrics")
         result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"{target}: {result.stdout}{result.stderr}"
 
 
-def _status_all(cluster: Cluster) -> list[dict[str, Any]]:
-    """`pliant status --json` as the operator runs it: with the admin certificate of Secret pliant-admin-tls."""
-    coordinator = cluster.pods_of("pliant-coordinator")[0]
-    admin = cluster.workdir / "pods" / cluster.pods_of("pliant-create-job")[0].name / "secret-admin-tls"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pliant",
-            "status",
-            "--coordinator",
-            f"{coordinator.ip}:29400",
-            "--json",
-            "--tls-dir",
-            str(admin),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    return json.loads(out.stdout)["jobs"]
-
-
-def test_the_api_refuses_what_the_manifests_do_not_grant(deployment: Deployment) -> None:
+def test_the_api_refuses_what_the_manifests_do_not_grant(
+    control_plane: ControlPlane, deployment: TrainingJob, tmp_path: Path
+) -> None:
     """Plaintext clients get nothing; an agent's certificate may not finish the job; etcd refuses clients without a
     certificate from its CA."""
-    cluster = deployment.cluster
+    cluster = control_plane.cluster
     coordinator = f"{cluster.pods_of('pliant-coordinator')[0].ip}:29400"
     plain = subprocess.run(
         [sys.executable, "-m", "pliant", "status", "--coordinator", coordinator, "--insecure"],
@@ -332,7 +426,12 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(deployment: Deployment)
         timeout=60,
     )
     assert plain.returncode == 1, plain.stdout
-    agent_dir = cluster.workdir / "pods" / "pliant-agent-0" / "secret-tls" / "pliant-agent-0"
+    member = deployment.controller.pods()[0].name  # an agent's own certificate, as its bootstrap join got it
+    agent_dir = write_tls_dir(
+        tmp_path / "agent",
+        load_ca(str(control_plane.pki)).cert_pem,
+        issue_cert(load_ca(str(control_plane.pki)), Role.AGENT, member, [], 1),
+    )
     finish = subprocess.run(
         [
             sys.executable,
@@ -340,7 +439,7 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(deployment: Deployment)
             "pliant",
             "job",
             "finish",
-            "example",
+            "alpha",
             "--coordinator",
             coordinator,
             "--tls-dir",
@@ -356,39 +455,4 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(deployment: Deployment)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # no client certificate, trust anything
     with pytest.raises(OSError):  # etcd ends the handshake (or the request) of a client without a certificate
         urllib.request.urlopen(f"https://{etcd.ip}:2379/version", timeout=5, context=context).read()
-    assert _status_all(cluster)[0]["state"] == "running"
-
-
-def _status(cluster: Cluster) -> dict[str, Any]:
-    return _status_all(cluster)[0]
-
-
-def test_scaling_the_agent_statefulset_down_and_up(deployment: Deployment) -> None:
-    """`kubectl scale` as the pods see it: the highest pod gets its preStop (SIGTERM to the agent, PID 1 in its
-    container) and leaves gracefully; a new pod with the same command joins again."""
-    cluster = deployment.cluster
-    last = cluster.pods_of("pliant-agent")[-1]
-    first = cluster.pods_of("pliant-agent")[0]
-    before = _status(cluster)["generation"]
-    proc = deployment.procs[last.name]
-    os.kill(proc.pid, signal.SIGTERM)  # what the preStop hook's `kill -TERM 1` does
-    wait_for(lambda: proc.proc.poll() is not None, 60, "the leaving agent to exit")
-    assert proc.proc.returncode == 0, proc.output()[-3000:]
-    down = wait_for(
-        lambda: (j := _status(cluster))["world_size"] == 2 and j["generation"] > before and j,
-        30,
-        "the job at world size 2",
-    )
-    assert down["generation_reason"] == "leave" and down["restarts_used"] == 0
-    step = _scrape_step(f"{first.ip}:9400")
-    wait_for(lambda: _scrape_step(f"{first.ip}:9400") > step, 60, "the remaining node stepping")
-
-    argv, env = cluster.command(last)
-    deployment.procs[last.name] = Spawned(argv, cluster.workdir / f"{last.name}-again.log", {**_base_env(), **env})
-    up = wait_for(
-        lambda: (j := _status(cluster))["world_size"] == 4 and j["generation"] > down["generation"] and j,
-        60,
-        "the job back at world size 4",
-    )
-    assert up["generation_reason"] == "join"
-    wait_for(lambda: _scrape_step(f"{last.ip}:9400") > 0, 60, "the new pod's workers stepping")
+    assert control_plane.status("alpha")["state"] == "running"

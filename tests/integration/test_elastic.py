@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from pliant.agent.contract import left_on
 from pliant.coordinator.contract import JobState
 from tests.conftest import wait_for
 from tests.integration.harness import agent_args, assert_all_gone, descendants, read_steps, wait_world
@@ -119,7 +120,7 @@ def test_sigterm_to_an_agent_is_a_graceful_leave(make_coordinator, spawn_agent, 
     b_pids = [b.pid, *descendants(b.pid)]
     b.kill(signal.SIGTERM)
     wait_for(lambda: b.proc.poll() is not None, 30, "agent b to leave")
-    assert b.proc.returncode == 0, b.output()[-3000:]
+    assert b.proc.returncode == left_on(signal.SIGTERM), b.output()[-3000:]
     assert "graceful leave" in b.output()
     assert_all_gone(b_pids)
     before = _last_step(events)

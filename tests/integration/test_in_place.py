@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pliant.agent.contract import left_on
 from pliant.net import free_port
 from pliant.worker.inplace.cadence import FIRST_SNAPSHOT_EVERY
 from tests.conftest import wait_for
@@ -93,7 +94,7 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(
     )
     b.kill(signal.SIGTERM)  # a graceful leave: b's ranks leave at a step boundary, a's re-form without them
     wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
-    assert b.proc.returncode == 0, b.output()[-3000:]
+    assert b.proc.returncode == left_on(signal.SIGTERM), b.output()[-3000:]  # left; the job goes on
     wait_for(lambda: _stepping(tmp_path, 2, generation=3), 60, "world 2 stepping again")
     steps = end_soon(tmp_path, steps)
     wait_for(lambda: a.proc.poll() is not None, 120, "the job to finish")

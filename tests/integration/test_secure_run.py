@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pliant.agent.contract import ExitCode, left_on
 from tests.conftest import TEST_JOIN_TOKEN, wait_for
 from tests.fleet import admin_tls, agent_tls
 from tests.integration.harness import SCRIPT, assert_all_gone, descendants, read_steps
@@ -63,7 +64,7 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
     # A wrong token is refused at once, with where the right one comes from.
     wrong = re.sub(r"PLIANT_JOIN_TOKEN=\S+", "PLIANT_JOIN_TOKEN=not-the-token-0123456789", join)
     bad = subprocess.run(["env", *shlex.split(wrong)], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "a wrong join token for job 'default'" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == ExitCode.ERROR and "a wrong join token for job 'default'" in bad.stderr, bad.stderr[-2000:]
 
     argv = ["env", *shlex.split(join)]  # what a shell does with the pasted line
     argv[argv.index("run") + 1 : argv.index("run") + 1] = ["--node-id", "second"]
@@ -89,7 +90,7 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
     pids = [first.pid, second.pid, *descendants(first.pid), *descendants(second.pid)]
     second.kill(15)  # a graceful leave
     wait_for(lambda: second.proc.poll() is not None, 30, "the second node to leave")
-    assert second.proc.returncode == 0, second.output()[-3000:]
+    assert second.proc.returncode == left_on(15), second.output()[-3000:]
     first.kill(15)
     wait_for(lambda: first.proc.poll() is not None, 30, "the first node to stop")
     assert_all_gone(pids)
@@ -173,7 +174,7 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
         text=True,
         timeout=60,
     )
-    assert missing.returncode == 1 and "pliant job create nope" in missing.stderr, missing.stderr[-2000:]
+    assert missing.returncode == ExitCode.ERROR and "pliant job create nope" in missing.stderr, missing.stderr[-2000:]
     deleted = subprocess.run(
         [sys.executable, "-m", "pliant", "job", "delete", "j1", "--coordinator", server.address, "--tls-dir", admin],
         capture_output=True,

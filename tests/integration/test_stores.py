@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from pliant.agent.contract import AgentError
+from pliant.agent.contract import AgentError, ExitCode
 from pliant.agent.storehost import PROCESS_NAME, StoreHost, StoreHostError
 from pliant.agent.stores import ARRIVED_KEY, NodeStore, reachable, reserve
 from pliant.agent.workers import Zygote
@@ -174,7 +174,7 @@ def test_an_agent_whose_store_host_dies_leaves_the_job_and_exits(
     killed = time.monotonic()
     wait_for(lambda: agent.proc.poll() is not None, 30, "the agent to exit")
     took = time.monotonic() - killed
-    assert agent.proc.returncode == 1, agent.output()[-3000:]
+    assert agent.proc.returncode == ExitCode.ERROR, agent.output()[-3000:]
     assert "store host (pliant-stores) exited" in agent.output()
     with fleet(server.address) as client:
         assert not client.get_job("job").members, "it left the job rather than wait to be evicted"

@@ -192,7 +192,7 @@ def test_job_end_signal_and_start_failure() -> None:
 
     leaving = Agent()
     leaving.on(core.GenerationSeen(_gen(1, "a")))
-    assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Stop(rescale=True), core.Leave(), core.Exit(0)]
+    assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Stop(rescale=True), core.Leave(), core.Exit(143)]
     assert leaving.state.phase is AgentState.LEFT
 
 
@@ -433,7 +433,7 @@ def test_an_in_place_leave_tells_the_coordinator_first() -> None:
     assert agent.on(core.SignalReceived(signal.SIGTERM)) == [
         core.Leave(),
         core.Stop(rescale=True, leave=True),
-        core.Exit(0),
+        core.Exit(143),  # left on SIGTERM: the job goes on, and a supervisor starts the node again
     ]
 
 
@@ -551,4 +551,4 @@ def test_decisions_made_while_a_group_stops_wait_for_it_and_a_newer_generation_r
     assert agent.state.stopping is not None and agent.state.stopping.then == (core.Start(_gen(3, "a", "b")),)
     leaving = agent.on(core.SignalReceived(signal.SIGTERM))
     assert leaving == []  # leave and exit wait for the stop too
-    assert agent.on(core.GroupStopped(1)) == [core.Leave(), core.Exit(0)]
+    assert agent.on(core.GroupStopped(1)) == [core.Leave(), core.Exit(143)]

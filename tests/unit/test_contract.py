@@ -11,6 +11,7 @@ from pliant.coordinator.contract import (
     FailedPrecondition,
     Generation,
     InvalidArgument,
+    JobFinished,
     JobSpec,
     JobState,
     JobStatus,
@@ -94,6 +95,19 @@ def test_errors_map_to_status_codes_and_back(error: type[CoordinatorError], code
     back = error_for_status(code, "msg")
     assert type(back) is error
     assert str(back) == "msg"
+
+
+def test_a_finished_job_travels_as_failed_precondition_and_comes_back_with_its_state() -> None:
+    """A late node learns how the job ended (its exit code follows it), also when the refusal is quoted in another
+    message (the bootstrap join's)."""
+    sent = JobFinished("job-1", JobState.SUCCEEDED, "every worker exited 0 (a) rank (1)")
+    assert status_for_error(sent) == grpc.StatusCode.FAILED_PRECONDITION
+    back = error_for_status(grpc.StatusCode.FAILED_PRECONDITION, str(sent))
+    assert isinstance(back, JobFinished) and isinstance(back, FailedPrecondition)
+    assert (back.job, back.state, str(back)) == ("job-1", JobState.SUCCEEDED, str(sent))
+    quoted = JobFinished.parse(f"bootstrap join at h:1 refused: {JobFinished('j', JobState.FAILED)}")
+    assert quoted is not None and (quoted.job, quoted.state) == ("j", JobState.FAILED)
+    assert type(error_for_status(grpc.StatusCode.FAILED_PRECONDITION, "another")) is FailedPrecondition
 
 
 def test_unknown_codes_become_the_base_error() -> None:

@@ -1,7 +1,10 @@
-"""deploy/ checked offline: every manifest valid under kubernetes-validate --strict (the operator's ServiceMonitor and
-PrometheusRule against their own schemas, unknown fields refused), the kustomization complete, the wiring consistent
-(probes, ports, services, the Dockerfile's sources), the dashboard well-formed. The running checks (containers as
-written, a real Prometheus, promtool) are in tests/integration/test_deploy.py.
+"""deploy/ and `pliant k8s` checked offline: the control plane's manifests, its Secrets and two training jobs rendered
+with different parameters, all valid under kubernetes-validate --strict (the operator's ServiceMonitor, PodMonitor and
+PrometheusRule against their own schemas, unknown fields refused); the kustomization complete; the wiring consistent
+(probes, ports, Services, the names the jobs and the control plane share, the Dockerfile's sources); two jobs side by
+side sharing no name or selector; no per-pod certificate anywhere; the dashboard well-formed. The running checks
+(containers as written, two jobs trained, scaled and drained, a real Prometheus, promtool) are in
+tests/integration/test_deploy.py.
 """
 
 from __future__ import annotations
@@ -13,20 +16,73 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from pliant.agent.contract import ExitCode, left_on
+from pliant.errors import ConfigError
+from pliant.k8s import names
+from pliant.k8s.cli import _dump
+from pliant.k8s.job import JobUnit, render_job
+from pliant.k8s.secrets import ControlPlanePki, render_secrets
+from pliant.tls import ca_fingerprint
 from tests.integration.kubelet import DEPLOY, ROOT, Cluster, load_manifests, of_kind, selects
 
-K8S_FILES = sorted(p for p in DEPLOY.glob("*.yaml") if p.name not in ("kustomization.yaml", "monitoring.yaml"))
+CONTROL_PLANE = sorted(p for p in DEPLOY.glob("*.yaml") if p.name not in ("kustomization.yaml", "monitoring.yaml"))
+LABELS = {f"app.kubernetes.io/{k}" for k in ("name", "instance", "version", "component", "part-of", "managed-by")}
+HASH = "sha256:" + "ab" * 32
 
 
-def test_core_manifests_pass_kubernetes_validate_strict() -> None:
+def _jobs(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
+    """Two jobs, the second with every optional part: a script ConfigMap, GPUs, an existing claim and token Secret."""
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    small = JobUnit("alpha", "reg/pliant:0.1.0", ("/app/examples/train_elastic.py", "--steps", "100"), HASH)
+    large = JobUnit(
+        "beta-2",
+        "reg/pliant:0.1.0",
+        ("--lr", "0.1"),
+        HASH,
+        min_nodes=2,
+        max_nodes=8,
+        nodes=3,
+        nproc_per_node=8,
+        script=script,
+        cpu="32",
+        memory="256Gi",
+        gpus=8,
+        shm_size="64Gi",
+        checkpoint_claim="shared-ckpt",
+        token_secret="beta-token",
+        storage_class="fast",
+        rescale_grace_s=120,
+    )
+    return {"alpha": render_job(small), "beta-2": render_job(large)}
+
+
+def test_every_manifest_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
+    files = list(CONTROL_PLANE)
+    for job, objects in _jobs(tmp_path).items():
+        files.append(tmp_path / f"{job}.yaml")
+        files[-1].write_text(_dump(objects))
+    files.append(tmp_path / "secrets.yaml")
+    files[-1].write_text(_dump(render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))))
     tool = Path(sys.executable).with_name("kubernetes-validate")
-    result = subprocess.run([str(tool), "--strict", *map(str, K8S_FILES)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([str(tool), "--strict", *map(str, files)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     passed = re.findall(r"passed for resource (\S+)", result.stdout + result.stderr)
     kinds = {r.split("/")[0] for r in passed}
-    assert {"statefulset", "deployment", "service", "poddisruptionbudget", "persistentvolumeclaim"} <= kinds
+    assert {
+        "statefulset",
+        "deployment",
+        "service",
+        "poddisruptionbudget",
+        "job",
+        "networkpolicy",
+        "secret",
+        "configmap",
+        "persistentvolumeclaim",
+    } <= kinds
 
 
 def _unknown_fields(given: Any, parsed: Any, path: str = "") -> list[str]:
@@ -49,7 +105,7 @@ def test_operator_resources_match_their_crd_schemas_strictly() -> None:
     from cloudcoil.models.prometheus_operator import v1
 
     docs = [d for d in yaml.safe_load_all((DEPLOY / "monitoring.yaml").read_text()) if d]
-    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in docs) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
     for doc in docs:
         model = getattr(v1, doc["kind"]).model_validate(doc)
         dumped = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
@@ -67,30 +123,46 @@ def test_kustomization_lists_every_manifest_and_the_dashboard() -> None:
     assert all((DEPLOY / f).is_file() for f in generator["files"])
 
 
-def test_wiring_is_consistent(tmp_path: Path) -> None:
+def test_the_control_plane_and_the_jobs_agree_on_names_ports_and_secrets(tmp_path: Path) -> None:
     docs = load_manifests()
     cluster = Cluster(docs, tmp_path, "etcd")
-    assert [len(cluster.pods_of(w)) for w in ("etcd", "pliant-coordinator", "pliant-agent")] == [3, 2, 2]
+    assert [len(cluster.pods_of(w)) for w in ("etcd", "pliant-coordinator")] == [3, 2]
     for service in of_kind(docs, "Service"):  # every Service selects pods that declare its ports
         pods = [p for p in cluster.pods if selects(service, p.labels)]
         assert pods, service["metadata"]["name"]
         declared = {p["name"] for p in pods[0].container["ports"]}
         for port in service["spec"]["ports"]:
             assert port.get("targetPort", port["name"]) in declared | {port["port"]}, (service["metadata"], port)
-    coordinator = cluster.pods_of("pliant-coordinator")[0].container
+    (service,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == names.COORDINATOR]
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert (ports["grpc"], ports["bootstrap"]) == (names.API_PORT, names.BOOTSTRAP_PORT)
+    coordinator = cluster.pods_of(names.COORDINATOR)[0].container
     health = next(p["containerPort"] for p in coordinator["ports"] if p["name"] == "health")
     assert coordinator["readinessProbe"]["grpc"]["port"] == coordinator["livenessProbe"]["grpc"]["port"] == health
     assert f"--health-port={health}" in coordinator["args"]
+    assert f"--bootstrap-listen=$(POD_IP):{names.BOOTSTRAP_PORT}" in coordinator["args"]
+    assert "--signing-ca-dir=/etc/pliant/signing" in coordinator["args"]
     for pdb in of_kind(docs, "PodDisruptionBudget"):
         assert any(p.labels.items() >= pdb["spec"]["selector"]["matchLabels"].items() for p in cluster.pods)
-    argv, env = cluster.command(cluster.pods_of("pliant-agent")[1])
-    assert "--node-id=pliant-agent-1" in argv and f"--host={cluster.pods_of('pliant-agent')[1].ip}" in argv
-    assert f"--coordinator={cluster.pods_of('pliant-coordinator')[0].ip}:29400" in argv
-    assert f"{ROOT}/examples/train_elastic.py" in argv
-    assert env["POD_NAME"] == "pliant-agent-1"
+    mounted = {
+        v["secret"]["secretName"]
+        for w in of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment")
+        for v in w["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
+    }
+    made = {s["metadata"]["name"] for s in render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))}
+    assert mounted | {names.ADMIN_TLS} == made, "pliant k8s secrets makes every Secret the control plane mounts"
+    jobs = _jobs(tmp_path)
+    (agents,) = [j for j in of_kind(jobs["alpha"], "Job") if j["spec"].get("completionMode") == "Indexed"]
+    args = agents["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--coordinator={names.COORDINATOR}:{names.API_PORT}" in args
+    assert f"--bootstrap={names.COORDINATOR}:{names.BOOTSTRAP_PORT}" in args
+    (creator,) = [j for j in of_kind(jobs["alpha"], "Job") if j["metadata"]["name"] == "pliant-alpha-create"]
+    volumes = creator["spec"]["template"]["spec"]["volumes"]
+    assert {"secretName": names.ADMIN_TLS, "defaultMode": 0o440} in [v.get("secret") for v in volumes]
 
 
-def test_dockerfile_copies_what_exists_and_installs_the_package() -> None:
+def test_the_dockerfile_copies_what_exists_and_installs_the_package() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     for line in text.splitlines():
         if line.startswith("COPY "):
@@ -99,7 +171,7 @@ def test_dockerfile_copies_what_exists_and_installs_the_package() -> None:
     assert 'pip install ".[torch,etcd]"' in text and "WORKDIR /app" in text
 
 
-def test_dashboard_is_well_formed() -> None:
+def test_dashboard_is_well_formed_and_filters_every_job_panel() -> None:
     board = json.loads((DEPLOY / "grafana" / "pliant-dashboard.json").read_text())
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
@@ -115,7 +187,10 @@ def test_dashboard_is_well_formed() -> None:
     for panel in board["panels"]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+            expr = target["expr"]
+            assert expr.count("(") == expr.count(")"), expr
+            if re.search(r"pliant_(worker|agent|job)_", expr):
+                assert '$job_id"' in expr, f"{panel['title']}: not filtered by the dashboard's job: {expr}"
 
 
 def test_env_expansion_uses_field_refs(tmp_path: Path) -> None:
@@ -128,15 +203,15 @@ def test_env_expansion_uses_field_refs(tmp_path: Path) -> None:
     assert f"--listen={pod.ip}:29400" in argv and f"--replica-id={pod.name}" in argv
 
 
-def _workloads() -> list[dict[str, Any]]:
-    docs = load_manifests()
+def _workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job")
 
 
-def test_every_pod_is_hardened() -> None:
+def test_every_pod_is_hardened(tmp_path: Path) -> None:
     """Non-root, no privilege escalation, read-only root filesystem, no capabilities, RuntimeDefault seccomp, CPU and
     memory requests and limits, images pinned by tag, no service-account token."""
-    for workload in _workloads():
+    docs = load_manifests() + [o for objects in _jobs(tmp_path).values() for o in objects]
+    for workload in _workloads(docs):
         name, pod = workload["metadata"]["name"], workload["spec"]["template"]["spec"]
         assert pod["automountServiceAccountToken"] is False, name
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
@@ -153,7 +228,16 @@ def test_every_pod_is_hardened() -> None:
     assert all(i["newTag"] != "latest" for i in kust["images"])
 
 
-def test_every_channel_is_tls_with_client_certificates() -> None:
+def test_every_object_carries_the_six_recommended_labels(tmp_path: Path) -> None:
+    docs = load_manifests() + [o for objects in _jobs(tmp_path).values() for o in objects]
+    docs += render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))
+    for doc in docs:
+        assert doc["metadata"].get("labels", {}).keys() >= LABELS, f"{doc['kind']} {doc['metadata']['name']}"
+    for workload in _workloads(docs):
+        assert workload["spec"]["template"]["metadata"]["labels"].keys() >= LABELS, workload["metadata"]["name"]
+
+
+def test_every_channel_is_tls_and_no_agent_needs_a_certificate_of_its_own(tmp_path: Path) -> None:
     docs = load_manifests()
     (etcd,) = [w for w in of_kind(docs, "StatefulSet") if w["metadata"]["name"] == "etcd"]
     args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -179,27 +263,100 @@ def test_every_channel_is_tls_with_client_certificates() -> None:
         if a.startswith("--etcd=")
         for url in a.split("=", 1)[1].split(",")
     )
-    for name in ("pliant-agent", "pliant-create-job"):
-        (workload,) = [w for w in _workloads() if w["metadata"]["name"] == name]
-        container = workload["spec"]["template"]["spec"]["containers"][0]
-        assert any(a.startswith("--tls-dir=") for a in container["args"]), name
-        assert "--insecure" not in container["args"], name
+    for objects in _jobs(tmp_path).values():
+        for workload in _workloads(objects):
+            pod = workload["spec"]["template"]["spec"]
+            container = pod["containers"][0]
+            assert "--insecure" not in container["args"], workload["metadata"]["name"]
+            assert not any("items" in v.get("secret", {}) for v in pod["volumes"]), "no per-pod certificate items"
+        (agents,) = [w for w in of_kind(objects, "Job") if w["spec"].get("completionMode") == "Indexed"]
+        pod = agents["spec"]["template"]["spec"]
+        assert f"--ca-cert-hash={HASH}" in pod["containers"][0]["args"]
+        assert not [v for v in pod["volumes"] if "secret" in v], "agents get their certificate by the bootstrap join"
 
 
-def test_network_policies_close_every_component() -> None:
+def test_network_policies_close_every_component(tmp_path: Path) -> None:
     docs = load_manifests()
     policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(docs, "NetworkPolicy")}
     assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
-    for component in ("etcd", "pliant-coordinator", "pliant-agent"):
+    for component in ("etcd", "pliant-coordinator"):
         spec = policies[component]
         assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == component
-    sources = lambda spec, port: {  # noqa: E731 - who may reach ``port``
-        peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
-        for rule in spec["ingress"]
-        if not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
-        for peer in rule["from"]
-        if "podSelector" in peer
-    }
+
+    def sources(spec: dict[str, Any], port: int) -> set[str]:
+        """Who may reach ``port``: the app names, and the jobs where a rule names one."""
+        return {
+            "/".join(
+                peer["podSelector"]["matchLabels"][k]
+                for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")
+                if k in peer["podSelector"]["matchLabels"]
+            )
+            for rule in spec["ingress"]
+            if not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+            for peer in rule["from"]
+            if "podSelector" in peer
+        }
+
     assert sources(policies["etcd"], 2379) == {"pliant-coordinator", "etcd"}
-    assert sources(policies["pliant-coordinator"], 29400) == {"pliant-agent", "pliant-admin"}
-    assert sources(policies["pliant-agent"], 12345) == {"pliant-agent"}, "store and gloo ports: the job's pods only"
+    assert sources(policies["pliant-coordinator"], names.API_PORT) == {"pliant-agent", "pliant-admin"}
+    assert sources(policies["pliant-coordinator"], names.BOOTSTRAP_PORT) == {"pliant-agent"}
+    for job, objects in _jobs(tmp_path).items():
+        (policy,) = of_kind(objects, "NetworkPolicy")
+        assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == job
+        assert sources(policy["spec"], 12345) == {f"pliant-agent/{job}"}, "store and gloo ports: the job's pods only"
+
+
+def test_two_jobs_side_by_side_share_no_name_or_selector(tmp_path: Path) -> None:
+    jobs = _jobs(tmp_path)
+    named = [{(o["kind"], o["metadata"]["name"]) for o in objects} for objects in jobs.values()]
+    assert not named[0] & named[1]
+    selected = [
+        {tuple(sorted(w["spec"]["template"]["metadata"]["labels"].items())) for w in _workloads(objects)}
+        for objects in jobs.values()
+    ]
+    assert not selected[0] & selected[1]
+    for job, objects in jobs.items():
+        for policy in of_kind(objects, "NetworkPolicy") + of_kind(objects, "PodDisruptionBudget"):
+            matched = policy["spec"].get("podSelector", policy["spec"].get("selector"))["matchLabels"]
+            assert matched["app.kubernetes.io/instance"] == job
+
+
+def test_the_agents_job_completes_fails_and_replaces_by_exit_code(tmp_path: Path) -> None:
+    """The pod failure policy reads the agent's exit codes; the grace covers a graceful leave's every stage."""
+    (agents,) = [j for j in of_kind(_jobs(tmp_path)["beta-2"], "Job") if j["spec"].get("completionMode") == "Indexed"]
+    spec = agents["spec"]
+    assert spec["completions"] == spec["parallelism"] == 3
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    rules = {r["action"]: r["onExitCodes"]["values"] for r in spec["podFailurePolicy"]["rules"] if "onExitCodes" in r}
+    assert rules == {"FailJob": [ExitCode.JOB_FAILED], "Ignore": [left_on(2), left_on(15)]}
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] >= 120 + 5 + 10
+    container = spec["template"]["spec"]["containers"][0]
+    assert container["startupProbe"]["httpGet"]["path"] == container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["args"][-3:] == ["/opt/pliant/script/train.py", "--lr", "0.1"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "--checkpoint-dir=/checkpoints/beta-2" in container["args"]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"job_id": "Big_Job"}, "job id 'Big_Job'"),
+        ({"ca_cert_hash": "abc"}, "--ca-cert-hash 'abc'"),
+        ({"min_nodes": 3, "max_nodes": 2}, "--nnodes 3:2"),
+        ({"memory": "8 GB"}, "--memory '8 GB'"),
+        ({"image": ""}, "--image is required"),
+        ({"command": ()}, "no training script"),
+    ],
+)
+def test_bad_parameters_name_the_flag_and_the_fix(change: dict[str, Any], named: str) -> None:
+    base = {"job_id": "ok", "image": "i:1", "command": ("t.py",), "ca_cert_hash": HASH}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        JobUnit(**{**base, **change})
+
+
+def test_the_secrets_command_is_idempotent_and_pins_its_ca(tmp_path: Path) -> None:
+    first = render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))
+    pki = ControlPlanePki.ensure(tmp_path / "pki")
+    assert render_secrets(pki) == first, "running it again makes nothing new"
+    assert ca_fingerprint(pki.ca_cert.read_bytes()).startswith("sha256:")
+    assert (tmp_path / "pki" / "ca.key").stat().st_mode & 0o077 == 0

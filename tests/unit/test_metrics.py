@@ -1,10 +1,15 @@
-"""Metrics objects over injected registries: names, labels, leader-only job series, user gauges."""
+"""Metrics objects over injected registries: names, labels, leader-only job series, user gauges; the endpoint and its
+``/healthz``."""
 
 from __future__ import annotations
 
+import time
+import urllib.error
+import urllib.request
+
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from pliant.coordinator.contract import (
     Generation,
@@ -18,6 +23,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.env import WorkerEnv
+from pliant.metrics import serve_metrics
 from pliant.worker.contract import WorkerError
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes
 
@@ -103,3 +109,38 @@ def test_agent_reads_no_step_from_a_worker_file_being_created() -> None:
         assert metrics.latest_step() == 0
     finally:
         metrics.close()
+
+
+def test_the_endpoint_serves_healthz_beside_the_metrics() -> None:
+    """``/healthz`` answers the owner's health check (503 with the reason when unwell); every other path the
+    metrics."""
+    registry = CollectorRegistry(auto_describe=True)
+    Counter("pliant_test_events", "Events.", registry=registry).inc()
+    problem = ["starting: joining the job"]
+    server = serve_metrics(registry, "127.0.0.1:0", health=lambda: problem[0])
+    try:
+        base = f"http://{server.address}"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base}/healthz", timeout=5)
+        assert refused.value.code == 503 and refused.value.read() == b"starting: joining the job\n"
+        problem[0] = ""
+        with urllib.request.urlopen(f"{base}/healthz", timeout=5) as ok:
+            assert (ok.status, ok.read()) == (200, b"ok\n")
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as metrics:
+            assert b"pliant_test_events_total 1.0" in metrics.read()
+    finally:
+        server.close()
+
+
+def test_an_agent_is_unhealthy_while_it_joins_and_when_its_loop_stops_ticking() -> None:
+    """What an agent's ``/healthz`` says (a startup probe waits for the first; a liveness probe restarts the second);
+    its control plane being away does not enter into it."""
+    from types import SimpleNamespace
+
+    from pliant.agent.agent import HEALTHY_WITHIN_S, Agent
+
+    now = time.monotonic()
+    assert Agent.health(SimpleNamespace(_ticked_at=None)) == "starting: joining the job"  # type: ignore[arg-type]
+    assert Agent.health(SimpleNamespace(_ticked_at=now)) == ""  # type: ignore[arg-type]
+    wedged = Agent.health(SimpleNamespace(_ticked_at=now - HEALTHY_WITHIN_S - 5))  # type: ignore[arg-type]
+    assert wedged.startswith("the agent's loop has not ticked for 3")

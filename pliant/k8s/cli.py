@@ -1,0 +1,156 @@
+"""``pliant k8s``: print the Kubernetes objects of the control plane's Secrets and of a training job, for
+``kubectl apply -f -``.
+
+- ``pliant k8s secrets --dir pki``: make the control plane's certificates where missing (:mod:`pliant.k8s.secrets`)
+  and print its Secrets; the CA fingerprint the jobs pin goes to stderr.
+- ``pliant k8s job --job ID --image IMG --nnodes MIN:MAX --nproc-per-node N --ca-cert pki/ca.crt SCRIPT ARGS``: print
+  one training job's objects (:mod:`pliant.k8s.job`); the job's flags are ``pliant run``'s, and so is the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pliant.errors import ConfigError
+from pliant.k8s import names
+
+__all__ = ["add_k8s_commands", "k8s_main"]
+
+
+def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``pliant k8s ...`` to the top-level subcommands."""
+    k8s = sub.add_parser(
+        "k8s",
+        help="print Kubernetes manifests: the control plane's Secrets, a training job",
+        description="Print Kubernetes objects for `kubectl apply -f -`. The control plane itself is `kubectl apply -k "
+        "deploy/`; see docs/operations.md.",
+    )
+    actions = k8s.add_subparsers(dest="k8s_command", metavar="ACTION", required=True)
+    secrets = actions.add_parser(
+        "secrets",
+        help="make the control plane's certificates (where missing) and print its Secrets",
+        allow_abbrev=False,
+    )
+    secrets.add_argument("--dir", required=True, help="where the certificates and keys are kept (created 0700)")
+    secrets.add_argument(
+        "--namespace", default=names.NAMESPACE, help=f"the control plane's (default {names.NAMESPACE})"
+    )
+    secrets.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="another name or address for the coordinators' and etcd's certificates (repeatable)",
+    )
+    job = actions.add_parser(
+        "job",
+        help="print one training job: its agents (an elastic Indexed Job), the Job that creates it, its token, "
+        "checkpoint volume, NetworkPolicy and PodDisruptionBudget",
+        allow_abbrev=False,
+    )
+    job.add_argument("--job", required=True, help="the job id, a DNS label (it prefixes every object's name)")
+    job.add_argument("--image", required=True, help="the pliant image (deploy/Dockerfile) with the training code")
+    job.add_argument("--nnodes", default="1:1", help="N or MIN:MAX nodes, as pliant run takes it (default 1:1)")
+    job.add_argument("--nodes", type=int, default=0, help="agent pods to start with (default MAX)")
+    job.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    pin = job.add_mutually_exclusive_group(required=True)
+    pin.add_argument("--ca-cert", help="the control plane's CA certificate (pki/ca.crt), whose fingerprint agents pin")
+    pin.add_argument("--ca-cert-hash", help="its fingerprint, sha256:<hex> (pliant certs fingerprint)")
+    job.add_argument("--script", type=Path, default=None, help="a local training script, shipped in a ConfigMap")
+    job.add_argument("--namespace", default=names.NAMESPACE, help=f"the control plane's (default {names.NAMESPACE})")
+    job.add_argument("--cpu", default="2", help="CPU per agent pod, request and limit (default 2)")
+    job.add_argument("--memory", default="8Gi", help="memory per agent pod, request and limit (default 8Gi)")
+    job.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per agent pod (default 0)")
+    job.add_argument("--shm-size", default="1Gi", help="/dev/shm per pod, for the buddy copies (default 1Gi)")
+    job.add_argument("--checkpoint-claim", default="", help="an existing ReadWriteMany claim (default: make one)")
+    job.add_argument("--checkpoint-size", default="20Gi", help="the size of the claim made (default 20Gi)")
+    job.add_argument("--storage-class", default="", help="its storage class (default: the cluster's)")
+    job.add_argument("--token-secret", default="", help="an existing Secret with key `token` (default: make one)")
+    job.add_argument("--rescale-grace", type=float, default=30.0, help="the agents' --rescale-grace, s (default 30)")
+    job.add_argument("--stop-grace", type=float, default=5.0, help="the agents' --stop-grace, s (default 5)")
+    job.add_argument("--max-restarts", type=int, default=3, help="worker failures the job survives (default 3)")
+    job.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the training script and its arguments, after the flags as with pliant run (with --script: the arguments)",
+    )
+    k8s.set_defaults(func=k8s_main)
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
+
+
+def _dump(objects: list[dict[str, Any]]) -> str:
+    """YAML documents, every value written out where it is (no anchors and aliases for values used twice)."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump_all(objects, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def k8s_main(args: argparse.Namespace) -> int:
+    """Print what ``args`` asks for on stdout.
+
+    Raises:
+        ConfigError: a flag's value is unusable (the message names it and the fix).
+    """
+    from pliant.k8s.job import JobUnit, render_job
+    from pliant.k8s.secrets import ControlPlanePki, render_secrets
+    from pliant.tls import ca_fingerprint
+
+    if args.k8s_command == "secrets":
+        pki = ControlPlanePki.ensure(args.dir, args.namespace, args.san)
+        sys.stdout.write(_dump(render_secrets(pki, args.namespace)))
+        print(
+            f"pliant k8s secrets: certificates in {pki.directory}; jobs pin the CA with --ca-cert {pki.ca_cert} "
+            f"(--ca-cert-hash {ca_fingerprint(pki.ca_cert.read_bytes())})",
+            file=sys.stderr,
+        )
+        return 0
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if args.ca_cert:
+        try:
+            ca_hash = ca_fingerprint(Path(args.ca_cert).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"--ca-cert {args.ca_cert}: {exc.strerror}; pass the CA pliant k8s secrets made") from exc
+    else:
+        ca_hash = args.ca_cert_hash
+    low, high = _nnodes(args.nnodes)
+    unit = JobUnit(
+        job_id=args.job,
+        image=args.image,
+        command=tuple(command),
+        ca_cert_hash=ca_hash,
+        min_nodes=low,
+        max_nodes=high,
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        namespace=args.namespace,
+        script=args.script,
+        cpu=args.cpu,
+        memory=args.memory,
+        gpus=args.gpus,
+        shm_size=args.shm_size,
+        checkpoint_claim=args.checkpoint_claim,
+        checkpoint_size=args.checkpoint_size,
+        storage_class=args.storage_class,
+        token_secret=args.token_secret,
+        rescale_grace_s=args.rescale_grace,
+        stop_grace_s=args.stop_grace,
+        max_restarts=args.max_restarts,
+    )
+    sys.stdout.write(_dump(render_job(unit)))
+    return 0
