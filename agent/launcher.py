@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from pliant.agent import snapshots
 from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.bootstrap import bootstrap_address, parse_pin
-from pliant.coordinator.contract import JobSpec
+from pliant.coordinator.contract import JobSpec, parse_node_range
 from pliant.env import AUTO, parse_every
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
@@ -273,17 +273,6 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
 
 
-def _nnodes(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        raise ConfigError(f"--nnodes {text!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
-    if low < 1 or high < low:
-        raise ConfigError(f"--nnodes {text!r} must have 1 <= MIN <= MAX, e.g. 1:4")
-    return low, high
-
-
 def _nproc(text: str) -> int:
     if text in ("auto", "gpu"):
         try:
@@ -333,7 +322,7 @@ def config_from_args(
     Raises:
         ConfigError: a flag has a bad value; the message names it and the fix.
     """
-    low, high = _nnodes(args.nnodes)
+    low, high = parse_node_range(args.nnodes)
     nproc = _nproc(str(args.nproc_per_node))
     spec = JobSpec(
         job_id=args.job,

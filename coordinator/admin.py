@@ -13,8 +13,7 @@ import shlex
 import sys
 
 from pliant.coordinator.client import CoordinatorClient
-from pliant.coordinator.contract import CoordinatorError, JobSpec
-from pliant.errors import ConfigError
+from pliant.coordinator.contract import CoordinatorError, JobSpec, parse_node_range
 from pliant.tls import add_tls_flags, read_token_file, tls_from_flags
 
 __all__ = ["add_job_commands", "job_main"]
@@ -79,11 +78,7 @@ def _write_token(path: str | None, token: str) -> None:
 
 
 def _spec(args: argparse.Namespace) -> JobSpec:
-    lo, _, hi = args.nnodes.partition(":")
-    try:
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        raise ConfigError(f"--nnodes {args.nnodes!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
+    low, high = parse_node_range(args.nnodes)
     return JobSpec(
         args.job_id,
         low,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from pliant.errors import PliantError
+from pliant.errors import ConfigError, PliantError
 
 __all__ = [
     "MAX_ADDRESS_BYTES",
@@ -57,6 +57,7 @@ __all__ = [
     "WaitUntil",
     "WatchEvent",
     "error_for_status",
+    "parse_node_range",
     "quote",
     "status_for_error",
     "truncate_reason",
@@ -192,6 +193,22 @@ def quote(value: object, limit: int = 100) -> str:
         return text
     size = len(value) if isinstance(value, str | bytes) else len(text)
     return f"{text[:limit]}... ({size} characters)"
+
+
+def parse_node_range(text: str) -> tuple[int, int]:
+    """``--nnodes``, torchrun's way: ``N`` or ``MIN:MAX`` (every command that takes a job's node range).
+
+    Raises:
+        ConfigError: not that form, or not 1 <= MIN <= MAX; the message names the value and the fix.
+    """
+    low_text, _, high_text = text.partition(":")
+    try:
+        low, high = int(low_text), int(high_text or low_text)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
+    if low < 1 or high < low:
+        raise ConfigError(f"--nnodes {text!r} must have 1 <= MIN <= MAX, e.g. 1:4")
+    return low, high
 
 
 def validate_id(value: str, what: str) -> str:

@@ -80,14 +80,6 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     k8s.set_defaults(func=k8s_main)
 
 
-def _nnodes(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(":")
-    try:
-        return int(low), int(high or low)
-    except ValueError:
-        raise ConfigError(f"--nnodes {text!r} must be N or MIN:MAX, e.g. 2 or 1:4") from None
-
-
 def _dump(objects: list[dict[str, Any]]) -> str:
     """YAML documents, every value written out where it is (no anchors and aliases for values used twice)."""
     import yaml
@@ -105,6 +97,7 @@ def k8s_main(args: argparse.Namespace) -> int:
     Raises:
         ConfigError: a flag's value is unusable (the message names it and the fix).
     """
+    from pliant.coordinator.contract import parse_node_range
     from pliant.k8s.job import JobUnit, render_job
     from pliant.k8s.secrets import ControlPlanePki, render_secrets
     from pliant.tls import ca_fingerprint
@@ -128,7 +121,7 @@ def k8s_main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--ca-cert {args.ca_cert}: {exc.strerror}; pass the CA pliant k8s secrets made") from exc
     else:
         ca_hash = args.ca_cert_hash
-    low, high = _nnodes(args.nnodes)
+    low, high = parse_node_range(args.nnodes)
     unit = JobUnit(
         job_id=args.job,
         image=args.image,
