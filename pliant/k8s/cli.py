@@ -73,7 +73,8 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     job.add_argument("--stop-grace", type=float, default=5.0, help="the agents' --stop-grace, s (default 5)")
     job.add_argument("--max-restarts", type=int, default=3, help="worker failures the job survives (default 3)")
     job.add_argument(
-        "command",
+        "training",
+        metavar="SCRIPT ...",
         nargs=argparse.REMAINDER,
         help="the training script and its arguments, after the flags as with pliant run (with --script: the arguments)",
     )
@@ -111,7 +112,7 @@ def k8s_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
-    command = list(args.command)
+    command = list(args.training)
     if command[:1] == ["--"]:
         command = command[1:]
     if args.ca_cert:

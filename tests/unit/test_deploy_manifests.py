@@ -360,3 +360,23 @@ def test_the_secrets_command_is_idempotent_and_pins_its_ca(tmp_path: Path) -> No
     assert render_secrets(pki) == first, "running it again makes nothing new"
     assert ca_fingerprint(pki.ca_cert.read_bytes()).startswith("sha256:")
     assert (tmp_path / "pki" / "ca.key").stat().st_mode & 0o077 == 0
+
+
+def test_the_job_command_prints_the_manifests_or_one_line_naming_the_bad_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pliant.cli import main
+
+    pki = ControlPlanePki.ensure(tmp_path / "pki")
+    flags = ["k8s", "job", "--image=reg/pliant:1", f"--ca-cert={pki.ca_cert}", "--nnodes=1:4", "--nproc-per-node=2"]
+    assert main([*flags, "--job=demo", "/app/train.py", "--lr", "0.1"]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    (agents,) = [o for o in objects if o["kind"] == "Job" and o["spec"].get("completionMode") == "Indexed"]
+    args = agents["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-3:] == ["/app/train.py", "--lr", "0.1"] and "--nnodes=1:4" in args and "--nproc-per-node=2" in args
+    assert f"--ca-cert-hash={ca_fingerprint(pki.ca_cert.read_bytes())}" in args
+    assert main([*flags, "--job=Demo", "/app/train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pliant k8s: error: job id 'Demo' must be a DNS label") and err.count("\n") == 1, err
+    assert main([*flags[:-2], "--nnodes=4:1", "--job=demo", "/app/train.py"]) == 2
+    assert "--nnodes '4:1' must have 1 <= MIN <= MAX" in capsys.readouterr().err
