@@ -1,10 +1,11 @@
 """The node agent's executor: it joins the job, turns what happens into events for :func:`pliant.agent.core.decide`,
 and performs the actions it returns (start and stop workers, send reports, dump stacks, leave, exit).
 
-Threads feed one event queue: the generation watch, the heartbeat (which also re-joins after an eviction), and
-signals; the main thread reads the workers' exits and progress files on each tick and owns every process, so workers
-are always spawned from the thread that outlives them. Reports go through a background reporter that retries while
-the coordinator is away, so nothing the main loop does ever waits on the control plane.
+Threads feed one event queue: the generation watch, the heartbeat (which also re-joins after an eviction), signals,
+and the short-lived threads that read a store port from node rank 0 or probe peers' and newcomers' agents (each
+answers with an event); the main thread reads the workers' exits and progress files on each tick and owns every
+process, so workers are always spawned from the thread that outlives them. Reports go through a background reporter
+that retries while the coordinator is away, so nothing the main loop does ever waits on the control plane or a peer.
 """
 
 from __future__ import annotations
@@ -604,11 +605,7 @@ class Agent:
         elif isinstance(action, core.ReadArrivals):
             self._read_arrivals(action.generation)
         elif isinstance(action, core.ProbeNewcomers):
-            gen, newcomers = action.generation, set(action.newcomers)
-            unreachable = frozenset(
-                m.node_id for m in gen.members if m.node_id in newcomers and not reachable(m.address)
-            )
-            self._events.put(core.NewcomersProbed(gen.number, action.arrived, unreachable))
+            self._in_background(lambda: self._probe_newcomers(action), "probe-newcomers")
         elif isinstance(action, core.Start):
             try:
                 self._start_workers(action.generation)
@@ -622,7 +619,7 @@ class Agent:
         elif isinstance(action, core.Dump):
             self._dump_stacks(action.why)
         elif isinstance(action, core.ProbePeers):
-            self._events.put(core.PeersProbed(*self._peers_renewing()))
+            self._in_background(lambda: self._events.put(core.PeersProbed(*self._peers_renewing())), "probe-peers")
         elif isinstance(action, core.Leave):
             self._leave()
         elif isinstance(action, core.Exit):
@@ -872,6 +869,18 @@ class Agent:
         self.metrics.hangs.inc()
         if self.group is not None:
             self.group.dump_stacks()
+
+    def _in_background(self, probe: Callable[[], None], name: str) -> None:
+        """Run ``probe`` (network calls, each with a timeout) on a thread of its own: it answers with an event, so the
+        loop never waits on a peer that does not answer."""
+        threading.Thread(target=probe, name=name, daemon=True).start()
+
+    def _probe_newcomers(self, action: core.ProbeNewcomers) -> None:
+        """Which of ``action``'s newcomers' agents this node cannot reach (a probe thread; :class:`core.NewcomersProbed`
+        answers)."""
+        gen, newcomers = action.generation, set(action.newcomers)
+        unreachable = frozenset(m.node_id for m in gen.members if m.node_id in newcomers and not reachable(m.address))
+        self._events.put(core.NewcomersProbed(gen.number, action.arrived, unreachable))
 
     def _peers_renewing(self) -> tuple[float, int]:
         """The longest unbroken renewal streak among (up to 8 of) the generation's other agents, and the newest

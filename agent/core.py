@@ -646,6 +646,7 @@ def _on_arrivals(state: CoreState, event: ArrivalsRead, now: float) -> tuple[Cor
         return state, []  # handed over, reported or superseded since
     if not probe_due(pending, event.arrived, now):
         return state, []
+    state = replace(state, handover=replace(pending, probing=True))  # answered by NewcomersProbed
     return state, [ProbeNewcomers(gen, pending.newcomers, event.arrived)]
 
 

@@ -5,7 +5,8 @@ it asks).
 A generation that admits new nodes is handed to this node's running workers only once the newcomers' workers have
 counted themselves in at the generation's store (node rank 0's), so that the survivors train on while the newcomers
 start, instead of waiting in a meeting. Meanwhile this node probes the newcomers' agents (a TCP connect to the store
-port each agent holds from before it joined) every :data:`PROBE_EVERY_S`:
+port each agent holds from before it joined; the executor runs it in the background, one probe at a time) every
+:data:`PROBE_EVERY_S`:
 
 - a newcomer whose agent failed :data:`PROBES_FAILED` probes in a row cannot reach this node either (a cut, or it
   died): this node reports the generation's failure naming it, instead of handing the generation over. The workers
@@ -37,6 +38,7 @@ class HandOver:
         deadline: when the rescale grace runs out (the executor's monotonic clock).
         probed_at: when the newcomers were last probed.
         failed: per newcomer, the probes in a row its agent failed.
+        probing: a probe is out (the executor runs it in the background); no second one until it answers.
     """
 
     newcomers: tuple[str, ...]
@@ -44,6 +46,7 @@ class HandOver:
     deadline: float
     probed_at: float = float("-inf")
     failed: tuple[tuple[str, int], ...] = ()
+    probing: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,10 @@ class Verdict:
 
 
 def probe_due(pending: HandOver, arrived: int, now: float) -> bool:
-    """Whether to probe the newcomers now: every one counted in, the grace ran out, or the last probe is
-    :data:`PROBE_EVERY_S` old."""
+    """Whether to probe the newcomers now: no probe is out, and every one counted in, the grace ran out, or the last
+    probe is :data:`PROBE_EVERY_S` old."""
+    if pending.probing:
+        return False
     return arrived >= pending.needed or now >= pending.deadline or now - pending.probed_at >= PROBE_EVERY_S
 
 
@@ -79,7 +84,7 @@ def probed(
     """
     before = dict(pending.failed)
     failed = tuple((n, before.get(n, 0) + 1 if n in unreachable else 0) for n in pending.newcomers)
-    pending = replace(pending, probed_at=now, failed=failed)
+    pending = replace(pending, probed_at=now, failed=failed, probing=False)
     final = arrived >= pending.needed or now >= pending.deadline
     cut = tuple(n for n, count in failed if count and (final or count >= PROBES_FAILED))
     if not cut:

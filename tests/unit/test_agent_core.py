@@ -270,6 +270,7 @@ def test_a_generation_with_newcomers_is_handed_over_once_they_arrived_and_answer
         "ReadArrivals"
     ]
     assert agent.on(core.ArrivalsRead(2, 1)) == [core.ProbeNewcomers(gen, ("b",), 1)], "the first probe is due at once"
+    assert agent.on(core.ArrivalsRead(2, 2), after=1.5) == [], "a probe runs in the background: one at a time"
     assert agent.on(core.NewcomersProbed(2, 1)) == [], "b answers; one of its 2 workers counted in: wait"
     assert agent.on(core.ArrivalsRead(2, 1), after=0.5) == [], "the next probe is a second after the last"
     assert agent.on(core.ArrivalsRead(2, 2), after=0.1) == [core.ProbeNewcomers(gen, ("b",), 2)], "all arrived"
