@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from bench.common import end_soon, read_jsonl
-from pliant.agent.contract import left_on
+from pliant.agent.contract import ExitCode, left_on
 from pliant.certs import load_ca
 from pliant.net import free_port
 from pliant.tls import Role, issue_cert, write_tls_dir
@@ -118,13 +118,14 @@ class ControlPlane:
             assert proc.proc.returncode == 0, proc.output()
         return objects
 
-    def run_job(self, job: str, nnodes: str, nodes: int, steps: int) -> TrainingJob:
-        """``pliant k8s job ... | kubectl apply -f -`` for examples/train_elastic.py, its events and stop file on the
-        job's checkpoint volume."""
+    def run_job(self, job: str, nnodes: str, nodes: int, steps: int, *script: str) -> TrainingJob:
+        """``pliant k8s job ... | kubectl apply -f -`` for examples/train_elastic.py (and ``script``'s arguments), its
+        events and stop file on the job's checkpoint volume."""
         rendered = _pliant(
             "k8s",
             "job",
             f"--job={job}",
+            "--max-restarts=0",
             "--image=pliant:0.1.0",
             f"--nnodes={nnodes}",
             f"--nodes={nodes}",
@@ -138,6 +139,7 @@ class ControlPlane:
             "--step-time=0.05",
             "--events=/checkpoints/events.jsonl",  # the job's own volume
             "--stop-file=/checkpoints/stop",
+            *script,
         )
         objects = self.apply(rendered)
         (agents,) = [o for o in of_kind(objects, "Job") if is_indexed(o)]
@@ -267,6 +269,20 @@ def test_two_jobs_train_side_by_side_scale_drain_and_complete(control_plane: Con
     finally:
         gamma.controller.close()
         beta.controller.close()
+
+
+def test_a_failed_job_fails_its_agents_job_at_once(control_plane: ControlPlane) -> None:
+    """The training job fails (its script exits at every start, no restart left): the first agent to hear it exits 1,
+    and the pod failure policy fails the Job at once (its other pods are stopped), restarting none."""
+    failing = control_plane.run_job("delta", "1:2", 2, 100, "--engine=nope")
+    try:
+        wait_for(lambda: failing.controller.condition, 120, "delta's agents to end")
+        assert failing.controller.condition == "Failed", failing.controller.exits
+        assert [code for _pod, _index, code in failing.controller.exits] == [ExitCode.JOB_FAILED]
+        assert failing.controller.failed_pods == 0, "failed by the policy, not by the backoff limit"
+        assert control_plane.status("delta")["state"] == "failed"
+    finally:
+        failing.controller.close()
 
 
 def _now(job: TrainingJob) -> float:
