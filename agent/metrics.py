@@ -1,10 +1,12 @@
 """The agent's Prometheus metrics, and the node's single scrape target.
 
-The agent's own series (state, workers by state, exits by code, restarts, generation, heartbeat failures) live in a
-registry its owner injects. Workers are other processes: they write prometheus_client multiprocess files into a
-directory the agent owns (``PROMETHEUS_MULTIPROC_DIR``, set through the env contract), and the agent's registry reads
-them at scrape time, so one endpoint per node serves the whole node. When a worker exits the agent marks it dead, which
-drops its ``live*`` gauges; its counters and histograms stay, so totals never go backwards across generations.
+The agent's own series (state, workers by state, exits by code, restarts, generation, heartbeat failures, hangs,
+rescales by path) and its workers' are served from a registry its owner injects, each sample with the agent's
+``job_id``. Workers are other processes: they write prometheus_client multiprocess files into a directory the agent
+owns (``PROMETHEUS_MULTIPROC_DIR``, set through the env contract), and the agent's registry reads them at scrape time,
+so one endpoint per node serves the whole node. When a worker exits the agent marks it dead, which drops its
+``live*`` gauges; its counters and histograms stay, so totals never go backwards across generations. Labelled series
+whose values are known in advance (the workers by state, the rescale paths) exist at zero from the start.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import struct
 import tempfile
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.registry import Collector
 
 from pliant.agent.contract import AgentState
 
-__all__ = ["AgentMetrics", "WorkerExit"]
+__all__ = ["RESCALE_PATHS", "AgentMetrics", "WorkerExit"]
+
+RESCALE_PATHS = ("in-place", "restart")
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +34,26 @@ WorkerExit = tuple[int, int | None]
 """(pid, exit code or None while it runs) of one worker process."""
 
 
+class _JobLabelled(Collector):
+    """The families of ``inner`` with ``job_id`` on every sample, so the node's endpoint serves the agent's and its
+    workers' series each with the job it belongs to (the coordinator's, in the same registry under ``pliant run``,
+    keep their own)."""
+
+    def __init__(self, inner: Collector, job_id: str) -> None:
+        self.inner, self.job_id = inner, job_id
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [
+                sample._replace(labels={**sample.labels, "job_id": self.job_id}) for sample in family.samples
+            ]
+            yield labelled
+
+
 class AgentMetrics:
-    """Every series one agent exports, plus its workers' (read from their multiprocess directory).
+    """Every series one agent exports, plus its workers' (read from their multiprocess directory), each with the
+    agent's ``job_id``.
 
     Args:
         registry: where to register (never the global registry).
@@ -39,52 +63,55 @@ class AgentMetrics:
 
     def __init__(self, registry: CollectorRegistry, job_id: str, node_id: str) -> None:
         self.registry = registry
-        # Worker series carry no job label; join them to this one: `* on (instance) group_left (job_id) ...`.
-        Info("pliant_agent", "The job and node this agent serves.", registry=registry).info(
-            {"job_id": job_id, "node_id": node_id}
+        own = CollectorRegistry(auto_describe=True)  # served through _JobLabelled, as the workers' series are
+        Info("pliant_agent", "The node this agent is (instance: the scrape target).", registry=own).info(
+            {"node_id": node_id}
         )
         self.worker_dir = tempfile.mkdtemp(prefix=f"pliant-metrics-{node_id}-")
-        self._workers = MultiProcessCollector(registry, path=self.worker_dir)
-        self.state = Enum(
-            "pliant_agent_state", "The agent's state.", states=[s.value for s in AgentState], registry=registry
-        )
+        self._workers = MultiProcessCollector(None, path=self.worker_dir)
+        registry.register(_JobLabelled(own, job_id))
+        registry.register(_JobLabelled(self._workers, job_id))
+        self.state = Gauge("pliant_agent_state", "1 for the agent's state, 0 for the others.", ["state"], registry=own)
         self.workers = Gauge(
-            "pliant_agent_workers", "Worker processes of the current group, by state.", ["state"], registry=registry
+            "pliant_agent_workers", "Worker processes of the current group, by state.", ["state"], registry=own
         )
         self.exits = Counter(
             "pliant_agent_worker_exits",
             "Worker process exits, by exit code (negative: signal).",
             ["code"],
-            registry=registry,
+            registry=own,
         )
         self.restarts = Counter(
             "pliant_agent_worker_restarts",
             "Worker groups this agent started after its first (new generations and failures).",
-            registry=registry,
+            registry=own,
         )
-        self.generation = Gauge(
-            "pliant_agent_generation", "The generation this agent last followed.", registry=registry
-        )
+        self.generation = Gauge("pliant_agent_generation", "The generation this agent last followed.", registry=own)
         self.heartbeat_failures = Counter(
-            "pliant_agent_heartbeat_failures", "Heartbeats that did not reach a coordinator.", registry=registry
+            "pliant_agent_heartbeat_failures", "Heartbeats that did not reach a coordinator.", registry=own
         )
         self.hangs = Counter(
-            "pliant_worker_hangs",
+            "pliant_agent_hangs",
             "Worker groups this agent stopped because a worker made no progress for the hang (or start) timeout.",
-            registry=registry,
+            registry=own,
         )
         self.rescales = Counter(
             "pliant_agent_rescales",
             "New generations this agent's running group went through, by path: in-place (the workers re-formed "
             "with their processes and state) or restart (stopped, checkpointed, new processes).",
             ["path"],
-            registry=registry,
+            registry=own,
         )
+        for state in ("running", "exited"):
+            self.workers.labels(state)
+        for path in RESCALE_PATHS:
+            self.rescales.labels(path)
         self._groups_started = 0
         self._counted: set[int] = set()
 
-    def set_state(self, state: AgentState) -> None:
-        self.state.state(state.value)
+    def set_state(self, current: AgentState) -> None:
+        for state in AgentState:
+            self.state.labels(state.value).set(1 if state is current else 0)
 
     def group_started(self, generation: int) -> None:
         if self._groups_started:

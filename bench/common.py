@@ -146,8 +146,24 @@ def join_flags(log: Path, timeout_s: float = 60.0) -> list[str]:
     raise TimeoutError(f"no join command in {log} within {timeout_s:g}s")
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def sample(metrics: dict[str, float], name: str, **labels: str) -> float | None:
+    """The value of ``name`` in a :func:`scrape` among the samples whose labels include ``labels`` (their sum when
+    several do, as when only ``job_id`` tells them apart); None when none does."""
+    found = [
+        value
+        for key, value in metrics.items()
+        if key.split("{", 1)[0] == name
+        and labels.items() <= dict(_LABEL.findall(key.split("{", 1)[1] if "{" in key else "")).items()
+    ]
+    return sum(found) if found else None
+
+
 def scrape(url: str) -> dict[str, float]:
-    """name{labels} -> value of every sample of a Prometheus endpoint (empty when it does not answer)."""
+    """name{labels} -> value of every sample of a Prometheus endpoint (empty when it does not answer); read one with
+    :func:`sample`."""
     import urllib.request
 
     try:

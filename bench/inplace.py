@@ -49,6 +49,7 @@ from common import (
     join_flags,
     longest_pause,
     read_jsonl,
+    sample,
     scrape,
     snapshot_steps,
     stop_tree,
@@ -233,12 +234,12 @@ def steady(
         out = {
             "steps_s": window / (times[warm + window] - times[warm]),
             "schedule": mine,
-            "every": int(m.get("pliant_worker_snapshot_every", 0)) or fixed,
+            "every": int(sample(m, "pliant_worker_snapshot_every") or 0) or fixed,
             "in_run": in_run_cost(times, range(warm + 1, warm + window + 1), schedule or mine),
         }
-        count = m.get("pliant_worker_snapshot_stall_seconds_count", 0.0)
-        out["stall"] = m.get("pliant_worker_snapshot_stall_seconds_sum", 0.0) / count if count else 0.0
-        out["snap_bytes"] = m.get("pliant_worker_snapshot_bytes_total", 0.0) / count if count else 0.0
+        count = sample(m, "pliant_worker_snapshot_stall_seconds_count") or 0.0
+        out["stall"] = (sample(m, "pliant_worker_snapshot_stall_seconds_sum") or 0.0) / count if count else 0.0
+        out["snap_bytes"] = (sample(m, "pliant_worker_snapshot_bytes_total") or 0.0) / count if count else 0.0
         if kill:
             pids = {e["rank"]: e["pid"] for e in read_jsonl(events)}
             last = max(times)

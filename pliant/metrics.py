@@ -19,7 +19,7 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 
 from pliant.errors import ConfigError
 from pliant.net import parse_host_port
@@ -85,6 +85,7 @@ def serve_metrics(registry: CollectorRegistry, listen: str, health: Health | Non
         ConfigError: the address is malformed or cannot be bound.
     """
     host, port = parse_host_port(listen, what="metrics address", allow_zero=True)
+    disable_created_metrics()  # no `_created` series: a counter's start is its process's, which Prometheus knows
     app = make_wsgi_app(registry)
     if health is not None:
         app = _with_health(app, health)

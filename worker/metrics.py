@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
@@ -25,7 +24,9 @@ from pliant.metrics import SLOW_BUCKETS_S
 from pliant.progress import ProgressFile
 from pliant.worker.contract import WorkerError
 
-__all__ = ["WorkerMetrics", "tensor_bytes"]
+__all__ = ["RECOVERY_PHASES", "WorkerMetrics", "tensor_bytes"]
+
+RECOVERY_PHASES = ("detect", "decide", "reform", "transfer", "first_step")
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +83,6 @@ class WorkerMetrics:
         self.steps = Counter("pliant_worker_steps", "Engine steps run, summed over the node's ranks.", registry=r)
         self.samples = Counter(
             "pliant_worker_samples", "Real training samples processed by the node's ranks.", registry=r
-        )
-        self.samples_per_second = Gauge(
-            "pliant_worker_samples_per_second",
-            "Samples per second over the last step interval, summed over live ranks.",
-            multiprocess_mode="livesum",
-            registry=r,
         )
         self.step = Gauge(
             "pliant_worker_step", "The last global step completed.", multiprocess_mode="livemax", registry=r
@@ -170,11 +165,23 @@ class WorkerMetrics:
             "Committed steps run again after a peer's death (a sharded engine rolls back to its last snapshot).",
             registry=r,
         )
+        self.recovery_seconds = Histogram(
+            "pliant_worker_recovery_phase_seconds",
+            "A survivor's recovery from a peer's failure mid-step, by phase: detect (the broken step, until it "
+            "failed), decide (until the agent handed over the next generation), reform (the new world's groups), "
+            "transfer (the state to every rank) and first_step (the new world's first step).",
+            ["phase"],
+            buckets=_STEP_BUCKETS_S,
+            registry=r,
+        )
+        for phase in RECOVERY_PHASES:
+            self.recovery_seconds.labels(phase)
+        for why in ("boundary", "failure"):
+            self.reconfigurations.labels(why)
         self.world_size.set(env.world_size)
         self.generation.set(env.generation)
         self._generation = env.generation  # a step's progress record names it: the agent reports that the world met
         self._user: dict[str, Gauge] = {}
-        self._last_step_end = 0.0
         # What the agent's hang detection reads (pliant.progress); a no-op outside an agent.
         self.progress = ProgressFile(env.progress_file)
         self.progress.write(0, "start")
@@ -183,17 +190,17 @@ class WorkerMetrics:
 
     def observe_step(self, step: int, samples: int, seconds: float, shadow: bool) -> None:
         """One engine step of this rank: ``samples`` real samples (0 when it shadowed) in ``seconds``."""
-        now = time.perf_counter()
-        interval = now - self._last_step_end if self._last_step_end else seconds
-        self._last_step_end = now
         self.step_seconds.observe(seconds)
         self.steps.inc()
         self.samples.inc(samples)
-        self.samples_per_second.set(samples / interval if interval > 0 else 0.0)
         self.step.set(step + 1)
         self.progress.write(step + 1, "step", self._generation)
         if shadow:
             self.shadow_steps.inc()
+
+    def observe_recovery(self, phase: str, seconds: float) -> None:
+        """A phase of a recovery from a peer's failure (:data:`RECOVERY_PHASES`) took ``seconds``."""
+        self.recovery_seconds.labels(phase).observe(seconds)
 
     def observe_collective(self, op: str, seconds: float) -> None:
         self.collective_seconds.labels(op).inc(seconds)

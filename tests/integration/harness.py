@@ -11,7 +11,15 @@ import psutil
 import pytest
 
 from bench import common
-from bench.common import batches_counted, counted_samples, longest_pause, max_param_diff, read_jsonl, scrape
+from bench.common import (
+    batches_counted,
+    counted_samples,
+    longest_pause,
+    max_param_diff,
+    read_jsonl,
+    sample,
+    scrape,
+)
 from pliant.spawn import alive as process_alive
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
@@ -35,6 +43,7 @@ __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with
     "pliant_agent",
     "read_jsonl",
     "read_steps",
+    "sample",
     "scrape",
     "static_params",
     "wait_world",

@@ -62,18 +62,6 @@ def _http(url: str, timeout: float = 2.0) -> str:
         return resp.read().decode()
 
 
-def _metric(text: str, name: str) -> float | None:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    return max(values) if values else None
-
-
-def _scrape_step(address: str) -> float:
-    try:
-        return _metric(_http(f"http://{address}/metrics"), "pliant_worker_step") or 0.0
-    except OSError:
-        return 0.0
-
-
 def _healthz(address: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://{address}/healthz", timeout=2) as resp:
@@ -293,21 +281,35 @@ def _last_world(job: TrainingJob, world: int) -> float:
     return max((e["time"] for e in job.events() if e["world"] == world), default=0.0)
 
 
+@dataclass
+class Deployment:
+    """Two jobs training on the control plane: ``alpha`` on two agents, ``epsilon`` on one."""
+
+    alpha: TrainingJob
+    epsilon: TrainingJob
+
+    @property
+    def jobs(self) -> tuple[TrainingJob, TrainingJob]:
+        return self.alpha, self.epsilon
+
+
 @pytest.fixture(scope="module")
-def deployment(control_plane: ControlPlane) -> Iterator[TrainingJob]:
-    """A job of two agents training on the control plane."""
-    job = control_plane.run_job("alpha", "1:2", 2, 100000)
+def deployment(control_plane: ControlPlane) -> Iterator[Deployment]:
+    alpha = control_plane.run_job("alpha", "1:2", 2, 100000)
+    epsilon = control_plane.run_job("epsilon", "1:1", 1, 100000)
     try:
-        wait_for(lambda: job.stepping(2), 180, "alpha stepping at world 2")
-        yield job
+        wait_for(lambda: alpha.stepping(2) and epsilon.stepping(1), 180, "alpha at world 2 and epsilon stepping")
+        yield Deployment(alpha, epsilon)
     finally:
-        job.controller.close()
+        alpha.controller.close()
+        epsilon.controller.close()
 
 
-def _targets(plane: ControlPlane, job: TrainingJob) -> list[str]:
+def _targets(plane: ControlPlane, deployment: Deployment) -> list[str]:
     """What the ServiceMonitor (the coordinators' Service) and the PodMonitor (every agent pod) select."""
     coordinators = [f"{p.ip}:{p.port('metrics')}" for p in plane.cluster.pods_of("pliant-coordinator")]
-    return coordinators + [f"{p.ip}:{p.port('metrics')}" for p in job.controller.pods()]
+    agents = [pod for job in deployment.jobs for pod in job.controller.pods()]
+    return coordinators + [f"{p.ip}:{p.port('metrics')}" for p in agents]
 
 
 def _rule_group(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -317,7 +319,7 @@ def _rule_group(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def prometheus(
-    control_plane: ControlPlane, deployment: TrainingJob, tmp_path_factory: pytest.TempPathFactory
+    control_plane: ControlPlane, deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[[str], Any]]:
     """A real Prometheus scraping the deployment every second, with the PrometheusRule's rules loaded."""
     binary = _tool("prometheus")
@@ -363,19 +365,22 @@ def _ready(address: str) -> bool:
         return False
 
 
-def test_prometheus_scrapes_the_job(deployment: TrainingJob, prometheus: Callable[[str], Any]) -> None:
+def test_prometheus_scrapes_both_jobs_each_series_with_its_job(
+    deployment: Deployment, prometheus: Callable[[str], Any]
+) -> None:
     query = prometheus
-    agents = deployment.controller.pods()
     world = query('max(pliant_job_world_size{job_id="alpha"})')
-    assert float(world[0]["value"][1]) == len(agents)
+    assert float(world[0]["value"][1]) == len(deployment.alpha.controller.pods()) == 2
     assert float(query("sum(pliant_coordinator_leader)")[0]["value"][1]) == 1.0
-    assert len(query("pliant_worker_world_size == 2")) == len(agents)
-    wait_for(lambda: query("sum(rate(pliant_worker_samples_total[5s])) > 0"), 30, "a positive samples rate")
+    assert len(query('pliant_worker_world_size{job_id="alpha"} == 2')) == 2
+    wait_for(lambda: len(query("sum by (job_id) (rate(pliant_worker_samples_total[5s])) > 0")) == 2, 30, "both rates")
     wait_for(lambda: query("sum(rate(pliant_worker_step_duration_seconds_count[5s])) > 0"), 30, "step histogram")
-    joined = query(
-        "sum by (job_id) (rate(pliant_worker_steps_total[5s]) * on (instance) group_left (job_id) pliant_agent_info)"
+    served = query('{__name__=~"pliant_(worker|agent|user)_.+"}')
+    assert served and not [r["metric"] for r in served if "job_id" not in r["metric"]], (
+        "every node series names its job"
     )
-    assert [r["metric"]["job_id"] for r in joined] == ["alpha"]
+    assert {r["metric"]["job_id"] for r in served} == {"alpha", "epsilon"}
+    assert not query('{__name__=~".+_created"}'), "no _created series"
     assert not query('ALERTS{alertstate="firing"}')
 
 
@@ -385,10 +390,12 @@ def _dashboard_exprs() -> list[str]:
 
 
 def test_dashboard_and_rules_name_only_exported_metrics(
-    control_plane: ControlPlane, deployment: TrainingJob, prometheus: Callable[[str], Any]
+    control_plane: ControlPlane, deployment: Deployment, prometheus: Callable[[str], Any]
 ) -> None:
     query = prometheus
     exported = {r["metric"]["__name__"] for r in query('{__name__=~"pliant_.+"}')}
+    recovery = 'pliant_worker_recovery_phase_seconds_count{phase="decide"}'
+    assert query(recovery), "the recovery phases exist at zero before any failure"
     for target in _targets(control_plane, deployment):  # families declared but without a series yet
         for line in _http(f"http://{target}/metrics").splitlines():
             if line.startswith("# TYPE pliant_"):
@@ -402,20 +409,15 @@ def test_dashboard_and_rules_name_only_exported_metrics(
         names |= set(re.findall(r"\b(pliant_[a-z_]+)", expr))
         if expr in rule_exprs:
             continue
-        query(expr.replace("$__rate_interval", "10s").replace('"$job_id"', '"alpha"'))  # it parses and runs
-    steps = query(
-        next(e for e in _dashboard_exprs() if "pliant_worker_samples_total" in e)
-        .replace("$__rate_interval", "10s")
-        .replace('"$job_id"', '"alpha"')
-    )
-    assert [r["metric"]["job_id"] for r in steps] == ["alpha"], "the worker panels follow the dashboard's job"
+        for job in ("alpha", "epsilon"):  # every panel runs, and shows the job selected and no other
+            result = query(expr.replace("$__rate_interval", "10s").replace('"$job_id"', f'"{job}"'))
+            if "$job_id" in expr:
+                assert {r["metric"].get("job_id", job) for r in result} <= {job}, (expr, result)
     missing = sorted(n for n in names if n not in exported)
     assert not missing, f"dashboard or rules name metrics the job does not export: {missing}"
 
 
-def test_promtool_checks_rules_and_metrics(
-    control_plane: ControlPlane, deployment: TrainingJob, tmp_path: Path
-) -> None:
+def test_promtool_checks_rules_and_metrics(control_plane: ControlPlane, deployment: Deployment, tmp_path: Path) -> None:
     promtool = _tool("promtool")
     (tmp_path / "pliant-rules.yaml").write_text(yaml.safe_dump(_rule_group(control_plane.cluster.docs)))
     shutil.copy(DEPLOY / "prometheus" / "alerts-test.yaml", tmp_path / "alerts-test.yaml")
@@ -429,7 +431,7 @@ def test_promtool_checks_rules_and_metrics(
 
 
 def test_the_api_refuses_what_the_manifests_do_not_grant(
-    control_plane: ControlPlane, deployment: TrainingJob, tmp_path: Path
+    control_plane: ControlPlane, deployment: Deployment, tmp_path: Path
 ) -> None:
     """Plaintext clients get nothing; an agent's certificate may not finish the job; etcd refuses clients without a
     certificate from its CA."""
@@ -442,7 +444,7 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(
         timeout=60,
     )
     assert plain.returncode == 1, plain.stdout
-    member = deployment.controller.pods()[0].name  # an agent's own certificate, as its bootstrap join got it
+    member = deployment.alpha.controller.pods()[0].name  # an agent's own certificate, as its bootstrap join got it
     agent_dir = write_tls_dir(
         tmp_path / "agent",
         load_ca(str(control_plane.pki)).cert_pem,

@@ -15,7 +15,7 @@ import pytest
 
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
-from tests.integration.harness import scrape, worker_processes
+from tests.integration.harness import sample, scrape, worker_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -73,30 +73,38 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(
         ],
         name="agent",
     )
-    wait_for(lambda: scrape(url).get("pliant_worker_step", 0) >= 45, 90, "two periodic checkpoints")
+    wait_for(lambda: (sample(scrape(url), "pliant_worker_step") or 0) >= 45, 90, "two periodic checkpoints")
     first = scrape(url)
-    assert first["pliant_worker_world_size"] == 2 and first["pliant_worker_generation"] == 1
-    assert first["pliant_worker_checkpoint_saved_bytes_total"] > 0
-    assert first["pliant_worker_checkpoint_save_duration_seconds_count"] >= 2
-    assert first['pliant_agent_state{pliant_agent_state="running"}'] == 1
-    assert first['pliant_agent_workers{state="running"}'] == 2
-    assert first['pliant_agent_info{job_id="job",node_id="a"}'] == 1
-    assert first['pliant_user_loss{rank="0"}'] >= 0
-    assert first['pliant_worker_collective_seconds_total{op="grad_allreduce"}'] > 0
+    assert sample(first, "pliant_worker_world_size") == 2 and sample(first, "pliant_worker_generation") == 1
+    assert sample(first, "pliant_worker_checkpoint_saved_bytes_total") > 0
+    assert sample(first, "pliant_worker_checkpoint_save_duration_seconds_count") >= 2
+    assert sample(first, "pliant_agent_state", state="running") == 1
+    assert sample(first, "pliant_agent_state", state="waiting") == 0
+    assert sample(first, "pliant_agent_workers", state="running") == 2
+    assert sample(first, "pliant_agent_info", node_id="a") == 1
+    assert sample(first, "pliant_user_loss", rank="0") >= 0
+    assert sample(first, "pliant_worker_collective_seconds_total", op="grad_allreduce") > 0
+    # Every series the node serves names its job; labelled series known ahead start at zero; no _created series.
+    served = [k for k in first if k.startswith(("pliant_worker_", "pliant_agent_", "pliant_user_"))]
+    assert served and all('job_id="job"' in k for k in served), [k for k in served if 'job_id="job"' not in k]
+    assert sample(first, "pliant_agent_rescales_total", path="restart") == 0
+    assert sample(first, "pliant_worker_recovery_phase_seconds_count", phase="decide") == 0
+    assert not [k for k in first if "_created" in k]
 
     os.kill(_workers(agent.pid)[0].pid, signal.SIGKILL)
     wait_for(
-        lambda: scrape(url).get("pliant_worker_generation") == 2 and scrape(url).get("pliant_worker_step", 0) > 45,
+        lambda: sample(m := scrape(url), "pliant_worker_generation") == 2 and sample(m, "pliant_worker_step") > 45,
         60,
         "the restarted generation stepping past the old step",
     )
     after = scrape(url)
-    assert after['pliant_agent_worker_exits_total{code="-9"}'] == 1
-    assert after["pliant_agent_worker_restarts_total"] == 1 and after["pliant_agent_generation"] == 2
-    assert after["pliant_worker_checkpoint_loaded_bytes_total"] > 0  # the new generation restored
-    assert after["pliant_worker_checkpoint_load_duration_seconds_count"] == 2  # one load per rank
-    assert after["pliant_worker_samples_total"] >= first["pliant_worker_samples_total"]  # dead workers' totals stay
-    assert after['pliant_agent_workers{state="running"}'] == 2
+    assert sample(after, "pliant_agent_worker_exits_total", code="-9") == 1
+    assert sample(after, "pliant_agent_worker_restarts_total") == 1 and sample(after, "pliant_agent_generation") == 2
+    assert sample(after, "pliant_worker_checkpoint_loaded_bytes_total") > 0  # the new generation restored
+    assert sample(after, "pliant_worker_checkpoint_load_duration_seconds_count") == 2  # one load per rank
+    # dead workers' totals stay
+    assert sample(after, "pliant_worker_samples_total") >= sample(first, "pliant_worker_samples_total")
+    assert sample(after, "pliant_agent_workers", state="running") == 2
 
     with fleet(server.address) as client:
         step = lambda: client.get_job("job", progress=True).progress["a"].step  # noqa: E731

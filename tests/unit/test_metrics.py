@@ -144,3 +144,28 @@ def test_an_agent_is_unhealthy_while_it_joins_and_when_its_loop_stops_ticking() 
     assert Agent.health(SimpleNamespace(_ticked_at=now)) == ""  # type: ignore[arg-type]
     wedged = Agent.health(SimpleNamespace(_ticked_at=now - HEALTHY_WITHIN_S - 5))  # type: ignore[arg-type]
     assert wedged.startswith("the agent's loop has not ticked for 3")
+
+
+def test_every_series_an_agent_serves_names_its_job_and_known_labels_start_at_zero() -> None:
+    from pliant.agent.contract import AgentState
+    from pliant.agent.metrics import AgentMetrics, _JobLabelled
+
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = AgentMetrics(registry, "job-1", "node-a")
+    try:
+        metrics.set_state(AgentState.RUNNING)
+        assert _sample(registry, "pliant_agent_state", {"state": "running", "job_id": "job-1"}) == 1
+        assert _sample(registry, "pliant_agent_state", {"state": "waiting", "job_id": "job-1"}) == 0
+        for path in ("in-place", "restart"):  # a panel shows 0, not "No data", before the first rescale
+            assert _sample(registry, "pliant_agent_rescales_total", {"path": path, "job_id": "job-1"}) == 0
+        assert _sample(registry, "pliant_agent_info", {"node_id": "node-a", "job_id": "job-1"}) == 1
+        samples = [s for family in registry.collect() for s in family.samples]
+        assert samples and all(s.labels.get("job_id") == "job-1" for s in samples)
+    finally:
+        metrics.close()
+    workers = CollectorRegistry()  # what a worker writes (into the multiprocess files the agent reads)
+    Counter("pliant_worker_steps", "Steps.", ["op"], registry=workers).labels("x").inc(3)
+    (family, *_) = _JobLabelled(workers, "job-1").collect()
+    assert [(s.name, s.labels, s.value) for s in family.samples if s.name.endswith("_total")] == [
+        ("pliant_worker_steps_total", {"op": "x", "job_id": "job-1"}, 3.0)
+    ]

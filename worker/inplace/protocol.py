@@ -137,6 +137,7 @@ class Protocol(Runner):
         self.copies = BuddyCopies(world.tracked, metrics, world.env.kept_dir)
         self._rolling_back = False
         self.failed_between = ""  # a collective between steps failed (peer_failed); the next step re-forms
+        self._recovered = False  # re-formed after a failure: the next step that completes is the recovery's last phase
         self.exited: ExitReason | None = (
             None  # what ended this rank (leave, restart); a later step is the script's error
         )
@@ -298,6 +299,7 @@ class Protocol(Runner):
                 failure = f"{failure or 'the step'}: {str(exc).splitlines()[0][:200]}"
             self.guard.end(committed=not failure)
             if failure:  # outside the except block: the traceback (and the autograd graph it holds) is gone
+                self.metrics.observe_recovery("detect", time.perf_counter() - started)
                 engine.discard_update()
                 logger.warning(
                     "rank %d: a peer failed during step %d (%s); waiting for the next generation",
@@ -309,6 +311,9 @@ class Protocol(Runner):
                     return 0.0  # this step was committed elsewhere (and is in the state received), or skipped
                 continue
             engine.observe(batch, started)
+            if self._recovered:  # the new world's first step after a failure
+                self._recovered = False
+                self.metrics.observe_recovery("first_step", time.perf_counter() - started)
             self.boundary_due = asked
             return loss
 
@@ -437,13 +442,16 @@ class Protocol(Runner):
         for part in self.parts:
             part.abandon()
         self.world.sever()  # wakes the peers still blocked in a collective with this rank
+        waited = time.perf_counter()
         directive = self.world.await_newer()
+        self.metrics.observe_recovery("decide", time.perf_counter() - waited)
         if directive.mode != "in-place":
             raise self._exit(directive.mode)
         for loader in self.loaders:
             loader.rewind(batch)
         committed = self.steps_done
         moved = self._reform(directive, "failure")
+        self._recovered = True
         rank = self.world.env.rank
         if self.steps_done < committed:
             self.metrics.steps_redone.inc(committed - self.steps_done)
@@ -503,7 +511,11 @@ class Protocol(Runner):
                         str(exc).splitlines()[0][:200],
                     )
                     directive = newer
+            formed = time.perf_counter()
             moved = self._transfer(holds_state=True)
+            if why == "failure":
+                self.metrics.observe_recovery("reform", formed - started)
+                self.metrics.observe_recovery("transfer", time.perf_counter() - formed)
         except Exception as exc:
             raise RescaleError(
                 f"re-forming generation {old.generation} -> {world.env.generation} in place failed: "
