@@ -34,6 +34,7 @@ from pliant.agent.stopping import StopStage
 from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
+from pliant.backoff import Backoff
 from pliant.bootstrap import BootstrapError
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import (
@@ -265,9 +266,15 @@ class Agent:
         try:
             _info, created, token = client.create_job(spec, self.join_token)
         except PermissionDenied as exc:
+            if self.join_token:  # the join said the job is missing: only then is that known
+                raise AgentError(
+                    f"job {spec.job_id!r} does not exist, and this agent may not create it ({exc}); an admin creates "
+                    f"it with `pliant job create {spec.job_id}` and gives the agents its join token (--join-token)"
+                ) from exc
             raise AgentError(
-                f"job {spec.job_id!r} does not exist, and this agent may not create it ({exc}); an admin creates it "
-                f"with `pliant job create {spec.job_id}` and gives the agents its join token (--join-token)"
+                f"job {spec.job_id!r}: this agent has no join token and may not create jobs; pass the job's token "
+                f"(--join-token, PLIANT_JOIN_TOKEN or --join-token-file: `pliant job create {spec.job_id}` printed "
+                f"it), or have an admin create the job first"
             ) from exc
         finally:
             if client is not self.client:
@@ -315,6 +322,27 @@ class Agent:
         self.grant = grant
         self._events.put(core.Joined(grant.heartbeat_ttl_s))
         logger.info("agent %s: joined job %s", self.config.node_id, job)
+        self._say_spec_differences(job)
+
+    def _say_spec_differences(self, job: str) -> None:
+        """One line when this node's flags disagree with the job's spec (an existing job keeps its own): which values
+        win. Nothing when the job cannot be read now (the join stands either way)."""
+        try:
+            spec = self.client.get_job(job).spec
+        except CoordinatorError:
+            return
+        mine = self.config.spec
+        differ = []
+        if (mine.min_nodes, mine.max_nodes) != (spec.min_nodes, spec.max_nodes):
+            theirs, ours = f"{spec.min_nodes}:{spec.max_nodes}", f"{mine.min_nodes}:{mine.max_nodes}"
+            differ.append(f"its --nnodes {theirs} wins over this node's {ours}")
+        if self.config.nproc_per_node != spec.nproc_per_node:
+            differ.append(
+                f"this node runs {self.config.nproc_per_node} workers where its nodes run up to "
+                f"{spec.nproc_per_node} (--nproc-per-node)"
+            )
+        if differ:
+            logger.warning("agent %s: job %s exists with its own spec: %s", self.config.node_id, job, "; ".join(differ))
 
     def _join_once(self, job: str) -> JoinGrant:
         try:
@@ -398,7 +426,7 @@ class Agent:
     def _rejoin(self) -> None:
         """Join again until it works, however long the coordinator is away; a refusal that will not change (the job
         was deleted, the token rotated) ends the agent."""
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not self._stop.is_set() and not self._left.is_set():
             try:
                 self._join()
@@ -410,10 +438,9 @@ class Agent:
                 self._events.put(_JoinRefused(str(exc)))
                 return
             except CoordinatorError as exc:
-                log = logger.warning if delay == 0.2 else logger.debug  # said once; the retries are quiet
+                log = logger.debug if backoff.failing else logger.warning  # said once; the retries are quiet
                 log("agent %s: join failed (%s); retrying", self.config.node_id, exc)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 5.0)
+                self._stop.wait(backoff.next())
 
     def _watch_loop(self) -> None:
         next_number, failing = 0, False
@@ -442,7 +469,7 @@ class Agent:
                 report = self._reports.get(timeout=0.5)
             except queue.Empty:
                 continue
-            delay = 0.5
+            backoff = Backoff(0.5, 5.0)
             while not self._stop.is_set():
                 try:
                     self._send(report)
@@ -457,11 +484,10 @@ class Agent:
                     )
                     break
                 except CoordinatorError as exc:
-                    log = logger.warning if delay == 0.5 else logger.debug  # said once per report
+                    log = logger.debug if backoff.failing else logger.warning  # said once per report
                     why = f"{report.kind} of generation {report.generation} queued, the coordinator did not take it"
                     log("agent %s: %s (%s); retrying", self.config.node_id, why, exc)
-                    self._stop.wait(delay)
-                    delay = min(delay * 2, 5.0)
+                    self._stop.wait(backoff.next())
 
     def _send(self, report: core.Report) -> None:
         job, node, lease = self.config.spec.job_id, self.config.node_id, self.grant.lease_id if self.grant else 0

@@ -273,6 +273,26 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
 
 
+def _check_writable(directory: str) -> None:
+    """``--checkpoint-dir``: made if missing and written to once, before anything starts, so that a directory the
+    workers cannot write fails the command in one line instead of every worker's first save.
+
+    Raises:
+        ConfigError: it cannot be made or written; the message names it, why, and the fix.
+    """
+    path = Path(directory)
+    probe = path / f".pliant-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"--checkpoint-dir {directory}: cannot write there ({exc.strerror or exc}); pass a directory this user "
+            f"can write, on storage every node reads"
+        ) from None
+
+
 def _nproc(text: str) -> int:
     if text in ("auto", "gpu"):
         try:
@@ -343,6 +363,8 @@ def config_from_args(
         if not Path(script).is_file():
             raise ConfigError(f"training script {script!r} not found (cwd {os.getcwd()}); pass a path to a .py file")
         command = (script, *args.training_script_args)
+    if args.checkpoint_dir:
+        _check_writable(args.checkpoint_dir)
     host = args.host or advertised_host(args, coordinator, embedded)
     node_id = args.node_id
     pin = parse_pin(args.ca_cert_hash) if args.ca_cert_hash and tls is None and not embedded else ""

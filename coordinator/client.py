@@ -10,6 +10,7 @@ table. Watches resume from the next generation number on another replica, so an 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pliant.backoff import Backoff
 from pliant.coordinator.contract import (
     FailureCause,
     JobInfo,
@@ -51,6 +53,13 @@ class JoinGrant:
         self.heartbeat_interval_s: float = msg.heartbeat_interval_s
         self.generation: int = msg.generation
         self.checkpoint_key: bytes = msg.checkpoint_key  # the job's key for the checkpoint directory (pliant.seal)
+
+
+# What gRPC says when the peer's certificate does not verify (either side): permanent, unlike a refused connection.
+_HANDSHAKE_REFUSED = re.compile(
+    r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|BAD_SIGNATURE|certificate signature failure|UNKNOWN_CA"
+    r"|BAD_CERTIFICATE|unable to get local issuer"
+)
 
 
 class CoordinatorClient:
@@ -133,23 +142,37 @@ class CoordinatorClient:
 
     def _retrying(self, attempt: Callable[[pb_grpc.CoordinatorStub], _T], what: str) -> _T:
         deadline = time.monotonic() + self.retry_for_s
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             stub = self._stubs[self._current]
             try:
                 return attempt(stub)
             except grpc.RpcError as exc:
-                err = error_for_status(exc.code(), exc.details() or "")
+                details = exc.details() or ""
+                err = error_for_status(exc.code(), details)
                 if not isinstance(err, Unavailable):
                     raise err from exc
+                if _HANDSHAKE_REFUSED.search(details):  # a certificate from another CA: no retry makes it answer
+                    raise Unavailable(
+                        f"{what}: the TLS handshake with {self.targets[self._current]} failed ({details[-200:]}); its "
+                        f"certificate and this one's (--tls-dir) must come from the same CA: use the control plane's "
+                        f"ca.crt, or join by bootstrap (--ca-cert-hash)"
+                    ) from exc
                 if time.monotonic() >= deadline:
                     raise Unavailable(
                         f"{what}: no coordinator answered at {','.join(self.targets)} for {self.retry_for_s:g}s "
-                        f"({exc.details()}); check that a replica runs and reaches etcd"
+                        f"({details}); check that a replica runs and reaches etcd"
                     ) from exc
+                if not backoff.failing:  # said once: what the retries wait for
+                    logger.info(
+                        "%s: no coordinator answers at %s yet (%s); retrying for up to %gs",
+                        what,
+                        self.targets[self._current],
+                        details[-160:],
+                        self.retry_for_s,
+                    )
                 self._current = (self._current + 1) % len(self._stubs)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                time.sleep(backoff.next())
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         deadline = timeout_s or self.timeout_s
@@ -293,13 +316,14 @@ class CoordinatorClient:
         """
         next_number = from_generation
         down_since: float | None = None
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             stub = self._stubs[self._current]
             call = stub.WatchGenerations(pb.WatchGenerationsRequest(job_id=job_id, from_generation=next_number))
             try:
                 for msg in call:
-                    down_since, delay = None, 0.05
+                    down_since = None
+                    backoff.reset()
                     gen = generation_from_pb(msg.generation) if msg.HasField("generation") else None
                     if gen is not None:
                         next_number = gen.number + 1
@@ -327,5 +351,4 @@ class CoordinatorClient:
             finally:
                 call.cancel()
             self._current = (self._current + 1) % len(self._stubs)
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            time.sleep(backoff.next())

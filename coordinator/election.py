@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pliant.backoff import Backoff
 from pliant.coordinator.contract import CoordinatorError, NotFound
 from pliant.coordinator.store import EtcdStore, Fence
 
@@ -144,7 +145,7 @@ class LeaderElection:
             self._on_etcd_health(ok)
 
     def _run(self) -> None:
-        delay, failing = 0.1, False
+        backoff = Backoff(0.1, 2.0)
         while not self._stop.is_set():
             if self._fault:
                 self._stop.wait(self.ttl_s)  # let another replica take over; then try again
@@ -152,9 +153,9 @@ class LeaderElection:
                 self._fault = ""
             try:
                 won = self._campaign()
-                if failing:
+                if backoff.failing:
                     logger.info("replica %s reaches etcd again", self.replica_id)
-                failing, delay = False, 0.1
+                backoff.reset()
                 self._health(True)  # etcd answers: serving, whether or not this replica leads
                 if won:
                     self._lead()
@@ -163,16 +164,14 @@ class LeaderElection:
             except CoordinatorError as exc:
                 if self.is_leader:
                     self._set(ElectionState.FOLLOWER, None)
-                if not failing:
+                if not backoff.failing:
                     logger.warning(
                         "replica %s: election paused, etcd unreachable (%s); retrying with backoff",
                         self.replica_id,
                         exc,
                     )
                 self._health(False)
-                failing = True
-                self._stop.wait(delay)
-                delay = min(delay * 2, 2.0)
+                self._stop.wait(backoff.next())
             except Exception as exc:
                 self.fault(f"election: {type(exc).__name__}: {exc}")
 

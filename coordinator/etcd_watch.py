@@ -9,6 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from pliant.backoff import Backoff
 from pliant.coordinator.store import EtcdStore
 
 __all__ = ["PrefixWatch"]
@@ -70,27 +71,25 @@ class PrefixWatch:
         self._on_change()
 
     def _run(self) -> None:
-        delay, failing = 0.05, False
+        backoff = Backoff(0.05, 1.0)
         while not self._stop.is_set():
             self._broken.clear()
             watch_id = None
             try:
                 watch_id = self._store.client.add_watch_prefix_callback(self._prefix, self._callback)
-                if failing:
+                if backoff.failing:
                     logger.info("watch on %s re-armed", self._prefix)
-                failing, delay = False, 0.05
+                backoff.reset()
                 if self._on_rearm is not None:
                     self._on_rearm()
                 self._on_change()  # anything may have changed while the watch was down
                 self._broken.wait()
             except Exception as exc:
-                if not failing:
+                if not backoff.failing:
                     logger.warning(
                         "watch on %s broke (%s: %s); re-arming with backoff", self._prefix, type(exc).__name__, exc
                     )
-                failing = True
-                self._stop.wait(delay)
-                delay = min(delay * 2, 1.0)
+                self._stop.wait(backoff.next())
             finally:
                 if watch_id is not None:
                     with contextlib.suppress(Exception):  # the watcher may already be gone

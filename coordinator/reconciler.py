@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pliant.backoff import Backoff
 from pliant.coordinator.contract import (
     CoordinatorError,
     CorruptRecord,
@@ -152,7 +153,7 @@ class Reconciler:
 
     def _run(self) -> None:
         assert self._election is not None
-        delay, term, etcd_failing = 0.1, None, False
+        backoff, term = Backoff(0.1, 2.0), None
         while not self._stop.is_set():
             fence = self._election.fence
             if fence is None:
@@ -168,11 +169,9 @@ class Reconciler:
                 wake = self._pass(fence)
             except CoordinatorError as exc:
                 self.poke()  # the pass was cut short: the next reads every job
-                if not etcd_failing:
+                if not backoff.failing:
                     logger.warning("reconcile pass failed (%s); retrying with backoff", exc)
-                etcd_failing = True
-                self._stop.wait(delay)
-                delay = min(delay * 2, 2.0)
+                self._stop.wait(backoff.next())
                 continue
             except Exception as exc:
                 logger.exception("reconciler fault; this replica resigns")
@@ -181,11 +180,10 @@ class Reconciler:
                 self._election.fault(f"reconciler: {type(exc).__name__}: {exc}")
                 term = None
                 continue
-            if etcd_failing:  # etcd answers again: members get a full TTL to reach us before any eviction
+            if backoff.failing:  # etcd answers again: members get a full TTL to reach us before any eviction
                 logger.info("reconciler reaches etcd again; every member gets a full heartbeat TTL")
                 self._heard_since = self._clock()
-                etcd_failing = False
-            delay = 0.1
+                backoff.reset()
             # Pace passes by their own cost: a burst of changes (1000 joins) is read in a few big passes instead of
             # back-to-back ones that take the CPU the joins need. Small jobs' passes take milliseconds: no delay.
             self._stop.wait(min(PACING_MAX_S, PACING_FACTOR * (time.perf_counter() - started)))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pliant import __version__
 from pliant.errors import ConfigError, PliantError
+from pliant.flags import Parser, from_env, typed
 from pliant.logsetup import setup_logging
 from pliant.metrics import add_metrics_port_flag
 from pliant.tls import add_tls_flags, tls_from_flags
@@ -30,7 +31,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pliant", description="Elastic training runtime for PyTorch.")
+    parser = Parser(prog="pliant", description="Elastic training runtime for PyTorch.")
     parser.add_argument("--version", action="version", version=f"pliant {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $PLIANT_LOG_LEVEL or INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -71,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument(
         "--max-jobs",
-        type=int,
-        default=int(_env("PLIANT_MAX_JOBS", "1000") or 1000),
+        type=typed(int, "an integer"),
+        default=from_env("PLIANT_MAX_JOBS", "1000"),
         help="jobs the deployment holds at most; CreateJob past it is RESOURCE_EXHAUSTED (default 1000)",
     )
     coord.add_argument(
@@ -127,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument(
         "--leader-ttl",
-        type=float,
-        default=float(_env("PLIANT_LEADER_TTL", "5") or 5),
+        type=typed(float, "a number of seconds"),
+        default=from_env("PLIANT_LEADER_TTL", "5"),
         help="leader lease TTL in seconds: a dead leader is replaced within about this long (default 5)",
     )
     coord.add_argument(

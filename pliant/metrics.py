@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 
 from pliant.errors import ConfigError
+from pliant.flags import from_env, typed
 from pliant.net import parse_host_port
 
 __all__ = ["FAST_BUCKETS_S", "SLOW_BUCKETS_S", "Health", "MetricsServer", "add_metrics_port_flag", "serve_metrics"]
@@ -110,8 +110,8 @@ def add_metrics_port_flag(parser: argparse.ArgumentParser, where: str) -> None:
     ``where``."""
     parser.add_argument(
         "--metrics-port",
-        type=int,
-        default=os.environ.get("PLIANT_METRICS_PORT") or None,  # argparse applies type= to a string default
+        type=typed(int, "a port number"),
+        default=from_env("PLIANT_METRICS_PORT"),  # converted when the command line is parsed
         help=f"serve Prometheus metrics ({where}) on this port; 0 picks a free one (env PLIANT_METRICS_PORT; "
         "default: no endpoint)",
     )

@@ -5,6 +5,7 @@ refused call leaves etcd's contents exactly as they were."""
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pliant.coordinator.contract import JobSpec, JobState
+from pliant.coordinator.client import CoordinatorClient
+from pliant.coordinator.contract import JobSpec, JobState, Unavailable
 from pliant.coordinator.store import EtcdStore
 from pliant.tls import LocalCA, Role, TlsConfig, channel_credentials, issue_cert, write_tls_dir
 from pliant.v1 import coordinator_pb2 as pb
@@ -406,6 +408,13 @@ def test_connections_without_a_valid_certificate_are_refused(make_coordinator, p
     # A client that does not trust the server's CA does not talk to it either.
     refused(grpc.secure_channel(server.address, grpc.ssl_channel_credentials(other.ca.cert_pem)))
     agent_tls(pki, "ok").load()  # the right CA still works (sanity)
+    # Our client says so at once, naming the fix, instead of retrying as if no replica ran.
+    started = time.monotonic()
+    foreign = other.issue("admin2", Role.ADMIN, "x").load()
+    with CoordinatorClient(server.address, foreign, retry_for_s=10) as client, pytest.raises(Unavailable) as info:
+        client.list_jobs()
+    assert re.search(r"TLS handshake with \S+ failed .* must come from the same CA", str(info.value)), info.value
+    assert time.monotonic() - started < 3, "a certificate from another CA is not retried"
 
 
 def test_etcd_over_tls_with_client_certificates(make_coordinator, fleet, pki, tmp_path: Path) -> None:

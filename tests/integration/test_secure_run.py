@@ -153,6 +153,8 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
     wait_for(lambda: agent.proc.poll() is not None, 90, "the job to finish")
     assert agent.proc.returncode == 0, agent.output()[-3000:]
     assert sorted(s.step for s in read_steps(events)) == [0, 1, 2, 3, 4]
+    # Its flags (the default --nnodes 1:1) disagree with the job the admin made: one line says which values win.
+    assert "job j1 exists with its own spec: its --nnodes 1:2 wins over this node's 1:1" in agent.output()
     # The agent's certificate may not create jobs: a job that does not exist says who creates it.
     missing = subprocess.run(
         [
@@ -175,6 +177,16 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
         timeout=60,
     )
     assert missing.returncode == ExitCode.ERROR and "pliant job create nope" in missing.stderr, missing.stderr[-2000:]
+    # No token for a job that exists: the line says to pass its token, never that the job does not exist.
+    no_token = [sys.executable, "-m", "pliant", "agent", "--coordinator", server.address, "--job", "j1"]
+    tokenless = subprocess.run(
+        [*no_token, "--tls-dir", str(Path(agent_tls(pki, "n2").cert).parent), str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert tokenless.returncode == ExitCode.ERROR, tokenless.stderr[-2000:]
+    assert "job 'j1': this agent has no join token" in tokenless.stderr and "does not exist" not in tokenless.stderr
     deleted = subprocess.run(
         [sys.executable, "-m", "pliant", "job", "delete", "j1", "--coordinator", server.address, "--tls-dir", admin],
         capture_output=True,

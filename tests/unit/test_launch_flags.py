@@ -165,4 +165,6 @@ def test_metrics_port_flag_and_env(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     monkeypatch.setenv("PLIANT_METRICS_PORT", "nine")
     with pytest.raises(SystemExit):
         parse("run", SCRIPT)
-    assert "--metrics-port: invalid int value: 'nine'" in capsys.readouterr().err
+    assert "--metrics-port: PLIANT_METRICS_PORT='nine' (from the environment) is not a port number" in (
+        capsys.readouterr().err
+    )

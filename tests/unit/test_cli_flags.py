@@ -1,0 +1,64 @@
+"""Bad flags and bad environment values, fed to the CLI as a user would: exit 2, the last line names the value (and
+the variable it came from) and what it should be, no traceback; no flag is taken by an abbreviation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pliant.cli import main
+from tests.integration.harness import SCRIPT
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "named"),
+    [
+        (
+            {"PLIANT_METRICS_PORT": "abc"},
+            ["coordinator", "--etcd", "http://127.0.0.1:1"],
+            "PLIANT_METRICS_PORT='abc' (from the environment) is not a port number; set it to a port number or unset",
+        ),
+        (
+            {"PLIANT_MAX_JOBS": "lots"},
+            ["coordinator", "--etcd", "http://127.0.0.1:1"],
+            "PLIANT_MAX_JOBS='lots' (from the environment) is not an integer",
+        ),
+        (
+            {"PLIANT_LEADER_TTL": "5s"},
+            ["coordinator", "--etcd", "http://127.0.0.1:1"],
+            "PLIANT_LEADER_TTL='5s' (from the environment) is not a number of seconds",
+        ),
+        ({}, ["coordinator", "--metrics-port", "x"], "argument --metrics-port: 'x' is not a port number"),
+        ({}, ["run", "--nproc-per-nod", "2", "train.py"], "unrecognized arguments: --nproc-per-nod"),
+        ({}, ["run", "--node-rank", "0", "train.py"], "--node-rank is not supported by pliant"),
+        ({}, ["job", "create", "j", "--nnodes", "3:1", "--insecure"], "--nnodes '3:1' must have 1 <= MIN <= MAX"),
+        (
+            {},
+            ["run", "--checkpoint-dir", "/proc/no/ckpt", "--nnodes", "1", str(SCRIPT)],
+            "--checkpoint-dir /proc/no/ckpt: cannot write there",
+        ),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_it_and_exit_2(
+    env: dict[str, str],
+    argv: list[str],
+    named: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(main(argv))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and named in err, err  # one line, not the usage first
+    assert "Traceback" not in err
+
+
+def test_a_bad_environment_value_does_not_break_help_or_another_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PLIANT_LEADER_TTL", "5s")  # read when the parser is built, converted only when it is used
+    with pytest.raises(SystemExit) as exited:
+        main(["status", "--help"])
+    assert exited.value.code == 0 and "--coordinator" in capsys.readouterr().out
