@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -53,14 +53,17 @@ from pliant.coordinator.contract import (
 )
 from pliant.env import WorkerEnv
 from pliant.fence import Fence, read_fence
+from pliant.logsetup import CONSOLE
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import interface_of, is_loopback
+from pliant.progress import read_record
 from pliant.seal import SealError
 from pliant.tls import Role
 
 __all__ = ["Agent"]
 
 logger = logging.getLogger(__name__)
+console = logging.getLogger(CONSOLE)  # the job's own lines (pliant.logsetup)
 
 TICK_S = 0.25
 HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
@@ -79,6 +82,29 @@ class _PortFound:
 
     generation: Generation
     port: int
+
+
+@dataclass
+class _Summary:
+    """What the agent's last line says of this node's part in the job (loop thread)."""
+
+    started_at: float = field(default_factory=time.monotonic)
+    steps: int = 0  # the highest step this node's workers completed
+    worlds: list[int] = field(default_factory=list)  # the world sizes this node trained in, in order
+    in_place: int = 0  # generations handed to running workers
+    restarts: int = 0  # worker groups started after the first
+
+    def world(self, size: int) -> None:
+        if not self.worlds or self.worlds[-1] != size:
+            self.worlds.append(size)
+
+    def line(self, job: str, outcome: str) -> str:
+        worlds = " -> ".join(map(str, self.worlds)) or "none"
+        steps = f"{self.steps} steps in " if self.steps else ""  # a script without pliant.worker reports none
+        return (
+            f"job {job} {outcome}: {steps}{time.monotonic() - self.started_at:.1f}s on this node; world sizes "
+            f"{worlds}; {self.in_place} rescales in place, {self.restarts} restarts"
+        )
 
 
 class Agent:
@@ -146,6 +172,7 @@ class Agent:
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._ticked_at: float | None = None  # the loop's last tick (loop thread; read by the metrics thread)
+        self._summary = _Summary()  # the last line's figures (loop thread)
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
         self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
 
@@ -539,7 +566,9 @@ class Agent:
         if self.config.checkpoint_dir and self.grant is not None and now - self._fence_read_at >= FENCE_READ_S:
             self._fence, self._fence_read_at = self._read_fence(), now
         ready = self.group is not None and self.group.ready()
-        return core.Tick(self.group.progress() if self.group is not None else {}, self._fence, ready)
+        progress = self.group.progress() if self.group is not None else {}
+        self._summary.steps = max([self._summary.steps, *(step for step, _phase, _gen in progress.values())])
+        return core.Tick(progress, self._fence, ready)
 
     def _read_fence(self) -> Fence | None:
         """The checkpoint directory's fence if it is sealed with the job's key; one that is not (forged, or from a
@@ -651,6 +680,11 @@ class Agent:
         elif isinstance(action, core.Exit):
             if action.code == ExitCode.JOB_FAILED:
                 print(f"pliant: job {self.config.spec.job_id} failed: {action.message}", file=sys.stderr, flush=True)
+            outcome = {ExitCode.SUCCEEDED: "succeeded", ExitCode.JOB_FAILED: "failed"}.get(
+                action.code, "left by this node"
+            )
+            self._summary.steps = max(self._summary.steps, self._steps_recorded())
+            console.info("%s", self._summary.line(self.config.spec.job_id, outcome))
             return action.code
         return None
 
@@ -743,11 +777,15 @@ class Agent:
         kept, started = self.group.reconfigure(gen.number, self._envs(gen, port))
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
-        logger.info(
-            "agent %s: generation %d in place (%s): %d workers keep their processes, %d started",
-            self.config.node_id,
+        before = self._summary.worlds[-1] if self._summary.worlds else 0
+        self._summary.in_place += 1
+        self._summary.world(gen.world_size)
+        console.info(
+            "generation %d (%s): world %d -> %d in place, %d workers kept, %d started",
             gen.number,
             gen.reason,
+            before,
+            gen.world_size,
             kept,
             started,
         )
@@ -827,6 +865,24 @@ class Agent:
         self.group.start()
         self._tracked.append(self.group)
         self.metrics.group_started(gen.number)
+        me = self._me(gen)
+        if self._summary.worlds or self._summary.restarts:
+            self._summary.restarts += 1
+        self._summary.world(gen.world_size)
+        console.info(
+            "generation %d (%s): world %d, ranks %d..%d on this node, %d workers started",
+            gen.number,
+            gen.reason,
+            gen.world_size,
+            me.rank_offset,
+            me.rank_offset + me.nproc - 1,
+            me.nproc,
+        )
+
+    def _steps_recorded(self) -> int:
+        """The highest step any of this node's workers recorded in its progress file (a finished one's too)."""
+        records = (read_record(str(path)) for path in Path(self.progress_dir).glob("gen-*-rank-*"))
+        return max([0, *(record[0] for record in records if record is not None)])
 
     def _me(self, gen: Generation) -> GenerationMember:
         return next(m for m in gen.members if m.node_id == self.config.node_id)

@@ -579,24 +579,25 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
             address = f"{host}:{coordinator.port}"
             security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
             ports = f"ports {coordinator.port}" + (f" and {coordinator.bootstrap_port}" if certs else "")
-            join = _join_command(args, address, certs.fingerprint if certs else "", token)
-            print(
-                f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint}); other nodes join "
-                f"with:\n  {join}",
-                flush=True,
-            )
-            if is_loopback(host):
-                print(
-                    "pliant: the coordinator listens on loopback: only this machine can join; pass --listen "
-                    "0.0.0.0:29400 to let other machines join",
-                    flush=True,
-                )
+            joinable = parse_node_range(args.nnodes)[1] > 1  # --nnodes 1:1: no node can join, none is told how
+            plane = f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint})"
+            if not joinable:
+                print(plane, flush=True)
             else:
-                print(
-                    f"pliant: other machines need TCP {ports} of {host} open, and this node's store port "
-                    f"(--store-port; docs/operations.md lists every port)",
-                    flush=True,
-                )
+                join = _join_command(args, address, certs.fingerprint if certs else "", token)
+                print(f"{plane}; other nodes join with:\n  {join}", flush=True)
+                if is_loopback(host):
+                    print(
+                        "pliant: the coordinator listens on loopback: only this machine can join; pass --listen "
+                        "0.0.0.0:29400 to let other machines join",
+                        flush=True,
+                    )
+                else:
+                    print(
+                        f"pliant: other machines need TCP {ports} of {host} open, and this node's store port "
+                        f"(--store-port; docs/operations.md lists every port)",
+                        flush=True,
+                    )
             if certs:
                 status = f"{shlex.join(pliant_command())} status --coordinator {address}"
                 print(f"pliant: `{status} --tls-dir {certs.directory / 'admin'}` shows the job", flush=True)

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import psutil
 
+# The processes a benchmark starts log their components' INFO records (quiet is the default): it reads them.
+os.environ.setdefault("PLIANT_LOG_LEVEL", "INFO")
+
 __all__ = [
     "ask_for_stacks",
     "batches_counted",

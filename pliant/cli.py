@@ -33,7 +33,11 @@ def _env(name: str, default: str | None = None) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pliant", description="Elastic training runtime for PyTorch.")
     parser.add_argument("--version", action="version", version=f"pliant {__version__}")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $PLIANT_LOG_LEVEL or INFO)")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="DEBUG, INFO, WARNING (default: $PLIANT_LOG_LEVEL or WARNING; the job's own lines always show)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     coord = sub.add_parser(

@@ -21,6 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+# The processes the tests start log their components' INFO records (quiet is the default): tests read them for what
+# happened. A test of the quiet console clears the variable for its own process.
+os.environ.setdefault("PLIANT_LOG_LEVEL", "INFO")
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from pliant.agent.contract import ExitCode
-from tests.integration.harness import SCRIPT, read_steps
+from tests.integration.harness import ELASTIC, SCRIPT, read_steps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,6 +26,26 @@ def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[st
 
 
 @pytest.mark.slow
+def test_a_run_says_what_a_person_needs_and_no_more(tmp_path) -> None:
+    """Quiet by default: the control plane's address, how to watch the job, one line per world, the summary; the
+    components' INFO records only with --log-level info. (--nnodes 1:1: no node can join, so no join command.)"""
+    env = {k: v for k, v in os.environ.items() if k != "PLIANT_LOG_LEVEL"}
+    argv = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    script = [str(ELASTIC), "--steps", "20", "--events", str(tmp_path / "events.jsonl")]
+    result = subprocess.run([*argv, *script], capture_output=True, text=True, timeout=90, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if not line.startswith("[")]  # not ranks'
+    assert len(lines) <= 8 and not [line for line in lines if " INFO " in line], lines
+    assert "pliant: generation 1 (start): world 2, ranks 0..1 on this node, 2 workers started" in lines, lines
+    assert re.fullmatch(
+        r"pliant: job default succeeded: 20 steps in [\d.]+s on this node; world sizes 2; 0 rescales in place, "
+        r"0 restarts",
+        lines[-1],
+    ), lines
+    assert not [line for line in lines if "join with" in line or "PLIANT_JOIN_TOKEN" in line], lines
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", [["-m", "pliant", "run"], ["-m", "pliant.run"]], ids=["pliant run", "-m pliant.run"])
 def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) -> None:
     events = tmp_path / "events.jsonl"
@@ -32,6 +53,8 @@ def test_pliant_run_with_the_embedded_control_plane(entry: list[str], tmp_path) 
         [
             sys.executable,
             *entry,
+            "--nnodes",
+            "1:2",
             "--nproc-per-node",
             "2",
             "--log-dir",
