@@ -86,24 +86,48 @@ class _PortFound:
 
 @dataclass
 class _Summary:
-    """What the agent's last line says of this node's part in the job (loop thread)."""
+    """This node's part in the job, for its console: a line per world it takes part in, and the last line (loop
+    thread)."""
 
     started_at: float = field(default_factory=time.monotonic)
     steps: int = 0  # the highest step this node's workers completed
     worlds: list[int] = field(default_factory=list)  # the world sizes this node trained in, in order
+    groups: int = 0  # worker groups started
     in_place: int = 0  # generations handed to running workers
-    restarts: int = 0  # worker groups started after the first
 
-    def world(self, size: int) -> None:
-        if not self.worlds or self.worlds[-1] != size:
+    def _world(self, size: int) -> int:
+        """Record a world of ``size``; returns the one before (0: none)."""
+        before = self.worlds[-1] if self.worlds else 0
+        if before != size:
             self.worlds.append(size)
+        return before
+
+    def started(self, gen: Generation, me: GenerationMember) -> str:
+        """A worker group started for ``gen``: its console line."""
+        self.groups += 1
+        self._world(gen.world_size)
+        last = me.rank_offset + me.nproc - 1
+        return (
+            f"generation {gen.number} ({gen.reason}): world {gen.world_size}, ranks {me.rank_offset}..{last} on this "
+            f"node, {me.nproc} workers started"
+        )
+
+    def handed(self, gen: Generation, kept: int, started: int) -> str:
+        """``gen`` handed to the running group in place: its console line."""
+        self.in_place += 1
+        before = self._world(gen.world_size)
+        return (
+            f"generation {gen.number} ({gen.reason}): world {before} -> {gen.world_size} in place, {kept} workers "
+            f"kept, {started} started"
+        )
 
     def line(self, job: str, outcome: str) -> str:
+        """The last line: how the job ended for this node, and what it went through."""
         worlds = " -> ".join(map(str, self.worlds)) or "none"
         steps = f"{self.steps} steps in " if self.steps else ""  # a script without pliant.worker reports none
         return (
             f"job {job} {outcome}: {steps}{time.monotonic() - self.started_at:.1f}s on this node; world sizes "
-            f"{worlds}; {self.in_place} rescales in place, {self.restarts} restarts"
+            f"{worlds}; {self.in_place} rescales in place, {max(0, self.groups - 1)} restarts"
         )
 
 
@@ -777,18 +801,7 @@ class Agent:
         kept, started = self.group.reconfigure(gen.number, self._envs(gen, port))
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
-        before = self._summary.worlds[-1] if self._summary.worlds else 0
-        self._summary.in_place += 1
-        self._summary.world(gen.world_size)
-        console.info(
-            "generation %d (%s): world %d -> %d in place, %d workers kept, %d started",
-            gen.number,
-            gen.reason,
-            before,
-            gen.world_size,
-            kept,
-            started,
-        )
+        console.info("%s", self._summary.handed(gen, kept, started))
 
     def _start_workers(self, gen: Generation) -> None:
         """Start this node's workers of ``gen``: at once when its store port is known (node rank 0 opens it itself),
@@ -819,7 +832,7 @@ class Agent:
             return self._found_port[1]
         if gen.number not in self._port_reads:
             self._port_reads.add(gen.number)
-            threading.Thread(target=self._read_port, args=(gen,), name="store-port", daemon=True).start()
+            self._in_background(lambda: self._read_port(gen), "store-port")
         return None
 
     def _read_port(self, gen: Generation) -> None:
@@ -865,19 +878,7 @@ class Agent:
         self.group.start()
         self._tracked.append(self.group)
         self.metrics.group_started(gen.number)
-        me = self._me(gen)
-        if self._summary.worlds or self._summary.restarts:
-            self._summary.restarts += 1
-        self._summary.world(gen.world_size)
-        console.info(
-            "generation %d (%s): world %d, ranks %d..%d on this node, %d workers started",
-            gen.number,
-            gen.reason,
-            gen.world_size,
-            me.rank_offset,
-            me.rank_offset + me.nproc - 1,
-            me.nproc,
-        )
+        console.info("%s", self._summary.started(gen, self._me(gen)))
 
     def _steps_recorded(self) -> int:
         """The highest step any of this node's workers recorded in its progress file (a finished one's too)."""
@@ -952,10 +953,10 @@ class Agent:
         if self.group is not None:
             self.group.dump_stacks()
 
-    def _in_background(self, probe: Callable[[], None], name: str) -> None:
-        """Run ``probe`` (network calls, each with a timeout) on a thread of its own: it answers with an event, so the
-        loop never waits on a peer that does not answer."""
-        threading.Thread(target=probe, name=name, daemon=True).start()
+    def _in_background(self, work: Callable[[], None], name: str) -> None:
+        """Run ``work`` (network calls, each with a timeout: a store port's read, a probe) on a thread of its own: it
+        answers with an event, so the loop never waits on a peer that does not answer."""
+        threading.Thread(target=work, name=name, daemon=True).start()
 
     def _probe_newcomers(self, action: core.ProbeNewcomers) -> None:
         """Which of ``action``'s newcomers' agents this node cannot reach (a probe thread; :class:`core.NewcomersProbed`
