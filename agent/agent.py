@@ -15,17 +15,17 @@ import logging
 import os
 import queue
 import signal
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
+from pliant.agent.console import Summary, WaitLine, awaited
 from pliant.agent.contract import AgentConfig, AgentError, ExitCode
 from pliant.agent.credentials import Credentials
 from pliant.agent.metrics import AgentMetrics
@@ -58,6 +58,7 @@ from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import interface_of, is_loopback
 from pliant.progress import read_record
 from pliant.seal import SealError
+from pliant.statusline import status_line
 from pliant.tls import Role
 
 __all__ = ["Agent"]
@@ -66,6 +67,7 @@ logger = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)  # the job's own lines (pliant.logsetup)
 
 TICK_S = 0.25
+JOIN_WAIT_SHOWN_AFTER_S = 1.0  # a join that waits longer (no coordinator answers yet) says what it waits for
 HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
 _GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordinator will never take: drop it
@@ -82,53 +84,6 @@ class _PortFound:
 
     generation: Generation
     port: int
-
-
-@dataclass
-class _Summary:
-    """This node's part in the job, for its console: a line per world it takes part in, and the last line (loop
-    thread)."""
-
-    started_at: float = field(default_factory=time.monotonic)
-    steps: int = 0  # the highest step this node's workers completed
-    worlds: list[int] = field(default_factory=list)  # the world sizes this node trained in, in order
-    groups: int = 0  # worker groups started
-    in_place: int = 0  # generations handed to running workers
-
-    def _world(self, size: int) -> int:
-        """Record a world of ``size``; returns the one before (0: none)."""
-        before = self.worlds[-1] if self.worlds else 0
-        if before != size:
-            self.worlds.append(size)
-        return before
-
-    def started(self, gen: Generation, me: GenerationMember) -> str:
-        """A worker group started for ``gen``: its console line."""
-        self.groups += 1
-        self._world(gen.world_size)
-        last = me.rank_offset + me.nproc - 1
-        return (
-            f"generation {gen.number} ({gen.reason}): world {gen.world_size}, ranks {me.rank_offset}..{last} on this "
-            f"node, {me.nproc} workers started"
-        )
-
-    def handed(self, gen: Generation, kept: int, started: int) -> str:
-        """``gen`` handed to the running group in place: its console line."""
-        self.in_place += 1
-        before = self._world(gen.world_size)
-        return (
-            f"generation {gen.number} ({gen.reason}): world {before} -> {gen.world_size} in place, {kept} workers "
-            f"kept, {started} started"
-        )
-
-    def line(self, job: str, outcome: str) -> str:
-        """The last line: how the job ended for this node, and what it went through."""
-        worlds = " -> ".join(map(str, self.worlds)) or "none"
-        steps = f"{self.steps} steps in " if self.steps else ""  # a script without pliant.worker reports none
-        return (
-            f"job {job} {outcome}: {steps}{time.monotonic() - self.started_at:.1f}s on this node; world sizes "
-            f"{worlds}; {self.in_place} rescales in place, {max(0, self.groups - 1)} restarts"
-        )
 
 
 class Agent:
@@ -196,7 +151,9 @@ class Agent:
         self._renewing: tuple[int, int] | None = None
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._ticked_at: float | None = None  # the loop's last tick (loop thread; read by the metrics thread)
-        self._summary = _Summary()  # the last line's figures (loop thread)
+        self._summary = Summary()  # the last line's figures (loop thread)
+        self._wait = WaitLine(status_line())  # the console's line for a long wait (loop thread)
+        self._job: tuple[JobState | None, str] = (None, "")  # the job's state and reason, as last watched (loop thread)
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
         self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
 
@@ -237,9 +194,13 @@ class Agent:
                     "(shared by the nodes) to keep progress",
                     self.config.node_id,
                 )
+            joining = WaitLine(status_line(), after_s=JOIN_WAIT_SHOWN_AFTER_S)
+            self.client.waiting = lambda what, note: joining.update(what, note, time.monotonic())
             if self.config.ca_cert_hash:
-                self.tls = self.credentials.bootstrap(self.join_token)
-            self._join()
+                self.tls = self.credentials.bootstrap(self.join_token, self.client.waiting)
+            self._join(self.client.waiting)
+            self.client.waiting = None  # the heartbeat thread uses the client from now on; it says its own lines
+            joining.update("", "", time.monotonic())
             for target, name in (
                 (self._heartbeat_loop, "heartbeat"),
                 (self._watch_loop, "watch"),
@@ -252,13 +213,13 @@ class Agent:
             self.store.key = self.grant.checkpoint_key if self.grant is not None else b""  # seals its records
             return self._loop()
         except JobFinished as exc:  # a node that comes late ends as the job did
-            print(f"pliant agent: job {exc.job} already {exc.state.value}; nothing to do", file=sys.stderr, flush=True)
+            console.info("job %s already %s; nothing to do", exc.job, exc.state.value)
             return ExitCode.SUCCEEDED if exc.state is JobState.SUCCEEDED else ExitCode.JOB_FAILED
         except (CoordinatorError, AgentError, BootstrapError) as exc:
-            logger.error("agent %s: %s", self.config.node_id, exc)
-            print(f"pliant agent: error: {exc}", file=sys.stderr, flush=True)
+            console.error("error: %s", exc)
             return ExitCode.ERROR
         finally:
+            self._wait.update("", "", time.monotonic())
             self._stop.set()
             for group in (self._stopping, self.group):
                 if group is not None:
@@ -297,11 +258,11 @@ class Agent:
         else:
             fix = "Check that a coordinator replica runs and reaches etcd (pliant status)"
         line = (
-            f"pliant agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} ({where}) "
+            f"agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} ({where}) "
             f"has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but no node can "
             f"join or leave and the job's end cannot be recorded until it is back. {fix}"
         )
-        print(line, file=sys.stderr, flush=True)  # the user's line (not logged too: it would show twice)
+        console.warning("%s", line)
 
     def _create_job(self) -> None:
         """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.
@@ -339,13 +300,17 @@ class Agent:
         logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
         if created and admin is None:  # no one else was told the token: say it, as `pliant job create` does
             coordinators = ",".join(self.config.coordinator)
-            print(
-                f"pliant: job {spec.job_id} created; other nodes join it with --coordinator {coordinators} --job "
-                f"{spec.job_id} --join-token={token}",
-                flush=True,
+            console.info(
+                "job %s created; other nodes join it with --coordinator %s --job %s --join-token=%s",
+                spec.job_id,
+                coordinators,
+                spec.job_id,
+                token,
             )
 
-    def _join(self) -> None:
+    def _join(self, waiting: Callable[[str, str], None]) -> None:
+        """Join the job (creating it when this agent may), waiting while an earlier agent of this node id still holds
+        its membership; ``waiting`` is told what it waits for."""
         job = self.config.spec.job_id
         if not self.join_token:
             self._create_job()
@@ -361,6 +326,7 @@ class Agent:
             except AlreadyExists:
                 if time.monotonic() > deadline:
                     raise
+                waiting(f"waiting for an earlier agent of node {self.config.node_id} to be dropped", "")
                 if not waited:
                     waited = True
                     logger.info(
@@ -438,7 +404,7 @@ class Agent:
                     back_after = time.monotonic() - down_since
                     logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", node, back_after)
                     if said:
-                        print(f"pliant agent {node}: the control plane is reachable again", file=sys.stderr, flush=True)
+                        console.info("agent %s: the control plane is reachable again", node)
                 failing, said = False, False
                 self.tls = self.credentials.renew_if_due() or self.tls
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
@@ -629,9 +595,13 @@ class Agent:
                         "so that its supervisor restarts the node"
                     )
                 self._publish_renewing()
+                waiting = awaited(self.state, *self._job, self.config.spec.min_nodes, self._ticked_at)
+                self._wait.update(*waiting, self._ticked_at)
             elif isinstance(event, WatchEvent):
+                self._job = (event.status.state, event.status.reason)
                 if event.generation is not None:
                     self._generations[event.generation.number] = event.generation
+                    self._summary.seen(event.generation, time.monotonic())
                     for old in sorted(self._generations)[:-8]:
                         del self._generations[old]
                     code = self._dispatch(core.GenerationSeen(event.generation))
@@ -642,7 +612,7 @@ class Agent:
                 self._port_found(event)
                 continue
             elif isinstance(event, _JoinRefused):
-                print(f"pliant agent: error: cannot join again: {event}", file=sys.stderr, flush=True)
+                console.error("error: cannot join again: %s", event)
                 return ExitCode.ERROR
             code = self._dispatch(event)  # type: ignore[arg-type]
             if code is not None:
@@ -703,12 +673,12 @@ class Agent:
             self._leave()
         elif isinstance(action, core.Exit):
             if action.code == ExitCode.JOB_FAILED:
-                print(f"pliant: job {self.config.spec.job_id} failed: {action.message}", file=sys.stderr, flush=True)
+                console.info("job %s failed: %s", self.config.spec.job_id, action.message)
             outcome = {ExitCode.SUCCEEDED: "succeeded", ExitCode.JOB_FAILED: "failed"}.get(
                 action.code, "left by this node"
             )
             self._summary.steps = max(self._summary.steps, self._steps_recorded())
-            console.info("%s", self._summary.line(self.config.spec.job_id, outcome))
+            console.info("%s", self._summary.line(self.config.spec.job_id, outcome, time.monotonic()))
             return action.code
         return None
 
@@ -801,7 +771,7 @@ class Agent:
         kept, started = self.group.reconfigure(gen.number, self._envs(gen, port))
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
-        console.info("%s", self._summary.handed(gen, kept, started))
+        console.info("%s", self._summary.handed(gen, kept, started, time.monotonic()))
 
     def _start_workers(self, gen: Generation) -> None:
         """Start this node's workers of ``gen``: at once when its store port is known (node rank 0 opens it itself),
@@ -878,7 +848,7 @@ class Agent:
         self.group.start()
         self._tracked.append(self.group)
         self.metrics.group_started(gen.number)
-        console.info("%s", self._summary.started(gen, self._me(gen)))
+        console.info("%s", self._summary.started(gen, self._me(gen), time.monotonic()))
 
     def _steps_recorded(self) -> int:
         """The highest step any of this node's workers recorded in its progress file (a finished one's too)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from pliant.agent.contract import AgentConfig
 from pliant.bootstrap import BootstrapError, CertificateLifetime, renewal_due, request_certificate
@@ -41,10 +42,11 @@ class Credentials:
         self.lifetime: CertificateLifetime | None = None
         self.failing = False
 
-    def bootstrap(self, token: str) -> TlsMaterial:
+    def bootstrap(self, token: str, waiting: Callable[[str, str], None] | None = None) -> TlsMaterial:
         """Get this node's agent certificate by the bootstrap join: pin the CA, make a key, have it signed for the
         join token. Retried while no bootstrap service answers (up to the config's ``heartbeat_retry_s``) and while
-        an earlier agent of this node id still holds its membership (as long as the join waits for it).
+        an earlier agent of this node id still holds its membership (as long as the join waits for it); ``waiting``
+        is told at each retry what it waits for and why.
 
         Raises:
             JobFinished: the job has finished.
@@ -63,9 +65,15 @@ class Credentials:
             except BootstrapError as exc:
                 now = time.monotonic()
                 if exc.code == "UNAVAILABLE" and now < deadline:
+                    if waiting is not None:
+                        why = str(exc).rsplit(": ", 1)[-1][:120]
+                        limit = f"gives up after {config.heartbeat_retry_s:g}s"
+                        waiting(f"waiting for the bootstrap service at {','.join(config.bootstrap)}", f"{why}; {limit}")
                     self.stop.wait(min(1.0, 0.1 * attempt))
                     continue
                 if exc.code == "ALREADY_EXISTS" and now < held_until:
+                    if waiting is not None:
+                        waiting(f"waiting for an earlier agent of node {config.node_id} to be dropped", "")
                     if attempt == 1:
                         logger.info(
                             "agent %s: an earlier agent of this node id still holds its membership; waiting for it "

@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import shutil
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from pliant.agent import snapshots
 from pliant.agent.contract import AgentConfig, default_node_id
 from pliant.bootstrap import bootstrap_address, parse_pin
-from pliant.coordinator.contract import JobSpec, parse_node_range
+from pliant.coordinator.contract import JOIN_TOKEN_RULE, JobSpec, is_join_token, parse_node_range
 from pliant.env import AUTO, parse_every
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
@@ -293,6 +294,38 @@ def _check_writable(directory: str) -> None:
         ) from None
 
 
+def _check_free(host: str, port: int | None, flag: str) -> None:
+    """A fixed port (``flag``) that something on this machine already listens on fails before anything starts,
+    in one line, instead of after the control plane or the workers started.
+
+    Raises:
+        ConfigError: ``host:port`` cannot be listened on; the message names the flag, the port and the fix.
+    """
+    if not port or not 0 < port < 65536:  # none, any free one, or not a port (the config names it)
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()  # SO_REUSEADDR: only a listener is in the way
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(
+            f"{flag}: cannot listen on {host}:{port} ({reason}); stop what uses it or pick another port"
+        ) from None
+
+
+def _check_token(token: str) -> None:
+    """A join token that cannot be one fails here, not as the coordinator's refusal after the node started.
+
+    Raises:
+        ConfigError: the token has not the form of one (its length is said, never the value).
+    """
+    if token and not is_join_token(token):
+        raise ConfigError(
+            f"--join-token (or PLIANT_JOIN_TOKEN) of {len(token)} characters is not a join token ({JOIN_TOKEN_RULE}); "
+            f"copy the one in the join command the first node printed, or from `pliant job create`"
+        )
+
+
 def _nproc(text: str) -> int:
     if text in ("auto", "gpu"):
         try:
@@ -366,6 +399,8 @@ def config_from_args(
     if args.checkpoint_dir:
         _check_writable(args.checkpoint_dir)
     host = args.host or advertised_host(args, coordinator, embedded)
+    _check_free(host, args.store_port, "--store-port")
+    _check_free(host, args.metrics_port, "--metrics-port")
     node_id = args.node_id
     pin = parse_pin(args.ca_cert_hash) if args.ca_cert_hash and tls is None and not embedded else ""
     if tls is not None:
@@ -378,6 +413,7 @@ def config_from_args(
             )
         node_id = identity.name
     token = read_token_file(args.join_token_file) if args.join_token_file else args.join_token
+    _check_token(token)
     if pin and not token:
         raise ConfigError(
             "--ca-cert-hash joins by bootstrap, which needs the job's join token: add --join-token=TOKEN from the "
@@ -527,7 +563,10 @@ def run_main(args: argparse.Namespace) -> int:
         )
     # Validate every flag before creating or starting anything.
     draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
-    listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
+    listen_host, listen_port = parse_host_port(args.listen, what="--listen", allow_zero=True)
+    _check_free(listen_host, listen_port, "--listen")
+    if listen_port and not args.insecure:  # the bootstrap join's port is the next one
+        _check_free(listen_host, listen_port + 1, "--listen's port + 1 (the bootstrap join's port)")
     args.host = draft.host
     certs = None
     if not args.insecure:  # secure by default: an ephemeral CA for this run
@@ -556,6 +595,9 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
     from pliant.coordinator.signer import Signer
 
     log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        # A quiet console: what the embedded coordinator warns of (a job's failure) the agent says in its own line.
+        logging.getLogger("pliant.coordinator").setLevel(logging.ERROR)
     if log_path:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]

@@ -34,12 +34,12 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_SIGNAL, STACKS_SIGNAL, WorkerE
 from pliant.progress import Directive, in_place_ready, read_directive, read_record, takes_signal, write_directive
 from pliant.spawn import alive as process_alive
 from pliant.spawn import die_with_parent
+from pliant.statusline import write_output
 
 __all__ = ["ForkedProc", "WorkerCommand", "WorkerGroup", "Zygote", "worker_base_env"]
 
 logger = logging.getLogger(__name__)
 
-_console_lock = threading.Lock()
 _hints = Hints()  # the hints this agent said about its workers' output (each once)
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's switch (c10's CPU allocator): madvise(MADV_HUGEPAGE) on >= 2 MB
 
@@ -254,15 +254,12 @@ class _Worker:
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
-        out = sys.stdout.buffer
         for line in iter(self.proc.stdout.readline, b""):
             prefix = f"[{self.env.rank}]:".encode()  # the rank may change in place
             if self.log is not None:
                 self.log.write(line)
                 self.log.flush()
-            with _console_lock:
-                out.write(prefix + line)
-                out.flush()
+            write_output(prefix + line)
             hint = _hints.first(line)
             if hint is not None:
                 logger.warning("rank %d: %s", self.env.rank, hint)

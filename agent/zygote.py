@@ -21,7 +21,9 @@ unloaded, so the zygote executes itself again (same pid, same sockets, the store
   modules it does not preload.
 
 Each worker leads its own session (stopping its process group stops everything it started) and gets SIGKILL when the
-zygote dies; the zygote gets SIGKILL when the agent dies (started through :mod:`pliant.spawn`).
+zygote dies; the zygote gets SIGKILL when the agent dies (started through :mod:`pliant.spawn`). A worker looks like
+the process that ``python SCRIPT ARGS`` would be: ``ps`` shows that command line (and ``top`` the script's name), and
+a traceback it dies with starts at the script's frame, without the zygote's and runpy's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import select
 import signal
 import socket
 import sys
+import traceback
+from types import TracebackType
 from typing import Any
 
 from pliant.env import STACKS_SIGNAL
@@ -80,9 +84,33 @@ def _become_worker(sock: socket.socket, out_fd: int, job: dict[str, Any]) -> Non
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    _name_process(job["argv"], bool(job.get("module")))  # first: it moves the environment the next lines rewrite
     os.environ.clear()
     os.environ.update(job["env"])
     sys.argv = list(job["argv"])
+    sys.excepthook = _script_excepthook
+
+
+def _name_process(argv: list[str], module: bool) -> None:
+    """Show this worker as the command that would run it cold (``ps``), named after its script (``top``)."""
+    try:
+        import setproctitle
+    except ImportError:  # an install without it: the worker keeps the zygote's name
+        return
+    setproctitle.setproctitle(" ".join([sys.executable, "-u", *(["-m"] if module else []), *argv]))
+    setproctitle.setthreadtitle(os.path.basename(argv[0]) if argv else "python")
+
+
+def _script_excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """Print an uncaught exception as ``python SCRIPT`` would: the traceback starts at the script's own frame."""
+    while tb is not None and _is_launch_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(kind, value, tb)
+
+
+def _is_launch_frame(filename: str) -> bool:
+    """Whether ``filename`` is code that runs the script (this module, runpy) rather than the script."""
+    return filename == __file__ or os.path.basename(filename) in ("runpy.py", "<frozen runpy>")
 
 
 def _defer_process_group_teardown() -> None:

@@ -87,6 +87,9 @@ class CoordinatorClient:
             raise ValueError("no coordinator address given; pass --coordinator HOST:PORT")
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
+        # Told at each retry what the call waits for and why, e.g. the agent's status line while it joins (the
+        # thread that sets it owns it; None: no one is told).
+        self.waiting: Callable[[str, str], None] | None = None
         # gRPC's reconnect backoff grows to 2 minutes by default: after a long control-plane outage a node would reach
         # the returning coordinator too late for the grace it gets (one heartbeat TTL). Retry the connection every
         # second at most.
@@ -170,6 +173,11 @@ class CoordinatorClient:
                         self.targets[self._current],
                         details[-160:],
                         self.retry_for_s,
+                    )
+                if self.waiting is not None:
+                    self.waiting(
+                        f"waiting for a coordinator at {','.join(self.targets)}",
+                        f"{what}: {details.rsplit(': ', 1)[-1][:120]}; gives up after {self.retry_for_s:g}s",
                     )
                 self._current = (self._current + 1) % len(self._stubs)
                 time.sleep(backoff.next())

@@ -19,6 +19,7 @@ import grpc
 from pliant.errors import ConfigError, PliantError
 
 __all__ = [
+    "JOIN_TOKEN_RULE",
     "MAX_ADDRESS_BYTES",
     "MAX_NPROC",
     "MAX_REASON_BYTES",
@@ -57,6 +58,7 @@ __all__ = [
     "WaitUntil",
     "WatchEvent",
     "error_for_status",
+    "is_join_token",
     "parse_node_range",
     "quote",
     "status_for_error",
@@ -193,6 +195,15 @@ def quote(value: object, limit: int = 100) -> str:
         return text
     size = len(value) if isinstance(value, str | bytes) else len(text)
     return f"{text[:limit]}... ({size} characters)"
+
+
+JOIN_TOKEN_RULE = "16-256 printable ASCII characters without spaces"
+"""What a join token is (one the coordinator generates is 43 URL-safe characters)."""
+
+
+def is_join_token(value: str) -> bool:
+    """Whether ``value`` has the form of a join token (:data:`JOIN_TOKEN_RULE`)."""
+    return 16 <= len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value
 
 
 def parse_node_range(text: str) -> tuple[int, int]:

@@ -2,11 +2,12 @@
 
 The winner's fencing token is the create revision of the leader key (:class:`Fence`); every generation write compares
 it, so a replica that lost leadership (paused, partitioned, its lease expired) can never publish even if it still
-believes it leads. The campaign loop never dies silently: etcd errors are logged once per streak and retried with
-backoff; a leader whose keepalives fail for most of its TTL steps down, and another replica takes over when the lease
-expires. Health is honest: the replica reports SERVING as soon as etcd answers (leader or not) and NOT_SERVING while
-it does not, or after a fault (an unexpected error in the reconciler or this loop), which makes it resign and pause
-for one TTL before it campaigns again.
+believes it leads. The campaign loop never dies silently: an unreachable etcd is a warning when it starts, again
+every :data:`UNREACHABLE_SAID_EVERY_S` while it lasts (with how long), and when etcd answers again, and is retried
+with backoff; a leader whose keepalives fail for most of its TTL steps down, and another replica takes over when the
+lease expires. Health is honest: the replica reports SERVING as soon as etcd answers (leader or not) and NOT_SERVING
+while it does not, or after a fault (an unexpected error in the reconciler or this loop), which makes it resign and
+pause for one TTL before it campaigns again.
 
 States (ElectionState): FOLLOWER -> LEADER (won the key) -> FOLLOWER (lost it, keepalive failed, or resigned);
 any -> STOPPED.
@@ -27,6 +28,9 @@ from pliant.coordinator.store import EtcdStore, Fence
 __all__ = ["ElectionState", "LeaderElection"]
 
 logger = logging.getLogger(__name__)
+
+UNREACHABLE_SAID_EVERY_S = 30.0
+"""While etcd stays unreachable, how often a replica says so again."""
 
 
 class ElectionState(enum.Enum):
@@ -146,6 +150,7 @@ class LeaderElection:
 
     def _run(self) -> None:
         backoff = Backoff(0.1, 2.0)
+        down_since = said_at = 0.0  # the unreachable streak's start, and when it was last said (this thread)
         while not self._stop.is_set():
             if self._fault:
                 self._stop.wait(self.ttl_s)  # let another replica take over; then try again
@@ -154,7 +159,9 @@ class LeaderElection:
             try:
                 won = self._campaign()
                 if backoff.failing:
-                    logger.info("replica %s reaches etcd again", self.replica_id)
+                    logger.warning(
+                        "replica %s reaches etcd again after %.0fs", self.replica_id, time.monotonic() - down_since
+                    )
                 backoff.reset()
                 self._health(True)  # etcd answers: serving, whether or not this replica leads
                 if won:
@@ -164,10 +171,22 @@ class LeaderElection:
             except CoordinatorError as exc:
                 if self.is_leader:
                     self._set(ElectionState.FOLLOWER, None)
+                now = time.monotonic()
                 if not backoff.failing:
+                    down_since = said_at = now
                     logger.warning(
                         "replica %s: election paused, etcd unreachable (%s); retrying with backoff",
                         self.replica_id,
+                        exc,
+                    )
+                elif now - said_at >= UNREACHABLE_SAID_EVERY_S:
+                    said_at = now
+                    logger.warning(
+                        "replica %s: etcd still unreachable after %.0fs (%s): no job's world can change and no node "
+                        "can join until it answers (workers train on); check that etcd runs and that this replica "
+                        "reaches it (--etcd)",
+                        self.replica_id,
+                        now - down_since,
                         exc,
                     )
                 self._health(False)

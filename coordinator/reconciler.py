@@ -400,6 +400,6 @@ class Reconciler:
             return decision.deadline
         if isinstance(decision, FailJob):
             self._store.set_status(snap, JobStatus(JobState.FAILED, self._wall(), decision.reason), fence)
-            logger.error("job %s failed: %s", job, decision.reason)
+            logger.warning("job %s failed: %s", job, decision.reason)
             return None
         raise TypeError(f"unknown planner decision {decision!r}")

@@ -21,6 +21,7 @@ import grpc
 
 from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, require_node
 from pliant.coordinator.contract import (
+    JOIN_TOKEN_RULE,
     CoordinatorError,
     CorruptRecord,
     FailedPrecondition,
@@ -33,6 +34,7 @@ from pliant.coordinator.contract import (
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    is_join_token,
     status_for_error,
     truncate_reason,
     validate_address,
@@ -101,11 +103,11 @@ def _lease_id(value: int, node_id: str) -> int:
 
 
 def _token(value: str) -> str:
-    """A join token chosen by the caller: 16-256 printable ASCII characters."""
-    if value and not (16 <= len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value):
+    """A join token chosen by the caller (:data:`JOIN_TOKEN_RULE`)."""
+    if value and not is_join_token(value):
         raise InvalidArgument(
-            f"join_token of {len(value)} characters is invalid: use 16-256 printable ASCII characters without spaces, "
-            f"or leave it empty and the coordinator generates one"
+            f"join_token of {len(value)} characters is invalid: use {JOIN_TOKEN_RULE}, or leave it empty and the "
+            f"coordinator generates one"
         )
     return value
 

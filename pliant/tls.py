@@ -615,11 +615,9 @@ def tls_from_flags(tls_dir: str | None, insecure: bool, command: str) -> TlsConf
         ConfigError: neither or both were given, or the directory does not exist.
     """
     if tls_dir and insecure:
-        raise ConfigError(
-            f"pliant {command}: --tls-dir (or PLIANT_TLS_DIR) and --insecure contradict each other; drop one"
-        )
+        raise ConfigError("--tls-dir (or PLIANT_TLS_DIR) and --insecure contradict each other; drop one")
     if insecure:
-        logger.warning("pliant %s: --insecure: gRPC in plaintext, no certificates checked", command)
+        logger.warning("%s --insecure: gRPC in plaintext, no certificates checked", command)
         return None
     if not tls_dir:
         raise ConfigError(

@@ -4,11 +4,14 @@ state writes are fenced, and health tells the truth."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import threading
 import time
 
 import pytest
 
+from pliant.coordinator import election
 from pliant.coordinator.contract import (
     CorruptRecord,
     FencingError,
@@ -77,7 +80,12 @@ def test_every_replica_down_longer_than_the_ttl_evicts_no_one(make_coordinator, 
             beats.close()
 
 
-def test_an_etcd_outage_evicts_no_one_and_health_comes_back(make_coordinator, fleet, tmp_path, pki) -> None:
+def test_an_etcd_outage_evicts_no_one_and_health_comes_back(
+    make_coordinator, fleet, tmp_path, pki, monkeypatch, caplog
+) -> None:
+    """...and the replica says so while it lasts (every UNREACHABLE_SAID_EVERY_S), and when etcd is back."""
+    monkeypatch.setattr(election, "UNREACHABLE_SAID_EVERY_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="pliant.coordinator.election")
     ttl = 2.0
     etcd = EtcdServer(data_dir=str(tmp_path / "etcd")).start()
     try:
@@ -101,6 +109,10 @@ def test_an_etcd_outage_evicts_no_one_and_health_comes_back(make_coordinator, fl
                 info = client.get_job("job")
                 assert [m.node_id for m in info.members] == ["a", "b"]
                 assert info.generation.number == 1 and info.status.state is JobState.RUNNING
+                said = [r.getMessage() for r in caplog.records if r.name == "pliant.coordinator.election"]
+                assert [m for m in said if "election paused, etcd unreachable" in m], said
+                assert len([m for m in said if "etcd still unreachable after" in m]) >= 3, said
+                assert [m for m in said if re.search(r"reaches etcd again after \d+s", m)], said
             finally:
                 beats.close()
     finally:

@@ -36,13 +36,99 @@ def test_a_run_says_what_a_person_needs_and_no_more(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if not line.startswith("[")]  # not ranks'
     assert len(lines) <= 8 and not [line for line in lines if " INFO " in line], lines
-    assert "pliant: generation 1 (start): world 2, ranks 0..1 on this node, 2 workers started" in lines, lines
+    assert [
+        line
+        for line in lines
+        if line.startswith("pliant: generation 1 (start): world 2, ranks 0..1 on this node, 2 workers started in ")
+    ], lines
     assert re.fullmatch(
         r"pliant: job default succeeded: 20 steps in [\d.]+s on this node; world sizes 2; 0 rescales in place, "
         r"0 restarts",
         lines[-1],
     ), lines
     assert not [line for line in lines if "join with" in line or "PLIANT_JOIN_TOKEN" in line], lines
+
+
+def _pliant_lines(output: str) -> list[str]:
+    """The lines pliant printed (not the ranks' ``[r]:`` lines)."""
+    return [line for line in output.splitlines() if not line.startswith("[")]
+
+
+@pytest.mark.slow
+def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
+    """Both consoles of a join, quiet by default: the world change names the newcomer, each node ends with its
+    summary, and the join command is printed so that it runs as pasted."""
+    env = {k: v for k, v in os.environ.items() if k != "PLIANT_LOG_LEVEL"}
+    argv = [sys.executable, "-m", "pliant", "run", "--nnodes", "1:2", "--nproc-per-node", "1"]
+    argv += ["--checkpoint-dir", str(tmp_path / "ck"), str(ELASTIC), "--steps", "60", "--step-time", "0.1"]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert first.stdout is not None
+        said = []
+        for line in first.stdout:  # until the first world started: then the second node's join rescales it
+            said.append(line)
+            if line.startswith("pliant: generation 1 (start)"):
+                break
+        join = next(line for line in said if "PLIANT_JOIN_TOKEN=" in line).strip()
+        second = subprocess.run(["bash", "-c", join], capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+        rest, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    assert first.returncode == 0 and second.returncode == 0, (said, rest[-3000:], second.stderr[-3000:])
+    for output in ("".join(said) + rest, second.stdout + second.stderr):
+        lines = _pliant_lines(output)
+        waits = [line for line in lines if re.search(r"\(\d+s so far", line)]  # a slow newcomer: one line
+        assert (
+            len(lines) - len(waits) <= 8
+            and len(waits) <= 1
+            and not [line for line in lines if " INFO " in line or "Traceback" in line]
+        ), lines
+        assert re.fullmatch(r"pliant: job default succeeded: 60 steps in [\d.]+s on this node; .*", lines[-1]), lines
+    first_lines = _pliant_lines("".join(said) + rest)
+    assert [
+        line
+        for line in first_lines
+        if re.fullmatch(
+            r"pliant: generation 2 \(join\): world 1 -> 2 \(\S+ joined\) in place in [\d.]+s, 1 worker kept, 0 started",
+            line,
+        )
+    ], first_lines
+    second_lines = _pliant_lines(second.stdout + second.stderr)
+    assert [
+        line
+        for line in second_lines
+        if line.startswith("pliant: generation 2 (join): world 2, ranks 1..1 on this node, 1 worker started in ")
+    ], second_lines
+    assert "world sizes 1 -> 2; 1 rescales in place, 0 restarts" in first_lines[-1], first_lines
+
+
+@pytest.mark.slow
+def test_a_failing_worker_reads_like_the_script_run_by_python(tmp_path) -> None:
+    """A worker shows in ``ps`` as the command that would run its script, and dies with the script's own
+    traceback: no frame of pliant's zygote or of runpy."""
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import os, time\n"
+        "print('cmdline', open('/proc/self/cmdline').read().replace(chr(0), ' ').strip(), flush=True)\n"
+        "print('comm', open('/proc/self/comm').read().strip(), flush=True)\n"
+        "def fail():\n"
+        "    raise ValueError('bad batch')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    fail()\n"
+        "time.sleep(1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PLIANT_LOG_LEVEL"}
+    argv = [sys.executable, "-m", "pliant", "run", "--nproc-per-node", "2", "--max-restarts", "0"]
+    result = subprocess.run([*argv, str(script), "--lr", "0.1"], capture_output=True, text=True, timeout=90, env=env)
+    assert result.returncode == ExitCode.JOB_FAILED, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert f"[0]:cmdline {sys.executable} -u {script} --lr 0.1" in out, out[-3000:]
+    assert "[0]:comm boom.py" in out, out[-3000:]
+    trace = [line[4:] for line in out.splitlines() if line.startswith("[1]:")][2:]
+    assert trace[:2] == ["Traceback (most recent call last):", f'  File "{script}", line 7, in <module>'], trace
+    assert trace[-1] == "ValueError: bad batch" and not [line for line in trace if "pliant" in line], trace
+    assert not [line for line in out.splitlines() if "runpy" in line or "zygote" in line], out[-3000:]
 
 
 @pytest.mark.slow
@@ -178,14 +264,18 @@ def test_an_unreachable_coordinator_is_a_clear_error() -> None:
             "--job",
             "j",
             "--rpc-retry",
-            "1",
+            "3",
             "--insecure",
             str(SCRIPT),
         ],
         timeout=60,
     )
     assert result.returncode == ExitCode.ERROR  # this agent cannot take part; the job (if any) goes on
-    assert "no coordinator answered at 127.0.0.1:1 for 1s" in result.stderr, result.stderr
+    assert re.search(
+        r"pliant: waiting for a coordinator at 127.0.0.1:1 \(\d+s so far; CreateJob: .+; gives up after 3s\)",
+        result.stderr,
+    ), "what a transient failure waits for"
+    assert "no coordinator answered at 127.0.0.1:1 for 3s" in result.stderr, result.stderr
 
 
 def test_agent_requires_a_coordinator() -> None:

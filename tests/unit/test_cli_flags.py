@@ -3,6 +3,8 @@ the variable it came from) and what it should be, no traceback; no flag is taken
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from pliant.cli import main
@@ -36,6 +38,31 @@ from tests.integration.harness import SCRIPT
             ["run", "--checkpoint-dir", "/proc/no/ckpt", "--nnodes", "1", str(SCRIPT)],
             "--checkpoint-dir /proc/no/ckpt: cannot write there",
         ),
+        (
+            {"PLIANT_JOIN_TOKEN": "abc"},
+            ["run", "--coordinator", "127.0.0.1:1", "--ca-cert-hash", "sha256:" + "0" * 64, str(SCRIPT)],
+            "--join-token (or PLIANT_JOIN_TOKEN) of 3 characters is not a join token",
+        ),
+        (
+            {},
+            ["run", "--listen", "127.0.0.1:{busy}", str(SCRIPT)],
+            "--listen: cannot listen on 127.0.0.1:{busy} (Address already in use); stop what uses it",
+        ),
+        (
+            {},
+            ["run", "--listen", "127.0.0.1:{busy_minus_1}", str(SCRIPT)],
+            "--listen's port + 1 (the bootstrap join's port): cannot listen on 127.0.0.1:{busy}",
+        ),
+        (
+            {},
+            ["run", "--metrics-port", "{busy}", str(SCRIPT)],
+            "--metrics-port: cannot listen on 127.0.0.1:{busy} (Address already in use)",
+        ),
+        (
+            {},
+            ["run", "--store-port", "{busy}", "--host", "127.0.0.1", str(SCRIPT)],
+            "--store-port: cannot listen on 127.0.0.1:{busy} (Address already in use)",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_it_and_exit_2(
@@ -47,8 +74,12 @@ def test_a_bad_value_is_one_line_naming_it_and_exit_2(
 ) -> None:
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    with pytest.raises(SystemExit) as exited:
-        raise SystemExit(main(argv))
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # a port something on this machine listens on
+        port = busy.getsockname()[1]
+        ports = {"busy": port, "busy_minus_1": port - 1}
+        argv, named = [arg.format(**ports) for arg in argv], named.format(**ports)
+        with pytest.raises(SystemExit) as exited:
+            raise SystemExit(main(argv))
     err = capsys.readouterr().err
     assert exited.value.code == 2, err
     assert len(err.strip().splitlines()) == 1 and named in err, err  # one line, not the usage first
