@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -60,6 +61,10 @@ from pliant.progress import read_record
 from pliant.seal import SealError
 from pliant.statusline import status_line
 from pliant.tls import Role
+from pliant.v1.coordinator_pb2 import HeartbeatRequest
+
+if TYPE_CHECKING:
+    from pliant.agent.seat import SeatHolder
 
 __all__ = ["Agent"]
 
@@ -152,6 +157,7 @@ class Agent:
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._ticked_at: float | None = None  # the loop's last tick (loop thread; read by the metrics thread)
         self._summary = Summary()  # the last line's figures (loop thread)
+        self._seat: SeatHolder | None = None  # this node's seat in an embedded control plane (main thread)
         self._wait = WaitLine(status_line())  # the console's line for a long wait (loop thread)
         self._job: tuple[JobState | None, str] = (None, "")  # the job's state and reason, as last watched (loop thread)
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
@@ -201,6 +207,17 @@ class Agent:
             self._join(self.client.waiting)
             self.client.waiting = None  # the heartbeat thread uses the client from now on; it says its own lines
             joining.update("", "", time.monotonic())
+            if self.config.seat:  # a node of an embedded control plane: it asks for a seat in it
+                from pliant.agent.seat import SeatHolder  # the coordinator's code: only where it may run
+
+                self._seat = SeatHolder(
+                    self.config.spec.job_id,
+                    self.config.node_id,
+                    self.config.host,
+                    self.client,
+                    self.metrics.registry,
+                    lambda line: console.info("%s", line),
+                ).start()
             for target, name in (
                 (self._heartbeat_loop, "heartbeat"),
                 (self._watch_loop, "watch"),
@@ -221,6 +238,8 @@ class Agent:
         finally:
             self._wait.update("", "", time.monotonic())
             self._stop.set()
+            if self._seat is not None:
+                self._seat.close()
             for group in (self._stopping, self.group):
                 if group is not None:
                     group.stop(self.config.stop_grace_s)
@@ -380,6 +399,17 @@ class Agent:
                 self.store.set_renewing(*renewing)
                 self._renewing = renewing
 
+    def _follow_coordinators(self, coordinators: tuple[str, ...]) -> None:
+        """Call the control plane's coordinators as its seats list them (heartbeat thread), and say the join line
+        with them when they change."""
+        if not coordinators or sorted(coordinators) == sorted(self.client.targets):
+            return
+        self.client.use_targets(coordinators)
+        logger.info("agent %s: the control plane's coordinators are %s", self.config.node_id, ",".join(coordinators))
+        if self.config.join_line:
+            line = self.config.join_line.format(coordinators=",".join(coordinators))
+            console.info("control plane on %d nodes; other nodes join with:\n  %s", len(coordinators), line)
+
     def _heartbeat_loop(self) -> None:
         node = self.config.node_id
         failing, down_since, said = False, 0.0, False
@@ -390,16 +420,17 @@ class Agent:
                 return
             try:
                 step, (reaches, misses) = self.metrics.latest_step(), self._probe(grant.heartbeat_interval_s / 2)
-                self.client.heartbeat(
-                    self.config.spec.job_id,
-                    self.config.node_id,
-                    grant.lease_id,
-                    step,
-                    timeout_s=max(0.5, grant.heartbeat_ttl_s / 3),
+                request = HeartbeatRequest(
+                    job_id=self.config.spec.job_id,
+                    node_id=self.config.node_id,
+                    lease_id=grant.lease_id,
+                    step=step,
                     reaches_generation=reaches,
                     misses_generation=misses,
                 )
+                beat = self.client.beat(request, timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))
                 self._events.put(core.HeartbeatOk())
+                self._follow_coordinators(beat.coordinators)
                 if failing:
                     back_after = time.monotonic() - down_since
                     logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", node, back_after)

@@ -108,6 +108,10 @@ class AgentConfig:
         ca_cert_hash: ``sha256:<hex>`` of the coordinator CA's public key: without ``tls`` the agent joins by
             bootstrap (:mod:`pliant.bootstrap`), pinning that CA; "": no bootstrap.
         bootstrap: the Bootstrap services' HOST:PORT, tried in order (with ``ca_cert_hash``).
+        seat: ask for a seat in the control plane (an embedded one, ``pliant run``'s): an etcd member and a
+            coordinator replica on this node (:mod:`pliant.agent.seat`).
+        join_line: the line other nodes join with, ``{coordinators}`` in the place of the coordinators; said again
+            when the control plane's coordinators change ("": never said).
     """
 
     coordinator: tuple[str, ...]
@@ -137,6 +141,8 @@ class AgentConfig:
     admin_tls: TlsConfig | None = None
     ca_cert_hash: str = ""
     bootstrap: tuple[str, ...] = ()
+    seat: bool = False
+    join_line: str = ""
 
     @property
     def held_membership_wait_s(self) -> float:

@@ -9,6 +9,7 @@ underscores) where they make sense, and refused with the pliant way where they d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shlex
@@ -95,6 +96,15 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
             "--standalone",
             action="store_true",
             help="one node with the embedded control plane (the default without --coordinator)",
+        )
+        parser.add_argument(
+            "--control-plane-seats",
+            type=int,
+            choices=(1, 3, 5),
+            default=0,
+            help="nodes of the job that host the embedded control plane (an etcd member and a coordinator replica "
+            "each), so that it outlives the loss of any one of them (1 of 3, 2 of 5); default 3 when --nnodes lets "
+            "the job have 3 nodes, else 1",
         )
     add_tls_flags(parser, "agent")
     parser.add_argument(
@@ -499,6 +509,10 @@ def pliant_command() -> list[str]:
     return [sys.executable, "-m", "pliant"]
 
 
+COORDINATORS = "{coordinators}"
+"""The coordinators' place in :attr:`AgentConfig.join_line`."""
+
+
 def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) -> str:
     """The one line other machines run to join: the job's token in the environment (``PLIANT_JOIN_TOKEN=...``: a
     process's environment is its user's alone, where its command line is every local user's), then the command with
@@ -534,7 +548,11 @@ def agent_main(args: argparse.Namespace) -> int:
             f"--ca-cert-hash"
         )
     tls = None if args.ca_cert_hash else tls_from_flags(args.tls_dir, args.insecure, "agent")
-    return Agent(config_from_args(args, coordinator, embedded=False, tls=tls)).run()
+    config = config_from_args(args, coordinator, embedded=False, tls=tls)
+    if hasattr(args, "control_plane_seats") and config.ca_cert_hash:  # `pliant run` joining by the printed line
+        line = _join_command(args, COORDINATORS, config.ca_cert_hash, config.join_token)
+        config = dataclasses.replace(config, seat=True, join_line=line)
+    return Agent(config).run()
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -565,8 +583,13 @@ def run_main(args: argparse.Namespace) -> int:
     draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
     listen_host, listen_port = parse_host_port(args.listen, what="--listen", allow_zero=True)
     _check_free(listen_host, listen_port, "--listen")
-    if listen_port and not args.insecure:  # the bootstrap join's port is the next one
+    from pliant.coordinator.seats import wanted_seats
+
+    if listen_port and not args.insecure:  # the bootstrap join's port is the next one, then etcd's two with seats
         _check_free(listen_host, listen_port + 1, "--listen's port + 1 (the bootstrap join's port)")
+        if wanted_seats(parse_node_range(args.nnodes)[1], args.control_plane_seats) > 1:
+            _check_free(listen_host, listen_port + 2, "--listen's port + 2 (etcd's client port)")
+            _check_free(listen_host, listen_port + 3, "--listen's port + 3 (etcd's peer port)")
     args.host = draft.host
     certs = None
     if not args.insecure:  # secure by default: an ephemeral CA for this run
@@ -585,12 +608,13 @@ def run_main(args: argparse.Namespace) -> int:
 
 def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCerts | None, token: str) -> int:
     """Start the embedded etcd and coordinator, print the join command, and run this node's agent until it ends."""
-    import dataclasses
 
     from prometheus_client import CollectorRegistry
 
     from pliant.agent.agent import Agent
     from pliant.coordinator.etcd_server import EtcdServer
+    from pliant.coordinator.seat_keeper import SeatKit
+    from pliant.coordinator.seats import Seat, wanted_seats
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
     from pliant.coordinator.signer import Signer
 
@@ -600,10 +624,25 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
         logging.getLogger("pliant.coordinator").setLevel(logging.ERROR)
     if log_path:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    listen_host = parse_host_port(args.listen, what="--listen", allow_zero=True)[0]
+    listen_host, listen_port = parse_host_port(args.listen, what="--listen", allow_zero=True)
+    host = args.host if is_wildcard(listen_host) else listen_host
+    seats = wanted_seats(parse_node_range(args.nnodes)[1], args.control_plane_seats) if certs else 1
     # A wildcard --listen serves every interface; the join command names the address this node advertises.
-    # etcd serves mutual TLS from a CA of its own (the coordinator is its one client), unless the run is --insecure.
-    with EtcdServer(log_path=log_path, die_with_parent=True, tls=certs.etcd_server if certs else None) as etcd:
+    # etcd serves mutual TLS from a CA of its own (the coordinators are its clients), unless the run is --insecure.
+    # With seats, its members on other nodes reach it at this node's address, on the ports after the bootstrap's.
+    etcd = EtcdServer(
+        host=host if seats > 1 else "127.0.0.1",
+        client_port=listen_port + 2 if seats > 1 and listen_port else None,
+        peer_port=listen_port + 3 if seats > 1 and listen_port else None,
+        log_path=log_path,
+        die_with_parent=True,
+        tls=certs.etcd_server if certs else None,
+        name=args.node_id if seats > 1 else "pliant",
+    )
+    with etcd:
+        kit = None
+        if certs and seats > 1:
+            kit = SeatKit(certs.ca, certs.etcd_ca, load_or_create_root(args.seal_root_file), 2.0, seats)
         coord_config = CoordinatorConfig(
             etcd_endpoints=(etcd.endpoint,),
             listen=args.listen,
@@ -614,13 +653,17 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
             insecure=certs is None,
             signer=Signer(certs.ca) if certs else None,
             seal_root=load_or_create_root(args.seal_root_file),
+            seats=kit,
         )
         registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
         with CoordinatorServer(coord_config, registry) as coordinator:
-            host = args.host if is_wildcard(listen_host) else listen_host
             address = f"{host}:{coordinator.port}"
+            if coordinator.seats is not None:
+                coordinator.seats.take_first(Seat(args.node_id, address, etcd.endpoint, etcd.peer_url))
             security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
             ports = f"ports {coordinator.port}" + (f" and {coordinator.bootstrap_port}" if certs else "")
+            if seats > 1:
+                ports = f"ports {coordinator.port}, {coordinator.bootstrap_port}, {etcd.client_port}, {etcd.peer_port}"
             joinable = parse_node_range(args.nnodes)[1] > 1  # --nnodes 1:1: no node can join, none is told how
             plane = f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint})"
             if not joinable:
@@ -645,4 +688,7 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
                 print(f"pliant: `{status} --tls-dir {certs.directory / 'admin'}` shows the job", flush=True)
             config = config_from_args(args, [address], embedded=True, tls=certs.agent if certs else None)
             config = dataclasses.replace(config, admin_tls=certs.admin if certs else None)
+            if seats > 1 and joinable:
+                line = _join_command(args, COORDINATORS, certs.fingerprint if certs else "", token)
+                config = dataclasses.replace(config, join_line=line)
             return Agent(config, zygote=zygote, registry=registry).run()

@@ -1,7 +1,8 @@
 """The PKI of one ``pliant run`` with its embedded control plane: secure by default, with no step to take.
 
 At start the run makes an ephemeral CA. Its key stays in this process's memory (the embedded coordinator signs the
-agent certificates of joining nodes with it: the bootstrap join, :mod:`pliant.bootstrap`) and dies with the run. Into
+agent certificates of joining nodes with it: the bootstrap join, :mod:`pliant.bootstrap`) and dies with the run, and
+with every node that holds a seat of the control plane (:mod:`pliant.agent.seat`), which gets it over mutual TLS. Into
 the run's certificates directory go:
 
 - ``ca.crt``: the CA certificate (its fingerprint is the join command's ``--ca-cert-hash``);
@@ -10,8 +11,9 @@ the run's certificates directory go:
 - ``admin/``: an admin certificate (the run creates its job with it; ``pliant status --tls-dir DIR/admin`` uses it);
 - ``self/``: this node's agent certificate, naming its node id;
 - ``etcd/``: the embedded etcd's own PKI, from a second ephemeral CA that signs nothing else: ``etcd/server/`` (etcd's
-  certificate, for loopback) and ``etcd/client/`` (the coordinator's, the only client etcd accepts). No agent or
-  admin certificate opens etcd.
+  certificate, for loopback and the addresses the run advertises: its members on other nodes reach it there) and
+  ``etcd/client/`` (the coordinator's, the only kind of client etcd accepts). No agent or admin certificate opens
+  etcd.
 
 Each holds ``ca.crt``, ``tls.crt`` and ``tls.key``, the ``--tls-dir`` layout. Nothing in it is needed on another
 machine: joining nodes make their own keys.
@@ -24,10 +26,9 @@ import logging
 import socket
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pliant.coordinator.etcd_server import etcd_pki
 from pliant.tls import IssuedCert, LocalCA, Role, TlsConfig, ca_fingerprint
 
 __all__ = ["RunCerts", "make_run_certs"]
@@ -48,6 +49,8 @@ class RunCerts:
         agent: this node's agent certificate.
         etcd_server: the embedded etcd's server certificate (clients and its peer port need one of etcd's CA).
         etcd_client: the embedded coordinator's etcd client certificate.
+        etcd_ca: etcd's CA and its key (in memory only; a node that takes a control-plane seat gets it, to issue its
+            member's certificate).
     """
 
     directory: Path
@@ -58,6 +61,7 @@ class RunCerts:
     agent: TlsConfig
     etcd_server: TlsConfig
     etcd_client: TlsConfig
+    etcd_ca: IssuedCert = field(repr=False)
 
 
 def _server_hosts(hosts: Sequence[str]) -> list[str]:
@@ -83,6 +87,10 @@ def make_run_certs(directory: str, node_id: str, hosts: Sequence[str]) -> RunCer
     coordinator = ca.issue("coordinator", Role.COORDINATOR, "embedded", _server_hosts(hosts))
     admin = ca.issue("admin", Role.ADMIN, "run-admin")
     agent = ca.issue("self", Role.AGENT, node_id)
-    etcd_server, etcd_client = etcd_pki(path / "etcd")
+    etcd_ca = LocalCA(path / "etcd", lifetime_days=90)
+    etcd_server = etcd_ca.issue("server", Role.COORDINATOR, "etcd", _server_hosts(hosts))
+    etcd_client = etcd_ca.issue("client", Role.COORDINATOR, "etcd-client")
     logger.info("run certificates (ephemeral CAs) in %s: coordinator, admin, self, etcd", path)
-    return RunCerts(path, ca.ca, ca_fingerprint(ca.ca.cert_pem), coordinator, admin, agent, etcd_server, etcd_client)
+    return RunCerts(
+        path, ca.ca, ca_fingerprint(ca.ca.cert_pem), coordinator, admin, agent, etcd_server, etcd_client, etcd_ca.ca
+    )

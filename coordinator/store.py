@@ -56,6 +56,7 @@ from pliant.coordinator.contract import (
     Unavailable,
 )
 from pliant.coordinator.policy import may_overwrite
+from pliant.coordinator.seats import Seats
 from pliant.coordinator.store_base import (
     HISTORY,
     EtcdObserver,
@@ -305,6 +306,28 @@ class EtcdStore(MemberStore):
                 logger.info("job %s %s: %s", job, wanted.value, reason or "(no reason)")
                 return new
         raise Unavailable(f"job {job!r} state kept changing while finishing it; retry")
+
+    # -- an embedded control plane's seats (pliant.coordinator.seats) -------------------------------------------------
+
+    @property
+    def seats_key(self) -> str:
+        return f"{self.prefix}/control-plane/seats"
+
+    @etcd_call
+    def read_seats(self) -> tuple[Seats | None, int]:
+        """The seats record and its mod revision (None, 0: this control plane has no seats)."""
+        value, meta = self.client.get(self.seats_key)
+        if value is None:
+            return None, 0
+        return decode(self.seats_key, Seats.from_json, value), meta.mod_revision
+
+    @etcd_call
+    def write_seats(self, seats: Seats, mod_revision: int) -> bool:
+        """Write the seats record if it is still at ``mod_revision`` (0: absent); False when it changed meanwhile."""
+        key = self.seats_key
+        compare = [self.tx.mod(key) == mod_revision] if mod_revision else [self.tx.version(key) == 0]
+        ok, _ = self._txn(compare=compare, success=[self.tx.put(key, seats.to_json())])
+        return bool(ok)
 
     # -- certificates: the denylist and the agent certificate each node id holds -------------------------------------
 

@@ -344,13 +344,16 @@ class LocalCA:
     Args:
         directory: where ``ca.crt`` and the issued directories go (created 0700).
         lifetime_days: validity of the CA and of what it issues.
+        ca: the CA to issue with (its certificate and key); None: a new one.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], lifetime_days: float = 365) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], lifetime_days: float = 365, ca: IssuedCert | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.lifetime_days = lifetime_days
-        self.ca = new_ca("pliant ephemeral CA", lifetime_days)
+        self.ca = ca or new_ca("pliant ephemeral CA", lifetime_days)
         (self.directory / CA_CERT).write_bytes(self.ca.cert_pem)
         self._issued: dict[str, TlsConfig] = {}
 

@@ -105,6 +105,11 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateResponse.FromString,
                 _registered_method=True)
+        self.ClaimSeat = channel.unary_unary(
+                '/pliant.v1.Coordinator/ClaimSeat',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -201,6 +206,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimSeat(self, request, context):
+        """A seat in an embedded control plane for the calling agent's node (a live member of the job).
+        FAILED_PRECONDITION when this control plane has no seats (a standalone deployment).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -273,6 +286,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RevokeCertificate,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateResponse.SerializeToString,
+            ),
+            'ClaimSeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimSeat,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -653,6 +671,33 @@ class Coordinator:
             '/pliant.v1.Coordinator/RevokeCertificate',
             pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
             pliant_dot_v1_dot_coordinator__pb2.RevokeCertificateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimSeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/ClaimSeat',
+            pliant_dot_v1_dot_coordinator__pb2.ClaimSeatRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.ClaimSeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

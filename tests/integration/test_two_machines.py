@@ -14,18 +14,18 @@ import ipaddress
 import os
 import re
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.netns import Fabric, Node, unavailable
+from bench.netns import Fabric, unavailable
 from pliant.coordinator.client import CoordinatorClient
 from pliant.tls import Role, TlsConfig
 from tests.conftest import wait_for
-from tests.integration.harness import ELASTIC, SAMPLES, read_jsonl
+from tests.integration.harness import SAMPLES
+from tests.integration.machines import Machine, first_step_at, ranks_at
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(bool(WHY), reason=WHY)]
@@ -55,69 +55,6 @@ def fabric():  # type: ignore[no-untyped-def]
         yield made
     finally:
         made.close()
-
-
-class Machine:
-    """One "machine": a namespace, a host name, a working directory with its copy of the script, a private /tmp."""
-
-    def __init__(self, fabric: Fabric, name: str, root: Path) -> None:
-        self.node: Node = fabric.node(name)
-        self.hostname = f"host{name}"
-        self.cwd = root / name
-        self.cwd.mkdir(parents=True)
-        shutil.copy(ELASTIC, self.cwd / "train.py")
-        self.log = root / f"{name}.log"
-        self.procs: list = []
-
-    def run(self, argv: list[str], hide_tmp: bool) -> None:
-        """Run ``argv`` on this machine, from its working directory (``hide_tmp``: with an empty /tmp)."""
-        cwd = shlex.quote(str(self.cwd))
-        setup = f"hostname {self.hostname}"
-        if hide_tmp:  # an empty /tmp with only this machine's working directory in it (bound back in place)
-            setup += (
-                f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=64m tmpfs /tmp && mkdir -p {cwd} && "
-                f"mount --bind /mnt {cwd}"
-            )
-        setup += f" && cd {cwd}"
-        shell = [
-            "unshare",
-            "--uts",
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "sh",
-            "-c",
-            f'{setup} && exec "$@"',
-            "sh",
-            *argv,
-        ]
-        self.procs.append(self.node.spawn(shell, self.log, gloo_ifname=False))
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def events(self) -> list[dict]:
-        return read_jsonl(self.cwd / "events.jsonl")
-
-    def stop_at(self, step: int) -> None:
-        (self.cwd / "stop.part").write_text(str(step))
-        os.replace(self.cwd / "stop.part", self.cwd / "stop")
-
-
-def _ranks_at(machines: list[Machine], world: int, since: float = 0.0) -> set[int]:
-    return {e["rank"] for m in machines for e in m.events() if e["world"] == world and e["time"] >= since}
-
-
-def _first_step_at(machines: list[Machine], world: int, since: float, ranks: int) -> float:
-    """When every one of ``ranks`` ranks had stepped in a world of ``world`` after ``since`` (wall time)."""
-    firsts: dict[int, float] = {}
-    for m in machines:
-        for e in m.events():
-            if e["world"] == world and e["time"] >= since:
-                firsts[e["rank"]] = min(firsts.get(e["rank"], e["time"]), e["time"])
-    assert len(firsts) == ranks, firsts
-    return max(firsts.values())
 
 
 def _worker_env(pid: int) -> dict[str, str]:
@@ -178,31 +115,31 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     assert f"--coordinator {first.node.address}:{PORT} " in join, join
     assert "127.0.0.1" not in join and str(tmp_path) not in join and "--tls-dir" not in join
     assert "open, and this node's store port" in first.output()
-    wait_for(lambda: _ranks_at([first], nproc) == set(range(nproc)), 120, "the first machine stepping")
+    wait_for(lambda: ranks_at([first], nproc) == set(range(nproc)), 120, "the first machine stepping")
 
     started = time.time()
     second.run(["env", *shlex.split(join)], hide_tmp=True)
-    wait_for(lambda: _ranks_at(machines, 2 * nproc, started) == set(range(2 * nproc)), 120, "world 2 stepping")
-    joined_s = _first_step_at(machines, 2 * nproc, started, 2 * nproc) - started
+    wait_for(lambda: ranks_at(machines, 2 * nproc, started) == set(range(2 * nproc)), 120, "world 2 stepping")
+    joined_s = first_step_at(machines, 2 * nproc, started, 2 * nproc) - started
     assert "certificate signed at" in second.output(), second.output()[-3000:]
     _check_addresses(first, machines[:2], 2 * nproc)
 
     killed = time.time()
     second.node.kill_all()  # kill -9 of the whole machine
-    wait_for(lambda: _ranks_at([first], nproc, killed) == set(range(nproc)), 60, "the survivors stepping")
-    survivors_s = _first_step_at([first], nproc, killed, nproc) - killed
+    wait_for(lambda: ranks_at([first], nproc, killed) == set(range(nproc)), 60, "the survivors stepping")
+    survivors_s = first_step_at([first], nproc, killed, nproc) - killed
 
     rejoined = time.time()
     second.run(["env", *shlex.split(join)], hide_tmp=True)  # the same line again
-    wait_for(lambda: _ranks_at(machines, 2 * nproc, rejoined) == set(range(2 * nproc)), 120, "world 2 again")
-    rejoin_s = _first_step_at(machines, 2 * nproc, rejoined, 2 * nproc) - rejoined
+    wait_for(lambda: ranks_at(machines, 2 * nproc, rejoined) == set(range(2 * nproc)), 120, "world 2 again")
+    rejoin_s = first_step_at(machines, 2 * nproc, rejoined, 2 * nproc) - rejoined
 
     said_s = 0.0
     if len(machines) == 3:
         third = machines[2]
         grown = time.time()
         third.run(["env", *shlex.split(join)], hide_tmp=True)
-        wait_for(lambda: _ranks_at(machines, 3, grown) == {0, 1, 2}, 120, "world 3 stepping")
+        wait_for(lambda: ranks_at(machines, 3, grown) == {0, 1, 2}, 120, "world 3 stepping")
         _check_addresses(first, machines, 3)
         assert len({m.hostname for m in machines}) == 3
         said_s = _without_the_control_plane(machines)
@@ -239,5 +176,5 @@ def _without_the_control_plane(machines: list[Machine]) -> float:
     said = time.time()
     said_s = said - gone
     world = len(machines)
-    wait_for(lambda: _ranks_at(machines, world, said) == set(range(world)), 30, "the world training on")
+    wait_for(lambda: ranks_at(machines, world, said) == set(range(world)), 30, "the world training on")
     return said_s

@@ -1,0 +1,225 @@
+"""The executor of an embedded control plane's seat decisions (:mod:`pliant.coordinator.seats`): it reads the seats
+record and etcd's member list, asks the decision, and performs it (etcd membership changes through
+:class:`pliant.coordinator.etcd_cluster.EtcdMembers`, the record through :class:`EtcdStore`).
+
+Threads: :meth:`SeatKeeper.claim` runs on gRPC handler threads, one claim at a time on a replica (``_lock``; the
+record's compare orders the replicas); :meth:`SeatKeeper.upkeep` runs on the server's seat thread while this replica
+leads, and owns what it saw (``_live``, ``_seated``, ``_seatless``); :meth:`SeatKeeper.coordinators` runs on any
+thread (a cached read under ``_cache``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from pliant.coordinator.contract import CoordinatorError
+from pliant.coordinator.etcd_cluster import EtcdClusterError, EtcdMember, EtcdMembers, NotInSync, initial_cluster
+from pliant.coordinator.seats import (
+    AddLearner,
+    Grant,
+    Promote,
+    Refuse,
+    Remove,
+    Seat,
+    Seats,
+    Sightings,
+    decide_claim,
+    decide_upkeep,
+)
+from pliant.coordinator.store import EtcdStore
+from pliant.tls import IssuedCert
+from pliant.v1 import coordinator_pb2 as pb
+
+__all__ = ["SeatKeeper", "SeatKit"]
+
+logger = logging.getLogger(__name__)
+
+COORDINATORS_READ_EVERY_S = 2.0  # the seats record behind every heartbeat's list of coordinators, read this often
+
+
+@dataclass(frozen=True)
+class SeatKit:
+    """What a node that takes a seat gets besides its place in etcd: the run's CA and etcd's CA (certificates and
+    keys: it signs certificates from then on, as every seat does), the sealing root, and the replicas' leader TTL.
+
+    Attributes:
+        ca: the run's CA.
+        etcd_ca: etcd's CA.
+        seal_root: the sealing secret (:mod:`pliant.seal`).
+        leader_ttl_s: the replicas' leader lease TTL.
+        wanted: the seats the control plane wants (1, 3 or 5).
+    """
+
+    ca: IssuedCert = field(repr=False)
+    etcd_ca: IssuedCert = field(repr=False)
+    seal_root: bytes = field(repr=False)
+    leader_ttl_s: float
+    wanted: int
+
+
+class SeatKeeper:
+    """Seats of the control plane whose etcd is ``members``, recorded through ``store``.
+
+    Args:
+        store: the replica's etcd store.
+        members: etcd's membership.
+        kit: what a seat's node gets.
+        clock: the monotonic clock of the upkeep (injected for tests).
+        wall: the wall clock a seat's ``since`` is written in.
+    """
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        members: EtcdMembers,
+        kit: SeatKit,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._members = members
+        self.kit = kit
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.Lock()  # one claim at a time
+        self._cache = threading.Lock()
+        self._coordinators: tuple[tuple[str, ...], float] = ((), float("-inf"))  # and when read (under _cache)
+        # What the upkeep saw (upkeep thread): seated node -> last seen live (or its seat first seen), seated node ->
+        # its seat first seen, etcd member without a seat -> first seen so.
+        self._live: dict[str, float] = {}
+        self._seated: dict[str, float] = {}
+        self._seatless: dict[int, float] = {}
+
+    def take_first(self, seat: Seat) -> None:
+        """Record ``seat`` as seat 0, the node that started the control plane (once: a record already there stays)."""
+        if self._store.write_seats(Seats(self.kit.wanted, (replace(seat, since=self._wall()),)), 0):
+            logger.info("control plane: seat 0 on %s (%d seat(s) wanted)", seat.node, self.kit.wanted)
+
+    def coordinators(self) -> tuple[str, ...]:
+        """The coordinators of the control plane as the seats record lists them (read at most every few seconds)."""
+        with self._cache:
+            listed, read_at = self._coordinators
+            if self._clock() - read_at < COORDINATORS_READ_EVERY_S:
+                return listed
+        try:
+            seats, _rev = self._store.read_seats()
+        except CoordinatorError:
+            return listed
+        listed = seats.coordinators if seats is not None else ()
+        with self._cache:
+            self._coordinators = (listed, self._clock())
+        return listed
+
+    def claim(self, seat: Seat) -> pb.ClaimSeatResponse:
+        """Answer a node's claim for a seat (``seat``: its node and where it would listen).
+
+        Raises:
+            CoordinatorError: etcd did not answer.
+        """
+        with self._lock:
+            seats, rev = self._store.read_seats()
+            if seats is None:
+                return pb.ClaimSeatResponse(reason="this control plane has no seats record; it has one seat")
+            members = self._members.list()
+            decision = decide_claim(seats, members, seat)
+            if isinstance(decision, Refuse):
+                return pb.ClaimSeatResponse(reason=decision.reason)
+            if isinstance(decision, Promote):
+                return pb.ClaimSeatResponse(reason=self._promote(decision) + "; ask again shortly")
+            if isinstance(decision, AddLearner):
+                taken = replace(decision.seat, since=self._wall())
+                try:
+                    members = self._members.add_learner(taken.node, taken.etcd_peer)
+                except EtcdClusterError as exc:
+                    return pb.ClaimSeatResponse(reason=f"etcd cannot add a member now ({exc}); ask again shortly")
+                if not self._store.write_seats(seats.with_seat(taken), rev):
+                    self._remove_quietly(members, taken)
+                    return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+                logger.warning("control plane: seat granted to %s (etcd learner %s)", taken.node, taken.etcd_peer)
+                self._forget_coordinators()
+                return self._granted(taken, members)
+            assert isinstance(decision, Grant)
+            return self._granted(decision.seat, members)
+
+    def upkeep(self, live: set[str]) -> None:
+        """One pass of the leader's upkeep; ``live``: the nodes that are live members of a job now.
+
+        Raises:
+            CoordinatorError: etcd did not answer.
+        """
+        seats, rev = self._store.read_seats()
+        if seats is None:
+            return
+        members = self._members.list()
+        now = self._clock()
+        nodes = {seat.node for seat in seats.seats}
+        for node in nodes:
+            self._seated.setdefault(node, now)
+            if node in live or node not in self._live:
+                self._live[node] = now
+        seatless = {m.id for m in members if not any(url == s.etcd_peer for s in seats.seats for url in m.peer_urls)}
+        for ident in seatless:
+            self._seatless.setdefault(ident, now)
+        for seen, keep in ((self._live, nodes), (self._seated, nodes), (self._seatless, seatless)):
+            for key in set(seen) - keep:  # type: ignore[operator]
+                del seen[key]  # type: ignore[attr-defined]
+        sightings = Sightings(self._live, self._seated, self._seatless)
+        for action in decide_upkeep(seats, members, sightings, now):
+            if isinstance(action, Promote):
+                self._promote(action)
+            elif isinstance(action, Remove):
+                self._remove(action, seats, rev)
+
+    def _forget_coordinators(self) -> None:
+        with self._cache:
+            self._coordinators = ((), float("-inf"))
+
+    def _promote(self, action: Promote) -> str:
+        try:
+            self._members.promote(action.member_id)
+        except NotInSync:
+            return "a learner is catching up"
+        except EtcdClusterError as exc:
+            logger.warning("control plane: promoting etcd member %x failed: %s", action.member_id, exc)
+            return f"a learner's promotion failed ({exc})"
+        logger.warning("control plane: etcd learner %x promoted (%s)", action.member_id, action.why)
+        return "a learner was promoted"
+
+    def _remove(self, action: Remove, seats: Seats, rev: int) -> None:
+        try:
+            if action.member_id:
+                self._members.remove(action.member_id)
+        except EtcdClusterError as exc:
+            logger.warning("control plane: removing etcd member %x failed: %s", action.member_id, exc)
+            return
+        if action.node and self._store.write_seats(seats.without(action.node), rev):
+            self._forget_coordinators()
+        logger.warning("control plane: seat of %s given up: %s", action.node or "no node", action.why)
+
+    def _remove_quietly(self, members: list[EtcdMember], seat: Seat) -> None:
+        for member in members:
+            if seat.etcd_peer in member.peer_urls:
+                try:
+                    self._members.remove(member.id)
+                except EtcdClusterError as exc:
+                    logger.warning("control plane: an unrecorded learner stays until the upkeep removes it: %s", exc)
+
+    def _granted(self, seat: Seat, members: list[EtcdMember]) -> pb.ClaimSeatResponse:
+        kit = self.kit
+        voters = [url for m in members if m.started and not m.learner for url in m.client_urls]
+        return pb.ClaimSeatResponse(
+            granted=True,
+            initial_cluster=initial_cluster(members, seat.node, seat.etcd_peer),
+            member_name=seat.node,
+            etcd_endpoints=voters,
+            ca_cert_pem=kit.ca.cert_pem,
+            ca_key_pem=kit.ca.key_pem,
+            etcd_ca_cert_pem=kit.etcd_ca.cert_pem,
+            etcd_ca_key_pem=kit.etcd_ca.key_pem,
+            seal_root=kit.seal_root,
+            leader_ttl_s=kit.leader_ttl_s,
+        )

@@ -1,0 +1,83 @@
+"""Machines that share nothing but a network, on this one: each a network namespace with its own address
+(bench/netns.py), its own host name (a UTS namespace) and, when asked, its own view of /tmp (a mount namespace: an
+empty tmpfs with only its working directory bound back in), a working directory with its own copy of the training
+script, and the events its workers log there. Shared by the tests of the README's two-machines recipe and of the
+embedded control plane's seats. Root only.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+from bench.netns import Fabric, Node
+from tests.integration.harness import ELASTIC, read_jsonl
+
+__all__ = ["Machine", "first_step_at", "ranks_at"]
+
+
+class Machine:
+    """One "machine": a namespace, a host name, a working directory with its copy of the script, a private /tmp."""
+
+    def __init__(self, fabric: Fabric, name: str, root: Path) -> None:
+        self.node: Node = fabric.node(name)
+        self.hostname = f"host{name}"
+        self.cwd = root / name
+        self.cwd.mkdir(parents=True)
+        shutil.copy(ELASTIC, self.cwd / "train.py")
+        self.log = root / f"{name}.log"
+        self.procs: list = []
+
+    def run(self, argv: list[str], hide_tmp: bool) -> None:
+        """Run ``argv`` on this machine, from its working directory (``hide_tmp``: with an empty /tmp)."""
+        cwd = shlex.quote(str(self.cwd))
+        setup = f"hostname {self.hostname}"
+        # With hide_tmp: an empty /tmp (room for an etcd member: its log preallocates 64 MB) with only this
+        # machine's working directory in it, bound back in place.
+        if hide_tmp:
+            setup += (
+                f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=1g tmpfs /tmp && mkdir -p {cwd} && "
+                f"mount --bind /mnt {cwd}"
+            )
+        setup += f" && cd {cwd}"
+        shell = [
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            f'{setup} && exec "$@"',
+            "sh",
+            *argv,
+        ]
+        self.procs.append(self.node.spawn(shell, self.log, gloo_ifname=False))
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.cwd / "events.jsonl")
+
+    def stop_at(self, step: int) -> None:
+        (self.cwd / "stop.part").write_text(str(step))
+        os.replace(self.cwd / "stop.part", self.cwd / "stop")
+
+
+def ranks_at(machines: list[Machine], world: int, since: float = 0.0) -> set[int]:
+    return {e["rank"] for m in machines for e in m.events() if e["world"] == world and e["time"] >= since}
+
+
+def first_step_at(machines: list[Machine], world: int, since: float, ranks: int) -> float:
+    """When every one of ``ranks`` ranks had stepped in a world of ``world`` after ``since`` (wall time)."""
+    firsts: dict[int, float] = {}
+    for m in machines:
+        for e in m.events():
+            if e["world"] == world and e["time"] >= since:
+                firsts[e["rank"]] = min(firsts.get(e["rank"], e["time"]), e["time"])
+    assert len(firsts) == ranks, firsts
+    return max(firsts.values())

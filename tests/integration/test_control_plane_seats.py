@@ -1,0 +1,159 @@
+"""`pliant run`'s embedded control plane without a single point of failure, on machines that share nothing but a
+network (tests/integration/machines.py): the first three nodes each hold a seat (an etcd member and a coordinator
+replica); kill -9 of the node that started the job, and later of a second seat's node, costs the job no step, no
+sample and no join, and a node that joins later takes the lost seat, so that etcd has three voting members again.
+Root only."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.netns import Fabric, unavailable
+from pliant.coordinator.etcd_cluster import EtcdMembers
+from pliant.tls import TlsConfig
+from tests.conftest import wait_for
+from tests.integration.harness import GLOBAL_BATCH, SAMPLES, TOLERANCE, batches_counted, max_param_diff, static_params
+from tests.integration.machines import Machine, first_step_at, ranks_at
+
+WHY = unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420), pytest.mark.skipif(bool(WHY), reason=WHY)]
+
+PORT = 29400
+SCRIPT = [
+    "train.py",
+    "--steps",
+    "100000",
+    "--samples",
+    str(SAMPLES),
+    "--global-batch",
+    str(GLOBAL_BATCH),
+    "--micro-batch",
+    "8",
+    "--step-time",
+    "0.05",
+    "--events",
+    "events.jsonl",
+    "--params-out",
+    "final.pt",
+    "--stop-file",
+    "stop",
+    "--float64",
+]
+
+
+@pytest.fixture
+def fabric():  # type: ignore[no-untyped-def]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    made = Fabric(prefix=f"pls{worker}", net=15 - worker)  # 10.213.15.0/24, 10.213.14.0/24: no other test's
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _join_lines(machine: Machine) -> list[str]:
+    """The join lines ``machine`` printed, the first one and each one after its control plane changed."""
+    return re.findall(r"other nodes join with:\n  (.+)\n", machine.output())
+
+
+def _voting(members: EtcdMembers) -> list[str]:
+    """The names of etcd's voting members (empty while no member answers)."""
+    try:
+        listed = members.list()
+    except Exception:
+        return []
+    return sorted(m.name for m in listed if m.started and not m.learner)
+
+
+def _members(machines: list[Machine], tls: TlsConfig) -> EtcdMembers:
+    """etcd's membership, asked of the members on ``machines`` (seats listen on the ports after the coordinator's)."""
+    return EtcdMembers([f"https://{m.node.address}:{PORT + 2}" for m in machines], tls, timeout_s=3.0)
+
+
+def _node_id(machine: Machine) -> str:
+    found = re.search(r"agent (host\S+): joined job", machine.output())
+    assert found, machine.output()[-2000:]
+    return found.group(1)
+
+
+def _stepping(machines: list[Machine], world: int, since: float) -> None:
+    wait_for(lambda: ranks_at(machines, world, since) == set(range(world)), 120, f"world {world} stepping")
+
+
+def _join(machine: Machine, line: str) -> None:
+    machine.run(["env", "PLIANT_LOG_LEVEL=INFO", *shlex.split(line)], hide_tmp=True)
+
+
+def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_path: Path) -> None:
+    machines = [Machine(fabric, name, tmp_path) for name in "abcde"]
+    a, b, c, d, e = machines
+    argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
+    a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_tmp=False)
+    first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
+    certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
+    etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")  # etcd's CA signs every member's client
+    _stepping([a], 1, 0.0)
+    _join(b, first_line)
+    _stepping(machines, 2, time.time() - 1)
+    _join(c, first_line)
+    _stepping(machines, 3, time.time() - 1)
+    names = {m.hostname: _node_id(m) for m in (a, b, c)}
+    wait_for(lambda: _voting(_members([a], etcd_tls)) == sorted(names.values()), 90, "three voting members", 0.5)
+    three_line = wait_for(lambda: [x for x in _join_lines(a) if x.count(f":{PORT}") == 3], 30, "the 3-seat line")[-1]
+    assert all(f"{m.node.address}:{PORT}" in three_line for m in (a, b, c)), three_line
+
+    killed = time.time()
+    a.node.kill_all()  # kill -9 of the machine that started the job: etcd's leader, the leading replica, rank 0
+    _stepping([b, c], 2, killed)
+    survivors_s = first_step_at([b, c], 2, killed, 2) - killed
+    _join(d, three_line)  # the line the first node printed: it names the other seats
+    wait_for(lambda: "certificate signed at" in d.output(), 60, "d's join accepted")
+    joined_s = time.time() - killed
+    _stepping([b, c, d], 3, killed)
+    seats = [b, c, d]
+    voters = sorted([names["hostb"], names["hostc"], _node_id(d)])
+    wait_for(lambda: _voting(_members(seats, etcd_tls)) == voters, 90, "d's seat: three voting members", 0.5)
+    replaced_s = time.time() - killed
+
+    killed_b = time.time()
+    b.node.kill_all()  # a second seat's node, after the first was replaced
+    _stepping([c, d], 2, killed_b)
+    survivors_b_s = first_step_at([c, d], 2, killed_b, 2) - killed_b
+    line = [x for x in _join_lines(c) if f"{b.node.address}:{PORT}" in x][-1]  # c's line naming b, c and d
+    _join(e, line)
+    _stepping([c, d, e], 3, killed_b)
+    joined_b_s = first_step_at([c, d, e], 3, killed_b, 3) - killed_b
+    seats = [c, d, e]
+    voters = sorted([names["hostc"], _node_id(d), _node_id(e)])
+    wait_for(lambda: _voting(_members(seats, etcd_tls)) == voters, 90, "e's seat: three voting members", 0.5)
+
+    newest = max(ev["step"] for m in machines for ev in m.events())
+    for m in seats:
+        m.stop_at(newest + 10)
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in seats), 90, "every live machine to exit")
+    assert [m.procs[-1].returncode for m in seats] == [0, 0, 0], [m.output()[-2000:] for m in seats]
+    steps = newest + 10
+    events = [ev for m in machines for ev in m.events()]
+    steps_run, per_epoch, wrong, unlogged = batches_counted(events, SAMPLES, GLOBAL_BATCH)
+    assert wrong == 0 and unlogged <= 2, (wrong, unlogged)
+    assert steps_run == list(range(steps)), "every step ran"
+    complete = [ep for ep in per_epoch if ep < max(per_epoch)]
+    assert complete, "the run covered at least one whole epoch"
+    for epoch in complete:
+        assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
+    final = next(m.cwd / "final.pt" for m in seats if (m.cwd / "final.pt").exists())
+    diff = max_param_diff(torch.load(final), static_params(tmp_path, steps))
+    assert diff <= TOLERANCE, diff
+    print(
+        f"embedded control plane, 3 seats: first node killed -> survivors stepping {survivors_s:.2f}s, a join "
+        f"accepted {joined_s:.2f}s, quorum 3 again {replaced_s:.1f}s; a second seat's node killed -> survivors "
+        f"stepping {survivors_b_s:.2f}s, a newcomer stepping {joined_b_s:.2f}s; max |param diff| {diff:.1e}"
+    )
