@@ -200,6 +200,19 @@ class Agent:
                     "(shared by the nodes) to keep progress",
                     self.config.node_id,
                 )
+            if self.config.seat:  # a node of an embedded control plane: its seat, if it held one, comes back first
+                from pliant.agent.seat import RESUME_WAIT_S, SeatHolder  # the coordinator's code: where it may run
+
+                self._seat = SeatHolder(
+                    self.config.spec.job_id,
+                    self.config.node_id,
+                    self.config.host,
+                    self.config.ca_cert_hash,
+                    self.client,
+                    self.metrics.registry,
+                    lambda line: console.info("%s", line),
+                ).start()
+                self._seat.resumed.wait(RESUME_WAIT_S + 5)
             joining = WaitLine(status_line(), after_s=JOIN_WAIT_SHOWN_AFTER_S)
             self.client.waiting = lambda what, note: joining.update(what, note, time.monotonic())
             if self.config.ca_cert_hash:
@@ -207,17 +220,8 @@ class Agent:
             self._join(self.client.waiting)
             self.client.waiting = None  # the heartbeat thread uses the client from now on; it says its own lines
             joining.update("", "", time.monotonic())
-            if self.config.seat:  # a node of an embedded control plane: it asks for a seat in it
-                from pliant.agent.seat import SeatHolder  # the coordinator's code: only where it may run
-
-                self._seat = SeatHolder(
-                    self.config.spec.job_id,
-                    self.config.node_id,
-                    self.config.host,
-                    self.client,
-                    self.metrics.registry,
-                    lambda line: console.info("%s", line),
-                ).start()
+            if self._seat is not None:
+                self._seat.joined.set()  # it asks for a seat (or its own back) from now on
             for target, name in (
                 (self._heartbeat_loop, "heartbeat"),
                 (self._watch_loop, "watch"),
@@ -269,7 +273,15 @@ class Agent:
         """One line, once per outage: the control plane is gone, what still works and what to do."""
         owner = self._control_plane_owner()
         where = f"embedded in node {owner}'s `pliant run`" if owner else "its replicas"
-        if owner:
+        targets = list(self.client.targets)
+        if len(targets) > 1 and self.config.join_line:  # an embedded control plane of seats
+            quorum = len(targets) // 2 + 1
+            where = f"an embedded control plane on {len(targets)} nodes: its etcd needs {quorum} of them"
+            fix = (
+                "Start `pliant run` again (the join line) on the seats' nodes that are gone: each takes its seat back "
+                "from its saved state, and the control plane is back once a majority of the seats runs"
+            )
+        elif owner:
             fix = (
                 f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone coordinator "
                 f"replicas for a control plane that outlives any node (README: Two machines)"
@@ -277,7 +289,7 @@ class Agent:
         else:
             fix = "Check that a coordinator replica runs and reaches etcd (pliant status)"
         line = (
-            f"agent {self.config.node_id}: the control plane at {','.join(self.config.coordinator)} ({where}) "
+            f"agent {self.config.node_id}: the control plane at {','.join(targets)} ({where}) "
             f"has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but no node can "
             f"join or leave and the job's end cannot be recorded until it is back. {fix}"
         )
@@ -327,9 +339,9 @@ class Agent:
                 token,
             )
 
-    def _join(self, waiting: Callable[[str, str], None]) -> None:
+    def _join(self, waiting: Callable[[str, str], None] | None = None) -> None:
         """Join the job (creating it when this agent may), waiting while an earlier agent of this node id still holds
-        its membership; ``waiting`` is told what it waits for."""
+        its membership; ``waiting`` (the first join's status line) is told what it waits for."""
         job = self.config.spec.job_id
         if not self.join_token:
             self._create_job()
@@ -345,7 +357,8 @@ class Agent:
             except AlreadyExists:
                 if time.monotonic() > deadline:
                     raise
-                waiting(f"waiting for an earlier agent of node {self.config.node_id} to be dropped", "")
+                if waiting is not None:
+                    waiting(f"waiting for an earlier agent of node {self.config.node_id} to be dropped", "")
                 if not waited:
                     waited = True
                     logger.info(

@@ -6,6 +6,7 @@ import enum
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pliant.coordinator.contract import JobSpec
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_MODES
@@ -13,7 +14,16 @@ from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
 from pliant.tls import TlsConfig
 
-__all__ = ["AgentConfig", "AgentError", "AgentState", "ExitCode", "GroupResult", "default_node_id", "left_on"]
+__all__ = [
+    "AgentConfig",
+    "AgentError",
+    "AgentState",
+    "ExitCode",
+    "GroupResult",
+    "default_node_id",
+    "left_on",
+    "state_home",
+]
 
 
 class AgentError(PliantError):
@@ -55,6 +65,12 @@ class AgentState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     LEFT = "left"
+
+
+def state_home() -> Path:
+    """Where a node keeps what outlives its agent (``pliant run``'s sealing root, a control-plane seat): the user's
+    state directory (``XDG_STATE_HOME``, else ``~/.local/state``), under ``pliant``."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "pliant"
 
 
 def default_node_id() -> str:

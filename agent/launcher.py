@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pliant.agent import snapshots
-from pliant.agent.contract import AgentConfig, default_node_id
+from pliant.agent.contract import AgentConfig, default_node_id, state_home
 from pliant.bootstrap import bootstrap_address, parse_pin
 from pliant.coordinator.contract import JOIN_TOKEN_RULE, JobSpec, is_join_token, parse_node_range
 from pliant.env import AUTO, parse_every
@@ -486,8 +486,7 @@ def _preload(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def default_seal_root_file() -> str:
     """Where ``pliant run`` keeps its sealing secret by default: the user's state directory (XDG)."""
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "pliant", "seal-root")
+    return str(state_home() / "seal-root")
 
 
 def advertised_host(args: argparse.Namespace, coordinator: Sequence[str], embedded: bool) -> str:

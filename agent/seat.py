@@ -4,26 +4,44 @@ or the seats are full, then runs the etcd member and the coordinator replica the
 The node listens for them on its own address (the one it advertises): the coordinator on the port the node joined
 the control plane with when it is free here (the Bootstrap service on the next one), etcd's client and peer ports on
 the two after (free ones where those are taken). What it gets with the seat (the run's CA and etcd's CA with their
-keys, the sealing root) goes into a directory only this user reads, and the certificates it issues itself from those
-CAs name its address.
+keys, the sealing root), the certificates it issues itself from those CAs for its address, and its etcd member's data
+go into the seat's home, a directory only this user reads: ``<state home>/seats/<the run's CA pin>-<host>-<etcd
+peer port>``, locked (``flock``) by the agent that holds the seat.
 
-Thread ownership: :meth:`SeatHolder.run` runs on its own thread, which starts ``etcd`` and ``coordinator`` and lives
-until :meth:`SeatHolder.close` (the agent's main thread, at exit) sets ``stop``, joins it, and stops them: the etcd
-member is started with a parent-death signal, which the kernel sends when the thread that started it ends.
+**A node comes back to its seat.** The home outlives an agent killed with its node (kill -9, a power loss; an agent
+that ends on its own, with its job or by leaving, removes it). An agent of the same run started again on the same
+address finds it (a home of this run and address that no live agent locks): before it joins, it starts its etcd
+member from the member's data, and its replica, so that a control plane that lost its quorum with this node (two of
+three seats at once) has it back, and the join can be answered; once joined, it claims the seat under its new node
+id. A home whose member etcd no longer knows (its seat was given up meanwhile) is removed, and the node asks for a
+seat as a newcomer.
+
+The agent keeps its seat's etcd member running: one that exits (killed, crashed) is started again from its data,
+after a backoff.
+
+Thread ownership: :meth:`SeatHolder.run` runs on its own thread, which starts ``etcd`` and ``coordinator``, restarts
+``etcd``, and lives until :meth:`SeatHolder.close` (the agent's main thread, at exit) sets ``stop``, joins it, and
+stops them: the etcd member is started with a parent-death signal, which the kernel sends when the thread that
+started it ends. The agent
+waits for ``resumed`` before it joins, and sets ``joined`` once it has.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
+import os
 import shutil
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from pliant.agent.contract import state_home
 from pliant.backoff import Backoff
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, FailedPrecondition
@@ -40,6 +58,8 @@ __all__ = ["SeatHolder", "seat_ports"]
 logger = logging.getLogger(__name__)
 
 ASK_EVERY_S = (1.0, 5.0)  # a node without a seat asks again after this backoff (first, longest)
+RESUME_WAIT_S = 60.0  # how long a member started from its data may take to answer (it waits for its peers)
+RESTART_AFTER_S = (1.0, 30.0)  # a seat's etcd member that exited is started again after this backoff
 
 
 def _free(host: str, port: int) -> bool:
@@ -62,13 +82,27 @@ def seat_ports(host: str, joined_port: int) -> tuple[int, int, int]:
     return free_port_pair(host), free_port(host), free_port(host)
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """``seat.json`` in the seat's home: what its member and replica are started with again."""
+
+    member_name: str
+    initial_cluster: str
+    etcd_endpoints: tuple[str, ...]
+    coordinator_port: int
+    client_port: int
+    peer_port: int
+    leader_ttl_s: float
+
+
 class SeatHolder:
-    """This node's seat: asked for on :meth:`run`'s thread, held until :meth:`close`.
+    """This node's seat: resumed or asked for on :meth:`run`'s thread, held until :meth:`close`.
 
     Args:
         job: the job this node is a member of.
-        node_id: this node's id (its etcd member's name and its replica's id).
+        node_id: this node's id (its replica's id; its etcd member's name when it takes a new seat).
         host: the address this node advertises; the seat listens there.
+        pin: the run's CA pin (``sha256:HEX``, the join line's): the seat's home is the run's and this address's.
         client: the agent's coordinator client.
         registry: where the replica's metrics go (the node's endpoint).
         said: called with a line for the console when the seat is taken.
@@ -79,6 +113,7 @@ class SeatHolder:
         job: str,
         node_id: str,
         host: str,
+        pin: str,
         client: CoordinatorClient,
         registry: CollectorRegistry,
         said: Callable[[str], None],
@@ -89,10 +124,15 @@ class SeatHolder:
         self.client = client
         self.registry = registry
         self.said = said
+        self._homes = state_home() / "seats"
+        self._prefix = f"{pin.rpartition(':')[2][:16]}-{host.replace(':', '_')}-"
+        self.home = self._homes / f"{self._prefix}new"  # the seat's home, once it has one (see _lock)
+        self._lock: int | None = None  # the home's lock file, held while this agent holds the seat
         self.stop = threading.Event()
+        self.resumed = threading.Event()  # set once a saved seat was started again, or there was none
+        self.joined = threading.Event()  # set by the agent once it joined (a claim needs its membership)
         self.etcd: EtcdServer | None = None
         self.coordinator: CoordinatorServer | None = None
-        self.directory = Path(tempfile.mkdtemp(prefix="pliant-seat-"))
         self._thread = threading.Thread(target=self.run, name="seat", daemon=True)
 
     def start(self) -> SeatHolder:
@@ -100,9 +140,19 @@ class SeatHolder:
         return self
 
     def run(self) -> None:
-        """Ask for a seat until granted (then take it), the seats are full, or the agent stops."""
-        port = parse_host_port(self.client.targets[0], what="--coordinator")[1]
-        ports = seat_ports(self.host, port)
+        """Start a saved seat again, then (once the agent joined) ask for a seat until granted, the seats are full,
+        or the agent stops; then keep this thread (the etcd member's parent) until :meth:`close`."""
+        try:
+            saved = self._resume()
+        finally:
+            self.resumed.set()
+        if saved is not None:
+            ports = (saved.coordinator_port, saved.client_port, saved.peer_port)
+        else:
+            ports = seat_ports(self.host, parse_host_port(self.client.targets[0], what="--coordinator")[1])
+        while not self.joined.wait(0.5):
+            if self.stop.is_set():
+                return
         backoff = Backoff(*ASK_EVERY_S)
         while not self.stop.is_set():
             try:
@@ -114,7 +164,11 @@ class SeatHolder:
                 logger.info("agent %s: asking for a control-plane seat failed (%s); asking again", self.node_id, exc)
                 self.stop.wait(backoff.next())
                 continue
-            if answer.granted:
+            if not answer.granted:
+                logger.info("agent %s: no control-plane seat yet: %s", self.node_id, answer.reason)
+                self.stop.wait(backoff.next())
+                continue
+            if self.coordinator is None:
                 try:
                     self._take(answer, ports)
                 except Exception:  # its etcd or replica did not start: the leader gives the seat up in time
@@ -123,62 +177,165 @@ class SeatHolder:
                     )
                     self._stop_services()
                     return
-                # etcd dies with the thread that started it (PR_SET_PDEATHSIG is a thread's): this one lives on.
-                self.stop.wait()
+            self._supervise()
+            return
+
+    def _supervise(self) -> None:
+        """Keep the seat's etcd member running until the agent stops: one that exits (killed, crashed) is started
+        again from its data, after a backoff. This thread is the member's parent: etcd dies with the thread that
+        started it (PR_SET_PDEATHSIG is a thread's)."""
+        backoff = Backoff(*RESTART_AFTER_S)
+        while not self.stop.wait(1.0):
+            etcd = self.etcd
+            if etcd is None or etcd.proc is None or etcd.proc.poll() is None:
+                continue
+            code = etcd.proc.returncode
+            wait = backoff.next()
+            logger.warning(
+                "agent %s: this node's etcd member (its control-plane seat) exited with code %s; starting it again "
+                "from its data in %.0fs",
+                self.node_id,
+                code,
+                wait,
+            )
+            if self.stop.wait(wait):
                 return
-            logger.info("agent %s: no control-plane seat yet: %s", self.node_id, answer.reason)
-            self.stop.wait(backoff.next())
+            try:
+                etcd.start(timeout_s=RESUME_WAIT_S)
+            except Exception as exc:  # its peers do not answer yet, or etcd removed it: tried again after a backoff
+                logger.warning("agent %s: this node's etcd member did not start again: %s", self.node_id, exc)
+                continue
+            logger.warning("agent %s: this node's etcd member runs again", self.node_id)
+            backoff.reset()
+
+    def _take_home(self, home: Path) -> bool:
+        """Make ``home`` this seat's, locked while this agent holds it (another agent of the run on this address,
+        alive, holds its own); False when another agent holds it."""
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(home / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._release_home()
+        self.home, self._lock = home, fd
+        return True
+
+    def _release_home(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def _resume(self) -> _Saved | None:
+        """Start the member and the replica of a seat saved in a home of this run and address that no live agent
+        holds (None: none saved, or it did not start)."""
+        homes = sorted(self._homes.glob(f"{self._prefix}*/seat.json")) if self._homes.is_dir() else []
+        path = next((p for p in homes if self._take_home(p.parent)), None)
+        if path is None:
+            return None
+        try:
+            data = json.loads(path.read_text())
+            saved = _Saved(**{**data, "etcd_endpoints": tuple(data["etcd_endpoints"])})
+            self._start_services(saved, self._kit(), resume=True)
+        except Exception as exc:  # its member was removed, its data is unusable, or its files are not whole
+            logger.warning(
+                "agent %s: the control-plane seat saved in %s did not start again (%s); asking for a seat anew",
+                self.node_id,
+                self.home,
+                exc,
+            )
+            self._stop_services()
+            shutil.rmtree(self.home, ignore_errors=True)
+            self._release_home()
+            return None
+        self.said(f"back in this node's control-plane seat: coordinator on {self.coordinator.address}")  # type: ignore[union-attr]
+        return saved
 
     def _take(self, answer: pb.ClaimSeatResponse, ports: tuple[int, int, int]) -> None:
-        """Start this seat's etcd member (joining the cluster) and its coordinator replica."""
-        hosts = [self.host, "127.0.0.1", "localhost"]
-        ca = LocalCA(self.directory / "pki", ca=IssuedCert(answer.ca_cert_pem, answer.ca_key_pem))
-        etcd_ca = LocalCA(self.directory / "etcd-pki", ca=IssuedCert(answer.etcd_ca_cert_pem, answer.etcd_ca_key_pem))
-        coordinator_port, client_port, peer_port = ports
-        self.etcd = EtcdServer(
-            data_dir=str(self.directory / "etcd"),
-            host=self.host,
-            client_port=client_port,
-            peer_port=peer_port,
-            die_with_parent=True,
-            tls=etcd_ca.issue("server", Role.COORDINATOR, f"etcd-{self.node_id}", hosts),
-            name=answer.member_name,
+        """Save what the seat needs in its home, then start its etcd member (joining the cluster) and replica."""
+        home = self._homes / f"{self._prefix}{ports[2]}"
+        shutil.rmtree(home, ignore_errors=True)
+        if not self._take_home(home):
+            raise OSError(f"another agent holds {home}")
+        for name, pem in (
+            ("ca.crt", answer.ca_cert_pem),
+            ("ca.key", answer.ca_key_pem),
+            ("etcd-ca.crt", answer.etcd_ca_cert_pem),
+            ("etcd-ca.key", answer.etcd_ca_key_pem),
+            ("seal-root", answer.seal_root),
+        ):
+            fd = os.open(self.home / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(pem)
+        saved = _Saved(
+            member_name=answer.member_name,
             initial_cluster=answer.initial_cluster,
-            cluster_state="existing",
-        )
-        self.etcd.start(timeout_s=60.0)
-        kit = SeatKit(
-            ca=ca.ca,
-            etcd_ca=etcd_ca.ca,
-            seal_root=answer.seal_root,
+            etcd_endpoints=tuple(answer.etcd_endpoints),
+            coordinator_port=ports[0],
+            client_port=ports[1],
+            peer_port=ports[2],
             leader_ttl_s=answer.leader_ttl_s,
+        )
+        self._start_services(saved, self._kit(), resume=False)
+        (self.home / "seat.json").write_text(json.dumps(asdict(saved)))
+        self.said(
+            f"this node holds a control-plane seat: coordinator on {self.coordinator.address}, etcd member "  # type: ignore[union-attr]
+            f"{self.etcd.endpoint}"  # type: ignore[union-attr]
+        )
+
+    def _kit(self) -> SeatKit:
+        read = lambda name: (self.home / name).read_bytes()  # noqa: E731
+        return SeatKit(
+            ca=IssuedCert(read("ca.crt"), read("ca.key")),
+            etcd_ca=IssuedCert(read("etcd-ca.crt"), read("etcd-ca.key")),
+            seal_root=read("seal-root"),
+            leader_ttl_s=0.0,
             wanted=0,  # a record exists: only the first seat writes it
         )
+
+    def _start_services(self, saved: _Saved, kit: SeatKit, resume: bool) -> None:
+        """Start the seat's etcd member (from its data when ``resume``, else joining the cluster) and its replica."""
+        hosts = [self.host, "127.0.0.1", "localhost"]
+        ca = LocalCA(self.home / "pki", ca=kit.ca)
+        etcd_ca = LocalCA(self.home / "etcd-pki", ca=kit.etcd_ca)
+        self.etcd = EtcdServer(
+            data_dir=str(self.home / "etcd"),
+            host=self.host,
+            client_port=saved.client_port,
+            peer_port=saved.peer_port,
+            die_with_parent=True,
+            tls=etcd_ca.issue("server", Role.COORDINATOR, f"etcd-{saved.member_name}", hosts),
+            name=saved.member_name,
+            initial_cluster=saved.initial_cluster,
+            cluster_state="existing",
+        )
+        self.etcd.start(timeout_s=RESUME_WAIT_S if resume else 60.0)
         config = CoordinatorConfig(
-            etcd_endpoints=(*answer.etcd_endpoints, self.etcd.endpoint),  # voting members first: a learner refuses
-            listen=f"{'[' + self.host + ']' if ':' in self.host else self.host}:{coordinator_port}",
-            leader_ttl_s=answer.leader_ttl_s,
+            # voting members first (a learner refuses clients), this node's own last
+            etcd_endpoints=(*(e for e in saved.etcd_endpoints if e != self.etcd.endpoint), self.etcd.endpoint),
+            listen=f"{'[' + self.host + ']' if ':' in self.host else self.host}:{saved.coordinator_port}",
+            leader_ttl_s=saved.leader_ttl_s,
             replica_id=self.node_id,
             tls=ca.issue("coordinator", Role.COORDINATOR, f"seat-{self.node_id}", hosts),
             etcd_tls=etcd_ca.issue("client", Role.COORDINATOR, f"etcd-client-{self.node_id}"),
-            signer=Signer(ca.ca),
-            seal_root=answer.seal_root,
-            seats=kit,
+            signer=Signer(kit.ca),
+            seal_root=kit.seal_root,
+            seats=SeatKit(kit.ca, kit.etcd_ca, kit.seal_root, saved.leader_ttl_s, 0),
         )
         self.coordinator = CoordinatorServer(config, self.registry).start()
-        self.said(
-            f"this node holds a control-plane seat: coordinator on {self.coordinator.address}, etcd member "
-            f"{self.etcd.endpoint}"
-        )
 
     def close(self) -> None:
-        """Stop asking, and stop the seat's replica and etcd member (the leader gives the seat up once this node is
-        gone)."""
+        """Stop asking, stop the seat's replica and etcd member, and remove the seat's home (the leader gives the seat
+        up once this node is gone)."""
         self.stop.set()
+        self.joined.set()
         if self._thread.is_alive():
-            self._thread.join(70)
+            self._thread.join(RESUME_WAIT_S + 10)
         self._stop_services()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock is not None:  # this agent's seat (never another live agent's)
+            shutil.rmtree(self.home, ignore_errors=True)
+            self._release_home()
 
     def _stop_services(self) -> None:
         if self.coordinator is not None:

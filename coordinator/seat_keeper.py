@@ -143,6 +143,13 @@ class SeatKeeper:
                 self._forget_coordinators()
                 return self._granted(taken, members)
             assert isinstance(decision, Grant)
+            if decision.seat not in seats.seats:  # a node come back to its seat under a new node id
+                if not self._store.write_seats(seats.back(decision.seat), rev):
+                    return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+                logger.warning(
+                    "control plane: %s is back in its seat (%s)", decision.seat.node, decision.seat.etcd_peer
+                )
+                self._forget_coordinators()
             return self._granted(decision.seat, members)
 
     def upkeep(self, live: set[str]) -> None:

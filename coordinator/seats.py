@@ -94,6 +94,10 @@ class Seats:
         """This record with ``seat`` in it (replacing the node's earlier seat)."""
         return replace(self, seats=(*(s for s in self.seats if s.node != seat.node), seat))
 
+    def back(self, seat: Seat) -> Seats:
+        """This record with ``seat`` in the place of the seat of its etcd member (a node come back to its seat)."""
+        return replace(self, seats=tuple(seat if s.etcd_peer == seat.etcd_peer else s for s in self.seats))
+
     def without(self, node: str) -> Seats:
         return replace(self, seats=tuple(s for s in self.seats if s.node != node))
 
@@ -115,7 +119,8 @@ def _member_of(seat: Seat, members: Sequence[EtcdMember]) -> EtcdMember | None:
 
 @dataclass(frozen=True)
 class Grant:
-    """The node holds ``seat`` (granted earlier, its member in etcd): send it what it needs again."""
+    """The node holds ``seat`` (granted earlier, its member in etcd; or its member's, come back under a new node id):
+    record it if it changed, and send the node what it needs again."""
 
     seat: Seat
 
@@ -161,6 +166,10 @@ def decide_claim(seats: Seats, members: Sequence[EtcdMember], claim: Seat) -> Cl
     held = seats.holder(claim.node)
     if held is not None and _member_of(held, members) is not None:
         return Grant(held)
+    back = next((seat for seat in seats.seats if seat.etcd_peer == claim.etcd_peer), None)
+    if back is not None and _member_of(back, members) is not None:
+        # The node came back to its seat (a new agent, its member restarted from its data): the seat is its own.
+        return Grant(replace(back, node=claim.node, coordinator=claim.coordinator))
     others = seats.without(claim.node)
     if len(others.seats) >= seats.wanted:
         return Refuse(f"the control plane's {seats.wanted} seat(s) are taken", final=True)

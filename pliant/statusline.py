@@ -65,8 +65,9 @@ class StatusLine:
 
     def erase_for_output(self) -> None:
         """Erase the line before other output is written; the caller holds :data:`LOCK`."""
-        self._erase()
-        self._shown_at = float("-inf")  # drawn again at the next update
+        if self._drawn:
+            self._erase()
+            self._shown_at = float("-inf")  # drawn again at the next update
 
     def _erase(self) -> None:
         if self._drawn:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -157,3 +159,57 @@ def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_p
         f"accepted {joined_s:.2f}s, quorum 3 again {replaced_s:.1f}s; a second seat's node killed -> survivors "
         f"stepping {survivors_b_s:.2f}s, a newcomer stepping {joined_b_s:.2f}s; max |param diff| {diff:.1e}"
     )
+
+
+def _etcd_of(machine: Machine) -> psutil.Process:
+    """The etcd member ``machine``'s agent runs (its seat's)."""
+    found = [p for p in psutil.Process(machine.procs[-1].pid).children(recursive=True) if p.name() == "etcd"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_two_seats_lost_at_once_stop_the_control_plane_not_the_training(fabric, tmp_path: Path) -> None:
+    """Two of three seats' etcd members gone at once (frozen: hung or cut off, their nodes' workers alive): the
+    workers train on, the agents say in one line what is lost and what brings it back, and once one of the two
+    answers again the world changes again (a node joins). An etcd member killed is started again by its agent."""
+    machines = [Machine(fabric, name, tmp_path) for name in "abcd"]
+    a, b, c, d = machines
+    argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
+    a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_tmp=False)
+    first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
+    certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
+    etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")
+    _stepping([a], 1, 0.0)
+    _join(b, first_line)
+    _stepping(machines, 2, time.time() - 1)
+    _join(c, first_line)
+    _stepping(machines, 3, time.time() - 1)
+    wait_for(lambda: len(_voting(_members([a], etcd_tls))) == 3, 90, "three voting members", 0.5)
+
+    _etcd_of(b).kill()  # its agent starts it again from its data
+    wait_for(lambda: "this node's etcd member runs again" in b.output(), 60, "b's etcd member again")
+    wait_for(lambda: len(_voting(_members([a, b], etcd_tls))) == 3, 60, "b's member voting again", 0.5)
+
+    frozen_at = time.time()
+    frozen = [_etcd_of(m) for m in (b, c)]
+    for proc in frozen:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        said = wait_for(lambda: re.search(r".*has been unreachable for.*", a.output()), 60, "the agents' line")
+        line = said.group(0)  # type: ignore[union-attr]
+        assert "an embedded control plane on 3 nodes: its etcd needs 2 of them" in line, line
+        assert "the workers keep training" in line and "takes its seat back" in line, line
+        _stepping(machines, 3, time.time())  # the workers train on through the outage
+        frozen[1].send_signal(signal.SIGCONT)  # c's member answers again: two of three, a quorum
+        back = time.time()
+        _join(d, first_line)
+        _stepping(machines, 4, back)  # the world changes again
+        print(f"two of three seats lost for {back - frozen_at:.0f}s; a join stepping {time.time() - back:.1f}s later")
+    finally:
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+    newest = max(ev["step"] for m in machines for ev in m.events())
+    for m in machines:
+        m.stop_at(newest + 10)
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in machines), 90, "every machine to exit")
+    assert [m.procs[-1].returncode for m in machines] == [0] * 4, [m.output()[-2000:] for m in machines]

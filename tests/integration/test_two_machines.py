@@ -75,6 +75,8 @@ def _recipe(tmp_path: Path, fabric: Fabric, nproc: int, nodes: int) -> tuple[lis
         f"0.0.0.0:{PORT}",
         "--nnodes",
         f"1:{nodes}",
+        "--control-plane-seats",  # one seat: what losing the control plane costs (seats: test_control_plane_seats)
+        "1",
         "--nproc-per-node",
         str(nproc),
         "train.py",

@@ -81,6 +81,18 @@ def test_off_a_terminal_a_wait_is_a_line_when_it_changes_and_every_so_often() ->
     wait.update("waiting for nodes: 2 of min 3 nodes", "", 40.0 + SHOW_WAIT_AFTER_S)
     assert out.getvalue().splitlines()[-1] == "pliant: waiting for nodes: 2 of min 3 nodes (5s so far)"
     assert len(out.getvalue().splitlines()) == 3
+    line = wait.line
+    with_record = io.StringIO()
+    handler = ConsoleHandler(with_record)
+    import pliant.statusline as statusline
+
+    statusline._line, saved = line, statusline._line
+    try:  # a record in between: off a terminal nothing was drawn, so nothing is written again
+        handler.handle(logging.makeLogRecord({"msg": "a record", "levelno": logging.WARNING}))
+    finally:
+        statusline._line = saved
+    wait.update("waiting for nodes: 2 of min 3 nodes", "", 46.0)
+    assert len(out.getvalue().splitlines()) == 3
 
 
 def test_on_a_terminal_the_line_updates_in_place_and_other_output_erases_it_first() -> None:

@@ -107,3 +107,24 @@ def test_the_record_and_the_initial_cluster() -> None:
     assert seats.coordinators == ("a:29400", "[::1]:29400")
     members = [_member("a", 1), EtcdMember(2, "", ("https://b:29403",), (), True)]
     assert initial_cluster(members, "b", "https://b:29403") == "a=https://a:29403,b=https://b:29403"
+
+
+def test_a_node_back_with_its_members_data_keeps_its_seat_under_its_new_node_id() -> None:
+    seats = Seats(3, (_seat("a"), _seat("b"), _seat("c")))
+    members = [_member("a", 1), _member("b", 2), _member("c", 3)]
+    again = Seat("b-2", "b:29400", "https://b:29402", "https://b:29403")  # b's agent again, with a new node id
+    granted = decide_claim(seats, members, again)
+    assert granted == Grant(Seat("b-2", "b:29400", "https://b:29402", "https://b:29403"))
+    assert seats.back(granted.seat).coordinators == ("a:29400", "b:29400", "c:29400")
+    assert [s.node for s in seats.back(granted.seat).seats] == ["a", "b-2", "c"]
+
+
+def test_a_client_follows_the_coordinators_it_is_told_keeping_the_one_it_calls_first() -> None:
+    from pliant.coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(["10.0.0.1:29400", "10.0.0.2:29400"]) as client:
+        client._current = 1  # it calls 10.0.0.2 now
+        client.use_targets(["10.0.0.3:29400", "10.0.0.2:29400"])
+        assert client.targets == ["10.0.0.2:29400", "10.0.0.3:29400"] and client._current == 0
+        client.use_targets([])  # nothing listed: the targets stay
+        assert client.targets == ["10.0.0.2:29400", "10.0.0.3:29400"] and len(client._stubs) == 2
