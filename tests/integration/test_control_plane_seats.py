@@ -91,7 +91,10 @@ def _stepping(machines: list[Machine], world: int, since: float) -> None:
 
 
 def _join(machine: Machine, line: str) -> None:
-    machine.run(["env", "PLIANT_LOG_LEVEL=INFO", *shlex.split(line)], hide_tmp=True)
+    """Run the join ``line`` on ``machine``, its user's state directory kept in its working directory (a home that
+    outlives the machine's processes, as a real machine's does)."""
+    state = f"XDG_STATE_HOME={machine.cwd / 'state'}"
+    machine.run(["env", "PLIANT_LOG_LEVEL=INFO", state, *shlex.split(line)], hide_tmp=True)
 
 
 def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_path: Path) -> None:
@@ -171,7 +174,8 @@ def _etcd_of(machine: Machine) -> psutil.Process:
 def test_two_seats_lost_at_once_stop_the_control_plane_not_the_training(fabric, tmp_path: Path) -> None:
     """Two of three seats' etcd members gone at once (frozen: hung or cut off, their nodes' workers alive): the
     workers train on, the agents say in one line what is lost and what brings it back, and once one of the two
-    answers again the world changes again (a node joins). An etcd member killed is started again by its agent."""
+    answers again the world changes again (a node joins). An etcd member killed is started again by its agent; a
+    seat's node killed and started again takes its seat back."""
     machines = [Machine(fabric, name, tmp_path) for name in "abcd"]
     a, b, c, d = machines
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
@@ -208,6 +212,15 @@ def test_two_seats_lost_at_once_stop_the_control_plane_not_the_training(fabric, 
     finally:
         for proc in frozen:
             proc.send_signal(signal.SIGCONT)
+
+    seated_as = _node_id(c)
+    killed = time.time()
+    c.node.kill_all()  # a seat's whole node, then its `pliant run` again: the seat comes back from its saved state
+    _join(c, first_line)
+    wait_for(lambda: "back in this node's control-plane seat" in c.output(), 90, "c back in its seat")
+    _stepping(machines, 4, killed)
+    voters = sorted([_node_id(a), _node_id(b), seated_as])  # etcd's member keeps its name
+    wait_for(lambda: _voting(_members([a, b, c], etcd_tls)) == voters, 60, "c's member voting again", 0.5)
     newest = max(ev["step"] for m in machines for ev in m.events())
     for m in machines:
         m.stop_at(newest + 10)
