@@ -7,15 +7,29 @@ embedded control plane's seats. Root only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.netns import Fabric, Node
 from tests.integration.harness import ELASTIC, read_jsonl
 
-__all__ = ["Machine", "first_step_at", "ranks_at"]
+__all__ = ["Machine", "fabric_of", "first_step_at", "ranks_at"]
+
+
+@contextlib.contextmanager
+def fabric_of(prefix: str, net: int) -> Iterator[Fabric]:
+    """A fabric for one test module's machines: ``net`` for the first xdist worker, ``net - 1`` for the second (each
+    module has two nets of its own), named ``<prefix><worker>``; closed, every process in it killed, at the end."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    made = Fabric(prefix=f"{prefix}{worker}", net=net - worker)
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 class Machine:

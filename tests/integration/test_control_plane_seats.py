@@ -6,7 +6,6 @@ Root only."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import signal
@@ -18,12 +17,12 @@ import psutil
 import pytest
 import torch
 
-from bench.netns import Fabric, unavailable
+from bench.netns import unavailable
 from pliant.coordinator.etcd_cluster import EtcdMembers
 from pliant.tls import TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import GLOBAL_BATCH, SAMPLES, TOLERANCE, batches_counted, max_param_diff, static_params
-from tests.integration.machines import Machine, first_step_at, ranks_at
+from tests.integration.machines import Machine, fabric_of, first_step_at, ranks_at
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420), pytest.mark.skipif(bool(WHY), reason=WHY)]
@@ -53,12 +52,8 @@ SCRIPT = [
 
 @pytest.fixture
 def fabric():  # type: ignore[no-untyped-def]
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    made = Fabric(prefix=f"pls{worker}", net=15 - worker)  # 10.213.15.0/24, 10.213.14.0/24: no other test's
-    try:
+    with fabric_of("pls", 15) as made:  # 10.213.15.0/24, 10.213.14.0/24: no other test's
         yield made
-    finally:
-        made.close()
 
 
 def _join_lines(machine: Machine) -> list[str]:

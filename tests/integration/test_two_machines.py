@@ -11,7 +11,6 @@ node printed. Nothing sets GLOO_SOCKET_IFNAME: pliant picks the interface of the
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import shlex
 import sys
@@ -25,7 +24,7 @@ from pliant.coordinator.client import CoordinatorClient
 from pliant.tls import Role, TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import SAMPLES
-from tests.integration.machines import Machine, first_step_at, ranks_at
+from tests.integration.machines import Machine, fabric_of, first_step_at, ranks_at
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(bool(WHY), reason=WHY)]
@@ -49,12 +48,8 @@ SCRIPT_ARGS = (
 
 @pytest.fixture
 def fabric():  # type: ignore[no-untyped-def]
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    made = Fabric(prefix=f"plm{worker}", net=5 - worker)  # 10.213.5.0/24, 10.213.4.0/24: no other test's
-    try:
+    with fabric_of("plm", 5) as made:  # 10.213.5.0/24, 10.213.4.0/24: no other test's
         yield made
-    finally:
-        made.close()
 
 
 def _worker_env(pid: int) -> dict[str, str]:
