@@ -4,7 +4,8 @@ the last line when it exits, and the status line of a long wait (:mod:`pliant.st
 A world's line names the generation and why it came, the world size (before and after, in place), which nodes joined
 and left since this node's last world, this node's ranks, and how long the change took from when this agent saw the
 generation. A wait shows once it has lasted :data:`SHOW_WAIT_AFTER_S`: nodes below the job's minimum, a spare held at
-the job's maximum, a hand-over in place waiting for its newcomers' workers.
+the job's maximum, a hand-over in place waiting for its newcomers' workers, a state moving into a new world (its ranks
+in the ``transfer`` phase, :mod:`pliant.progress`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def awaited(state: CoreState, job: JobState | None, job_reason: str, min_nodes: 
         left = max(0.0, pending.deadline - now)
         newcomers = ", ".join(pending.newcomers)
         return f"generation {gen.number}: waiting for {newcomers} to start their workers", f"{left:.0f}s to go"
+    moving = [p for _, p in state.progress if p.phase == "transfer"]
+    if state.group is not None and moving:
+        return f"generation {moving[0].generation}: moving the state into the new world", f"{len(moving)} rank(s) here"
     if state.group is not None or state.phase is not AgentState.WAITING:
         return "", ""
     if job is JobState.WAITING:

@@ -156,7 +156,7 @@ class RankProgress:
     step: int
     phase: str
     since: float  # when this (step, phase, generation) was first seen
-    generation: int = 0  # of a "wait": the generation the rank waits in (a new wait at the same step is a new record)
+    generation: int = 0  # of a "wait" or a "transfer": its generation (a new wait at the same step is a new record)
 
 
 @dataclass(frozen=True)
@@ -599,11 +599,12 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         idle = now - p.since
         if p.phase == "step" and idle > limit:
             why = f"local rank {rank} made no progress for {idle:.0f}s after step {p.step} (hang timeout {limit:g}s)"
-        elif p.phase in ("start", "save", "wait") and start_limit and idle > start_limit:
+        elif p.phase in ("start", "save", "wait", "transfer") and start_limit and idle > start_limit:
             what = {
                 "start": "its first step",
                 "save": f"the checkpoint save after step {p.step}",
                 "wait": f"waiting for the next generation after step {p.step}",
+                "transfer": f"moving the state into generation {p.generation} after step {p.step}",
             }[p.phase]
             why = f"local rank {rank} spent {idle:.0f}s on {what} (start timeout {start_limit:g}s)"
         else:

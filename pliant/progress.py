@@ -10,7 +10,8 @@ it completed in: every member of that generation arrived, which the agent's fail
 checkpoint save is blocking the loop), ``wait`` (a collective failed: a peer died, or a survivor's new generation did
 not all meet; the worker waits for its agent's next directive; the record ends with the generation it failed in, so an
 agent that already handed it a newer one does not report the failure again, and a wait in a newer generation at the
-same step is a new one), ``done`` (the session closed).
+same step is a new one), ``transfer`` (the state moves into a new world in place, until the first step there
+completes; the record ends with that world's generation), ``done`` (the session closed).
 
 **The directive file** ``<progress file>.next`` is how an agent hands a running worker its next generation (the
 in-place rescale, :mod:`pliant.worker.inplace.protocol`): a JSON object ``{"generation": N, "mode": M, "env": {...}}``

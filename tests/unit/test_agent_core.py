@@ -160,6 +160,17 @@ def test_a_slow_start_or_save_is_not_a_hang_before_the_start_timeout() -> None:
     assert "checkpoint save after step 2" in actions[-1].report.message  # type: ignore[union-attr]
 
 
+def test_a_long_state_transfer_in_place_is_not_a_hang_before_the_start_timeout() -> None:
+    agent = Agent(hang_timeout_s=5.0, start_timeout_s=30.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    assert agent.on(core.Tick({0: (4, "step")}), after=0.5) == []
+    assert agent.on(core.Tick({0: (4, "transfer", 2)}), after=0.5) == []
+    assert agent.on(core.Tick({0: (4, "transfer", 2)}), after=25.0) == []  # a big state moving
+    actions = agent.on(core.Tick({0: (4, "transfer", 2)}), after=6.0)
+    assert agent.kinds(actions) == ["Dump", "Stop", "Send"]
+    assert "moving the state into generation 2 after step 4" in actions[-1].report.message  # type: ignore[union-attr]
+
+
 def test_workers_that_write_no_progress_are_not_watched() -> None:
     agent = Agent(hang_timeout_s=1.0, start_timeout_s=2.0)
     agent.on(core.GenerationSeen(_gen(1, "a")))

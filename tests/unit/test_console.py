@@ -10,7 +10,7 @@ import pytest
 
 from pliant.agent.console import SHOW_WAIT_AFTER_S, Summary, WaitLine, awaited
 from pliant.agent.contract import AgentState
-from pliant.agent.core import CoreState
+from pliant.agent.core import CoreState, RankProgress
 from pliant.agent.handover import HandOver
 from pliant.coordinator.contract import Generation, GenerationMember, JobState
 from pliant.statusline import OFF_TERMINAL_EVERY_S, ConsoleHandler, StatusLine
@@ -60,6 +60,11 @@ def test_what_a_node_waits_for_in_a_persons_words() -> None:
     assert awaited(handing, JobState.RUNNING, "", 1, 10.0) == (
         "generation 2: waiting for b, c to start their workers",
         "30s to go",
+    )
+    moving = CoreState("a", phase=AgentState.RUNNING, group=2, progress=((0, RankProgress(9, "transfer", 1.0, 2)),))
+    assert awaited(moving, JobState.RUNNING, "", 1, 5.0) == (
+        "generation 2: moving the state into the new world",
+        "1 rank(s) here",
     )
     training = CoreState("a", phase=AgentState.RUNNING, group=1)
     assert awaited(training, JobState.RUNNING, "", 1, 0.0) == ("", "")

@@ -547,6 +547,7 @@ class Protocol(Runner):
         its step and positions here, and the sharded engine's first snapshot in the new world."""
         rolling_back, self._rolling_back = self._rolling_back, False
         sharded = self.sharded
+        self.world.moving_state(self.steps_done)
         moved = transfer(holds_state, self.steps_done, self.engines, self.loaders, self.copies, sharded, rolling_back)
         self._positions = moved.positions
         for loader in self.loaders:

@@ -123,6 +123,11 @@ class World:
         reports the failure that brought it here, so the coordinator publishes the next generation at once)."""
         self._progress.write(step, "wait", self.env.generation)
 
+    def moving_state(self, step: int) -> None:
+        """Tell the agent that this rank moves the state into this world after ``step`` (the ``transfer`` phase, until
+        its first step here completes: its agent shows a long one, and gives it the start timeout)."""
+        self._progress.write(step, "transfer", self.env.generation)
+
     # -- forming and retiring ------------------------------------------------------------------------------------------
 
     def adopt(self, directive: Directive) -> None:
