@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
-from pliant.agent.console import Summary, WaitLine, awaited
-from pliant.agent.contract import AgentConfig, AgentError, ExitCode
+from pliant.agent.console import Summary, WaitLine, awaited, unreachable
+from pliant.agent.contract import COORDINATORS, AgentConfig, AgentError, ExitCode
 from pliant.agent.credentials import Credentials
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
@@ -259,39 +259,15 @@ class Agent:
             self.metrics.close()
             snapshots.remove(self.progress_dir, self.snapshot_dir)
 
-    def _control_plane_owner(self) -> str:
-        """Which node of the current generation hosts the coordinator this agent talks to ("" when none does: a
-        standalone control plane)."""
-        gen = self.state.generation
-        hosts = {c.rsplit(":", 1)[0].strip("[]") for c in self.config.coordinator}
-        for member in gen.members if gen else ():
-            if member.address.rsplit(":", 1)[0].strip("[]") in hosts:
-                return member.node_id
-        return ""
-
     def _say_unreachable(self, since: float) -> None:
-        """One line, once per outage: the control plane is gone, what still works and what to do."""
-        owner = self._control_plane_owner()
-        where = f"embedded in node {owner}'s `pliant run`" if owner else "its replicas"
-        targets = list(self.client.targets)
-        if len(targets) > 1 and self.config.join_line:  # an embedded control plane of seats
-            quorum = len(targets) // 2 + 1
-            where = f"an embedded control plane on {len(targets)} nodes: its etcd needs {quorum} of them"
-            fix = (
-                "Start `pliant run` again (the join line) on the seats' nodes that are gone: each takes its seat back "
-                "from its saved state, and the control plane is back once a majority of the seats runs"
-            )
-        elif owner:
-            fix = (
-                f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone coordinator "
-                f"replicas for a control plane that outlives any node (README: Two machines)"
-            )
-        else:
-            fix = "Check that a coordinator replica runs and reaches etcd (pliant status)"
-        line = (
-            f"agent {self.config.node_id}: the control plane at {','.join(targets)} ({where}) "
-            f"has been unreachable for {time.monotonic() - since:.0f}s; the workers keep training, but no node can "
-            f"join or leave and the job's end cannot be recorded until it is back. {fix}"
+        """One line, once per outage (:func:`pliant.agent.console.unreachable`)."""
+        gen = self.state.generation
+        line = unreachable(
+            self.config.node_id,
+            tuple(self.client.targets),
+            seated=bool(self.config.join_line),
+            members=gen.members if gen is not None else (),
+            down_s=time.monotonic() - since,
         )
         console.warning("%s", line)
 
@@ -420,7 +396,7 @@ class Agent:
         self.client.use_targets(coordinators)
         logger.info("agent %s: the control plane's coordinators are %s", self.config.node_id, ",".join(coordinators))
         if self.config.join_line:
-            line = self.config.join_line.format(coordinators=",".join(coordinators))
+            line = self.config.join_line.replace(COORDINATORS, ",".join(coordinators))
             console.info("control plane on %d nodes; other nodes join with:\n  %s", len(coordinators), line)
 
     def _heartbeat_loop(self) -> None:

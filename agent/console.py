@@ -1,5 +1,6 @@
 """What the agent says on its console (:data:`pliant.logsetup.CONSOLE`): a line per world this node takes part in,
-the last line when it exits, and the status line of a long wait (:mod:`pliant.statusline`).
+the last line when it exits, the status line of a long wait (:mod:`pliant.statusline`), and the line of a control
+plane gone.
 
 A world's line names the generation and why it came, the world size (before and after, in place), which nodes joined
 and left since this node's last world, this node's ranks, and how long the change took from when this agent saw the
@@ -11,6 +12,7 @@ in the ``transfer`` phase, :mod:`pliant.progress`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pliant.agent.contract import AgentState
@@ -18,7 +20,7 @@ from pliant.agent.core import CoreState
 from pliant.coordinator.contract import Generation, GenerationMember, JobState
 from pliant.statusline import StatusLine
 
-__all__ = ["SHOW_WAIT_AFTER_S", "Summary", "WaitLine", "awaited"]
+__all__ = ["SHOW_WAIT_AFTER_S", "Summary", "WaitLine", "awaited", "unreachable"]
 
 SHOW_WAIT_AFTER_S = 5.0
 """A wait shorter than this is not shown."""
@@ -134,3 +136,40 @@ class WaitLine:
             self.what, self.since = what, now
         if what and now - self.since >= self.after_s:
             self.line.show(what, f"{now - self.since:.0f}s so far" + (f"; {note}" if note else ""), now)
+
+
+def unreachable(
+    node: str, targets: Sequence[str], seated: bool, members: Sequence[GenerationMember], down_s: float
+) -> str:
+    """The one line an agent says once per control-plane outage: where the control plane was, what still works, and
+    what brings it back.
+
+    Args:
+        node: this node's id.
+        targets: the coordinators the agent calls.
+        seated: the control plane is an embedded one with seats (more than one coordinator listed means several).
+        members: the current generation's members (one whose address is a coordinator's hosts a one-seat control
+            plane).
+        down_s: how long it has been unreachable.
+    """
+    hosts = {target.rsplit(":", 1)[0].strip("[]") for target in targets}
+    owner = next((m.node_id for m in members if m.address.rsplit(":", 1)[0].strip("[]") in hosts), "")
+    if seated and len(targets) > 1:
+        where = f"an embedded control plane on {len(targets)} nodes: its etcd needs {len(targets) // 2 + 1} of them"
+        fix = (
+            "Start `pliant run` again (the join line) on the seats' nodes that are gone: each takes its seat back "
+            "from its saved state, and the control plane is back once a majority of the seats runs"
+        )
+    elif owner:
+        where = f"embedded in node {owner}'s `pliant run`"
+        fix = (
+            f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone coordinator "
+            f"replicas for a control plane that outlives any node (README: Two machines)"
+        )
+    else:
+        where, fix = "its replicas", "Check that a coordinator replica runs and reaches etcd (pliant status)"
+    return (
+        f"agent {node}: the control plane at {','.join(targets)} ({where}) has been unreachable for {down_s:.0f}s; "
+        f"the workers keep training, but no node can join or leave and the job's end cannot be recorded until it "
+        f"is back. {fix}"
+    )

@@ -15,6 +15,7 @@ from pliant.net import parse_host_port
 from pliant.tls import TlsConfig
 
 __all__ = [
+    "COORDINATORS",
     "AgentConfig",
     "AgentError",
     "AgentState",
@@ -65,6 +66,10 @@ class AgentState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     LEFT = "left"
+
+
+COORDINATORS = "@COORDINATORS@"
+"""The coordinators' place in :attr:`AgentConfig.join_line` (a word the shell takes as it is, unquoted)."""
 
 
 def state_home() -> Path:
@@ -126,7 +131,7 @@ class AgentConfig:
         bootstrap: the Bootstrap services' HOST:PORT, tried in order (with ``ca_cert_hash``).
         seat: ask for a seat in the control plane (an embedded one, ``pliant run``'s): an etcd member and a
             coordinator replica on this node (:mod:`pliant.agent.seat`).
-        join_line: the line other nodes join with, ``{coordinators}`` in the place of the coordinators; said again
+        join_line: the line other nodes join with, :data:`COORDINATORS` in the place of the coordinators; said again
             when the control plane's coordinators change ("": never said).
     """
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pliant.agent import snapshots
-from pliant.agent.contract import AgentConfig, default_node_id, state_home
+from pliant.agent.contract import COORDINATORS, AgentConfig, default_node_id, state_home
 from pliant.bootstrap import bootstrap_address, parse_pin
 from pliant.coordinator.contract import JOIN_TOKEN_RULE, JobSpec, is_join_token, parse_node_range
 from pliant.env import AUTO, parse_every
@@ -506,10 +506,6 @@ def pliant_command() -> list[str]:
     if found and Path(found).resolve().parent == Path(sys.executable).resolve().parent:
         return ["pliant"]
     return [sys.executable, "-m", "pliant"]
-
-
-COORDINATORS = "{coordinators}"
-"""The coordinators' place in :attr:`AgentConfig.join_line`."""
 
 
 def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) -> str:

@@ -7,29 +7,35 @@ embedded control plane's seats. Root only.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from bench.netns import Fabric, Node
 from tests.integration.harness import ELASTIC, read_jsonl
 
-__all__ = ["Machine", "fabric_of", "first_step_at", "ranks_at"]
+__all__ = ["Machine", "fabric_fixture", "first_step_at", "ranks_at"]
 
 
-@contextlib.contextmanager
-def fabric_of(prefix: str, net: int) -> Iterator[Fabric]:
-    """A fabric for one test module's machines: ``net`` for the first xdist worker, ``net - 1`` for the second (each
-    module has two nets of its own), named ``<prefix><worker>``; closed, every process in it killed, at the end."""
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    made = Fabric(prefix=f"{prefix}{worker}", net=net - worker)
-    try:
-        yield made
-    finally:
-        made.close()
+def fabric_fixture(prefix: str, net: int) -> Callable[[], Iterator[Fabric]]:
+    """A ``fabric`` fixture for one test module's machines: ``10.213.<net>.0/24`` for the first xdist worker,
+    ``net - 1`` for the second (each module has two nets of its own), named ``<prefix><worker>``; closed, every
+    process in it killed, after each test."""
+
+    @pytest.fixture
+    def fabric() -> Iterator[Fabric]:
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+        made = Fabric(prefix=f"{prefix}{worker}", net=net - worker)
+        try:
+            yield made
+        finally:
+            made.close()
+
+    return fabric
 
 
 class Machine:

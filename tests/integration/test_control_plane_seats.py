@@ -22,7 +22,7 @@ from pliant.coordinator.etcd_cluster import EtcdMembers
 from pliant.tls import TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import GLOBAL_BATCH, SAMPLES, TOLERANCE, batches_counted, max_param_diff, static_params
-from tests.integration.machines import Machine, fabric_of, first_step_at, ranks_at
+from tests.integration.machines import Machine, fabric_fixture, first_step_at, ranks_at
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420), pytest.mark.skipif(bool(WHY), reason=WHY)]
@@ -50,10 +50,7 @@ SCRIPT = [
 ]
 
 
-@pytest.fixture
-def fabric():  # type: ignore[no-untyped-def]
-    with fabric_of("pls", 15) as made:  # 10.213.15.0/24, 10.213.14.0/24: no other test's
-        yield made
+fabric = fabric_fixture("pls", 15)  # 10.213.15.0/24 and .14.0/24: no other test's
 
 
 def _join_lines(machine: Machine) -> list[str]:
@@ -68,6 +65,12 @@ def _voting(members: EtcdMembers) -> list[str]:
     except Exception:
         return []
     return sorted(m.name for m in listed if m.started and not m.learner)
+
+
+def _seats_taken_again(members: EtcdMembers, lost: str) -> list[str]:
+    """etcd's three voting members once none is ``lost``'s (empty until then)."""
+    voters = _voting(members)
+    return voters if len(voters) == 3 and lost not in voters else []
 
 
 def _members(machines: list[Machine], tls: TlsConfig) -> EtcdMembers:
@@ -93,53 +96,57 @@ def _join(machine: Machine, line: str) -> None:
 
 
 def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_path: Path) -> None:
-    machines = [Machine(fabric, name, tmp_path) for name in "abcde"]
-    a, b, c, d, e = machines
+    """A job of four nodes, three of them seats: kill -9 of the first node, then of a second seat's node after the
+    first seat was taken again; each time the other three step on in place, a node joins with a line printed before
+    the loss, and a node takes the lost seat."""
+    machines = [Machine(fabric, name, tmp_path) for name in "abcdef"]
+    a, b, c, d, e, f = machines
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
     a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_tmp=False)
     first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
     certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
     etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")  # etcd's CA signs every member's client
     _stepping([a], 1, 0.0)
-    _join(b, first_line)
-    _stepping(machines, 2, time.time() - 1)
-    _join(c, first_line)
-    _stepping(machines, 3, time.time() - 1)
-    names = {m.hostname: _node_id(m) for m in (a, b, c)}
-    wait_for(lambda: _voting(_members([a], etcd_tls)) == sorted(names.values()), 90, "three voting members", 0.5)
+    for world, machine in enumerate((b, c, d), start=2):
+        _join(machine, first_line)
+        _stepping(machines, world, time.time() - 1)
+    names = {m.hostname: _node_id(m) for m in (a, b, c, d)}
+    seated = sorted(names[m.hostname] for m in (a, b, c))
+    wait_for(lambda: _voting(_members([a], etcd_tls)) == seated, 90, "three voting members", 0.5)
     three_line = wait_for(lambda: [x for x in _join_lines(a) if x.count(f":{PORT}") == 3], 30, "the 3-seat line")[-1]
     assert all(f"{m.node.address}:{PORT}" in three_line for m in (a, b, c)), three_line
 
     killed = time.time()
     a.node.kill_all()  # kill -9 of the machine that started the job: etcd's leader, the leading replica, rank 0
-    _stepping([b, c], 2, killed)
-    survivors_s = first_step_at([b, c], 2, killed, 2) - killed
-    _join(d, three_line)  # the line the first node printed: it names the other seats
-    wait_for(lambda: "certificate signed at" in d.output(), 60, "d's join accepted")
-    joined_s = time.time() - killed
     _stepping([b, c, d], 3, killed)
-    seats = [b, c, d]
-    voters = sorted([names["hostb"], names["hostc"], _node_id(d)])
-    wait_for(lambda: _voting(_members(seats, etcd_tls)) == voters, 90, "d's seat: three voting members", 0.5)
+    survivors_s = first_step_at([b, c, d], 3, killed, 3) - killed
+    _join(e, three_line)  # the line the first node printed: it names the other seats
+    wait_for(lambda: "certificate signed at" in e.output(), 60, "e's join accepted")
+    joined_s = time.time() - killed
+    _stepping([b, c, d, e], 4, killed)
+    names[e.hostname] = _node_id(e)
+    voters = wait_for(lambda: _seats_taken_again(_members([b, c, d, e], etcd_tls), names["hosta"]), 90, "a's seat")
+    assert set(voters) < {names[m.hostname] for m in (b, c, d, e)}, voters
     replaced_s = time.time() - killed
 
     killed_b = time.time()
     b.node.kill_all()  # a second seat's node, after the first was replaced
-    _stepping([c, d], 2, killed_b)
-    survivors_b_s = first_step_at([c, d], 2, killed_b, 2) - killed_b
-    line = [x for x in _join_lines(c) if f"{b.node.address}:{PORT}" in x][-1]  # c's line naming b, c and d
-    _join(e, line)
     _stepping([c, d, e], 3, killed_b)
-    joined_b_s = first_step_at([c, d, e], 3, killed_b, 3) - killed_b
-    seats = [c, d, e]
-    voters = sorted([names["hostc"], _node_id(d), _node_id(e)])
-    wait_for(lambda: _voting(_members(seats, etcd_tls)) == voters, 90, "e's seat: three voting members", 0.5)
+    survivors_b_s = first_step_at([c, d, e], 3, killed_b, 3) - killed_b
+    line = [x for x in _join_lines(c) if f"{b.node.address}:{PORT}" in x][-1]  # c's line naming b and the others
+    _join(f, line)
+    _stepping([c, d, e, f], 4, killed_b)
+    joined_b_s = first_step_at([c, d, e, f], 4, killed_b, 4) - killed_b
+    names[f.hostname] = _node_id(f)
+    voters = wait_for(lambda: _seats_taken_again(_members([c, d, e, f], etcd_tls), names["hostb"]), 90, "b's seat")
+    assert set(voters) < {names[m.hostname] for m in (c, d, e, f)}, voters
+    live = [c, d, e, f]
 
     newest = max(ev["step"] for m in machines for ev in m.events())
-    for m in seats:
+    for m in live:
         m.stop_at(newest + 10)
-    wait_for(lambda: all(m.procs[-1].poll() is not None for m in seats), 90, "every live machine to exit")
-    assert [m.procs[-1].returncode for m in seats] == [0, 0, 0], [m.output()[-2000:] for m in seats]
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in live), 90, "every live machine to exit")
+    assert [m.procs[-1].returncode for m in live] == [0] * 4, [m.output()[-2000:] for m in live]
     steps = newest + 10
     events = [ev for m in machines for ev in m.events()]
     steps_run, per_epoch, wrong, unlogged = batches_counted(events, SAMPLES, GLOBAL_BATCH)
@@ -149,7 +156,7 @@ def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_p
     assert complete, "the run covered at least one whole epoch"
     for epoch in complete:
         assert sorted(per_epoch[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: every sample exactly once"
-    final = next(m.cwd / "final.pt" for m in seats if (m.cwd / "final.pt").exists())
+    final = next(m.cwd / "final.pt" for m in live if (m.cwd / "final.pt").exists())
     diff = max_param_diff(torch.load(final), static_params(tmp_path, steps))
     assert diff <= TOLERANCE, diff
     print(

@@ -24,7 +24,7 @@ from pliant.coordinator.client import CoordinatorClient
 from pliant.tls import Role, TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import SAMPLES
-from tests.integration.machines import Machine, fabric_of, first_step_at, ranks_at
+from tests.integration.machines import Machine, fabric_fixture, first_step_at, ranks_at
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(bool(WHY), reason=WHY)]
@@ -46,10 +46,7 @@ SCRIPT_ARGS = (
 )
 
 
-@pytest.fixture
-def fabric():  # type: ignore[no-untyped-def]
-    with fabric_of("plm", 5) as made:  # 10.213.5.0/24, 10.213.4.0/24: no other test's
-        yield made
+fabric = fabric_fixture("plm", 5)  # 10.213.5.0/24 and .4.0/24: no other test's
 
 
 def _worker_env(pid: int) -> dict[str, str]:
