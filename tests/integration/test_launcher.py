@@ -7,10 +7,12 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from pliant.agent.contract import ExitCode
+from tests.conftest import wait_for
 from tests.integration.harness import ELASTIC, SCRIPT, read_steps
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,21 +64,21 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
     argv = [sys.executable, "-m", "pliant", "run", "--nnodes", "1:2", "--nproc-per-node", "1"]
     argv += ["--checkpoint-dir", str(tmp_path / "ck"), str(ELASTIC), "--steps", "60", "--step-time", "0.1"]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(first.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()  # the first node's output is read all along: a full pipe would stall its workers
     try:
-        assert first.stdout is not None
-        said = []
-        for line in first.stdout:  # until the first world started: then the second node's join rescales it
-            said.append(line)
-            if line.startswith("pliant: generation 1 (start)"):
-                break
+        started = "pliant: generation 1 (start)"  # the first world: the second node's join then rescales it
+        wait_for(lambda: [line for line in said if line.startswith(started)], 60, "the first world")
         join = next(line for line in said if "PLIANT_JOIN_TOKEN=" in line).strip()
         second = subprocess.run(["bash", "-c", join], capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
-        rest, _ = first.communicate(timeout=60)
+        first.wait(timeout=60)
+        reader.join(10)
     finally:
         first.kill()
         first.wait()
-    assert first.returncode == 0 and second.returncode == 0, (said, rest[-3000:], second.stderr[-3000:])
-    for output in ("".join(said) + rest, second.stdout + second.stderr):
+    assert first.returncode == 0 and second.returncode == 0, ("".join(said)[-3000:], second.stderr[-3000:])
+    for output in ("".join(said), second.stdout + second.stderr):
         lines = _pliant_lines(output)
         waits = [line for line in lines if re.search(r"\(\d+s so far", line)]  # a slow newcomer: one line
         assert (
@@ -85,7 +87,7 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
             and not [line for line in lines if " INFO " in line or "Traceback" in line]
         ), lines
         assert re.fullmatch(r"pliant: job default succeeded: 60 steps in [\d.]+s on this node; .*", lines[-1]), lines
-    first_lines = _pliant_lines("".join(said) + rest)
+    first_lines = _pliant_lines("".join(said))
     assert [
         line
         for line in first_lines
