@@ -14,7 +14,6 @@ import logging
 import os
 import shlex
 import shutil
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from pliant.coordinator.contract import JOIN_TOKEN_RULE, JobSpec, is_join_token,
 from pliant.env import AUTO, parse_every
 from pliant.errors import ConfigError
 from pliant.metrics import add_metrics_port_flag
-from pliant.net import is_loopback, is_wildcard, local_address, parse_host_port
+from pliant.net import cannot_listen, is_loopback, is_wildcard, local_address, parse_host_port
 from pliant.seal import load_or_create_root
 from pliant.tls import Role, TlsConfig, add_tls_flags, read_token_file, tls_from_flags
 
@@ -313,14 +312,9 @@ def _check_free(host: str, port: int | None, flag: str) -> None:
     """
     if not port or not 0 < port < 65536:  # none, any free one, or not a port (the config names it)
         return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        socket.create_server((host, port), family=family).close()  # SO_REUSEADDR: only a listener is in the way
-    except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise ConfigError(
-            f"{flag}: cannot listen on {host}:{port} ({reason}); stop what uses it or pick another port"
-        ) from None
+    reason = cannot_listen(host, port)
+    if reason:
+        raise ConfigError(f"{flag}: cannot listen on {host}:{port} ({reason}); stop what uses it or pick another port")
 
 
 def _check_token(token: str) -> None:

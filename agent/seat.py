@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,7 +48,7 @@ from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.seat_keeper import SeatKit
 from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
 from pliant.coordinator.signer import Signer
-from pliant.net import free_port, free_port_pair, parse_host_port
+from pliant.net import cannot_listen, free_port, free_port_pair, parse_host_port
 from pliant.tls import IssuedCert, LocalCA, Role
 from pliant.v1 import coordinator_pb2 as pb
 
@@ -62,22 +61,12 @@ RESUME_WAIT_S = 60.0  # how long a member started from its data may take to answ
 RESTART_AFTER_S = (1.0, 30.0)  # a seat's etcd member that exited is started again after this backoff
 
 
-def _free(host: str, port: int) -> bool:
-    if not 0 < port < 65536:
-        return False
-    try:
-        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
-    except OSError:
-        return False
-    return True
-
-
 def seat_ports(host: str, joined_port: int) -> tuple[int, int, int]:
     """Where a seat's coordinator, etcd client and etcd peer listen on ``host``: ``joined_port`` (the control plane's
     port the node joined on; the Bootstrap service on the next) and the two after, when all four are free here (the
     ports a firewall already opens), else free ones."""
     block = [joined_port + i for i in range(4)]
-    if all(_free(host, port) for port in block):
+    if not any(cannot_listen(host, port) for port in block):
         return block[0], block[2], block[3]
     return free_port_pair(host), free_port(host), free_port(host)
 

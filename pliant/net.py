@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import socket
 
 from pliant.errors import ConfigError
 
 __all__ = [
+    "cannot_listen",
     "free_port",
     "free_port_pair",
     "interface_of",
@@ -47,6 +49,21 @@ def parse_host_port(
     if not host or not (0 if allow_zero else 1) <= port < 65536:
         raise ConfigError(f"{what} {value!r} is not HOST:PORT with a port in 1..65535; e.g. 127.0.0.1:29400")
     return host, port
+
+
+def cannot_listen(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be listened on now, or ``""`` when it can.
+
+    The probe binds with ``SO_REUSEADDR`` (as the servers do), so only a listener or a port that is not this machine's
+    is in the way, never a connection left in TIME_WAIT.
+    """
+    if not 0 < port < 65536:
+        return f"{port} is not a port (1-65535)"
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as exc:
+        return os.strerror(exc.errno) if exc.errno else str(exc)
+    return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

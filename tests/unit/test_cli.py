@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from pliant.cli import main
 from pliant.coordinator.server import CoordinatorConfig
 from pliant.errors import ConfigError
-from pliant.net import parse_host_port
+from pliant.net import cannot_listen, parse_host_port
 
 
 def test_coordinator_requires_etcd(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,6 +53,14 @@ def test_parse_host_port() -> None:
     assert parse_host_port("0.0.0.0:0", allow_zero=True) == ("0.0.0.0", 0)
     with pytest.raises(ConfigError, match="'h:0'"):
         parse_host_port("h:0")
+
+
+def test_cannot_listen_names_what_is_in_the_way() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert cannot_listen("127.0.0.1", port) == "Address already in use"
+    assert cannot_listen("127.0.0.1", port) == ""
+    assert cannot_listen("127.0.0.1", 70000) == "70000 is not a port (1-65535)"
 
 
 def test_env_is_the_default_for_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
