@@ -1,11 +1,12 @@
 """The node agent's executor: it joins the job, turns what happens into events for :func:`pliant.agent.core.decide`,
 and performs the actions it returns (start and stop workers, send reports, dump stacks, leave, exit).
 
-Threads feed one event queue: the generation watch, the heartbeat (which also re-joins after an eviction), signals,
-and the short-lived threads that read a store port from node rank 0 or probe peers' and newcomers' agents (each
-answers with an event); the main thread reads the workers' exits and progress files on each tick and owns every
-process, so workers are always spawned from the thread that outlives them. Reports go through a background reporter
-that retries while the coordinator is away, so nothing the main loop does ever waits on the control plane or a peer.
+Threads feed one event queue: the membership's (:mod:`pliant.agent.membership`: the generation watch, the heartbeat,
+which also re-joins after an eviction), signals, and the short-lived threads that read a store port from node rank 0
+or probe peers' and newcomers' agents (each answers with an event); the main thread reads the workers' exits and
+progress files on each tick and owns every process, so workers are always spawned from the thread that outlives them.
+Reports go to the membership's reporter, which retries while the coordinator is away, so nothing the main loop does
+ever waits on the control plane or a peer.
 """
 
 from __future__ import annotations
@@ -26,30 +27,22 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
-from pliant.agent.console import Summary, WaitLine, awaited, unreachable
-from pliant.agent.contract import COORDINATORS, AgentConfig, AgentError, ExitCode
-from pliant.agent.credentials import Credentials
+from pliant.agent.console import Summary, WaitLine, awaited
+from pliant.agent.contract import AgentConfig, AgentError, ExitCode
+from pliant.agent.membership import JoinRefused, Membership
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
 from pliant.agent.stopping import StopStage
 from pliant.agent.storehost import StoreHost
 from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
-from pliant.backoff import Backoff
 from pliant.bootstrap import BootstrapError
-from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import (
-    AlreadyExists,
     CoordinatorError,
-    FailedPrecondition,
     Generation,
     GenerationMember,
     JobFinished,
     JobState,
-    NotFound,
-    PermissionDenied,
-    Unauthenticated,
-    Unavailable,
     WatchEvent,
 )
 from pliant.env import WorkerEnv
@@ -60,8 +53,6 @@ from pliant.net import interface_of, is_loopback
 from pliant.progress import read_record
 from pliant.seal import SealError
 from pliant.statusline import status_line
-from pliant.tls import Role
-from pliant.v1.coordinator_pb2 import HeartbeatRequest
 
 if TYPE_CHECKING:
     from pliant.agent.seat import SeatHolder
@@ -75,11 +66,6 @@ TICK_S = 0.25
 JOIN_WAIT_SHOWN_AFTER_S = 1.0  # a join that waits longer (no coordinator answers yet) says what it waits for
 HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
-_GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordinator will never take: drop it
-
-
-class _JoinRefused(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -113,11 +99,6 @@ class Agent:
             self.base_env.setdefault("GLOO_SOCKET_IFNAME", ifname)
         self.zygote = zygote
         self.address = ""
-        # Set here or by the bootstrap (main thread) before the threads start; then by the heartbeat thread only.
-        self.tls = config.tls.load(expect=Role.AGENT) if config.tls else None
-        # With a bootstrap join the certificate comes in run(); the channels made here are replaced before any call.
-        self.client = CoordinatorClient(list(config.coordinator), self.tls, retry_for_s=config.heartbeat_retry_s)
-        self.join_token = config.join_token
         self.state = core.CoreState(
             config.node_id,
             config=core.CoreConfig(
@@ -136,25 +117,22 @@ class Agent:
         self._pending_hand: Generation | None = None  # a hand-over in place
         self._port_reads: set[int] = set()  # the generations whose store port is being read
         self._found_port: tuple[int, int] | None = None  # the last port read: (generation, port)
-        self.grant: JoinGrant | None = None
         self.store: NodeStore | None = None
         self._stores: StoreHost | None = None
         self._generations: dict[int, Generation] = {}
-        self._newest_seen = 0  # the newest generation the watch delivered (it may wait in the event queue)
         self._events: queue.Queue[object] = queue.Queue()
-        self._reports: queue.Queue[core.Report] = queue.Queue()
         self._stop = threading.Event()
-        self.credentials = Credentials(config, self.client, self._stop)  # bootstrap in run(), then heartbeat thread
-        self._left = threading.Event()
         registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.metrics = AgentMetrics(registry, config.spec.job_id, config.node_id)
         self.metrics.set_state(self.state.phase)
+        self.membership = Membership(
+            config, self._events, self.metrics, self._stop, lambda: self.state.generation, self._generations.get
+        )
         self.metrics_server: MetricsServer | None = None
         self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
         self.snapshot_dir = snapshots.make(snapshots.usable(config.snapshot_dir), config.node_id)  # buddy copies
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: tuple[int, int] | None = None
-        self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         self._ticked_at: float | None = None  # the loop's last tick (loop thread; read by the metrics thread)
         self._summary = Summary()  # the last line's figures (loop thread)
         self._seat: SeatHolder | None = None  # this node's seat in an embedded control plane (main thread)
@@ -208,30 +186,21 @@ class Agent:
                     self.config.node_id,
                     self.config.host,
                     self.config.ca_cert_hash,
-                    self.client,
+                    self.membership.client,
                     self.metrics.registry,
                     lambda line: console.info("%s", line),
                 ).start()
                 self._seat.resumed.wait(RESUME_WAIT_S + 5)
             joining = WaitLine(status_line(), after_s=JOIN_WAIT_SHOWN_AFTER_S)
-            self.client.waiting = lambda what, note: joining.update(what, note, time.monotonic())
-            if self.config.ca_cert_hash:
-                self.tls = self.credentials.bootstrap(self.join_token, self.client.waiting)
-            self._join(self.client.waiting)
-            self.client.waiting = None  # the heartbeat thread uses the client from now on; it says its own lines
+            self.membership.enter(self.address, lambda what, note: joining.update(what, note, time.monotonic()))
             joining.update("", "", time.monotonic())
             if self._seat is not None:
                 self._seat.joined.set()  # it asks for a seat (or its own back) from now on
-            for target, name in (
-                (self._heartbeat_loop, "heartbeat"),
-                (self._watch_loop, "watch"),
-                (self._report_loop, "reporter"),
-            ):
-                threading.Thread(target=target, name=name, daemon=True).start()
+            self.membership.start()
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
             generation_ports = port + 1 if self.config.store_port else 0
             self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
-            self.store.key = self.grant.checkpoint_key if self.grant is not None else b""  # seals its records
+            self.store.key = self._checkpoint_key()  # seals its records
             return self._loop()
         except JobFinished as exc:  # a node that comes late ends as the job did
             console.info("job %s already %s; nothing to do", exc.job, exc.state.value)
@@ -253,130 +222,11 @@ class Agent:
                 self.zygote.close()  # and its store host
             elif self._stores is not None:
                 self._stores.close()
-            self.client.close()
+            self.membership.close()
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.metrics.close()
             snapshots.remove(self.progress_dir, self.snapshot_dir)
-
-    def _say_unreachable(self, since: float) -> None:
-        """One line, once per outage (:func:`pliant.agent.console.unreachable`)."""
-        gen = self.state.generation
-        line = unreachable(
-            self.config.node_id,
-            tuple(self.client.targets),
-            seated=bool(self.config.join_line),
-            members=gen.members if gen is not None else (),
-            down_s=time.monotonic() - since,
-        )
-        console.warning("%s", line)
-
-    def _create_job(self) -> None:
-        """Create the job with this agent's token (or a new one): only an admin (or a plaintext coordinator) may.
-
-        Raises:
-            AgentError: the job exists and this agent has no token, or it may not create the job.
-        """
-        spec = self.config.spec
-        admin = self.config.admin_tls
-        client = self.client
-        if admin is not None:
-            client = CoordinatorClient(list(self.config.coordinator), admin.load(expect=Role.ADMIN))
-        try:
-            _info, created, token = client.create_job(spec, self.join_token)
-        except PermissionDenied as exc:
-            if self.join_token:  # the join said the job is missing: only then is that known
-                raise AgentError(
-                    f"job {spec.job_id!r} does not exist, and this agent may not create it ({exc}); an admin creates "
-                    f"it with `pliant job create {spec.job_id}` and gives the agents its join token (--join-token)"
-                ) from exc
-            raise AgentError(
-                f"job {spec.job_id!r}: this agent has no join token and may not create jobs; pass the job's token "
-                f"(--join-token, PLIANT_JOIN_TOKEN or --join-token-file: `pliant job create {spec.job_id}` printed "
-                f"it), or have an admin create the job first"
-            ) from exc
-        finally:
-            if client is not self.client:
-                client.close()
-        if not created and not self.join_token:
-            raise AgentError(
-                f"job {spec.job_id!r} already exists; pass its join token with --join-token (or "
-                f"PLIANT_JOIN_TOKEN): the one printed when the job was created"
-            )
-        self.join_token = token
-        logger.info("agent %s: job %s %s", self.config.node_id, spec.job_id, "created" if created else "exists")
-        if created and admin is None:  # no one else was told the token: say it, as `pliant job create` does
-            coordinators = ",".join(self.config.coordinator)
-            console.info(
-                "job %s created; other nodes join it with --coordinator %s --job %s --join-token=%s",
-                spec.job_id,
-                coordinators,
-                spec.job_id,
-                token,
-            )
-
-    def _join(self, waiting: Callable[[str, str], None] | None = None) -> None:
-        """Join the job (creating it when this agent may), waiting while an earlier agent of this node id still holds
-        its membership; ``waiting`` (the first join's status line) is told what it waits for."""
-        job = self.config.spec.job_id
-        if not self.join_token:
-            self._create_job()
-        # A node restarted at once (kill -9, a pod restart) finds its earlier agent's membership still live until
-        # the leader drops that silent member: it waits for that, as long as a heartbeat TTL allows, then gives up
-        # with the error (two live agents given the same --node-id).
-        patience = self.config.held_membership_wait_s
-        deadline, waited = time.monotonic() + patience, False
-        while True:
-            try:
-                grant = self._join_once(job)
-                break
-            except AlreadyExists:
-                if time.monotonic() > deadline:
-                    raise
-                if waiting is not None:
-                    waiting(f"waiting for an earlier agent of node {self.config.node_id} to be dropped", "")
-                if not waited:
-                    waited = True
-                    logger.info(
-                        "agent %s: an earlier agent of this node id still holds its membership; waiting up to "
-                        "%.0fs for it to be dropped",
-                        self.config.node_id,
-                        patience,
-                    )
-                self._stop.wait(0.5)
-        self.grant = grant
-        self._events.put(core.Joined(grant.heartbeat_ttl_s))
-        logger.info("agent %s: joined job %s", self.config.node_id, job)
-        self._say_spec_differences(job)
-
-    def _say_spec_differences(self, job: str) -> None:
-        """One line when this node's flags disagree with the job's spec (an existing job keeps its own): which values
-        win. Nothing when the job cannot be read now (the join stands either way)."""
-        try:
-            spec = self.client.get_job(job).spec
-        except CoordinatorError:
-            return
-        mine = self.config.spec
-        differ = []
-        if (mine.min_nodes, mine.max_nodes) != (spec.min_nodes, spec.max_nodes):
-            theirs, ours = f"{spec.min_nodes}:{spec.max_nodes}", f"{mine.min_nodes}:{mine.max_nodes}"
-            differ.append(f"its --nnodes {theirs} wins over this node's {ours}")
-        if self.config.nproc_per_node != spec.nproc_per_node:
-            differ.append(
-                f"this node runs {self.config.nproc_per_node} workers where its nodes run up to "
-                f"{spec.nproc_per_node} (--nproc-per-node)"
-            )
-        if differ:
-            logger.warning("agent %s: job %s exists with its own spec: %s", self.config.node_id, job, "; ".join(differ))
-
-    def _join_once(self, job: str) -> JoinGrant:
-        try:
-            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node, self.join_token)
-        except NotFound:
-            self._create_job()
-            return self.client.join(job, self.config.node_id, self.address, self.config.nproc_per_node, self.join_token)
-
-    # -- background threads --------------------------------------------------------------------------------------------
 
     def _publish_renewing(self) -> None:
         """Tell peers (through the agent store) for how long this agent has renewed its membership without a break,
@@ -387,175 +237,6 @@ class Agent:
             with contextlib.suppress(Exception):
                 self.store.set_renewing(*renewing)
                 self._renewing = renewing
-
-    def _follow_coordinators(self, coordinators: tuple[str, ...]) -> None:
-        """Call the control plane's coordinators as its seats list them (heartbeat thread), and say the join line
-        with them when they change."""
-        if not coordinators or sorted(coordinators) == sorted(self.client.targets):
-            return
-        self.client.use_targets(coordinators)
-        logger.info("agent %s: the control plane's coordinators are %s", self.config.node_id, ",".join(coordinators))
-        if self.config.join_line:
-            line = self.config.join_line.replace(COORDINATORS, ",".join(coordinators))
-            console.info("control plane on %d nodes; other nodes join with:\n  %s", len(coordinators), line)
-
-    def _heartbeat_loop(self) -> None:
-        node = self.config.node_id
-        failing, down_since, said = False, 0.0, False
-        while not self._stop.is_set():
-            grant = self.grant
-            assert grant is not None
-            if self._stop.wait(grant.heartbeat_interval_s) or self._left.is_set():
-                return
-            try:
-                step, (reaches, misses) = self.metrics.latest_step(), self._probe(grant.heartbeat_interval_s / 2)
-                request = HeartbeatRequest(
-                    job_id=self.config.spec.job_id,
-                    node_id=self.config.node_id,
-                    lease_id=grant.lease_id,
-                    step=step,
-                    reaches_generation=reaches,
-                    misses_generation=misses,
-                )
-                beat = self.client.beat(request, timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))
-                self._events.put(core.HeartbeatOk())
-                self._follow_coordinators(beat.coordinators)
-                if failing:
-                    back_after = time.monotonic() - down_since
-                    logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", node, back_after)
-                    if said:
-                        console.info("agent %s: the control plane is reachable again", node)
-                failing, said = False, False
-                self.tls = self.credentials.renew_if_due() or self.tls
-            except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
-                if self._left.is_set():
-                    return
-                self._events.put(core.LeaseLost(str(exc)))
-                self._rejoin()
-            except CoordinatorError as exc:
-                self.metrics.heartbeat_failures.inc()
-                self._events.put(core.HeartbeatFailed())
-                if not failing:
-                    # The call retried for heartbeat_retry_s before it failed: the outage began about then.
-                    down_since = time.monotonic() - self.config.heartbeat_retry_s
-                    logger.warning(
-                        "agent %s: heartbeat failed (%s); retrying, workers keep training", self.config.node_id, exc
-                    )
-                if not said and isinstance(exc, Unavailable):
-                    self._say_unreachable(down_since)
-                    said = True
-                failing = True
-
-    def _probe(self, timeout_s: float) -> tuple[int, int]:
-        """(reaches, misses): the current generation's number in the first if this node is a spare and reaches every
-        member's agent (the coordinator then lifts a hold of its strikes: the cut that earned them healed), in the
-        second if it is a spare and cannot reach one (a hold lasts while that is so); else 0."""
-        gen = self.state.generation
-        if gen is None or not gen.members or self.config.node_id in gen.node_ids:
-            return 0, 0
-        if gen.number != self._reached:  # once reached, a generation is not probed again (a spare may wait for long)
-            timeout_s = min(0.5, timeout_s)  # a member behind a cut that drops packets delays this heartbeat that long
-            if not all(reachable(m.address, timeout_s) for m in gen.members):
-                return 0, gen.number
-            self._reached = gen.number
-        return self._reached, 0
-
-    def _rejoin(self) -> None:
-        """Join again until it works, however long the coordinator is away; a refusal that will not change (the job
-        was deleted, the token rotated) ends the agent."""
-        backoff = Backoff(0.2, 5.0)
-        while not self._stop.is_set() and not self._left.is_set():
-            try:
-                self._join()
-                return
-            except FailedPrecondition as exc:  # the job finished: the watch tells the main loop
-                logger.info("agent %s: not joining again: %s", self.config.node_id, exc)
-                return
-            except (NotFound, Unauthenticated, PermissionDenied, AgentError) as exc:
-                self._events.put(_JoinRefused(str(exc)))
-                return
-            except CoordinatorError as exc:
-                log = logger.debug if backoff.failing else logger.warning  # said once; the retries are quiet
-                log("agent %s: join failed (%s); retrying", self.config.node_id, exc)
-                self._stop.wait(backoff.next())
-
-    def _watch_loop(self) -> None:
-        next_number, failing = 0, False
-        while not self._stop.is_set():
-            try:
-                for event in self.client.watch(self.config.spec.job_id, next_number):
-                    failing = False
-                    if event.generation is not None:
-                        next_number = event.generation.number + 1
-                        self._newest_seen = event.generation.number  # read by the main thread's waits
-                    self._events.put(event)
-                    if self._stop.is_set():
-                        return
-            except CoordinatorError as exc:
-                if self._stop.is_set():
-                    return
-                log = logger.debug if failing else logger.warning  # said once per outage
-                log("agent %s: generation watch failed (%s); resuming", self.config.node_id, exc)
-                failing = True
-                self._stop.wait(1.0)
-
-    def _report_loop(self) -> None:
-        """Send queued reports in order, retrying while the coordinator is away."""
-        while not self._stop.is_set():
-            try:
-                report = self._reports.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            backoff = Backoff(0.5, 5.0)
-            while not self._stop.is_set():
-                try:
-                    self._send(report)
-                    break
-                except _GONE as exc:
-                    logger.warning(
-                        "agent %s: %s of generation %d not reported: %s",
-                        self.config.node_id,
-                        report.kind,
-                        report.generation,
-                        exc,
-                    )
-                    break
-                except CoordinatorError as exc:
-                    log = logger.debug if backoff.failing else logger.warning  # said once per report
-                    why = f"{report.kind} of generation {report.generation} queued, the coordinator did not take it"
-                    log("agent %s: %s (%s); retrying", self.config.node_id, why, exc)
-                    self._stop.wait(backoff.next())
-
-    def _send(self, report: core.Report) -> None:
-        job, node, lease = self.config.spec.job_id, self.config.node_id, self.grant.lease_id if self.grant else 0
-        if report.kind == "success":
-            accepted, current = self.client.report_success(job, node, report.generation, lease)
-        else:
-            gen = self._generations.get(report.generation)
-            others = [m for m in gen.members if m.node_id != node] if gen else []
-            unreachable = [m.node_id for m in others if not reachable(m.address)]
-            if unreachable:
-                logger.warning("agent %s: agents of %s are unreachable", node, ",".join(unreachable))
-            accepted, current = self.client.report_failure(
-                job,
-                node,
-                report.generation,
-                report.exit_code,
-                report.message,
-                unreachable,
-                lease,
-                arrived=report.arrived,
-                cause=report.cause,
-            )
-        logger.info(
-            "agent %s: %s of generation %d reported (%s; current generation %d)%s",
-            node,
-            report.kind,
-            report.generation,
-            "accepted" if accepted else "stale",
-            current,
-            "; every member had arrived (its workers trained in it)" if report.arrived else "",
-        )
 
     # -- the main loop -------------------------------------------------------------------------------------------------
 
@@ -573,19 +254,27 @@ class Agent:
             if result is not None and not result.stopped:
                 return core.GroupExited(result, self._describe(result), self.group.alive)
         now = time.monotonic()
-        if self.config.checkpoint_dir and self.grant is not None and now - self._fence_read_at >= FENCE_READ_S:
+        if (
+            self.config.checkpoint_dir
+            and self.membership.grant is not None
+            and now - self._fence_read_at >= FENCE_READ_S
+        ):
             self._fence, self._fence_read_at = self._read_fence(), now
         ready = self.group is not None and self.group.ready()
         progress = self.group.progress() if self.group is not None else {}
         self._summary.steps = max([self._summary.steps, *(step for step, _phase, _gen in progress.values())])
         return core.Tick(progress, self._fence, ready)
 
+    def _checkpoint_key(self) -> bytes:
+        """The job's checkpoint sealing key, as the last join granted it (empty before the first)."""
+        grant = self.membership.grant
+        return grant.checkpoint_key if grant is not None else b""
+
     def _read_fence(self) -> Fence | None:
         """The checkpoint directory's fence if it is sealed with the job's key; one that is not (forged, or from a
         deployment with another sealing secret) is ignored, and said once, since the next world replaces it."""
-        assert self.grant is not None
         try:
-            fence = read_fence(self.config.checkpoint_dir, self.grant.checkpoint_key)
+            fence = read_fence(self.config.checkpoint_dir, self._checkpoint_key())
         except SealError as exc:
             problem = str(exc)
             if problem != self._fence_problem:
@@ -609,7 +298,7 @@ class Agent:
                 quick = self.state.handing is not None or self.state.stopping is not None
                 next_tick = time.monotonic() + (0.02 if quick else TICK_S)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
-                    self._leave()
+                    self.membership.leave()
                     raise AgentError(
                         "the node's store host (pliant-stores) exited; this agent left the job and exits "
                         "so that its supervisor restarts the node"
@@ -631,7 +320,7 @@ class Agent:
             elif isinstance(event, _PortFound):
                 self._port_found(event)
                 continue
-            elif isinstance(event, _JoinRefused):
+            elif isinstance(event, JoinRefused):
                 console.error("error: cannot join again: %s", event)
                 return ExitCode.ERROR
             code = self._dispatch(event)  # type: ignore[arg-type]
@@ -684,13 +373,13 @@ class Agent:
                 )
                 self._events.put(core.StartFailed(action.generation.number, str(exc)))
         elif isinstance(action, core.Send):
-            self._reports.put(action.report)
+            self.membership.report(action.report)
         elif isinstance(action, core.Dump):
             self._dump_stacks(action.why)
         elif isinstance(action, core.ProbePeers):
             self._in_background(lambda: self._events.put(core.PeersProbed(*self._peers_renewing())), "probe-peers")
         elif isinstance(action, core.Leave):
-            self._leave()
+            self.membership.leave()
         elif isinstance(action, core.Exit):
             if action.code == ExitCode.JOB_FAILED:
                 console.info("job %s failed: %s", self.config.spec.job_id, action.message)
@@ -889,7 +578,7 @@ class Agent:
         wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
 
         def superseded() -> bool:
-            return self._newest_seen > gen.number or cancelled()
+            return self.membership.newest_seen > gen.number or cancelled()
 
         return store.generation_port(gen.store_address, gen.number, timeout_s=wait_s, superseded=superseded)
 
@@ -916,7 +605,7 @@ class Agent:
                 checkpoint_dir=config.checkpoint_dir,
                 metrics_dir=self.metrics.worker_dir,
                 incarnation=gen.incarnation,
-                checkpoint_key=self.grant.checkpoint_key.hex() if self.grant is not None else "",
+                checkpoint_key=self._checkpoint_key().hex(),
                 allow_fresh_start=config.allow_fresh_start,
                 rescale=config.rescale,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
@@ -961,15 +650,6 @@ class Agent:
         gen = self.state.generation
         peers = [m.address for m in gen.members if m.node_id != self.config.node_id] if gen else []
         return self.store.longest_renewing(peers[:8]) if self.store is not None else (-1.0, -1)
-
-    def _leave(self) -> None:
-        self._left.set()  # no heartbeat, and no re-join, from here on
-        if self.grant is None:
-            return
-        try:
-            self.client.leave(self.config.spec.job_id, self.config.node_id, self.grant.lease_id)
-        except CoordinatorError as exc:
-            logger.warning("agent %s: leave failed (%s); the membership expires by itself", self.config.node_id, exc)
 
     def _track_workers(self) -> None:
         """Feed the worker gauges and exit counters; forget groups whose every exit was counted."""
