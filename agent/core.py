@@ -149,6 +149,7 @@ class Report:
     message: str = ""
     arrived: bool = False  # a worker of this node completed a step in ``generation``: every member arrived
     cause: FailureCause = FailureCause.EXITED
+    untrained: bool = False  # of a success: no worker of this node completed a step in ``generation``
 
 
 @dataclass(frozen=True)
@@ -519,7 +520,11 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
         ]
     state = _no_group(state)
     if result.succeeded:
-        report = Report("success", result.generation)
+        # Workers handed a generation in place that ran the job's last steps in the world before it, while its
+        # newcomers' workers started, complete it untrained: the coordinator then does not wait for the newcomers,
+        # whose workers can never train in it.
+        untrained = state.handed == result.generation and 0 < state.trained_in < result.generation
+        report = Report("success", result.generation, untrained=untrained)
         state = replace(state, done=True)
         return _set(state, AgentState.WAITING, "workers done; waiting for the job to finish"), [Stop(), Send(report)]
     if result.saved_for_rescale:

@@ -388,7 +388,7 @@ class Membership:
     def _send(self, report: core.Report) -> None:
         job, node, lease = self.config.spec.job_id, self.config.node_id, self.grant.lease_id if self.grant else 0
         if report.kind == "success":
-            accepted, current = self.client.report_success(job, node, report.generation, lease)
+            accepted, current = self.client.report_success(job, node, report.generation, lease, report.untrained)
         else:
             gen = self._generation(report.generation)
             others = [m for m in gen.members if m.node_id != node] if gen else []

@@ -346,10 +346,15 @@ class CoordinatorClient:
         resp = self._call("ReportFailure", req)
         return resp.accepted, resp.current_generation
 
-    def report_success(self, job_id: str, node_id: str, generation: int, lease_id: int = 0) -> tuple[bool, int]:
-        """Report that all of this node's workers of ``generation`` exited 0, with this node's membership lease.
+    def report_success(
+        self, job_id: str, node_id: str, generation: int, lease_id: int = 0, untrained: bool = False
+    ) -> tuple[bool, int]:
+        """Report that all of this node's workers of ``generation`` exited 0, with this node's membership lease;
+        ``untrained``: they completed no step in it (they ran the job's last steps in the world before it).
         Returns (job succeeded, current gen)."""
-        req = pb.ReportSuccessRequest(job_id=job_id, node_id=node_id, generation=generation, lease_id=lease_id)
+        req = pb.ReportSuccessRequest(
+            job_id=job_id, node_id=node_id, generation=generation, lease_id=lease_id, untrained=untrained
+        )
         resp = self._call("ReportSuccess", req)
         return resp.accepted, resp.current_generation
 

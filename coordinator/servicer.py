@@ -351,7 +351,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         job, node = request.job_id, request.node_id  # checked by _authorize
         if request.generation == 0:
             raise InvalidArgument("generation 0 in ReportSuccess; report the generation the workers completed")
-        accepted, current = self._store.report_success(job, node, request.generation, self._clock())
+        accepted, current = self._store.report_success(
+            job, node, request.generation, self._clock(), untrained=request.untrained
+        )
         return pb.ReportSuccessResponse(accepted=accepted, current_generation=current)
 
     @_rpc

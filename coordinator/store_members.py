@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -503,9 +504,17 @@ class MemberStore(EtcdBase):
         )
 
     @etcd_call
-    def report_success(self, job: str, node_id: str, generation: int, now: float) -> tuple[bool, int]:
+    def report_success(
+        self, job: str, node_id: str, generation: int, now: float, untrained: bool = False
+    ) -> tuple[bool, int]:
         """A node's workers of ``generation`` all exited 0: record it, if that generation is current; once every
         member of it has, the job succeeded. No member decides for the others.
+
+        ``untrained``: the node's workers completed no step in ``generation``: they ran the job's last steps in the
+        world before it while its newcomers' workers started, and those newcomers (its members that were not members
+        of the generation before) can never complete it. Once one report says so, the job succeeds when every member
+        but those newcomers has reported: the members that trained the job to its end, whose power to end it is what
+        it was before the newcomers came (they could have reported in the generation before).
 
         Returns:
             (accepted, current generation number): not accepted when the report names another generation.
@@ -519,14 +528,23 @@ class MemberStore(EtcdBase):
                 f"only its members report its success"
             )
         prefix = self.job_key(job, "successes", f"{current.number:012d}") + "/"
+        record = json.dumps({"at": now, "untrained": untrained})
         ok, responses = self._txn(
             [self.tx.mod(self.job_key(job, "generation")) == mod_revision],
-            [self.tx.put(prefix + node_id, str(now)), self._prefix_get(prefix)],
+            [self.tx.put(prefix + node_id, record), self._prefix_get(prefix)],
         )
         if not ok:  # a newer generation was published meanwhile: this report is stale
             return False, self._current(job)[0].number  # type: ignore[union-attr]
-        done = {meta.key.decode()[len(prefix) :] for _value, meta in responses[1]}
+        done = {meta.key.decode()[len(prefix) :]: _untrained(value) for value, meta in responses[1]}
         waiting = [n for n in current.node_ids if n not in done]
+        newcomers = self._newcomers(job, current) if waiting and any(done.values()) else set()
+        if waiting and set(waiting) <= newcomers:
+            reason = (
+                f"every node's workers completed the job; {', '.join(waiting)} joined generation {generation} as its "
+                f"last steps ran and never trained in it"
+            )
+            self.finish_job(job, True, reason, now)
+            return True, current.number
         if waiting:
             logger.info(
                 "job %s generation %d: node %s's workers completed; waiting for %s",
@@ -538,6 +556,28 @@ class MemberStore(EtcdBase):
             return True, current.number
         self.finish_job(job, True, f"every node's workers completed generation {generation}", now)
         return True, current.number
+
+    def _newcomers(self, job: str, current: Generation) -> set[str]:
+        """The members of ``current`` that were not members of the generation before it (none when that one is no
+        longer in the history)."""
+        if current.number <= 1:
+            return set()
+        key = self.history_key(job, current.number - 1)
+        value, _meta = self.client.get(key)
+        if value is None:
+            return set()
+        before = decode(key, Generation.from_json, value)
+        return set(current.node_ids) - set(before.node_ids)
+
+
+def _untrained(value: bytes) -> bool:
+    """Whether a success record says its node's workers completed no step in the generation (a record of an earlier
+    version is the time alone: they did)."""
+    try:
+        record = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("untrained") is True
 
 
 def _recorded(item: tuple[bytes, Any]) -> int:

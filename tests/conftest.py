@@ -26,16 +26,25 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PLIANT_LOG_LEVEL", "INFO")
 
 
+POLL_EVERY_S = 0.1  # the longest pause between two polls of a wait that began with shorter ones
+
+
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
-    """Poll ``predicate`` until it returns a truthy value; fail the test naming ``what`` after ``timeout_s``."""
+    """Poll ``predicate`` until it returns a truthy value; fail the test naming ``what`` after ``timeout_s``.
+
+    The polls begin ``interval_s`` apart and space out to :data:`POLL_EVERY_S` (or ``interval_s`` if longer): a short
+    wait ends soon after its condition holds, and a long one does not spend a core re-reading logs and event files.
+    """
     deadline = time.monotonic() + timeout_s
+    pause, longest = interval_s, max(interval_s, POLL_EVERY_S)
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(interval_s)
+        time.sleep(pause)
+        pause = min(longest, pause * 1.25)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -148,9 +148,9 @@ class Fleet:
             job_id, node_id, generation, exit_code, message, unreachable_nodes, lease, arrived, cause
         )
 
-    def report_success(self, job_id: str, node_id: str, generation: int) -> tuple[bool, int]:
+    def report_success(self, job_id: str, node_id: str, generation: int, untrained: bool = False) -> tuple[bool, int]:
         lease = self.leases.get((job_id, node_id), 0)
-        return self.node(node_id).report_success(job_id, node_id, generation, lease)
+        return self.node(node_id).report_success(job_id, node_id, generation, lease, untrained)
 
 
 class Heartbeats:

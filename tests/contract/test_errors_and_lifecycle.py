@@ -553,6 +553,32 @@ def test_the_job_succeeds_once_every_member_reported_success(make_coordinator, f
         )
 
 
+def test_a_job_that_ends_as_a_node_joins_does_not_wait_for_the_newcomer(make_coordinator, fleet) -> None:
+    """Members whose workers ran the job's last steps in the world before a join (untrained in the new generation)
+    end the job without the newcomer, which never trained; members that were no newcomers still need every one."""
+    server = make_coordinator()
+    with fleet(server.address) as client:
+        client.create_job(JobSpec("job", 1, 3, join_grace_s=0))
+        client.join("job", "a", "127.0.0.1:1")
+        client.join("job", "b", "127.0.0.1:2")
+        two = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 2 and g, 10, "a, b")
+        client.join("job", "c", "127.0.0.1:3")
+        three = wait_for(lambda: (g := client.get_job("job").generation) and len(g.node_ids) == 3 and g, 10, "c in")
+        assert three.number > two.number
+        assert client.report_success("job", "a", three.number) == (True, three.number)
+        assert client.report_success("job", "b", three.number, untrained=True) == (True, three.number)
+        info = client.get_job("job")
+        assert info.status.state is JobState.SUCCEEDED, info.status
+        assert "c joined generation" in info.status.reason and "never trained in it" in info.status.reason
+
+        client.create_job(JobSpec("job2", 2, 2, join_grace_s=0))  # its first generation: a and b, no newcomer
+        client.join("job2", "a", "127.0.0.1:1")
+        client.join("job2", "b", "127.0.0.1:2")
+        both = wait_for(lambda: (g := client.get_job("job2").generation) and len(g.node_ids) == 2 and g, 10, "job2")
+        client.report_success("job2", "a", both.number, untrained=True)
+        assert client.get_job("job2").status.state is JobState.RUNNING, "b was no newcomer of this generation"
+
+
 def test_under_etcds_nospace_alarm_jobs_are_read_and_deleted_to_free_space(make_coordinator, fleet) -> None:
     """etcd out of space refuses every write and every transaction: the coordinator still reads jobs (one range
     read), says what to do when a write is refused, and deletes a job that cannot be finished (--force: plain

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pliant.agent.contract import left_on
+from pliant.coordinator.contract import JobState
 from pliant.net import free_port
 from pliant.worker.inplace.cadence import FIRST_SNAPSHOT_EVERY
 from pliant.worker.metrics import RECOVERY_PHASES
@@ -143,6 +144,32 @@ def _check_redone(engine: str, events: list[dict], killed_at: float, output: str
     else:  # the survivors roll back to the newest snapshot that the buddies' copies complete
         assert 0 <= before + 1 - resumed <= max(snapshot_intervals(output)) + 1, (before, resumed)
     return before, resumed
+
+
+def test_a_node_that_joins_as_the_job_ends_neither_trains_nor_holds_the_job_up(
+    make_coordinator, spawn_agent, fleet, tmp_path: Path
+) -> None:
+    """Node b joins while node a runs the job's last steps, and b's workers come after a's have finished (its
+    zygote's preload takes 8 s): a completes the new generation untrained, the job succeeds without b, and b's agent
+    ends with the job instead of waiting out its start timeout with workers that have no one to train with."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "slow_import.py").write_text("import time\n\ntime.sleep(8)\n")
+    server = make_coordinator()
+    a = spawn_agent(server, elastic_agent(server.address, "node-a", 1, tmp_path, 100000), name="agent-a")
+    wait_for(lambda: _stepping(tmp_path, 1, 5), 90, "node a stepping")
+    late = elastic_agent(server.address, "node-b", 1, tmp_path, 100000, extra=("--preload", "slow_import"))
+    b = spawn_agent(server, late, name="agent-b", env={"PYTHONPATH": str(slow)})
+    wait_for(lambda: "once node-b arrive" in a.output(), 60, "the hand-over waiting for node b's workers")
+    steps = end_soon(tmp_path, 100000, margin=5)
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 60, "both nodes to end")
+    assert (a.proc.returncode, b.proc.returncode) == (0, 0), (a.output()[-3000:], b.output()[-3000:])
+    status = fleet(server).get_job("job").status
+    assert status.state is JobState.SUCCEEDED and "node-b joined generation 2" in status.reason, status
+    events = _events(tmp_path)
+    assert {e["world"] for e in events} == {1}, "node b never trained"
+    steps_run, _per_epoch, wrong, unlogged = batches_counted(events, SAMPLES, GLOBAL_BATCH)
+    assert steps_run == list(range(steps)) and wrong == unlogged == 0, "every step ran once"
 
 
 @pytest.mark.long

@@ -417,6 +417,26 @@ def test_a_rank_that_saw_a_peer_fail_is_reported_once() -> None:
     assert agent.kinds(hung) == ["Dump", "Stop", "Send"]
 
 
+def test_workers_that_finish_the_job_before_their_newcomers_arrive_report_the_generation_untrained() -> None:
+    """A generation handed in place waits for its newcomers while the survivors train on; survivors whose script ends
+    meanwhile complete it without a step in it: their success says so, and the coordinator does not wait for the
+    newcomers. Workers that trained in the generation say nothing of the kind."""
+    agent = Agent(rescale_in_place=True, rescale_grace_s=30.0)
+    agent.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(agent)
+    agent.on(core.Tick({0: (4, "step", 1), 1: (4, "step", 1)}, ready=True), after=0.2)
+    agent.on(core.GenerationSeen(_gen(2, "a", "b")))
+    assert agent.state.handing is not None, "the hand-over waits for b"
+    done = agent.on(core.GroupExited(GroupResult(1, {0: 0, 1: 0})), after=0.2)
+    assert core.Send(core.Report("success", 2, untrained=True)) in done
+    trained = Agent(rescale_in_place=True)
+    trained.on(core.GenerationSeen(_gen(1, "a")))
+    _ready(trained)
+    trained.on(core.GenerationSeen(_gen(2, "a")))  # no newcomer: handed over at once
+    trained.on(core.Tick({0: (5, "step", 2), 1: (5, "step", 2)}, ready=True), after=0.2)
+    assert core.Send(core.Report("success", 2)) in trained.on(core.GroupExited(GroupResult(2, {0: 0, 1: 0})))
+
+
 def test_a_failure_report_says_whether_its_generation_trained_a_step() -> None:
     """A step's progress record names the generation it completed in. A failure report of a generation in which a
     worker of this node completed a step says that every member arrived (the coordinator strikes no newcomer of it);
