@@ -313,6 +313,9 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     on_a = sorted(rank for rank in world4 if rank not in on_b)
     assert len(on_a) == len(on_b) == 2, (world4, on_b)
     survivor, victim = on_a
+    # Node b may join before node a's first workers announced that they move in place (a restart at the start, on a
+    # loaded machine): only what the kill costs is counted.
+    restarts = sample(scrape(f"http://127.0.0.1:{port}/metrics"), "pliant_agent_rescales_total", path="restart")
     killed_at = time.time()
     os.kill(world4[victim], signal.SIGKILL)
     b.kill(signal.SIGKILL)  # the agent; its workers die with it (parent-death signal)
@@ -333,7 +336,7 @@ def test_a_worker_killed_with_its_buddys_node_rolls_back_in_place_from_its_kept_
     output = a.output()
     assert re.search(r"holds the copies its predecessor \(rank \d of generation \d+\) kept", output), output[-3000:]
     assert "rolled back to the snapshot of step" in output
-    assert sample(metrics, "pliant_agent_rescales_total", path="restart") == 0, metrics
+    assert sample(metrics, "pliant_agent_rescales_total", path="restart") == restarts, metrics
     before, resumed = _check_redone(engine, events, killed_at, output)
     back = min(e["time"] for e in after)
     diff = _check_exact(tmp_path, steps, engine, kills=2)

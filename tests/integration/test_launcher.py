@@ -62,7 +62,9 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
     summary, and the join command is printed so that it runs as pasted."""
     env = {k: v for k, v in os.environ.items() if k != "PLIANT_LOG_LEVEL"}
     argv = [sys.executable, "-m", "pliant", "run", "--nnodes", "1:2", "--nproc-per-node", "1"]
-    argv += ["--checkpoint-dir", str(tmp_path / "ck"), str(ELASTIC), "--steps", "60", "--step-time", "0.1"]
+    # 15 s of training: the joining node's workers (its zygote imports torch, 4-11 s on two loaded cores) come while
+    # the first node still trains, so that the world grows (a node that comes as the job ends never trains).
+    argv += ["--checkpoint-dir", str(tmp_path / "ck"), str(ELASTIC), "--steps", "150", "--step-time", "0.1"]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     said: list[str] = []
     reader = threading.Thread(target=lambda: said.extend(first.stdout), daemon=True)  # type: ignore[arg-type]
@@ -86,7 +88,7 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
             and len(waits) <= 1
             and not [line for line in lines if " INFO " in line or "Traceback" in line]
         ), lines
-        assert re.fullmatch(r"pliant: job default succeeded: 60 steps in [\d.]+s on this node; .*", lines[-1]), lines
+        assert re.fullmatch(r"pliant: job default succeeded: 150 steps in [\d.]+s on this node; .*", lines[-1]), lines
     first_lines = _pliant_lines("".join(said))
     assert [
         line
