@@ -21,15 +21,29 @@ from tests.integration.harness import ELASTIC, read_jsonl
 __all__ = ["Machine", "fabric_fixture", "first_step_at", "ranks_at"]
 
 
+NETS_PER_MODULE = 4  # the xdist workers a module's fabrics keep apart (scripts/test runs three)
+
+
+def xdist_worker() -> int:
+    """This pytest-xdist worker's index (0 without xdist).
+
+    Raises:
+        RuntimeError: more workers than a module has nets for: two tests would share a subnet.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    if worker >= NETS_PER_MODULE:
+        raise RuntimeError(f"xdist worker {worker}: the network-namespace tests have nets for {NETS_PER_MODULE}")
+    return worker
+
+
 def fabric_fixture(prefix: str, net: int) -> Callable[[], Iterator[Fabric]]:
     """A ``fabric`` fixture for one test module's machines: ``10.213.<net>.0/24`` for the first xdist worker,
-    ``net - 1`` for the second (each module has two nets of its own), named ``<prefix><worker>``; closed, every
-    process in it killed, after each test."""
+    ``net - 1`` for the second and so on (each module has four nets of its own, :data:`NETS_PER_MODULE`), named
+    ``<prefix><worker>``; closed, every process in it killed, after each test."""
 
     @pytest.fixture
     def fabric() -> Iterator[Fabric]:
-        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-        made = Fabric(prefix=f"{prefix}{worker}", net=net - worker)
+        made = Fabric(prefix=f"{prefix}{xdist_worker()}", net=net - xdist_worker())
         try:
             yield made
         finally:

@@ -50,7 +50,7 @@ SCRIPT = [
 ]
 
 
-fabric = fabric_fixture("pls", 15)  # 10.213.15.0/24 and .14.0/24: no other test's
+fabric = fabric_fixture("pls", 15)  # 10.213.15.0/24 down to .12.0/24: no other test's (the short soak's is .11)
 
 
 def _join_lines(machine: Machine) -> list[str]:

@@ -9,7 +9,6 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.netns import Fabric, unavailable
+from bench.netns import unavailable
 from pliant.coordinator.contract import Generation
 from pliant.coordinator.policy import BACKOFF_BASE_S
 from pliant.env import GUARD_EXIT_CODE
@@ -40,20 +39,13 @@ from tests.integration.harness import (
     read_jsonl,
     static_params,
 )
+from tests.integration.machines import fabric_fixture
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.skipif(bool(WHY), reason=WHY)]
 
 
-@pytest.fixture
-def fabric():  # type: ignore[no-untyped-def]
-    # One fabric per pytest-xdist worker ("gw0", "gw1"; none: one process): two of these tests may run at once.
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    made = Fabric(prefix=f"plt{worker}", net=7 - worker)  # 10.213.7.0/24, 10.213.6.0/24: not the soaks' 9 and 11
-    try:
-        yield made
-    finally:
-        made.close()
+fabric = fabric_fixture("plt", 7)  # 10.213.7.0/24 down to .4.0/24: not the soaks' 9 and 11
 
 
 def _events(tmp: Path) -> list[dict]:

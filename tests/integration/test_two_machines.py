@@ -46,7 +46,7 @@ SCRIPT_ARGS = (
 )
 
 
-fabric = fabric_fixture("plm", 5)  # 10.213.5.0/24 and .4.0/24: no other test's
+fabric = fabric_fixture("plm", 23)  # 10.213.23.0/24 down to .20.0/24: no other test's
 
 
 def _worker_env(pid: int) -> dict[str, str]:
