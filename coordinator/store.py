@@ -11,8 +11,10 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/generation               the current Generation JSON
     jobs/<job>/generations/<n:012d>     history of the last HISTORY generations (resumable watches)
     jobs/<job>/failures/<n:012d>/<node> FailureReport JSON for generation n
-    jobs/<job>/successes/<n:012d>/<node> a member's report that its workers of generation n all exited 0; the job
-                                        succeeds once every member of the current generation has one
+    jobs/<job>/successes/<n:012d>/<node> {"at", "untrained"}: a member's report that its workers of generation n all
+                                        exited 0; the job succeeds once every member of the current generation has
+                                        one, or, when one says its workers never stepped in n, every member but n's
+                                        newcomers (MemberStore.report_success)
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
     jobs/<job>/strikes/<node>           {"address", "count", "lifted", "lifts"}: failed readmissions (policy.struck;
                                         on a lease that lapses STRIKE_WINDOW_S after the last strike; see policy)
