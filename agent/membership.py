@@ -53,11 +53,11 @@ class JoinRefused(Exception):
 class Membership:
     """One agent's membership of its job.
 
-    Threads: the agent's main thread makes the first join (:meth:`join`, once ``address`` is set and, with a bootstrap
-    join, ``tls`` is the bootstrap's) and then starts the heartbeat, watch and reporter threads (:meth:`start`). From
-    then on the heartbeat thread owns ``grant`` (a re-join replaces it), ``tls``, ``join_token`` and ``_reached``; the
-    watch thread writes ``newest_seen`` (read by the agent's loop); :meth:`report` and :meth:`leave` are called from
-    the agent's loop thread. ``client`` is shared; its calls are thread-safe.
+    Threads: the agent's main thread makes the first join (:meth:`enter`) and then starts the heartbeat, watch and
+    reporter threads (:meth:`start`). From then on the heartbeat thread owns ``grant`` (a re-join replaces it whole;
+    the agent's loop reads its checkpoint key), ``tls``, ``join_token`` and ``_reached``; the watch thread writes
+    ``newest_seen`` (read by the agent's loop); :meth:`report` and :meth:`leave` are called from the agent's loop
+    thread. ``client`` is shared; its calls are thread-safe.
 
     Args:
         config: the agent's configuration.
