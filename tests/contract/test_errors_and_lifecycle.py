@@ -226,6 +226,9 @@ def test_unreachable_peers_are_evicted_with_the_failure_and_cost_no_restart(make
     with fleet(server.address) as client:
         client.create_job(JobSpec("job", 1, 3, heartbeat_ttl_s=30, join_grace_s=0, max_restarts=0))
         a = client.join("job", "a", "127.0.0.1:1")
+        # b comes after a's world: a newcomer that never arrived, whom a's word evicts at once (two nodes of the
+        # first world would wait for b to fall silent, half the 30 s TTL).
+        wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a",), 10, "world a")
         b = client.join("job", "b", "127.0.0.1:2")
         wait_for(lambda: (g := client.get_job("job").generation) and g.node_ids == ("a", "b"), 10, "world a,b")
         number = client.get_job("job").generation.number
