@@ -117,6 +117,22 @@ def _world_of_4(
     return server, a, b, agent_a, agent_b
 
 
+def _since(client, after: int) -> list[Generation]:  # type: ignore[no-untyped-def]
+    """Every generation the job published after number ``after`` up to its current one, in order: the coordinator's
+    watch replays them from its history (a poll of the current generation misses one that a successor replaced
+    within the poll's interval, as a rejoin can the eviction before it)."""
+    newest = client.get_job("job").generation.number
+    published: list[Generation] = []
+    if newest <= after:
+        return published
+    for event in client.watch("job", after + 1):
+        if event.generation is not None:
+            published.append(event.generation)
+            if event.generation.number >= newest:
+                return published
+    return published
+
+
 def _exact(tmp: Path, events: list[dict], steps: int) -> float:
     """Assert that every step ran and every sample of each complete epoch counted once; returns the final parameters'
     largest difference from a static run on the same global batches. Each test cuts once: the ranks cut off may have
@@ -248,32 +264,32 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
     server, a, b, agent_a, agent_b = _world_of_4(
         make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False, extra=("--rescale-grace", str(grace))
     )
-    cut = time.time()
-    fabric.block(a, b.address)
-    seen: list[tuple[float, Generation]] = []  # (when, generation), every generation published after the cut
+    seen: list[Generation] = []  # every generation published after the cut, in order
 
     def published(predicate) -> bool:  # type: ignore[no-untyped-def]
-        gen = client.get_job("job").generation
-        if gen is not None and (not seen or seen[-1][1].number != gen.number):
-            seen.append((time.time(), gen))
-        return any(predicate(g) for _, g in seen)
+        last = seen[-1].number if seen else first
+        if client.get_job("job").generation.number > last:  # one watch per change: a caller's streams are few
+            seen.extend(_since(client, last))
+        return any(predicate(g) for g in seen)
 
     with fleet(server) as client:
+        cut, first = time.time(), client.get_job("job").generation.number
+        fabric.block(a, b.address)
         wait_for(lambda: published(lambda g: len(g.node_ids) == 1), 60, "one node evicted")
-        survivor = next(g for _, g in seen if len(g.node_ids) == 1).node_ids[0]
+        survivor = next(g for g in seen if len(g.node_ids) == 1).node_ids[0]
         kept = _workers_of(agent_a if survivor == "node-a" else agent_b, 4, tmp_path)
         wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other admitted again")
-        rejoin, admitted = next((g.number, t) for t, g in seen if g.reason == "join")
+        rejoin, admitted = next((g.number, g.created_at) for g in seen if g.reason == "join")
         wait_for(
             lambda: published(lambda g: g.number > rejoin and g.node_ids == (survivor,)),
             grace + 30,
             "the newcomer that never arrived evicted",
         )
-        dropped = next(t for t, g in seen if g.number > rejoin)
+        dropped = next(g.created_at for g in seen if g.number > rejoin)
         while time.time() < dropped + BACKOFF_BASE_S + 8:  # the strike's backoff, and then some
             published(lambda g: False)
             time.sleep(0.2)
-        retried = [g.number for _, g in seen if g.number > rejoin + 1 and g.reason == "join"]
+        retried = [g.number for g in seen if g.number > rejoin + 1 and g.reason == "join"]
     fabric.unblock(a, b.address)
     healed = time.time()
     wait_for(lambda: any(e["world"] == 4 and e["time"] > healed for e in _events(tmp_path)), 90, "world 4 again")
@@ -292,7 +308,7 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
         f"cut a-b for good: {survivor} trained on alone; the other's readmission failed {dropped - admitted:.1f}s "
         f"after it was admitted (rescale grace {grace}s), tries while the cut lasted {retried}; "
         f"longest gap between the survivor's steps {stall:.2f}s; generations "
-        f"{[(g.number, g.reason, g.node_ids) for _, g in seen]}; world 4 stepping {back - healed:.1f}s after the "
+        f"{[(g.number, g.reason, g.node_ids) for g in seen]}; world 4 stepping {back - healed:.1f}s after the "
         f"heal; max |param diff| vs static {diff:.2e}"
     )
     assert not retried, "held past its backoff while its agent could not reach every member"
@@ -325,18 +341,17 @@ def test_a_node_cut_off_from_its_peers_only_is_the_one_dropped(
         extra=("--rescale-grace", "10"),
         names=("a", "b", "c"),
         nproc=1,
+        first=True,
     )
     with fleet(server) as client:
         number = client.get_job("job").generation.number
+        assert client.get_job("job").generation.node_ids[0] == "node-a"
         kept = _workers_of(agents[1], 3, tmp_path) | _workers_of(agents[2], 3, tmp_path)
         cut = time.time()
         for peer in (b, c):
             fabric.block(a, peer.address)
-        gen = wait_for(
-            lambda: (g := client.get_job("job").generation) and g.number > number and g,
-            60,
-            "a generation after the cut",
-        )
+        wait_for(lambda: client.get_job("job").generation.number > number, 60, "a generation after the cut")
+        gen = _since(client, number)[0]  # node a's rejoin may follow at once
         assert (set(gen.node_ids), gen.reason, gen.restarts_used) == ({"node-b", "node-c"}, "failure", 0), gen
     wait_for(lambda: any(e["world"] == 2 and e["time"] > cut for e in _events(tmp_path)), 60, "b and c stepping")
     back = min(e["time"] for e in _events(tmp_path) if e["world"] == 2 and e["time"] > cut)
@@ -385,17 +400,17 @@ def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(
     seen: list[Generation] = []
 
     def published(predicate) -> bool:  # type: ignore[no-untyped-def]
-        gen = client.get_job("job").generation
-        if gen is not None and (not seen or seen[-1].number != gen.number):
-            seen.append(gen)
+        last = seen[-1].number if seen else first
+        if client.get_job("job").generation.number > last:  # one watch per change: a caller's streams are few
+            seen.extend(_since(client, last))
         return any(predicate(g) for g in seen)
 
     with fleet(server) as client:
         assert client.get_job("job").generation.node_ids[0] == "node-c"
         cut, first = time.time(), client.get_job("job").generation.number
         fabric.block(a, b.address)
-        wait_for(lambda: published(lambda g: g.number > first), 60, "a or b evicted")
-        stayed = next(n for n in next(g for g in seen if g.number > first).node_ids if n != "node-c")
+        wait_for(lambda: published(lambda g: True), 60, "a or b evicted")
+        stayed = next(n for n in seen[0].node_ids if n != "node-c")
         wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other readmitted")
         joined = next(g.number for g in seen if g.reason == "join")
         wait_for(lambda: published(lambda g: g.number > joined), 60, "its readmission reported")
