@@ -200,7 +200,7 @@ class Agent:
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
             generation_ports = port + 1 if self.config.store_port else 0
             self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
-            self.store.key = self._checkpoint_key()  # seals its records
+            self.store.key = self.membership.checkpoint_key  # seals its records
             return self._loop()
         except JobFinished as exc:  # a node that comes late ends as the job did
             console.info("job %s already %s; nothing to do", exc.job, exc.state.value)
@@ -265,16 +265,11 @@ class Agent:
         self._summary.steps = max([self._summary.steps, *(step for step, _phase, _gen in progress.values())])
         return core.Tick(progress, self._fence, ready)
 
-    def _checkpoint_key(self) -> bytes:
-        """The job's checkpoint sealing key, as the last join granted it (empty before the first)."""
-        grant = self.membership.grant
-        return grant.checkpoint_key if grant is not None else b""
-
     def _read_fence(self) -> Fence | None:
         """The checkpoint directory's fence if it is sealed with the job's key; one that is not (forged, or from a
         deployment with another sealing secret) is ignored, and said once, since the next world replaces it."""
         try:
-            fence = read_fence(self.config.checkpoint_dir, self._checkpoint_key())
+            fence = read_fence(self.config.checkpoint_dir, self.membership.checkpoint_key)
         except SealError as exc:
             problem = str(exc)
             if problem != self._fence_problem:
@@ -605,7 +600,7 @@ class Agent:
                 checkpoint_dir=config.checkpoint_dir,
                 metrics_dir=self.metrics.worker_dir,
                 incarnation=gen.incarnation,
-                checkpoint_key=self._checkpoint_key().hex(),
+                checkpoint_key=self.membership.checkpoint_key.hex(),
                 allow_fresh_start=config.allow_fresh_start,
                 rescale=config.rescale,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),

@@ -95,6 +95,12 @@ class Membership:
         self._left = threading.Event()
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
 
+    @property
+    def checkpoint_key(self) -> bytes:
+        """The job's checkpoint sealing key, as the last join granted it (empty before the first)."""
+        grant = self.grant
+        return grant.checkpoint_key if grant is not None else b""
+
     def enter(self, address: str, waiting: Callable[[str, str], None]) -> None:
         """The first join (the agent's main thread), as the node's agent store at ``address``; with a bootstrap join,
         the node's certificate first. ``waiting`` is told what each retry waits for.
