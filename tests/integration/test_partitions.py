@@ -117,20 +117,27 @@ def _world_of_4(
     return server, a, b, agent_a, agent_b
 
 
-def _since(client, after: int) -> list[Generation]:  # type: ignore[no-untyped-def]
-    """Every generation the job published after number ``after`` up to its current one, in order: the coordinator's
-    watch replays them from its history (a poll of the current generation misses one that a successor replaced
-    within the poll's interval, as a rejoin can the eviction before it)."""
-    newest = client.get_job("job").generation.number
-    published: list[Generation] = []
-    if newest <= after:
-        return published
-    for event in client.watch("job", after + 1):
-        if event.generation is not None:
-            published.append(event.generation)
-            if event.generation.number >= newest:
-                return published
-    return published
+class _Published:
+    """The generations a job published after number ``after``, in order, read from the coordinator's history: a poll
+    of the current generation misses one that a successor replaced within the poll's interval (a rejoin can follow
+    the eviction before it by 40 ms). Each change is read with one watch (a caller may hold few at once)."""
+
+    def __init__(self, client, after: int) -> None:  # type: ignore[no-untyped-def]
+        self.client = client
+        self.seen: list[Generation] = []
+        self._after = after
+
+    def any(self, predicate) -> bool:  # type: ignore[no-untyped-def]
+        """Whether a generation published so far satisfies ``predicate`` (reading what came since the last call)."""
+        last = self.seen[-1].number if self.seen else self._after
+        newest = self.client.get_job("job").generation.number
+        if newest > last:
+            for event in self.client.watch("job", last + 1):
+                if event.generation is not None:
+                    self.seen.append(event.generation)
+                    if event.generation.number >= newest:
+                        break
+        return any(predicate(g) for g in self.seen)
 
 
 def _exact(tmp: Path, events: list[dict], steps: int) -> float:
@@ -264,30 +271,23 @@ def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  #
     server, a, b, agent_a, agent_b = _world_of_4(
         make_coordinator, spawn_agent, pki, fabric, tmp_path, steps, (), False, extra=("--rescale-grace", str(grace))
     )
-    seen: list[Generation] = []  # every generation published after the cut, in order
-
-    def published(predicate) -> bool:  # type: ignore[no-untyped-def]
-        last = seen[-1].number if seen else first
-        if client.get_job("job").generation.number > last:  # one watch per change: a caller's streams are few
-            seen.extend(_since(client, last))
-        return any(predicate(g) for g in seen)
-
     with fleet(server) as client:
-        cut, first = time.time(), client.get_job("job").generation.number
+        cut, published = time.time(), _Published(client, client.get_job("job").generation.number)
+        seen = published.seen
         fabric.block(a, b.address)
-        wait_for(lambda: published(lambda g: len(g.node_ids) == 1), 60, "one node evicted")
+        wait_for(lambda: published.any(lambda g: len(g.node_ids) == 1), 60, "one node evicted")
         survivor = next(g for g in seen if len(g.node_ids) == 1).node_ids[0]
         kept = _workers_of(agent_a if survivor == "node-a" else agent_b, 4, tmp_path)
-        wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other admitted again")
+        wait_for(lambda: published.any(lambda g: g.reason == "join"), 30, "the other admitted again")
         rejoin, admitted = next((g.number, g.created_at) for g in seen if g.reason == "join")
         wait_for(
-            lambda: published(lambda g: g.number > rejoin and g.node_ids == (survivor,)),
+            lambda: published.any(lambda g: g.number > rejoin and g.node_ids == (survivor,)),
             grace + 30,
             "the newcomer that never arrived evicted",
         )
         dropped = next(g.created_at for g in seen if g.number > rejoin)
         while time.time() < dropped + BACKOFF_BASE_S + 8:  # the strike's backoff, and then some
-            published(lambda g: False)
+            published.any(lambda g: False)
             time.sleep(0.2)
         retried = [g.number for g in seen if g.number > rejoin + 1 and g.reason == "join"]
     fabric.unblock(a, b.address)
@@ -350,8 +350,9 @@ def test_a_node_cut_off_from_its_peers_only_is_the_one_dropped(
         cut = time.time()
         for peer in (b, c):
             fabric.block(a, peer.address)
-        wait_for(lambda: client.get_job("job").generation.number > number, 60, "a generation after the cut")
-        gen = _since(client, number)[0]  # node a's rejoin may follow at once
+        published = _Published(client, number)
+        wait_for(lambda: published.any(lambda g: True), 60, "a generation after the cut")
+        gen = published.seen[0]  # node a's rejoin may follow at once
         assert (set(gen.node_ids), gen.reason, gen.restarts_used) == ({"node-b", "node-c"}, "failure", 0), gen
     wait_for(lambda: any(e["world"] == 2 and e["time"] > cut for e in _events(tmp_path)), 60, "b and c stepping")
     back = min(e["time"] for e in _events(tmp_path) if e["world"] == 2 and e["time"] > cut)
@@ -397,25 +398,18 @@ def test_a_cut_that_node_rank_0_does_not_see_keeps_the_member_that_stayed(
         nproc=1,
         first=True,
     )
-    seen: list[Generation] = []
-
-    def published(predicate) -> bool:  # type: ignore[no-untyped-def]
-        last = seen[-1].number if seen else first
-        if client.get_job("job").generation.number > last:  # one watch per change: a caller's streams are few
-            seen.extend(_since(client, last))
-        return any(predicate(g) for g in seen)
-
     with fleet(server) as client:
         assert client.get_job("job").generation.node_ids[0] == "node-c"
-        cut, first = time.time(), client.get_job("job").generation.number
+        cut, published = time.time(), _Published(client, client.get_job("job").generation.number)
+        seen = published.seen
         fabric.block(a, b.address)
-        wait_for(lambda: published(lambda g: True), 60, "a or b evicted")
+        wait_for(lambda: published.any(lambda g: True), 60, "a or b evicted")
         stayed = next(n for n in seen[0].node_ids if n != "node-c")
-        wait_for(lambda: published(lambda g: g.reason == "join"), 30, "the other readmitted")
+        wait_for(lambda: published.any(lambda g: g.reason == "join"), 30, "the other readmitted")
         joined = next(g.number for g in seen if g.reason == "join")
-        wait_for(lambda: published(lambda g: g.number > joined), 60, "its readmission reported")
+        wait_for(lambda: published.any(lambda g: g.number > joined), 60, "its readmission reported")
         time.sleep(5)  # the survivors train on
-        published(lambda g: False)
+        published.any(lambda g: False)
     fabric.unblock(a, b.address)
     healed, (steps, events) = time.time(), _finish(tmp_path, steps, agents, 3)
     times = sorted(e["time"] for e in events if e["rank"] == 0 and cut + 12 < e["time"] < healed)  # after the loss
