@@ -186,6 +186,7 @@ class Agent:
                     self.config.node_id,
                     self.config.host,
                     self.config.ca_cert_hash,
+                    self.config.seat_key,
                     self.membership.client,
                     self.metrics.registry,
                     lambda line: console.info("%s", line),

@@ -129,8 +129,10 @@ class AgentConfig:
         ca_cert_hash: ``sha256:<hex>`` of the coordinator CA's public key: without ``tls`` the agent joins by
             bootstrap (:mod:`pliant.bootstrap`), pinning that CA; "": no bootstrap.
         bootstrap: the Bootstrap services' HOST:PORT, tried in order (with ``ca_cert_hash``).
-        seat: ask for a seat in the control plane (an embedded one, ``pliant run``'s): an etcd member and a
-            coordinator replica on this node (:mod:`pliant.agent.seat`).
+        seat: a node of an embedded control plane (``pliant run``'s): it comes back to a seat it held, and with
+            ``seat_key`` asks for a new one: an etcd member and a coordinator replica on this node
+            (:mod:`pliant.agent.seat`).
+        seat_key: the control plane's seat key ("": this node takes no new seat).
         join_line: the line other nodes join with, :data:`COORDINATORS` in the place of the coordinators; said again
             when the control plane's coordinators change ("": never said).
     """
@@ -158,11 +160,12 @@ class AgentConfig:
     heartbeat_retry_s: float = 10.0
     metrics_port: int | None = None
     tls: TlsConfig | None = None
-    join_token: str = ""
+    join_token: str = field(default="", repr=False)
     admin_tls: TlsConfig | None = None
     ca_cert_hash: str = ""
     bootstrap: tuple[str, ...] = ()
     seat: bool = False
+    seat_key: str = field(default="", repr=False)
     join_line: str = ""
 
     @property

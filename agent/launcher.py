@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import sys
@@ -104,6 +105,14 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
             help="nodes of the job that host the embedded control plane (an etcd member and a coordinator replica "
             "each), so that it outlives the loss of any one of them (1 of 3, 2 of 5); default 3 when --nnodes lets "
             "the job have 3 nodes, else 1",
+        )
+        parser.add_argument(
+            "--seat-key",
+            default=env("PLIANT_SEAT_KEY", ""),
+            help="the embedded control plane's seat key (env PLIANT_SEAT_KEY, the way the first node prints it): "
+            "a node that joins with it takes a seat of the control plane while one is free (an etcd member and a "
+            "coordinator replica, with the control plane's CA keys); without it a node is a worker node only "
+            "(kubeadm join's --certificate-key)",
         )
     add_tls_flags(parser, "agent")
     parser.add_argument(
@@ -539,8 +548,13 @@ def agent_main(args: argparse.Namespace) -> int:
     tls = None if args.ca_cert_hash else tls_from_flags(args.tls_dir, args.insecure, "agent")
     config = config_from_args(args, coordinator, embedded=False, tls=tls)
     if hasattr(args, "control_plane_seats") and config.ca_cert_hash:  # `pliant run` joining by the printed line
+        if args.seat_key and not is_join_token(args.seat_key):
+            raise ConfigError(
+                f"--seat-key (or PLIANT_SEAT_KEY) of {len(args.seat_key)} characters is not a seat key; copy the one "
+                f"in the seat line the first node printed, or make one with `pliant seat-key`"
+            )
         line = _join_command(args, COORDINATORS, config.ca_cert_hash, config.join_token)
-        config = dataclasses.replace(config, seat=True, join_line=line)
+        config = dataclasses.replace(config, seat=True, seat_key=args.seat_key, join_line=line)
     return Agent(config).run()
 
 
@@ -550,8 +564,6 @@ def run_main(args: argparse.Namespace) -> int:
         if args.standalone:
             raise ConfigError("--standalone starts its own control plane; drop it to join --coordinator")
         return agent_main(args)
-
-    import secrets
 
     from pliant.agent.preload import plan_preload
     from pliant.agent.runcerts import make_run_certs
@@ -603,7 +615,7 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
     from pliant.agent.agent import Agent
     from pliant.coordinator.etcd_server import EtcdServer
     from pliant.coordinator.seat_keeper import SeatKit
-    from pliant.coordinator.seats import Seat, wanted_seats
+    from pliant.coordinator.seats import SEAT_KEY_TTL_S, Seat, wanted_seats
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
     from pliant.coordinator.signer import Signer
 
@@ -647,8 +659,10 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
         registry = CollectorRegistry(auto_describe=True)  # one endpoint: the node's and the coordinator's metrics
         with CoordinatorServer(coord_config, registry) as coordinator:
             address = f"{host}:{coordinator.port}"
+            seat_key = secrets.token_urlsafe(32)  # admits the other seats; printed apart from the workers' line
             if coordinator.seats is not None:
-                coordinator.seats.take_first(Seat(args.node_id, address, etcd.endpoint, etcd.peer_url))
+                first = Seat(args.node_id, address, etcd.endpoint, etcd.peer_url)
+                coordinator.seats.take_first(first, seat_key, SEAT_KEY_TTL_S)
             security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
             ports = f"ports {coordinator.port}" + (f" and {coordinator.bootstrap_port}" if certs else "")
             if seats > 1:
@@ -660,6 +674,15 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
             else:
                 join = _join_command(args, address, certs.fingerprint if certs else "", token)
                 print(f"{plane}; other nodes join with:\n  {join}", flush=True)
+                if coordinator.seats is not None:
+                    print(
+                        f"pliant: {seats - 1} more node(s) may hold a seat of the control plane (an etcd member and a "
+                        f"coordinator replica: it then outlives any one node); on those, join instead with (its "
+                        f"PLIANT_SEAT_KEY opens the control plane: give it to no other node; valid "
+                        f"{SEAT_KEY_TTL_S / 3600:g}h, `pliant seat-key` makes another):\n"
+                        f"  PLIANT_SEAT_KEY={seat_key} {join}",
+                        flush=True,
+                    )
                 if is_loopback(host):
                     print(
                         "pliant: the coordinator listens on loopback: only this machine can join; pass --listen "

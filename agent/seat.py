@@ -1,6 +1,9 @@
 """A node's seat in an embedded control plane (:mod:`pliant.coordinator.seats`): it asks for one until it holds one
 or the seats are full, then runs the etcd member and the coordinator replica the seat holds until the agent stops.
 
+A node asks for a new seat only with the control plane's seat key (``PLIANT_SEAT_KEY``, from the seat line the
+first node printed, or ``pliant seat-key``); without one it holds no seat, unless it comes back to the seat it held.
+
 The node listens for them on its own address (the one it advertises): the coordinator on the port the node joined
 the control plane with when it is free here (the Bootstrap service on the next one), etcd's client and peer ports on
 the two after (free ones where those are taken). What it gets with the seat (the run's CA and etcd's CA with their
@@ -13,8 +16,9 @@ that ends on its own, with its job or by leaving, removes it). An agent of the s
 address finds it (a home of this run and address that no live agent locks): before it joins, it starts its etcd
 member from the member's data, and its replica, so that a control plane that lost its quorum with this node (two of
 three seats at once) has it back, and the join can be answered; once joined, it claims the seat under its new node
-id. A home whose member etcd no longer knows (its seat was given up meanwhile) is removed, and the node asks for a
-seat as a newcomer.
+id with the seat's proof (``seat-proof`` in the home: the secret each grant returns). A home whose member etcd no
+longer knows (its seat was given up meanwhile), or whose proof the control plane refuses, is removed, and the node
+asks for a seat as a newcomer when it has the seat key.
 
 The agent keeps its seat's etcd member running: one that exits (killed, crashed) is started again from its data,
 after a backoff.
@@ -43,7 +47,7 @@ from prometheus_client import CollectorRegistry
 from pliant.agent.contract import state_home
 from pliant.backoff import Backoff
 from pliant.coordinator.client import CoordinatorClient
-from pliant.coordinator.contract import CoordinatorError, FailedPrecondition
+from pliant.coordinator.contract import CoordinatorError, FailedPrecondition, PermissionDenied
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.seat_keeper import SeatKit
 from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
@@ -92,6 +96,7 @@ class SeatHolder:
         node_id: this node's id (its replica's id; its etcd member's name when it takes a new seat).
         host: the address this node advertises; the seat listens there.
         pin: the run's CA pin (``sha256:HEX``, the join line's): the seat's home is the run's and this address's.
+        key: the control plane's seat key ("": this node asks for no new seat, and only comes back to its own).
         client: the agent's coordinator client.
         registry: where the replica's metrics go (the node's endpoint).
         said: called with a line for the console when the seat is taken.
@@ -103,11 +108,13 @@ class SeatHolder:
         node_id: str,
         host: str,
         pin: str,
+        key: str,
         client: CoordinatorClient,
         registry: CollectorRegistry,
         said: Callable[[str], None],
     ) -> None:
         self.job = job
+        self.key = key
         self.node_id = node_id
         self.host = host
         self.client = client
@@ -137,17 +144,28 @@ class SeatHolder:
             self.resumed.set()
         if saved is not None:
             ports = (saved.coordinator_port, saved.client_port, saved.peer_port)
-        else:
+            proof = (self.home / "seat-proof").read_bytes() if (self.home / "seat-proof").is_file() else b""
+        elif self.key:
             ports = seat_ports(self.host, parse_host_port(self.client.targets[0], what="--coordinator")[1])
+            proof = b""
+        else:
+            return  # no seat held before, and no key for a new one: this node is a worker node only
         while not self.joined.wait(0.5):
             if self.stop.is_set():
                 return
         backoff = Backoff(*ASK_EVERY_S)
         while not self.stop.is_set():
             try:
-                answer = self.client.claim_seat(self.job, self.node_id, self.host, *ports)
+                answer = self.client.claim_seat(self.job, self.node_id, self.host, ports, self.key, proof)
             except FailedPrecondition as exc:  # no seats in this control plane
                 logger.info("agent %s: no control-plane seat to take: %s", self.node_id, exc)
+                return
+            except PermissionDenied as exc:  # no valid key, and no seat this node held
+                logger.warning("pliant: this node takes no control-plane seat: %s", exc)
+                if self.coordinator is not None:  # a seat it held that is no longer its own
+                    self._stop_services()
+                    shutil.rmtree(self.home, ignore_errors=True)
+                    self._release_home()
                 return
             except CoordinatorError as exc:
                 logger.info("agent %s: asking for a control-plane seat failed (%s); asking again", self.node_id, exc)
@@ -157,6 +175,7 @@ class SeatHolder:
                 logger.info("agent %s: no control-plane seat yet: %s", self.node_id, answer.reason)
                 self.stop.wait(backoff.next())
                 continue
+            self._keep_proof(answer.seat_proof)
             if self.coordinator is None:
                 try:
                     self._take(answer, ports)
@@ -241,12 +260,24 @@ class SeatHolder:
         self.said(f"back in this node's control-plane seat: coordinator on {self.coordinator.address}")  # type: ignore[union-attr]
         return saved
 
+    def _keep_proof(self, proof: bytes) -> None:
+        """Keep the seat's proof of its latest grant in the seat's home (a new home is made by :meth:`_take` first)."""
+        if self._lock is None or not proof:
+            return
+        path = self.home / "seat-proof"
+        fresh = path.with_suffix(".new")
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(proof)
+        fresh.replace(path)
+
     def _take(self, answer: pb.ClaimSeatResponse, ports: tuple[int, int, int]) -> None:
         """Save what the seat needs in its home, then start its etcd member (joining the cluster) and replica."""
         home = self._homes / f"{self._prefix}{ports[2]}"
         shutil.rmtree(home, ignore_errors=True)
         if not self._take_home(home):
             raise OSError(f"another agent holds {home}")
+        self._keep_proof(answer.seat_proof)
         for name, pem in (
             ("ca.crt", answer.ca_cert_pem),
             ("ca.key", answer.ca_key_pem),

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _hints = Hints()  # the hints this agent said about its workers' output (each once)
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's switch (c10's CPU allocator): madvise(MADV_HUGEPAGE) on >= 2 MB
+AGENT_SECRETS = ("PLIANT_JOIN_TOKEN", "PLIANT_SEAT_KEY")  # the agent's credentials: never in a worker's environment
 
 
 def worker_base_env(nproc_per_node: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -50,8 +51,10 @@ def worker_base_env(nproc_per_node: int, environ: Mapping[str, str] | None = Non
     pages (``THP_MEM_ALLOC_ENABLE=1``, unless the user set it; ``0`` turns it off). With 4 KB pages, the first touch
     of a large fresh buffer (DDP's gradient buckets after a re-wrap, state received from peers) faults every page:
     with the 1 GB model of ``bench/inplace.py`` the steps ran about 20 % faster and a join's pause was 25 % shorter
-    on huge pages. The zygote gets it too: torch reads it once per process, and the workers are forked from it."""
-    env = dict(os.environ if environ is None else environ)
+    on huge pages. The zygote gets it too: torch reads it once per process, and the workers are forked from it.
+    The agent's own credentials (:data:`AGENT_SECRETS`: the join token, the seat key) are left out: a worker runs the
+    user's code, and needs neither."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in AGENT_SECRETS}
     env["PYTHONUNBUFFERED"] = "1"
     if nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"

@@ -1,8 +1,10 @@
-"""``pliant job``: an admin's job commands (create, finish, delete, rotate-token) over the coordinator API.
+"""``pliant job``: an admin's job commands (create, finish, delete, rotate-token) over the coordinator API; and
+``pliant seat-key``, a new seat key of an embedded control plane.
 
 ``pliant job create`` prints the job's join token once (only its hash is kept); agents join with it
-(``--join-token`` / ``PLIANT_JOIN_TOKEN`` / ``--join-token-file``). Every command needs an admin certificate
-(``--tls-dir``), or ``--insecure`` against a plaintext coordinator.
+(``--join-token`` / ``PLIANT_JOIN_TOKEN`` / ``--join-token-file``). ``pliant seat-key`` prints a key that lets a node
+joining with the job's line take a seat of the control plane (``PLIANT_SEAT_KEY``; only its hash is kept). Every
+command needs an admin certificate (``--tls-dir``), or ``--insecure`` against a plaintext coordinator.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import argparse
 import os
 import shlex
 import sys
+import time
 
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobSpec, parse_node_range
 from pliant.tls import add_tls_flags, read_token_file, tls_from_flags
 
-__all__ = ["add_job_commands", "job_main"]
+__all__ = ["add_job_commands", "add_seat_key_command", "job_main", "seat_key_main"]
 
 
 def add_job_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -129,4 +132,45 @@ def job_main(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
+    return 0
+
+
+def add_seat_key_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``pliant seat-key`` to the top-level subcommands."""
+    seat = sub.add_parser(
+        "seat-key",
+        help="make a seat key of an embedded control plane (admin)",
+        description="Print a new seat key: a node that joins with the job's join line and PLIANT_SEAT_KEY set to it "
+        "takes a seat of the control plane (an etcd member and a coordinator replica) while one is free. The key "
+        "opens the control plane (its CA keys): give it only to the nodes chosen to hold seats.",
+    )
+    seat.add_argument(
+        "--coordinator",
+        default=os.environ.get("PLIANT_COORDINATOR", "127.0.0.1:29400"),
+        help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR)",
+    )
+    seat.add_argument(
+        "--ttl", type=float, default=0.0, help="seconds it admits new seats (default 7200, at most a week)"
+    )
+    add_tls_flags(seat, "admin")
+    seat.set_defaults(func=seat_key_main)
+
+
+def seat_key_main(args: argparse.Namespace) -> int:
+    """``pliant seat-key``: 1 when the coordinator refuses."""
+    tls = tls_from_flags(args.tls_dir, args.insecure, "seat-key")
+    client = CoordinatorClient(args.coordinator, tls.load() if tls else None, retry_for_s=5.0)
+    try:
+        key, expires_at = client.create_seat_key(args.ttl)
+    except CoordinatorError as exc:
+        print(f"pliant seat-key: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    until = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(expires_at))
+    print(
+        f"a node takes a control-plane seat when it runs the job's join line with this in its environment (valid "
+        f"until {until}; give it to no other node):\n  PLIANT_SEAT_KEY={key}",
+        flush=True,
+    )
     return 0

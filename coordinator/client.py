@@ -300,19 +300,34 @@ class CoordinatorClient:
         return Beat(resp.ttl_s, tuple(resp.coordinators))
 
     def claim_seat(
-        self, job_id: str, node_id: str, host: str, coordinator_port: int, etcd_client_port: int, etcd_peer_port: int
+        self,
+        job_id: str,
+        node_id: str,
+        host: str,
+        ports: tuple[int, int, int],
+        seat_key: str = "",
+        seat_proof: bytes = b"",
     ) -> pb.ClaimSeatResponse:
         """Ask for a seat in an embedded control plane (:mod:`pliant.coordinator.seats`) for this node, listening at
-        ``host`` on those ports. Raises FailedPrecondition when the control plane has no seats."""
+        ``host`` on ``ports`` (coordinator, etcd client, etcd peer), with a seat key (a new seat) or the proof of the
+        seat it held. Raises FailedPrecondition when the control plane has no seats, PermissionDenied when the key or
+        proof admits no seat."""
         req = pb.ClaimSeatRequest(
             job_id=job_id,
             node_id=node_id,
             host=host,
-            coordinator_port=coordinator_port,
-            etcd_client_port=etcd_client_port,
-            etcd_peer_port=etcd_peer_port,
+            coordinator_port=ports[0],
+            etcd_client_port=ports[1],
+            etcd_peer_port=ports[2],
+            seat_key=seat_key,
+            seat_proof=seat_proof,
         )
         return self._call("ClaimSeat", req, 30.0)
+
+    def create_seat_key(self, ttl_s: float = 0.0) -> tuple[str, float]:
+        """A new seat key of an embedded control plane (admin): (the key, when it expires, seconds since the epoch)."""
+        resp = self._call("CreateSeatKey", pb.CreateSeatKeyRequest(ttl_s=ttl_s))
+        return resp.seat_key, resp.expires_at
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))

@@ -124,13 +124,25 @@ def revocation_of(cert_pem: bytes, serial: str, reason: str, by: str, now: float
 
 
 def replaced_certificate(
-    store: EtcdStore, denylist: Denylist | None, node: str, cert_pem: bytes, how: str, overlap_s: float, now: float
+    store: EtcdStore,
+    denylist: Denylist | None,
+    job: str,
+    node: str,
+    cert_pem: bytes,
+    how: str,
+    overlap_s: float,
+    now: float,
 ) -> None:
-    """Node id ``node`` was signed ``cert_pem`` (``how``: "renewed", "bootstrap"): record it, and revoke the agent
-    certificate the node id held before, ``overlap_s`` from ``now`` (one node id, one certificate)."""
+    """Node id ``node`` of job ``job`` was signed ``cert_pem`` (``how``: "renewed", "signed again"): record it, and
+    revoke the agent certificate the node id held before in that job, ``overlap_s`` from ``now`` (one node id, one
+    certificate, one job).
+
+    Raises:
+        AlreadyExists: the node id holds a certificate of another job that has not expired (nothing was recorded).
+    """
     from pliant.tls import certificate_serial, not_after
 
-    old = store.replace_agent_cert(node, certificate_serial(cert_pem), not_after(cert_pem).timestamp())
+    old = store.replace_agent_cert(job, node, certificate_serial(cert_pem), not_after(cert_pem).timestamp(), now)
     if old is None or denylist is None or old[0] == certificate_serial(cert_pem):
         return
     denylist.revoke(

@@ -11,24 +11,28 @@ thread (a cached read under ``_cache``).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pliant.coordinator.contract import CoordinatorError
+from pliant.coordinator.contract import CoordinatorError, FailedPrecondition, PermissionDenied
 from pliant.coordinator.etcd_cluster import EtcdClusterError, EtcdMember, EtcdMembers, NotInSync, initial_cluster
 from pliant.coordinator.seats import (
     AddLearner,
+    Deny,
     Grant,
     Promote,
     Refuse,
     Remove,
     Seat,
+    SeatKey,
     Seats,
     Sightings,
     decide_claim,
     decide_upkeep,
+    digest,
 )
 from pliant.coordinator.store import EtcdStore
 from pliant.tls import IssuedCert
@@ -94,10 +98,31 @@ class SeatKeeper:
         self._seated: dict[str, float] = {}
         self._seatless: dict[int, float] = {}
 
-    def take_first(self, seat: Seat) -> None:
-        """Record ``seat`` as seat 0, the node that started the control plane (once: a record already there stays)."""
-        if self._store.write_seats(Seats(self.kit.wanted, (replace(seat, since=self._wall()),)), 0):
+    def take_first(self, seat: Seat, key: str, ttl_s: float) -> None:
+        """Record ``seat`` as seat 0, the node that started the control plane, and seat key ``key`` (valid ``ttl_s``)
+        that admits the other seats (once: a record already there stays)."""
+        now = self._wall()
+        first = Seats(self.kit.wanted, (replace(seat, since=now),), (SeatKey(digest(key), now + ttl_s),))
+        if self._store.write_seats(first, 0):
             logger.info("control plane: seat 0 on %s (%d seat(s) wanted)", seat.node, self.kit.wanted)
+
+    def make_key(self, ttl_s: float) -> tuple[str, float]:
+        """A new seat key, valid ``ttl_s``, recorded (its digest) with the others: (the key, when it expires).
+
+        Raises:
+            FailedPrecondition: this control plane has no seats record.
+            CoordinatorError: etcd did not answer, or the record kept changing.
+        """
+        key = secrets.token_urlsafe(32)
+        for _attempt in range(5):
+            seats, rev = self._store.read_seats()
+            if seats is None:
+                raise FailedPrecondition("this control plane has no seats: it is a standalone deployment or has one")
+            now = self._wall()
+            if self._store.write_seats(seats.with_key(SeatKey(digest(key), now + ttl_s), now), rev):
+                logger.warning("control plane: a new seat key was made (valid %.0fs)", ttl_s)
+                return key, now + ttl_s
+        raise CoordinatorError("the seats record kept changing while a seat key was added; try again")
 
     def coordinators(self) -> tuple[str, ...]:
         """The coordinators of the control plane as the seats record lists them (read at most every few seconds)."""
@@ -114,10 +139,12 @@ class SeatKeeper:
             self._coordinators = (listed, self._clock())
         return listed
 
-    def claim(self, seat: Seat) -> pb.ClaimSeatResponse:
-        """Answer a node's claim for a seat (``seat``: its node and where it would listen).
+    def claim(self, seat: Seat, key: str, proof: bytes) -> pb.ClaimSeatResponse:
+        """Answer a node's claim for a seat (``seat``: its node and where it would listen; ``key``: the seat key it
+        gave, ``proof``: the proof of the seat it held, each empty when not given).
 
         Raises:
+            PermissionDenied: the claim proves no right to a seat (nothing was changed).
             CoordinatorError: etcd did not answer.
         """
         with self._lock:
@@ -125,13 +152,17 @@ class SeatKeeper:
             if seats is None:
                 return pb.ClaimSeatResponse(reason="this control plane has no seats record; it has one seat")
             members = self._members.list()
-            decision = decide_claim(seats, members, seat)
+            decision = decide_claim(seats, members, seat, key, proof, self._wall())
+            if isinstance(decision, Deny):
+                logger.warning("control plane: seat refused to node %s: %s", seat.node, decision.reason)
+                raise PermissionDenied(f"seat refused to node {seat.node}: {decision.reason}")
             if isinstance(decision, Refuse):
                 return pb.ClaimSeatResponse(reason=decision.reason)
             if isinstance(decision, Promote):
                 return pb.ClaimSeatResponse(reason=self._promote(decision) + "; ask again shortly")
+            secret = secrets.token_bytes(32)  # the granted seat's new proof
             if isinstance(decision, AddLearner):
-                taken = replace(decision.seat, since=self._wall())
+                taken = replace(decision.seat, since=self._wall(), proof=digest(secret))
                 try:
                     members = self._members.add_learner(taken.node, taken.etcd_peer)
                 except EtcdClusterError as exc:
@@ -141,16 +172,15 @@ class SeatKeeper:
                     return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
                 logger.warning("control plane: seat granted to %s (etcd learner %s)", taken.node, taken.etcd_peer)
                 self._forget_coordinators()
-                return self._granted(taken, members)
+                return self._granted(taken, members, secret)
             assert isinstance(decision, Grant)
-            if decision.seat not in seats.seats:  # a node come back to its seat under a new node id
-                if not self._store.write_seats(seats.back(decision.seat), rev):
-                    return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
-                logger.warning(
-                    "control plane: %s is back in its seat (%s)", decision.seat.node, decision.seat.etcd_peer
-                )
-                self._forget_coordinators()
-            return self._granted(decision.seat, members)
+            granted = replace(decision.seat, proof=digest(secret))
+            if not self._store.write_seats(seats.back(granted), rev):
+                return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+            if granted.node not in {s.node for s in seats.seats}:  # its node is back under a new node id
+                logger.warning("control plane: %s is back in its seat (%s)", granted.node, granted.etcd_peer)
+            self._forget_coordinators()
+            return self._granted(granted, members, secret)
 
     def upkeep(self, live: set[str]) -> None:
         """One pass of the leader's upkeep; ``live``: the nodes that are live members of a job now.
@@ -215,7 +245,7 @@ class SeatKeeper:
                 except EtcdClusterError as exc:
                     logger.warning("control plane: an unrecorded learner stays until the upkeep removes it: %s", exc)
 
-    def _granted(self, seat: Seat, members: list[EtcdMember]) -> pb.ClaimSeatResponse:
+    def _granted(self, seat: Seat, members: list[EtcdMember], proof: bytes) -> pb.ClaimSeatResponse:
         kit = self.kit
         voters = [url for m in members if m.started and not m.learner for url in m.client_urls]
         return pb.ClaimSeatResponse(
@@ -229,4 +259,5 @@ class SeatKeeper:
             etcd_ca_key_pem=kit.etcd_ca.key_pem,
             seal_root=kit.seal_root,
             leader_ttl_s=kit.leader_ttl_s,
+            seat_proof=proof,
         )

@@ -3,7 +3,13 @@ coordinator replica, so that the control plane outlives any one of them, the fir
 
 A control plane started by ``pliant run`` wants a number of seats (1, 3 or 5; by default 3 when the job may have 3
 nodes or more). The first node takes seat 0 when it starts the control plane; every other node of the job asks for a
-seat (``ClaimSeat``) until it holds one or the seats are full. A node takes a seat in etcd's safe order
+seat (``ClaimSeat``) until it holds one or the seats are full. A seat holds the run's CA key, etcd's CA key and the
+sealing root, so a node takes a new seat only with a **seat key**: a secret the control plane makes (the first node
+at start, an admin's ``CreateSeatKey`` later), printed apart from the workers' join line, kept in the record as its
+SHA-256 only, and valid for :data:`SEAT_KEY_TTL_S` (kubeadm's ``--certificate-key``). Each grant returns the seat's
+**proof**, a fresh secret whose SHA-256 the seat records: the node keeps it with the seat, and a new agent of the node
+(its etcd member started again from its data) claims the seat back with it. Where a claimant would listen proves
+nothing. A node takes a seat in etcd's safe order
 (:mod:`pliant.coordinator.etcd_cluster`): its member joins as a learner, which votes only once promoted, and etcd
 holds one learner at a time. A learner is promoted once it has started when the cluster then has three voting
 members or more, or when another node waits for a seat: a second member that votes before a third arrives would make
@@ -13,7 +19,8 @@ started), so that a node that joins later can take that seat and the quorum is w
 
 Record: one etcd key, ``{prefix}/control-plane/seats``, a JSON object written with a compare on its mod revision:
 ``{"wanted": N, "seats": [{"node": ID, "coordinator": "HOST:PORT", "etcd_client": URL, "etcd_peer": URL,
-"since": WALL}]}`` in the order the seats were taken. An agent learns the coordinators from every heartbeat's answer.
+"since": WALL, "proof": SHA256_HEX}], "keys": [{"digest": SHA256_HEX, "expires_at": WALL}]}``, the seats in the order
+they were taken, the keys that have not expired. An agent learns the coordinators from every heartbeat's answer.
 
 Decisions are pure functions of the record, etcd's member list, the live nodes and the time
 (:func:`decide_claim`, :func:`decide_upkeep`); :class:`pliant.coordinator.seat_keeper.SeatKeeper` performs them.
@@ -21,6 +28,8 @@ Decisions are pure functions of the record, etcd's member list, the live nodes a
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -30,16 +39,20 @@ from pliant.coordinator.etcd_cluster import EtcdMember
 __all__ = [
     "GONE_AFTER_S",
     "NEVER_STARTED_S",
+    "SEAT_KEY_TTL_S",
     "AddLearner",
+    "Deny",
     "Grant",
     "Promote",
     "Refuse",
     "Remove",
     "Seat",
+    "SeatKey",
     "Seats",
     "Sightings",
     "decide_claim",
     "decide_upkeep",
+    "digest",
     "wanted_seats",
 ]
 
@@ -47,6 +60,10 @@ GONE_AFTER_S = 15.0
 """A seat whose node has not been a live member of any job for this long is given up (its member removed)."""
 NEVER_STARTED_S = 60.0
 """A learner that has not started this long after its seat was granted is removed (its node died on the way)."""
+SEAT_KEY_TTL_S = 2 * 3600.0
+"""How long a seat key admits new seats unless its maker says otherwise (kubeadm's certificate key: two hours)."""
+MAX_SEAT_KEY_TTL_S = 7 * 24 * 3600.0
+"""The longest a seat key may be made to last."""
 
 
 def wanted_seats(max_nodes: int, asked: int = 0) -> int:
@@ -67,6 +84,7 @@ class Seat:
         etcd_client: its etcd member's client URL.
         etcd_peer: its etcd member's peer URL (how etcd knows the member).
         since: when the seat was granted (the granting replica's wall clock).
+        proof: the SHA-256 (hex) of the seat's proof, the secret its last grant returned ("": none, the first seat).
     """
 
     node: str
@@ -74,14 +92,30 @@ class Seat:
     etcd_client: str
     etcd_peer: str
     since: float = 0.0
+    proof: str = ""
+
+
+@dataclass(frozen=True)
+class SeatKey:
+    """A seat key the control plane made: its SHA-256 (hex) and when it stops admitting seats (wall clock)."""
+
+    digest: str
+    expires_at: float
+
+
+def digest(secret: str | bytes) -> str:
+    """The SHA-256 (hex) a seat key or a seat's proof is recorded as (both are 256 random bits: no salt is needed)."""
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
 
 
 @dataclass(frozen=True)
 class Seats:
-    """The seats record: how many seats the control plane wants, and who holds them, in the order they were taken."""
+    """The seats record: how many seats the control plane wants, who holds them (in the order they were taken), and
+    the seat keys that admit new seats."""
 
     wanted: int
     seats: tuple[Seat, ...] = ()
+    keys: tuple[SeatKey, ...] = ()
 
     @property
     def coordinators(self) -> tuple[str, ...]:
@@ -101,13 +135,36 @@ class Seats:
     def without(self, node: str) -> Seats:
         return replace(self, seats=tuple(s for s in self.seats if s.node != node))
 
+    def with_key(self, key: SeatKey, now: float) -> Seats:
+        """This record with ``key`` among its keys, and without the keys expired at ``now``."""
+        return replace(self, keys=(*(k for k in self.keys if k.expires_at > now), key))
+
+    def admits(self, key: str, now: float) -> bool:
+        """``key`` is a seat key of this control plane that has not expired at ``now``."""
+        asked = digest(key)
+        return any(hmac.compare_digest(k.digest, asked) and now < k.expires_at for k in self.keys)
+
+    def proven(self, proof: bytes) -> Seat | None:
+        """The seat whose proof is ``proof`` (None: none; an empty proof proves no seat)."""
+        if not proof:
+            return None
+        asked = digest(proof)
+        return next((s for s in self.seats if s.proof and hmac.compare_digest(s.proof, asked)), None)
+
     def to_json(self) -> str:
-        return json.dumps({"wanted": self.wanted, "seats": [asdict(s) for s in self.seats]}, sort_keys=True)
+        return json.dumps(
+            {"wanted": self.wanted, "seats": [asdict(s) for s in self.seats], "keys": [asdict(k) for k in self.keys]},
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Seats:
         data = json.loads(text)
-        return cls(int(data["wanted"]), tuple(Seat(**seat) for seat in data.get("seats", [])))
+        return cls(
+            int(data["wanted"]),
+            tuple(Seat(**seat) for seat in data.get("seats", [])),
+            tuple(SeatKey(**key) for key in data.get("keys", [])),
+        )
 
 
 def _member_of(seat: Seat, members: Sequence[EtcdMember]) -> EtcdMember | None:
@@ -119,8 +176,8 @@ def _member_of(seat: Seat, members: Sequence[EtcdMember]) -> EtcdMember | None:
 
 @dataclass(frozen=True)
 class Grant:
-    """The node holds ``seat`` (granted earlier, its member in etcd; or its member's, come back under a new node id):
-    record it if it changed, and send the node what it needs again."""
+    """The node holds ``seat`` (granted earlier, its member in etcd; or its member's, come back under a new node id
+    with the seat's proof): record it with a new proof, and send the node what it needs again."""
 
     seat: Seat
 
@@ -157,19 +214,39 @@ class Refuse:
     final: bool = False  # the seats are full: asking again is pointless until one is given up
 
 
-Claim = Grant | AddLearner | Promote | Refuse
+@dataclass(frozen=True)
+class Deny:
+    """The claimant proves no right to a seat: refused for good (PERMISSION_DENIED); ``reason`` says what it lacks."""
+
+    reason: str
 
 
-def decide_claim(seats: Seats, members: Sequence[EtcdMember], claim: Seat) -> Claim:
-    """What to do with ``claim`` (a node asking for a seat, where it would listen) given the record and etcd's
-    members."""
+Claim = Grant | AddLearner | Promote | Refuse | Deny
+
+NO_KEY = (
+    "a control-plane seat takes the control plane's seat key (PLIANT_SEAT_KEY, in the seat line the first node "
+    "printed, or made by `pliant seat-key`); the workers' join line holds none"
+)
+BAD_KEY = (
+    "the seat key given is not one this control plane made, or it expired; make a new one with `pliant seat-key` "
+    "(an admin's)"
+)
+
+
+def decide_claim(seats: Seats, members: Sequence[EtcdMember], claim: Seat, key: str, proof: bytes, now: float) -> Claim:
+    """What to do with ``claim`` (a node asking for a seat, where it would listen) given the record, etcd's members,
+    the seat key and the seat proof the claimant gave ("": none), at ``now`` (wall clock)."""
+    back = seats.proven(proof)
+    if back is not None and _member_of(back, members) is not None:
+        # The seat's own node (its agent again, or a new one with its member's data, under a new node id).
+        return Grant(replace(back, node=claim.node, coordinator=claim.coordinator))
+    if not key:
+        return Deny(NO_KEY)
+    if not seats.admits(key, now):
+        return Deny(BAD_KEY)
     held = seats.holder(claim.node)
     if held is not None and _member_of(held, members) is not None:
         return Grant(held)
-    back = next((seat for seat in seats.seats if seat.etcd_peer == claim.etcd_peer), None)
-    if back is not None and _member_of(back, members) is not None:
-        # The node came back to its seat (a new agent, its member restarted from its data): the seat is its own.
-        return Grant(replace(back, node=claim.node, coordinator=claim.coordinator))
     others = seats.without(claim.node)
     if len(others.seats) >= seats.wanted:
         return Refuse(f"the control plane's {seats.wanted} seat(s) are taken", final=True)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, require_node
+from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, require_job, require_node
 from pliant.coordinator.contract import (
     JOIN_TOKEN_RULE,
     CoordinatorError,
@@ -51,7 +51,7 @@ from pliant.coordinator.convert import (
 )
 from pliant.coordinator.revocation import RENEWAL_OVERLAP_S, Denylist, replaced_certificate, revocation_of
 from pliant.coordinator.seat_keeper import SeatKeeper
-from pliant.coordinator.seats import Seat
+from pliant.coordinator.seats import MAX_SEAT_KEY_TTL_S, SEAT_KEY_TTL_S, Seat
 from pliant.coordinator.signer import Signer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
@@ -65,6 +65,7 @@ __all__ = ["STREAMS_PER_CALLER", "CoordinatorServicer"]
 logger = logging.getLogger(__name__)
 
 STREAMS_PER_CALLER = 4  # WatchGenerations streams one caller (one certificate identity) holds on a replica at most
+MAX_SECRET_CHARS = 128  # a seat key or a seat's proof is 256 bits (43 characters URL-safe, 32 bytes)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 RpcObserver = Callable[[str, grpc.StatusCode, float], None]
@@ -195,9 +196,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         elif method in ("GetJob", "WatchGenerations", "RenewAgentCertificate", "ClaimSeat"):
             # A member of the job; admins too, except for a renewal or a seat (an agent's, for its own node id).
             if method == "ClaimSeat":
-                require_node(caller, request.node_id, method)
+                require_node(caller, request.node_id, method, request.job_id)
             if not caller.is_admin or method in ("RenewAgentCertificate", "ClaimSeat"):
                 job = validate_id(request.job_id, "job_id")
+                require_job(caller, job, method)
                 node = caller.node_id
                 if node is None or not self._store.is_member(job, node):
                     may = "renew their certificates" if method == "RenewAgentCertificate" else "and admins see a job"
@@ -205,9 +207,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         f"{method} of job {job!r} refused: {caller} is not a member of it; only its members {may}"
                     )
         elif method == "Join":
-            require_node(caller, request.node_id, method)
+            require_node(caller, request.node_id, method, request.job_id)
         else:  # Heartbeat, Leave, ReportFailure, ReportSuccess: the caller's own node, with its own lease
-            require_node(caller, request.node_id, method)
+            require_node(caller, request.node_id, method, request.job_id)
             job = validate_id(request.job_id, "job_id")
             node = validate_id(request.node_id, "node_id")
             if method != "Leave":  # Leave checks the lease in its own transaction
@@ -363,15 +365,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "this coordinator holds no signing key (--signing-ca-dir), so it renews no certificates; issue the "
                 "agent a new one with `pliant certs create-agent`"
             )
-        assert caller.node_id is not None  # checked by _authorize
-        issued = self._signer.sign(request.csr_pem, caller.node_id)
+        assert caller.node_id is not None  # checked by _authorize, as is its membership of the job
+        issued = self._signer.sign(request.csr_pem, caller.node_id, request.job_id)
         # The certificate it replaces stays valid a moment, for calls already under way with it.
-        self._replaced(caller.node_id, issued.cert_pem, "renewed", RENEWAL_OVERLAP_S)
+        replaced_certificate(
+            self._store,
+            self._denylist,
+            request.job_id,
+            caller.node_id,
+            issued.cert_pem,
+            "renewed",
+            RENEWAL_OVERLAP_S,
+            self._clock(),
+        )
         return issued
-
-    def _replaced(self, node: str, cert_pem: bytes, how: str, overlap_s: float) -> None:
-        """Node id ``node`` now holds ``cert_pem``: revoke its earlier agent certificate (after ``overlap_s``)."""
-        replaced_certificate(self._store, self._denylist, node, cert_pem, how, overlap_s, self._clock())
 
     @_rpc
     def ClaimSeat(self, request: pb.ClaimSeatRequest, caller: Caller) -> pb.ClaimSeatResponse:
@@ -393,7 +400,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             etcd_client=f"https://{url_host}:{request.etcd_client_port}",
             etcd_peer=f"https://{url_host}:{request.etcd_peer_port}",
         )
-        return self._seats.claim(seat)
+        if len(request.seat_key) > MAX_SECRET_CHARS or len(request.seat_proof) > MAX_SECRET_CHARS:
+            raise InvalidArgument(
+                f"ClaimSeat: a seat key or proof of more than {MAX_SECRET_CHARS} characters is none this control "
+                f"plane made; pass the PLIANT_SEAT_KEY printed with the seat line"
+            )
+        return self._seats.claim(seat, request.seat_key, request.seat_proof)
+
+    @_rpc
+    def CreateSeatKey(self, request: pb.CreateSeatKeyRequest, caller: Caller) -> pb.CreateSeatKeyResponse:
+        if self._seats is None:
+            raise FailedPrecondition(
+                "this control plane has no seats: it is a standalone deployment, or a `pliant run` with one seat"
+            )
+        ttl_s = request.ttl_s or SEAT_KEY_TTL_S
+        if not 0 < ttl_s <= MAX_SEAT_KEY_TTL_S:
+            raise InvalidArgument(
+                f"seat key ttl {ttl_s:g}s must be above 0 and at most {MAX_SEAT_KEY_TTL_S:g}s (a week); make a new "
+                f"key when one runs out"
+            )
+        key, expires_at = self._seats.make_key(ttl_s)
+        return pb.CreateSeatKeyResponse(seat_key=key, expires_at=expires_at)
 
     @_rpc
     def RevokeCertificate(self, request: pb.RevokeCertificateRequest, caller: Caller) -> pb.RevokeCertificateResponse:

@@ -6,11 +6,13 @@ ephemeral CA in memory; a standalone replica reads ``ca.crt`` and ``ca.key`` fro
 Kubernetes Secret mounted there), the way kube-controller-manager gets ``--cluster-signing-key-file``. Every replica
 given the key can sign; one without it refuses renewals with FAILED_PRECONDITION and serves no Bootstrap port.
 
-What is signed is decided by :meth:`Signer.sign`: only the agent role, only the node id the request is for. Who may
-ask: a node that holds the job's join token, for a node id no live member holds (:class:`BootstrapServicer`); or the
-agent itself, a live member, over mutual TLS (the servicer's ``RenewAgentCertificate``, authorized where every call
-is). Certificates are short-lived (``lifetime_s``) and for client use only; a node id holds one: signing it another
-revokes the one before (:mod:`pliant.coordinator.revocation`).
+What is signed is decided by :meth:`Signer.sign`: only the agent role, only the node id the request is for, bound to
+the one job it was asked for (a URI SAN, :data:`pliant.tls.JOB_URI`). Who may ask: a node that holds the job's join
+token, for a node id that no live member of any job holds and whose certificate of another job has expired
+(:class:`BootstrapServicer`); or the agent itself, a live member, over mutual TLS (the servicer's
+``RenewAgentCertificate``, authorized where every call is). Certificates are short-lived (``lifetime_s``) and for
+client use only; a node id holds one, in one job: signing it another in that job revokes the one before
+(:mod:`pliant.coordinator.revocation`), and never touches another job's.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Signer:
         if not 10 <= self.lifetime_s <= 366 * 24 * 3600:
             raise ConfigError(f"--agent-cert-lifetime {self.lifetime_s:g} must be between 10 seconds and a year")
 
-    def sign(self, csr_pem: bytes, node_id: str) -> bpb.AgentCertificate:
-        """Sign ``csr_pem`` as the agent certificate of ``node_id``.
+    def sign(self, csr_pem: bytes, node_id: str, job_id: str) -> bpb.AgentCertificate:
+        """Sign ``csr_pem`` as the agent certificate of ``node_id``, acting in job ``job_id`` only.
 
         Raises:
             InvalidArgument: the request is too large, does not parse or is not signed by its key.
@@ -84,17 +86,21 @@ class Signer:
                 f"refused: the request is for node {asked.name[:100]!r}, the call for node {node_id[:100]!r}; a node "
                 f"gets a certificate for its own id only"
             )
-        cert_pem = sign_csr(self.ca, csr_pem, Role.AGENT, node_id, self.lifetime_s)
+        cert_pem = sign_csr(self.ca, csr_pem, Role.AGENT, node_id, self.lifetime_s, job=job_id)
         expires = not_after(cert_pem).timestamp()
         return bpb.AgentCertificate(cert_pem=cert_pem, ca_pem=self.ca.cert_pem, not_after=expires)
 
 
 def _held_by_live_member(store: EtcdStore, job: str, node: str) -> None:
-    if store.is_member(job, node):
-        raise AlreadyExists(
-            f"node id {node!r} is held by a live member of job {job!r}; give this node another --node-id (the "
-            f"default, HOSTNAME-PID, is unique), or wait until that member is gone"
-        )
+    """Raise AlreadyExists when node id ``node`` is a live member of job ``job`` or of any other job."""
+    for holder in (job, *(j for j in store.list_job_ids() if j != job)):
+        if store.is_member(holder, node):
+            where = f"job {job!r}" if holder == job else "another job"
+            raise AlreadyExists(
+                f"node id {node!r} is held by a live member of {where}; "
+                f"give this node another --node-id (the default, HOSTNAME-PID, is unique), or wait until that member "
+                f"is gone"
+            )
 
 
 class BootstrapServicer(bpb_grpc.BootstrapServicer):
@@ -128,9 +134,12 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
             node = validate_id(request.node_id, "node_id")
             self._store.check_token(job, request.join_token)
             _held_by_live_member(self._store, job, node)
-            issued = self._signer.sign(request.csr_pem, node)
-            # The node id's earlier agent is gone (no live member holds the id): its certificate goes at once.
-            replaced_certificate(self._store, self._denylist, node, issued.cert_pem, "signed again", 0.0, time.time())
+            issued = self._signer.sign(request.csr_pem, node, job)
+            # The node id's earlier agent in this job is gone (no live member holds the id): its certificate goes at
+            # once. A node id whose certificate of another job is still valid is refused (AlreadyExists), unsigned.
+            replaced_certificate(
+                self._store, self._denylist, job, node, issued.cert_pem, "signed again", 0.0, time.time()
+            )
             logger.info(
                 "bootstrap: agent certificate for node %s of job %s signed (valid %.0fs)",
                 node,

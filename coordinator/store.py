@@ -360,19 +360,37 @@ class EtcdStore(MemberStore):
         return out
 
     @etcd_call
-    def replace_agent_cert(self, node: str, serial: int, not_after: float) -> tuple[int, float] | None:
-        """Record that node id ``node`` now holds the agent certificate ``serial``; returns the (serial, expiry) of
-        the one it held before, if any (the caller revokes it: one node id, one certificate)."""
+    def replace_agent_cert(
+        self, job: str, node: str, serial: int, not_after: float, now: float
+    ) -> tuple[int, float] | None:
+        """Record that node id ``node`` now holds the agent certificate ``serial`` of job ``job``; returns the
+        (serial, expiry) of the one it held before in that job, if any (the caller revokes it: one node id, one
+        certificate, one job).
+
+        Raises:
+            AlreadyExists: the node id holds a certificate of another job that is valid at ``now``; nothing written.
+        """
         key = f"{self.prefix}/certs/{node}"
-        record = json.dumps({"serial": f"{serial:x}", "not_after": not_after})
-        _, responses = self._txn([], [self.tx.get(key), self.tx.put(key, record)])
-        if not responses[0]:
-            return None
-        try:
-            old = json.loads(responses[0][0][0])
-            return int(old["serial"], 16), float(old["not_after"])
-        except (ValueError, KeyError, TypeError):
-            return None
+        record = json.dumps({"serial": f"{serial:x}", "not_after": not_after, "job": job})
+        for _attempt in range(5):
+            value, meta = self.client.get(key)
+            old = None
+            if value is not None:
+                try:
+                    data = json.loads(value)
+                    old = (int(data["serial"], 16), float(data["not_after"]), str(data.get("job", job)))
+                except (ValueError, KeyError, TypeError):
+                    old = None
+            if old is not None and old[2] != job and old[1] > now:
+                raise AlreadyExists(
+                    f"node id {node!r} holds a certificate of another job until it expires; give this node another "
+                    f"--node-id (the default, HOSTNAME-PID, is unique)"
+                )
+            unchanged = self.tx.mod(key) == meta.mod_revision if meta is not None else self.tx.version(key) == 0
+            ok, _ = self._txn([unchanged], [self.tx.put(key, record)])
+            if ok:
+                return old[:2] if old is not None and old[2] == job else None
+        raise Unavailable(f"the certificate record of node {node!r} kept changing; try again")
 
     # -- generations and state (leader only) ---------------------------------------------------------------------------
 

@@ -181,9 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pliant.certs import add_certs_commands
 
     add_certs_commands(sub)
-    from pliant.coordinator.admin import add_job_commands
+    from pliant.coordinator.admin import add_job_commands, add_seat_key_command
 
     add_job_commands(sub)
+    add_seat_key_command(sub)
     from pliant.k8s.cli import add_k8s_commands
 
     add_k8s_commands(sub)

@@ -73,15 +73,27 @@ class Role(enum.Enum):
     ADMIN = "admin"
 
 
+JOB_URI = "urn:pliant:job:"
+"""The subject alternative name (a URI) that binds an agent certificate to one job: ``urn:pliant:job:<job id>``."""
+
+
 @dataclass(frozen=True)
 class Identity:
-    """Who a verified peer certificate says its holder is."""
+    """Who a verified peer certificate says its holder is.
+
+    Attributes:
+        role: its role.
+        name: the node id (agents), the replica or user name (others).
+        job: the one job an agent certificate acts in (a bootstrap-signed one names it, :data:`JOB_URI`); "": any
+            job that has the node id as a member (a certificate an operator made with ``pliant certs``).
+    """
 
     role: Role
     name: str
+    job: str = ""
 
     def __str__(self) -> str:
-        return f"{self.role.value} {self.name!r}"
+        return f"{self.role.value} {self.name!r}" + (f" of job {self.job!r}" if self.job else "")
 
 
 @dataclass(frozen=True)
@@ -190,8 +202,10 @@ def _sign(
     hosts: Sequence[str],
     start: datetime.datetime,
     end: datetime.datetime,
+    job: str = "",
 ) -> bytes:
-    """A PEM certificate for ``public_key`` naming ``role``/``name``, valid from ``start`` to ``end``, signed by ``ca``.
+    """A PEM certificate for ``public_key`` naming ``role``/``name`` (and ``job``, a URI SAN, when given), valid from
+    ``start`` to ``end``, signed by ``ca``.
 
     Raises:
         ConfigError: the CA files do not parse or ``name`` is empty.
@@ -215,6 +229,8 @@ def _sign(
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
+    if job:
+        sans.append(x509.UniformResourceIdentifier(JOB_URI + job))
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
     if role is Role.COORDINATOR or hosts:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
@@ -280,9 +296,9 @@ def csr_identity(csr_pem: bytes) -> Identity | None:
     return identity_from_subject(csr.subject)
 
 
-def sign_csr(ca: IssuedCert, csr_pem: bytes, role: Role, name: str, lifetime_s: float) -> bytes:
-    """Sign ``csr_pem`` as a certificate for exactly ``role``/``name``, valid for ``lifetime_s`` from now (never past
-    the CA's own expiry), for client use only.
+def sign_csr(ca: IssuedCert, csr_pem: bytes, role: Role, name: str, lifetime_s: float, job: str = "") -> bytes:
+    """Sign ``csr_pem`` as a certificate for exactly ``role``/``name`` (of ``job``, when given), valid for
+    ``lifetime_s`` from now (never past the CA's own expiry), for client use only.
 
     Raises:
         ValueError: the request does not parse, its signature does not verify, or it asks for another role or name.
@@ -294,7 +310,7 @@ def sign_csr(ca: IssuedCert, csr_pem: bytes, role: Role, name: str, lifetime_s: 
         raise ValueError(f"the request asks for {asked or 'no pliant role'}; only the {Identity(role, name)} is signed")
     public_key = x509.load_pem_x509_csr(csr_pem).public_key()
     start = _now() - datetime.timedelta(minutes=5)
-    return _sign(ca, public_key, role, name, (), start, _now() + datetime.timedelta(seconds=lifetime_s))
+    return _sign(ca, public_key, role, name, (), start, _now() + datetime.timedelta(seconds=lifetime_s), job)
 
 
 def ca_fingerprint(ca_pem: bytes) -> str:
@@ -371,14 +387,27 @@ class LocalCA:
 
 @functools.lru_cache(maxsize=4096)
 def identity_from_pem(cert_pem: bytes) -> Identity | None:
-    """The role and name a pliant certificate carries; None when its subject names no pliant role."""
+    """The role, name and job a pliant certificate carries; None when its subject names no pliant role, or it names
+    more than one job."""
     from cryptography import x509
 
     try:
-        subject = x509.load_pem_x509_certificate(cert_pem).subject
+        cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError:
         return None
-    return identity_from_subject(subject)
+    identity = identity_from_subject(cert.subject)
+    if identity is None:
+        return None
+    try:
+        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        jobs = [
+            u[len(JOB_URI) :] for u in uris.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(JOB_URI)
+        ]
+    except x509.ExtensionNotFound:
+        jobs = []
+    if len(jobs) > 1:
+        return None
+    return Identity(identity.role, identity.name, jobs[0] if jobs else "")
 
 
 def identity_from_subject(subject: object) -> Identity | None:

@@ -110,6 +110,11 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatResponse.FromString,
                 _registered_method=True)
+        self.CreateSeatKey = channel.unary_unary(
+                '/pliant.v1.Coordinator/CreateSeatKey',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.CreateSeatKeyRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.CreateSeatKeyResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -207,9 +212,16 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimSeat(self, request, context):
-        """A seat in an embedded control plane for the calling agent's node (a live member of the job).
-        FAILED_PRECONDITION when this control plane has no seats (a standalone deployment).
+        """A seat in an embedded control plane for the calling agent's node (a live member of the job), with a seat key or
+        the seat's proof (PERMISSION_DENIED without either). FAILED_PRECONDITION when this control plane has no seats
+        (a standalone deployment).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSeatKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -291,6 +303,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ClaimSeat,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_coordinator__pb2.ClaimSeatResponse.SerializeToString,
+            ),
+            'CreateSeatKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSeatKey,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.CreateSeatKeyRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.CreateSeatKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -698,6 +715,33 @@ class Coordinator:
             '/pliant.v1.Coordinator/ClaimSeat',
             pliant_dot_v1_dot_coordinator__pb2.ClaimSeatRequest.SerializeToString,
             pliant_dot_v1_dot_coordinator__pb2.ClaimSeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSeatKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/CreateSeatKey',
+            pliant_dot_v1_dot_coordinator__pb2.CreateSeatKeyRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.CreateSeatKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -185,3 +185,34 @@ def test_a_node_id_holds_one_certificate_the_one_it_replaces_is_revoked(signing)
     assert type(info.value).__name__ == "Unauthenticated" and "is revoked (replaced" in str(info.value)
     with CoordinatorClient(server.address, second) as node:
         assert node.join("job", "node-1", "127.0.0.1:1001", 1, token).lease_id
+
+
+def test_a_node_id_of_another_job_is_never_signed_and_a_certificate_acts_in_its_own_job_only(signing) -> None:
+    """Job A's join token, used as a squatter would: a certificate for a node id that is a live member of job B, or
+    that holds a certificate of job B, is refused (ALREADY_EXISTS), and B's member keeps its certificate and its
+    membership; a certificate signed for job A is refused in job B whatever node id it names."""
+    server, admin, token, pin = signing
+    _info, _created, other_token = admin.admin.create_job(JobSpec("other", 1, 4, heartbeat_ttl_s=30, join_grace_s=0))
+    victim_tls = request_certificate(server.bootstrap_address, pin, "other", "victim", other_token)
+    assert victim_tls.identity is not None and victim_tls.identity.job == "other"
+    with CoordinatorClient(server.address, victim_tls) as victim:
+        grant = victim.join("other", "victim", "127.0.0.1:1001", 1, other_token)
+        live = _refusal(server, pin, "victim", token)  # job's token, for the live member of "other"
+        assert live.code == "ALREADY_EXISTS" and "live member of another job" in str(live), live
+        assert "'other'" not in str(live), "the refusal names no other job"
+        assert victim.heartbeat("other", "victim", grant.lease_id) > 0, "the victim's certificate still works"
+        victim.leave("other", "victim", grant.lease_id)
+    held = _refusal(server, pin, "victim", token)  # gone from "other", its certificate of "other" still valid
+    assert held.code == "ALREADY_EXISTS" and "holds a certificate of another job" in str(held), held
+
+    mine = request_certificate(server.bootstrap_address, pin, "job", "n2", token)
+    with CoordinatorClient(server.address, mine, retry_for_s=0) as squatter:
+        squatter.join("job", "n2", "127.0.0.1:1002", 1, token)
+        for call in (
+            lambda: squatter.join("other", "n2", "127.0.0.1:1002", 1, other_token),
+            lambda: squatter.get_job("other"),
+        ):
+            with pytest.raises(PermissionDenied, match="of job 'job' acts only in its own job"):
+                call()
+    with CoordinatorClient(server.address, victim_tls) as victim:  # not revoked by any of it
+        assert victim.join("other", "victim", "127.0.0.1:1001", 1, other_token).lease_id

@@ -58,6 +58,12 @@ def _join_lines(machine: Machine) -> list[str]:
     return re.findall(r"other nodes join with:\n  (.+)\n", machine.output())
 
 
+def _seat_key(machine: Machine) -> str:
+    """The seat key the first node printed, as a word the shell takes (``PLIANT_SEAT_KEY=...``)."""
+    found = wait_for(lambda: re.search(r"join instead with .*:\n  (PLIANT_SEAT_KEY=\S+) ", machine.output()), 30, "key")
+    return found.group(1)  # type: ignore[union-attr]
+
+
 def _voting(members: EtcdMembers) -> list[str]:
     """The names of etcd's voting members (empty while no member answers)."""
     try:
@@ -96,9 +102,10 @@ def _join(machine: Machine, line: str) -> None:
 
 
 def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_path: Path) -> None:
-    """A job of four nodes, three of them seats: kill -9 of the first node, then of a second seat's node after the
-    first seat was taken again; each time the other three step on in place, a node joins with a line printed before
-    the loss, and a node takes the lost seat."""
+    """A job of four nodes, three of them seats (the first node and two joined with the seat key; one joined with the
+    workers' line holds none): kill -9 of the first node, then of a second seat's node after the first seat was
+    taken again; each time the other three step on in place, a node joins with the seat key and a line printed
+    before the loss, and takes the lost seat."""
     machines = [Machine(fabric, name, tmp_path) for name in "abcdef"]
     a, b, c, d, e, f = machines
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
@@ -106,27 +113,30 @@ def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_p
     first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
     certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
     etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")  # etcd's CA signs every member's client
+    key = _seat_key(a)
+    assert "PLIANT_SEAT_KEY" not in first_line
     _stepping([a], 1, 0.0)
-    for world, machine in enumerate((b, c, d), start=2):
-        _join(machine, first_line)
+    for world, (machine, seat) in enumerate(((b, True), (c, False), (d, True)), start=2):
+        _join(machine, f"{key} {first_line}" if seat else first_line)
         _stepping(machines, world, time.time() - 1)
     names = {m.hostname: _node_id(m) for m in (a, b, c, d)}
-    seated = sorted(names[m.hostname] for m in (a, b, c))
+    seated = sorted(names[m.hostname] for m in (a, b, d))
     wait_for(lambda: _voting(_members([a], etcd_tls)) == seated, 90, "three voting members", 0.5)
     three_line = wait_for(lambda: [x for x in _join_lines(a) if x.count(f":{PORT}") == 3], 30, "the 3-seat line")[-1]
-    assert all(f"{m.node.address}:{PORT}" in three_line for m in (a, b, c)), three_line
+    assert all(f"{m.node.address}:{PORT}" in three_line for m in (a, b, d)), three_line
+    assert "control-plane seat" not in c.output(), "the workers' line took no seat"
 
     killed = time.time()
     a.node.kill_all()  # kill -9 of the machine that started the job: etcd's leader, the leading replica, rank 0
     _stepping([b, c, d], 3, killed)
     survivors_s = first_step_at([b, c, d], 3, killed, 3) - killed
-    _join(e, three_line)  # the line the first node printed: it names the other seats
+    _join(e, f"{key} {three_line}")  # the key and the line the first node printed: it names the other seats
     wait_for(lambda: "certificate signed at" in e.output(), 60, "e's join accepted")
     joined_s = time.time() - killed
     _stepping([b, c, d, e], 4, killed)
     names[e.hostname] = _node_id(e)
     voters = wait_for(lambda: _seats_taken_again(_members([b, c, d, e], etcd_tls), names["hosta"]), 90, "a's seat")
-    assert set(voters) < {names[m.hostname] for m in (b, c, d, e)}, voters
+    assert voters == sorted(names[m.hostname] for m in (b, d, e)), voters
     replaced_s = time.time() - killed
 
     killed_b = time.time()
@@ -134,12 +144,12 @@ def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_p
     _stepping([c, d, e], 3, killed_b)
     survivors_b_s = first_step_at([c, d, e], 3, killed_b, 3) - killed_b
     line = [x for x in _join_lines(c) if f"{b.node.address}:{PORT}" in x][-1]  # c's line naming b and the others
-    _join(f, line)
+    _join(f, f"{key} {line}")
     _stepping([c, d, e, f], 4, killed_b)
     joined_b_s = first_step_at([c, d, e, f], 4, killed_b, 4) - killed_b
     names[f.hostname] = _node_id(f)
     voters = wait_for(lambda: _seats_taken_again(_members([c, d, e, f], etcd_tls), names["hostb"]), 90, "b's seat")
-    assert set(voters) < {names[m.hostname] for m in (c, d, e, f)}, voters
+    assert voters == sorted(names[m.hostname] for m in (d, e, f)), voters
     live = [c, d, e, f]
 
     newest = max(ev["step"] for m in machines for ev in m.events())
@@ -177,7 +187,7 @@ def test_two_seats_lost_at_once_stop_the_control_plane_not_the_training(fabric, 
     """Two of three seats' etcd members gone at once (frozen: hung or cut off, their nodes' workers alive): the
     workers train on, the agents say in one line what is lost and what brings it back, and once one of the two
     answers again the world changes again (a node joins). An etcd member killed is started again by its agent; a
-    seat's node killed and started again takes its seat back."""
+    seat's node killed and started again, with the workers' line (no seat key), takes its seat back by its proof."""
     machines = [Machine(fabric, name, tmp_path) for name in "abcd"]
     a, b, c, d = machines
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
@@ -185,10 +195,11 @@ def test_two_seats_lost_at_once_stop_the_control_plane_not_the_training(fabric, 
     first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
     certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
     etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")
+    key = _seat_key(a)
     _stepping([a], 1, 0.0)
-    _join(b, first_line)
+    _join(b, f"{key} {first_line}")
     _stepping(machines, 2, time.time() - 1)
-    _join(c, first_line)
+    _join(c, f"{key} {first_line}")
     _stepping(machines, 3, time.time() - 1)
     wait_for(lambda: len(_voting(_members([a], etcd_tls))) == 3, 90, "three voting members", 0.5)
 

@@ -101,6 +101,12 @@ def test_workers_get_one_openmp_thread_when_sharing_a_node() -> None:
     assert worker_base_env(4, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3", "the user's choice wins"
 
 
+def test_workers_never_hold_the_agents_credentials() -> None:
+    """The join token and the seat key stay with the agent: a worker runs the user's code."""
+    env = worker_base_env(1, {"PLIANT_JOIN_TOKEN": "t" * 43, "PLIANT_SEAT_KEY": "k" * 43, "HOME": "/h"})
+    assert "PLIANT_JOIN_TOKEN" not in env and "PLIANT_SEAT_KEY" not in env and env["HOME"] == "/h"
+
+
 def test_workers_get_huge_pages_for_large_host_tensors_unless_the_user_chose() -> None:
     assert worker_base_env(1, {})["THP_MEM_ALLOC_ENABLE"] == "1"
     assert worker_base_env(2, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"

@@ -100,14 +100,28 @@ def test_authorization_rules() -> None:
     agent, coordinator = Caller(Identity(Role.AGENT, "a")), Caller(Identity(Role.COORDINATOR, "c"))
     for caller in (admin, plain):
         require_admin(caller, "FinishJob")
-        require_node(caller, "anyone", "Heartbeat")
-    require_node(agent, "a", "Heartbeat")
+        require_node(caller, "anyone", "Heartbeat", "j")
+    require_node(agent, "a", "Heartbeat", "any-job")
     with pytest.raises(PermissionDenied, match="acts only for node 'a'"):
-        require_node(agent, "b", "Heartbeat")
+        require_node(agent, "b", "Heartbeat", "j")
     with pytest.raises(PermissionDenied, match="FinishJob needs an admin certificate"):
         require_admin(agent, "FinishJob")
     with pytest.raises(PermissionDenied, match="is for agents"):
-        require_node(coordinator, "c", "Join")
+        require_node(coordinator, "c", "Join", "j")
+    bound = Caller(Identity(Role.AGENT, "a", job="j1"))  # a bootstrap-signed certificate names its job
+    require_node(bound, "a", "Heartbeat", "j1")
+    with pytest.raises(PermissionDenied, match="agent 'a' of job 'j1' acts only in its own job"):
+        require_node(bound, "a", "Heartbeat", "j2")
+
+
+def test_a_signed_agent_certificate_names_its_job_and_one_job_only(tmp_path) -> None:
+    from pliant.tls import identity_from_pem, new_csr, sign_csr
+
+    ca = LocalCA(tmp_path)
+    _key, csr = new_csr(Role.AGENT, "n1")
+    cert = sign_csr(ca.ca, csr, Role.AGENT, "n1", 60.0, job="j1")
+    assert identity_from_pem(cert) == Identity(Role.AGENT, "n1", "j1")
+    assert identity_from_pem(sign_csr(ca.ca, csr, Role.AGENT, "n1", 60.0)) == Identity(Role.AGENT, "n1")
 
 
 def test_validators_bound_every_input() -> None:
