@@ -201,7 +201,7 @@ class Agent:
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
             generation_ports = port + 1 if self.config.store_port else 0
             self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
-            self.store.key = self.membership.checkpoint_key  # seals its records
+            self.store.key = self.membership.agent_key  # seals its records (its workers hold no such key)
             return self._loop()
         except JobFinished as exc:  # a node that comes late ends as the job did
             console.info("job %s already %s; nothing to do", exc.job, exc.state.value)
@@ -267,10 +267,11 @@ class Agent:
         return core.Tick(progress, self._fence, ready)
 
     def _read_fence(self) -> Fence | None:
-        """The checkpoint directory's fence if it is sealed with the job's key; one that is not (forged, or from a
-        deployment with another sealing secret) is ignored, and said once, since the next world replaces it."""
+        """The checkpoint directory's fence if the control plane's warrants bear it out; one that they do not (forged,
+        or from a deployment with another sealing secret) is ignored, and said once, since the next world replaces
+        it."""
         try:
-            fence = read_fence(self.config.checkpoint_dir, self.membership.checkpoint_key)
+            fence = read_fence(self.config.checkpoint_dir, self.membership.control_key)
         except SealError as exc:
             problem = str(exc)
             if problem != self._fence_problem:
@@ -602,6 +603,9 @@ class Agent:
                 metrics_dir=self.metrics.worker_dir,
                 incarnation=gen.incarnation,
                 checkpoint_key=self.membership.checkpoint_key.hex(),
+                control_key=self.membership.control_key.hex(),
+                warrant=gen.warrant,
+                published_at=gen.created_at,
                 allow_fresh_start=config.allow_fresh_start,
                 rescale=config.rescale,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),

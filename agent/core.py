@@ -555,8 +555,10 @@ def _fenced_by(state: CoreState, fence: Fence | None) -> str:
         return ""
     if not fence.supersedes(gen.incarnation, state.group):
         return ""
-    if fence.owner == gen.incarnation:
-        return f"fenced: generation {fence.generation} owns the checkpoint directory, this group runs {state.group}"
+    if fence.owner.incarnation == gen.incarnation:
+        return (
+            f"fenced: generation {fence.owner.generation} owns the checkpoint directory, this group runs {state.group}"
+        )
     return (
         f"fenced: another incarnation of job {gen.job_id} (started again) took the checkpoint directory over; "
         f"this world (generation {state.group}) stops"

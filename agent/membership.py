@@ -97,9 +97,22 @@ class Membership:
 
     @property
     def checkpoint_key(self) -> bytes:
-        """The job's checkpoint sealing key, as the last join granted it (empty before the first)."""
+        """The job's checkpoint sealing key, as the last join granted it (empty before the first): its workers'."""
         grant = self.grant
         return grant.checkpoint_key if grant is not None else b""
+
+    @property
+    def agent_key(self) -> bytes:
+        """The job's agent key, as the last join granted it (empty before the first): the agent's own, never its
+        workers'."""
+        grant = self.grant
+        return grant.agent_key if grant is not None else b""
+
+    @property
+    def control_key(self) -> bytes:
+        """The job's control public key, as the last join granted it (empty before the first)."""
+        grant = self.grant
+        return grant.control_key if grant is not None else b""
 
     def enter(self, address: str, waiting: Callable[[str, str], None]) -> None:
         """The first join (the agent's main thread), as the node's agent store at ``address``; with a bootstrap join,

@@ -10,11 +10,12 @@ the store host binds the socket itself and hands it over with ``master_listen_fd
 (:mod:`pliant.agent.storehost`), so that the agent never imports torch.
 
 TCPStore has no authentication: anyone who reaches a store's port (another local user, another host) may read and
-write its keys. The records pliant's agents act on are therefore sealed with the job's key (:func:`pliant.seal.tag`,
-which only members hold): ``/pliant/gen/<N>/master_port`` is ``"<port> <tag(key, "port", N, port)>"`` and
-``/pliant/agent/renewing`` is ``"<streak> <generation> <tag(key, "renewing", streak, generation)>"``. A record
-whose seal does not hold is taken as absent (a port not yet published; a peer that does not answer), so nobody but a
-member steers where workers meet or how the self-fence votes. Torch's own rendezvous keys in a generation store are
+write its keys. The records pliant's agents act on are therefore sealed with the job's agent key
+(:func:`pliant.seal.tag` under :func:`pliant.seal.agent_key`, which only agents hold: not their workers):
+``/pliant/gen/<N>/master_port`` is ``"<port> <tag(key, "port", N, port)>"`` and ``/pliant/agent/renewing`` is
+``"<streak> <generation> <tag(key, "renewing", streak, generation)>"``. A record whose seal does not hold is taken as
+absent (a port not yet published; a peer that does not answer), so nobody but a member's agent steers where workers
+meet or how the self-fence votes. Torch's own rendezvous keys in a generation store are
 not sealed (torch writes them); docs/operations.md (Security) says what closes the ports.
 """
 
@@ -102,7 +103,7 @@ class NodeStore:
         self.address = f"{host}:{bound}"
         self._generation_ports: dict[int, int] = {}
         self._first_generation_port = generation_ports
-        self.key = b""  # the job's key, set once the agent joined (its main thread), before any record is written
+        self.key = b""  # the job's agent key, set once the agent joined (its main thread), before any record is written
 
     def set_renewing(self, streak_s: int, generation: int = 0) -> None:
         """Tell peers for how long this agent has renewed its membership without a break (-1: it is not renewing),
@@ -126,7 +127,8 @@ class NodeStore:
             streak, generation, seal = str(value).split(" ")
             if not hmac.compare_digest(seal, tag(self.key, "renewing", streak, generation)):
                 logger.warning(
-                    "the renewal record in the agent store at %s is not sealed with the job's key; ignored", address
+                    "the renewal record in the agent store at %s is not sealed with the job's agent key; ignored",
+                    address,
                 )
                 return -1.0, -1
             return float(streak), int(generation)
@@ -201,13 +203,13 @@ class NodeStore:
         """The port in a generation's port record.
 
         Raises:
-            ValueError: the record is not sealed with the job's key (someone else wrote it: it is not the port).
+            ValueError: the record is not sealed with the job's agent key (someone else wrote it: it is not the port).
         """
         port, _, seal = value.partition(" ")
         if not hmac.compare_digest(seal, tag(self.key, "port", generation, port)):
             raise ValueError(
                 f"the port record of generation {generation} at {store_address} is not sealed with the "
-                f"job's key (written by another process than its agent)"
+                f"job's agent key (written by another process than its agent)"
             )
         return int(port)
 

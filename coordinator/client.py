@@ -53,7 +53,9 @@ class JoinGrant:
         self.heartbeat_ttl_s: float = msg.heartbeat_ttl_s
         self.heartbeat_interval_s: float = msg.heartbeat_interval_s
         self.generation: int = msg.generation
-        self.checkpoint_key: bytes = msg.checkpoint_key  # the job's key for the checkpoint directory (pliant.seal)
+        self.checkpoint_key: bytes = msg.checkpoint_key  # the job's key for checkpoint markers (pliant.seal)
+        self.agent_key: bytes = msg.agent_key  # the job's key for agents' store records (pliant.seal)
+        self.control_key: bytes = msg.control_key  # the job's control public key (pliant.warrant)
 
 
 # What gRPC says when the peer's certificate does not verify (either side): permanent, unlike a refused connection.

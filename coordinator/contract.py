@@ -488,6 +488,7 @@ class Generation:
     incarnation: str = ""  # the job's incarnation: a UUID the control plane wrote once, when it created the job
     # Worker failures charged to each node so far, (node id, count), sorted: kept in etcd, not sent to agents.
     charged: tuple[tuple[str, int], ...] = ()
+    warrant: str = ""  # the control plane's signature of this world (pliant.warrant), made as the leader publishes it
 
     @property
     def world_size(self) -> int:
@@ -536,13 +537,15 @@ class Revocation:
 
 @dataclass(frozen=True)
 class Admission:
-    """What a Join grants: the membership lease, the current generation number (0: none yet), the heartbeat TTL, and
-    the job's checkpoint key (:mod:`pliant.seal`)."""
+    """What a Join grants: the membership lease, the current generation number (0: none yet), the heartbeat TTL, the
+    job's checkpoint key and agent key (:mod:`pliant.seal`), and its control public key (:mod:`pliant.warrant`)."""
 
     lease_id: int
     generation: int
     heartbeat_ttl_s: float
     checkpoint_key: bytes = b""
+    agent_key: bytes = b""
+    control_key: bytes = b""
 
 
 class FailureCause(enum.Enum):
@@ -718,6 +721,7 @@ class JobStore(Protocol):
     def list_job_ids(self) -> list[str]: ...
     def read_job(self, job: str) -> JobSnapshot: ...
     def lease_ages(self, job: str, members: tuple[Member, ...]) -> dict[str, float]: ...
+    def warrant(self, generation: Generation) -> str: ...
     def publish(self, snap: JobSnapshot, generation: Generation, status: JobStatus, fence: Any) -> None: ...
     def set_status(self, snap: JobSnapshot, status: JobStatus, fence: Any) -> None: ...
     def evict(self, snap: JobSnapshot, nodes: tuple[str, ...], fence: Any, keep: tuple[str, ...] = ()) -> None: ...

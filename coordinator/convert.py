@@ -115,12 +115,22 @@ def generation_to_pb(gen: Generation) -> pb.Generation:
         restarts_used=gen.restarts_used,
         created_at=gen.created_at,
         incarnation=gen.incarnation,
+        warrant=gen.warrant,
     )
 
 
 def generation_from_pb(msg: pb.Generation) -> Generation:
     members = tuple(GenerationMember(m.node_id, m.node_rank, m.rank_offset, m.nproc, m.address) for m in msg.members)
-    return Generation(msg.job_id, msg.number, members, msg.reason, msg.restarts_used, msg.created_at, msg.incarnation)
+    return Generation(
+        msg.job_id,
+        msg.number,
+        members,
+        msg.reason,
+        msg.restarts_used,
+        msg.created_at,
+        msg.incarnation,
+        warrant=msg.warrant,
+    )
 
 
 def _member_to_pb(m: Member, progress: MemberProgress) -> pb.Member:

@@ -379,6 +379,7 @@ class Reconciler:
             return None
         if isinstance(decision, NewGeneration):
             gen = dataclasses.replace(decision.generation, created_at=self._wall())
+            gen = dataclasses.replace(gen, warrant=self._store.warrant(gen))
             since = status.since if decision.state is status.state else self._wall()
             self._store.publish(snap, gen, JobStatus(decision.state, since), fence)
             if self._metrics:

@@ -289,6 +289,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             heartbeat_interval_s=max(0.2, ttl / 4),
             generation=admitted.generation,
             checkpoint_key=admitted.checkpoint_key,
+            agent_key=admitted.agent_key,
+            control_key=admitted.control_key,
         )
 
     @_rpc

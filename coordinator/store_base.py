@@ -23,6 +23,7 @@ import etcd3.exceptions
 import etcd3.watch
 import grpc
 
+from pliant import warrant
 from pliant.coordinator.contract import (
     CoordinatorError,
     CorruptRecord,
@@ -36,7 +37,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
-from pliant.seal import KEY_BYTES, job_key, parse_root
+from pliant.seal import KEY_BYTES, agent_key, job_key, parse_root
 
 __all__ = [
     "HISTORY",
@@ -284,6 +285,19 @@ class EtcdBase:
     def checkpoint_key(self, job: str) -> bytes:
         """``job``'s checkpoint key (:func:`pliant.seal.job_key`)."""
         return job_key(self.seal_root(), job)
+
+    def agent_key(self, job: str) -> bytes:
+        """``job``'s agent key (:func:`pliant.seal.agent_key`)."""
+        return agent_key(self.seal_root(), job)
+
+    def control_key(self, job: str) -> bytes:
+        """The public half of ``job``'s control key (:func:`pliant.warrant.public_key`)."""
+        return warrant.public_key(self.seal_root(), job)
+
+    def warrant(self, generation: Generation) -> str:
+        """The control plane's warrant of ``generation`` (:func:`pliant.warrant.sign`)."""
+        world = warrant.World(generation.job_id, generation.incarnation, generation.number, generation.created_at)
+        return warrant.sign(self.seal_root(), world)
 
     def _txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
         return self.client.transaction(compare=compare, success=success, failure=failure or [])

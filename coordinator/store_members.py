@@ -132,7 +132,9 @@ class MemberStore(EtcdBase):
         generation = decode(self.job_key(job, "generation"), Generation.from_json, gen_kv[0][0]).number if gen_kv else 0
         self._bound[lease.id] = (job, member.node_id)
         logger.info("node %s joined job %s (address %s)", member.node_id, job, member.address)
-        return Admission(lease.id, generation, ttl_s, self.checkpoint_key(job))
+        return Admission(
+            lease.id, generation, ttl_s, self.checkpoint_key(job), self.agent_key(job), self.control_key(job)
+        )
 
     def _spec(self, job: str) -> tuple[JobSpec, int]:
         """The job's spec and its key's create revision; cached, since a job's spec never changes.

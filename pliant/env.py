@@ -80,9 +80,14 @@ class WorkerEnv:
         allow_fresh_start: when checkpoints exist but none loads, train from step 0 instead of failing
             (``--allow-fresh-start``).
         incarnation: the job's incarnation, a UUID the control plane wrote when it created the job ("" outside a
-            pliant agent); with ``generation`` it fences the checkpoint directory (:mod:`pliant.seal`).
+            pliant agent); with ``generation`` it fences the checkpoint directory (:mod:`pliant.fence`).
         checkpoint_key: the job's checkpoint key, hex ("" outside a pliant agent: records are not sealed); the
-            checkpoint directory's fence and commit markers are sealed and checked with it (:mod:`pliant.seal`).
+            checkpoint commit markers are sealed and checked with it (:mod:`pliant.seal`).
+        control_key: the job's control public key, hex ("" outside a pliant agent): the checkpoint directory's fence
+            counts only where the control plane's warrants it carries hold under it (:mod:`pliant.warrant`).
+        warrant: the control plane's warrant of this generation, hex (what the fence records of this world).
+        published_at: when the control plane published this generation (seconds since the epoch; 0 outside an
+            agent).
         progress_file: where the worker writes its step and phase for the agent's hang detection
             (:mod:`pliant.progress`; "" when no agent watches).
         rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
@@ -111,6 +116,9 @@ class WorkerEnv:
     metrics_dir: str = ""
     incarnation: str = ""
     checkpoint_key: str = field(default="", repr=False)
+    control_key: str = ""
+    warrant: str = ""
+    published_at: float = 0.0
     progress_file: str = ""
     allow_fresh_start: bool = False
     rescale: str = "restart"
@@ -133,6 +141,11 @@ class WorkerEnv:
         if self.checkpoint_key and not _is_key(self.checkpoint_key):
             raise ConfigError(
                 "PLIANT_CHECKPOINT_KEY must be 64 hex digits (the job's checkpoint key, set by the pliant agent); "
+                "unset it outside an agent"
+            )
+        if self.control_key and not _is_key(self.control_key):
+            raise ConfigError(
+                "PLIANT_CONTROL_KEY must be 64 hex digits (the job's control public key, set by the pliant agent); "
                 "unset it outside an agent"
             )
         if not 0 <= self.rank < self.world_size:
@@ -177,6 +190,9 @@ class WorkerEnv:
             "PLIANT_PROGRESS_FILE": self.progress_file,
             "PLIANT_JOB_INCARNATION": self.incarnation,
             "PLIANT_CHECKPOINT_KEY": self.checkpoint_key,
+            "PLIANT_CONTROL_KEY": self.control_key,
+            "PLIANT_WARRANT": self.warrant,
+            "PLIANT_PUBLISHED_AT": repr(self.published_at),
             "PLIANT_ALLOW_FRESH_START": "1" if self.allow_fresh_start else "",
             "PLIANT_RESCALE": self.rescale,
             "PLIANT_SNAPSHOT_EVERY": AUTO if self.snapshot_every is None else str(self.snapshot_every),
@@ -206,6 +222,13 @@ class WorkerEnv:
             except ValueError:
                 raise ConfigError(f"environment variable {name}={text!r} is not an integer") from None
 
+        def number(name: str) -> float:
+            text = env.get(name, "")
+            try:
+                return float(text) if text else 0.0
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={text!r} is not a number") from None
+
         world = integer("WORLD_SIZE", 1)
         local_world = integer("LOCAL_WORLD_SIZE", world)
         job = env.get("PLIANT_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or cls.job_id
@@ -230,6 +253,9 @@ class WorkerEnv:
             progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
             incarnation=env.get("PLIANT_JOB_INCARNATION", ""),
             checkpoint_key=env.get("PLIANT_CHECKPOINT_KEY", ""),
+            control_key=env.get("PLIANT_CONTROL_KEY", ""),
+            warrant=env.get("PLIANT_WARRANT", ""),
+            published_at=number("PLIANT_PUBLISHED_AT"),
             allow_fresh_start=env.get("PLIANT_ALLOW_FRESH_START", "") not in ("", "0"),
             rescale=env.get("PLIANT_RESCALE") or defaults["rescale"],
             snapshot_every=parse_every(env.get("PLIANT_SNAPSHOT_EVERY", ""), "PLIANT_SNAPSHOT_EVERY"),

@@ -15,9 +15,14 @@ they are.
 
 **A sealed record** is one UTF-8 JSON object whose ``"mac"`` is the lowercase hex
 ``HMAC-SHA256(key, json.dumps(rest, sort_keys=True, separators=(",", ":")))`` of the object without ``"mac"``. Its
-``"kind"`` says what it is, so that no record stands in for another: ``"fence"`` (the checkpoint directory's owner,
-:mod:`pliant.fence`) and ``"commit"`` (a checkpoint's marker, :mod:`pliant.worker.checkpoint`). A store record
-carries a short seal instead, :func:`tag` (:mod:`pliant.agent.stores`).
+``"kind"`` says what it is, so that no record stands in for another: ``"commit"`` (a checkpoint's marker,
+:mod:`pliant.worker.checkpoint`).
+
+**Who holds which key.** The checkpoint key is in every worker's environment, so it seals only what workers write for
+each other: commit markers. What stops or steers a job is sealed with keys no worker holds: an agent's store records
+carry a short seal, :func:`tag`, under the job's **agent key** (:func:`agent_key`, given to agents at join, never to
+workers; :mod:`pliant.agent.stores`), and the checkpoint directory's fence carries the control plane's signatures
+(:mod:`pliant.warrant`, :mod:`pliant.fence`), which only seats and coordinator replicas can make.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pliant.errors import PliantError
 __all__ = [
     "KEY_BYTES",
     "SealError",
+    "agent_key",
     "job_key",
     "load_or_create_root",
     "parse_root",
@@ -47,6 +53,7 @@ __all__ = [
 
 KEY_BYTES = 32
 _KEY_LABEL = b"pliant checkpoint key v1\0"
+_AGENT_LABEL = b"pliant agent key v1\0"
 
 
 class SealError(PliantError):
@@ -56,6 +63,12 @@ class SealError(PliantError):
 def job_key(root: bytes, job_id: str) -> bytes:
     """The checkpoint key of ``job_id`` under the control plane's sealing ``root``."""
     return hmac.new(root, _KEY_LABEL + job_id.encode(), hashlib.sha256).digest()
+
+
+def agent_key(root: bytes, job_id: str) -> bytes:
+    """The agent key of ``job_id`` under the control plane's sealing ``root``: what agents seal the records they act on
+    in each other's stores with (:mod:`pliant.agent.stores`). Agents keep it from their workers."""
+    return hmac.new(root, _AGENT_LABEL + job_id.encode(), hashlib.sha256).digest()
 
 
 def tag(key: bytes, *parts: object) -> str:

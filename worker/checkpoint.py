@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -53,7 +54,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pliant.fence import FENCE, Fence, read_fence
+from pliant.fence import FENCE, NOBODY, Fence, Warranted, read_fence
 from pliant.seal import SealError, seal, unseal
 from pliant.worker.contract import LOCAL, Engine, Runner, WorkerError, WorldPart
 from pliant.worker.directio import DIR_MODE, FILE_MODE, DirectWriter
@@ -188,8 +189,12 @@ class CheckpointManager(WorldPart):
         loader: an object with ``state_dict``/``load_state_dict`` (the elastic loader), or None.
         job_id, generation: recorded in the marker; a checkpoint of another job is refused.
         incarnation: the job's incarnation (``PLIANT_JOB_INCARNATION``); "" (outside an agent) disables fencing.
-        key: the job's checkpoint key (``PLIANT_CHECKPOINT_KEY``); None (outside an agent): markers and the fence are
-            written unsealed and read unchecked (metadata is still read as data).
+        key: the job's checkpoint key (``PLIANT_CHECKPOINT_KEY``); None (outside an agent): markers are written
+            unsealed and read unchecked (metadata is still read as data).
+        control_key: the job's control public key (``PLIANT_CONTROL_KEY``): the fence counts only where the control
+            plane's warrants in it hold (:mod:`pliant.fence`); None (outside an agent): read unchecked.
+        warrant, published_at: the control plane's warrant of this generation and when it was published
+            (``PLIANT_WARRANT``, ``PLIANT_PUBLISHED_AT``): what the fence records of this world.
         keep: committed checkpoints to keep.
         async_save: write in the background (one save in flight at most; the next save waits for it).
         every_steps: :meth:`after_step` saves every this many steps (0: never periodically).
@@ -223,6 +228,9 @@ class CheckpointManager(WorldPart):
         direct_io: bool = True,
         key: bytes | None = None,
         runner: Runner = LOCAL,
+        control_key: bytes | None = None,
+        warrant: str = "",
+        published_at: float = 0.0,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1")
@@ -237,6 +245,7 @@ class CheckpointManager(WorldPart):
         self.extras: dict[str, Any] = {}
         self.allow_fresh_start = allow_fresh_start
         self.incarnation, self.key = incarnation, key or None
+        self.control_key, self.warrant, self.published_at = control_key or None, warrant, published_at
         self._ignored: dict[str, str] = {}  # checkpoint path -> why its marker is ignored (said once)
         self._fence_problem = ""  # why the fence file was last ignored (said once)
         self.runner = runner
@@ -249,13 +258,13 @@ class CheckpointManager(WorldPart):
         if dist.get_rank() == 0:
             self._open_directory(first=True)
 
-    def reopen(self, generation: int) -> None:
-        """The world was re-formed in place (generation ``generation``): open this manager's group in it (collective,
-        in the order the script made its managers) and raise the fence."""
+    def reopen(self, generation: int, warrant: str = "", published_at: float = 0.0) -> None:
+        """The world was re-formed in place (generation ``generation``, its warrant and when it was published): open
+        this manager's group in it (collective, in the order the script made its managers) and raise the fence."""
         unrestrict(self.group)
         self.group = dist.new_group(backend="gloo")
         restrict_objects(self.group)
-        self.generation = generation
+        self.generation, self.warrant, self.published_at = generation, warrant, published_at
         self.close()  # this rank's share of the state is cut anew in this world
         if dist.get_rank() == 0:
             self._open_directory()
@@ -274,7 +283,7 @@ class CheckpointManager(WorldPart):
 
     def after_move(self, world: World) -> None:
         """Open this manager's group in the new world (:meth:`reopen`), its sockets noted by the world."""
-        world.tracked(lambda: self.reopen(world.env.generation))
+        world.tracked(lambda: self.reopen(world.env.generation, world.env.warrant, world.env.published_at))
 
     def close(self) -> None:
         """Free the host copies that async saves reuse (the next async save makes them again)."""
@@ -299,9 +308,9 @@ class CheckpointManager(WorldPart):
     # -- the generation fence ------------------------------------------------------------------------------------------
 
     def fence(self) -> Fence | None:
-        """The directory's fence, if it is sealed with the job's key (one that is not counts as none)."""
+        """The directory's fence, if the control plane's warrants bear it out (one they do not counts as none)."""
         try:
-            return read_fence(self.directory, self.key)
+            return read_fence(self.directory, self.control_key)
         except SealError as exc:
             if str(exc) != self._fence_problem:  # said once, not at every commit until the next world replaces it
                 logger.warning("the fence file in %s is ignored: %s; this world replaces it", self.directory, exc)
@@ -327,17 +336,18 @@ class CheckpointManager(WorldPart):
                 f"checkpoint directory {self.directory} belongs to job {owner!r}, not {self.job_id!r}; point "
                 f"--checkpoint-dir at this job's directory (its fence {self.directory / FENCE} names the job)"
             )
-        opened = (fence or Fence(self.job_id, "", 0)).opened_by(self.incarnation, self.generation)
+        world = Warranted(self.incarnation, self.generation, self.published_at, self.warrant)
+        opened = (fence or Fence(self.job_id, NOBODY)).opened_by(world)
         if opened is None:
             return
-        if fence is not None and fence.owner and fence.owner != self.incarnation:
+        if fence is not None and fence.owner.incarnation and fence.owner.incarnation != self.incarnation:
             logger.warning(
                 "checkpoint directory %s: this incarnation of job %s takes it over from an earlier one "
                 "(the job was started again); that one's worlds are fenced",
                 self.directory,
                 self.job_id,
             )
-        _write_durably(self.directory / FENCE, seal(self.key, opened.to_record()))
+        _write_durably(self.directory / FENCE, json.dumps(opened.to_record(), sort_keys=True))
 
     def after_step(self, steps_done: int) -> None:
         """Call after every optimizer step with the number of steps done: saves every ``every_steps`` steps, and
@@ -504,7 +514,8 @@ class CheckpointManager(WorldPart):
         if dist.get_rank() == 0:
             fence = self.fence() if self.incarnation else None
             if fence is not None and fence.supersedes(self.incarnation, self.generation):
-                owner = f"generation {fence.generation}" if fence.owner == self.incarnation else "a newer incarnation"
+                mine = fence.owner.incarnation == self.incarnation
+                owner = f"generation {fence.owner.generation}" if mine else "a newer incarnation"
                 raise CheckpointError(
                     f"commit of {path} refused: {owner} of job {self.job_id} owns {self.directory} and this worker "
                     f"runs generation {self.generation} (its world was superseded); stop this worker"
@@ -711,8 +722,8 @@ class CheckpointManager(WorldPart):
 def _claimed_job(directory: Path) -> str:
     """The job a fence file in ``directory`` names, sealed or not ("" when there is none, or it names none)."""
     try:
-        return str(unseal(None, (directory / FENCE).read_bytes(), "fence")["job"])
-    except (OSError, SealError, KeyError):
+        return str(read_fence(directory, None).job)  # type: ignore[union-attr]
+    except (OSError, SealError, AttributeError):
         return ""
 
 

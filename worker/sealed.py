@@ -16,6 +16,13 @@ Torch's distributed checkpoint (DCP) keeps its ``.metadata`` as a pickle, loads 
 :class:`DataUnpickler` builds only DCP's dataclasses and enums, DCP's and Python's exceptions (a rank's failure
 reaches rank 0 as one), ``traceback`` summaries, ``torch.Size``, torch's dtypes, layouts (by name) and memory
 formats, POSIX paths, and Python's plain containers: no callable that does more than set fields.
+
+**Bounded, whoever sealed it.** A seal says who wrote a checkpoint, not that its writer meant well (every worker holds
+the job's checkpoint key), so what reading one may allocate is bounded by what was read: ``.metadata`` of at most
+:data:`MAX_METADATA_BYTES`; the containers and byte strings that unpickling builds by calling a constructor
+(``bytearray(n)``, ``list(range(n))``, ``torch.Size(range(n))``) at most :data:`ELEMENTS_PER_BYTE` elements for each
+byte of the pickle (and :data:`MIN_ELEMENTS` for a small one); and every storage range the metadata names must lie
+inside a file of the checkpoint's own directory, since DCP allocates a range's length before it reads it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,13 @@ __all__ = ["DataLoadPlanner", "DataUnpickler", "SealedReader", "metadata_digest"
 logger = logging.getLogger(__name__)
 
 METADATA = ".metadata"
+MAX_METADATA_BYTES = 256 * 2**20
+"""The largest ``.metadata`` read (DCP's metadata of a large sharded model is a few MB)."""
+ELEMENTS_PER_BYTE = 8
+"""What the constructors one unpickling calls may build, in items or bytes, for each byte of the pickle."""
+MIN_ELEMENTS = 2**20
+"""... and at least this many: a small pickle may still carry a few ordinary containers."""
+_SIZED = {"bytes", "bytearray", "list", "tuple", "set", "frozenset", "dict"}  # constructors that allocate by argument
 _PLAIN = {"set", "frozenset", "slice", "range", "complex", "bytearray", "list", "dict", "tuple", "int", "float"}
 _PLAIN |= {"str", "bytes", "bool"}
 _DCP = "torch.distributed.checkpoint"
@@ -56,13 +70,47 @@ _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
 class DataUnpickler(pickle.Unpickler):
-    """An unpickler that builds data only (see the module docstring for what it admits)."""
+    """An unpickler that builds data only (see the module docstring for what it admits), and no more of it than
+    ``budget`` elements through constructor calls.
+
+    Args:
+        file: the pickle.
+        budget: the items and bytes its constructor calls (``bytearray(n)``, ``list(...)``, ``torch.Size(...)``) may
+            build in all.
+    """
+
+    def __init__(self, file: io.BytesIO, budget: int) -> None:
+        super().__init__(file)
+        self.budget = budget
 
     def find_class(self, module: str, name: str) -> Any:
         found = _allowed(module, name)
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} is not data that a checkpoint may hold; refused")
+        if found in _SIZED_TYPES:
+            return self._bounded(found)
         return found
+
+    def _bounded(self, make: Any) -> Any:
+        """``make`` (a constructor that allocates by its argument), charging what it builds to the budget first."""
+
+        def build(*args: Any) -> Any:
+            for arg in args:
+                if isinstance(arg, int) and not isinstance(arg, bool):
+                    size = arg if make in (bytes, bytearray) else 0
+                else:
+                    try:
+                        size = len(arg)
+                    except (TypeError, OverflowError):
+                        size = 0 if not isinstance(arg, range) else self.budget + 1
+                self.budget -= max(0, size)
+                if self.budget < 0:
+                    raise pickle.UnpicklingError(
+                        f"{make.__name__}() of {size} elements goes past what this pickle may build; refused"
+                    )
+            return make(*args)
+
+        return build
 
 
 def _allowed(module: str, name: str) -> Any:
@@ -94,9 +142,12 @@ def _allowed(module: str, name: str) -> Any:
     return None
 
 
+_SIZED_TYPES = frozenset({*(getattr(builtins, name) for name in _SIZED), torch.Size})
+
+
 def loads(data: bytes) -> Any:
-    """Unpickle ``data`` with :class:`DataUnpickler`."""
-    return DataUnpickler(io.BytesIO(data)).load()
+    """Unpickle ``data`` with :class:`DataUnpickler`, its constructors bounded by its size."""
+    return DataUnpickler(io.BytesIO(data), max(MIN_ELEMENTS, ELEMENTS_PER_BYTE * len(data))).load()
 
 
 def metadata_digest(path: str | os.PathLike[str]) -> str:
@@ -116,7 +167,13 @@ class SealedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(str(self.path), METADATA)
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                raise WorkerError(
+                    f"{path} holds {size} bytes, more than checkpoint metadata may ({MAX_METADATA_BYTES}); it was "
+                    f"not used"
+                )
+            data = f.read(MAX_METADATA_BYTES + 1)
         if self.digest and hashlib.sha256(data).hexdigest() != self.digest:
             raise WorkerError(f"{path} is not the metadata its sealed commit marker names (altered or replaced)")
         try:
@@ -125,10 +182,39 @@ class SealedReader(FileSystemReader):
             raise WorkerError(f"{path} is not checkpoint metadata ({exc}); it was not used") from None
         if not isinstance(metadata, Metadata):
             raise WorkerError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata; it was not used")
+        _check_ranges(metadata, str(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_ranges(metadata: Metadata, directory: str) -> None:
+    """Every storage range ``metadata`` names lies inside a file of ``directory`` (DCP reads, and allocates, a
+    range's length as the metadata says).
+
+    Raises:
+        WorkerError: one does not (its file, offset or length).
+    """
+    sizes: dict[str, int] = {}
+    storage = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(storage, dict):
+        raise WorkerError(f"the metadata in {directory} names its storage as a {type(storage).__name__}; not used")
+    for info in storage.values():
+        name, offset, length = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
+        if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
+            raise WorkerError(f"the metadata in {directory} names storage file {str(name)[:100]!r}; not used")
+        if name not in sizes:
+            try:
+                sizes[name] = os.stat(os.path.join(directory, name)).st_size
+            except OSError:
+                raise WorkerError(f"the metadata in {directory} names {name!r}, which is not there; not used") from None
+        whole = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length))
+        if not whole or offset + length > sizes[name]:  # type: ignore[operator]
+            raise WorkerError(
+                f"the metadata in {directory} names bytes {offset}+{length} of {name!r}, which holds {sizes[name]}; "
+                f"not used"
+            )
 
 
 class DataLoadPlanner(DefaultLoadPlanner):

@@ -279,6 +279,9 @@ class Session:
                 direct_io=direct_io,
                 key=bytes.fromhex(env.checkpoint_key),
                 runner=self._runner,
+                control_key=bytes.fromhex(env.control_key),
+                warrant=env.warrant,
+                published_at=env.published_at,
             )
         )
         if self.protocol is not None:  # rescales (in place, or the restart path's save) happen in engine.step

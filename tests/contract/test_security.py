@@ -555,3 +555,21 @@ def test_connections_that_never_finish_their_handshake_are_closed(make_coordinat
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_a_member_gets_what_checks_worlds_and_nothing_that_makes_them(probe: Probe) -> None:
+    """A join gives a member the key its workers seal checkpoint markers with, the agent key its agent seals store
+    records with, and the public half of the control key; every published world carries the control plane's warrant,
+    which that public key checks and neither secret key can make."""
+    from pliant import warrant
+    from pliant.seal import tag
+
+    grant, gen = probe.a, probe.gen
+    assert len(grant.checkpoint_key) == len(grant.agent_key) == len(grant.control_key) == 32
+    assert grant.checkpoint_key != grant.agent_key
+    world = warrant.World("job", gen.incarnation, gen.number, gen.created_at)
+    assert gen.warrant and warrant.verify(grant.control_key, world, gen.warrant)
+    later = warrant.World("job", gen.incarnation, gen.number + 1, gen.created_at + 1)
+    assert not warrant.verify(grant.control_key, later, gen.warrant), "a warrant names one world"
+    for key in (grant.checkpoint_key, grant.agent_key):
+        assert not warrant.verify(grant.control_key, later, tag(key, *later.message()) * 4)

@@ -141,7 +141,11 @@ def test_an_altered_metadata_file_is_never_unpickled(tmp_path: Path) -> None:
     assert list(directory.glob("corrupt-step-2-*")), "the altered checkpoint is moved aside, not deleted"
 
 
-def test_a_forged_fence_does_not_stop_training(spawn, tmp_path: Path) -> None:
+def test_a_forged_fence_does_not_stop_training(spawn, state_home: Path, tmp_path: Path) -> None:
+    """A fence forged with every key a member and its workers hold (the checkpoint key, the agent key: this test
+    derives both from the run's sealing root) is ignored: only the control plane's warrant makes a fence."""
+    from pliant.seal import agent_key, job_key, load_or_create_root, seal, tag
+
     events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
     run = spawn(
         [
@@ -159,12 +163,17 @@ def test_a_forged_fence_does_not_stop_training(spawn, tmp_path: Path) -> None:
     )
     wait_for(lambda: (ckpt / "pliant-fence.json").exists() and read_jsonl(events), 90, "training with a fence")
     fence = json.loads((ckpt / "pliant-fence.json").read_text())
-    forged = {**fence, "generation": 999}  # the real owner, a newer generation: the seal no longer holds
+    root = load_or_create_root(state_home / "pliant" / "seal-root")
+    owner = {**fence["owner"], "generation": 999}  # the real owner at a generation never published
+    owner["warrant"] = tag(agent_key(root, "default"), *owner.values()) * 4  # a "warrant" from the agent key
+    forged = json.loads(seal(job_key(root, "default"), {**fence, "owner": owner}))  # sealed with the workers' key
     (ckpt / "pliant-fence.json").write_text(json.dumps(forged))
     forged_at = time.time()
     wait_for(lambda: "ignoring the fence file" in run.output(), 30, "the agent to say it ignores the fence")
     wait_for(lambda: [e for e in read_jsonl(events) if e["time"] > forged_at + 5], 60, "steps 5 s after the forgery")
-    assert re.search(r"ignoring the fence file in \S+: its seal does not match this job's key", run.output())
+    assert re.search(
+        r"ignoring the fence file in \S+: its owner's warrant is not the control plane's signature", run.output()
+    )
     assert "fenced" not in run.output()
     run.kill(15)
     wait_for(lambda: run.proc.poll() is not None, 30, "the run to stop")

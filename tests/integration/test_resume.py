@@ -111,7 +111,7 @@ def test_pliant_run_started_again_after_every_node_died_resumes(spawn, tmp_path:
     wait_for(lambda: _newest_committed(ckpt) >= rescale_step + EVERY, 90, "a checkpoint")
     _kill_all(*procs)
     fence = json.loads((ckpt / "pliant-fence.json").read_text())
-    assert "mac" in fence and fence["generation"] >= (2 if rescaled else 1), fence
+    assert fence["owner"]["warrant"] and fence["owner"]["generation"] >= (2 if rescaled else 1), fence
     newest, before = _newest_committed(ckpt), len(_events(tmp_path))
 
     restarted_at = time.time()

@@ -112,6 +112,13 @@ class FakeStore:
             raise FencingError("fake generation fence")
         return entry
 
+    def warrant(self, generation: Generation) -> str:
+        """The warrant the real store's sealing root would sign (a fixed root here)."""
+        from pliant import warrant
+
+        world = warrant.World(generation.job_id, generation.incarnation, generation.number, generation.created_at)
+        return warrant.sign(b"f" * 32, world)
+
     def publish(self, snap: JobSnapshot, generation: Generation, status: JobStatus, fence: Any) -> None:
         entry = self._fenced(snap, fence, generation=True)
         entry.generation, entry.generation_rev = generation, self._next()

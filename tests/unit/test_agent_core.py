@@ -11,6 +11,7 @@ from pliant.agent.contract import AgentState, GroupResult
 from pliant.coordinator.contract import FailureCause, Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
 from pliant.fence import Fence
+from pliant.fence import Warranted as W
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -211,10 +212,11 @@ def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node_and_says_s
     agent = Agent()
     gen = Generation("job", 4, (GenerationMember("a", 0, 0, 2, "a:1"),), "join", incarnation="u7")
     agent.on(core.GenerationSeen(gen))
-    assert agent.on(core.Tick({}, fence=Fence("job", "u7", 4))) == []  # its own world's fence
-    assert agent.on(core.Tick({}, fence=Fence("job", "u3", 9))) == []  # an earlier incarnation: this one takes over
-    assert agent.on(core.Tick({}, fence=Fence("other", "u8", 9, ("u7",)))) == []  # another job's: its worker refuses
-    actions = agent.on(core.Tick({}, fence=Fence("job", "u7", 5)))
+    assert agent.on(core.Tick({}, fence=Fence("job", W("u7", 4)))) == []  # its own world's fence
+    assert agent.on(core.Tick({}, fence=Fence("job", W("u3", 9)))) == []  # an earlier incarnation: this one takes over
+    other = Fence("other", W("u8", 9), (W("u7", 1),))
+    assert agent.on(core.Tick({}, fence=other)) == []  # another job's: its worker refuses
+    actions = agent.on(core.Tick({}, fence=Fence("job", W("u7", 5))))
     assert actions[0] == core.Stop() and isinstance(actions[1], core.Send)
     assert actions[1].report.kind == "failure" and actions[1].report.cause is FailureCause.FENCED
     assert "fenced: generation 5 owns the checkpoint directory" in agent.state.reason
@@ -225,7 +227,7 @@ def test_a_world_of_an_incarnation_that_was_taken_over_is_fenced() -> None:
     agent = Agent()
     gen = Generation("job", 12, (GenerationMember("a", 0, 0, 2, "a:1"),), "join", incarnation="old")
     agent.on(core.GenerationSeen(gen))
-    actions = agent.on(core.Tick({}, fence=Fence("job", "new", 1, ("old",))))
+    actions = agent.on(core.Tick({}, fence=Fence("job", W("new", 1), (W("old", 3),))))
     assert actions[0] == core.Stop()
     assert "another incarnation of job job" in agent.state.reason
 
