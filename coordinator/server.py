@@ -24,6 +24,7 @@ from pliant.bootstrap import bootstrap_address
 from pliant.coordinator.contract import CoordinatorError
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_cluster import EtcdMembers
+from pliant.coordinator.limits import CallerLimits, address_key, certificate_key
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.reconciler import Reconciler
 from pliant.coordinator.revocation import Denylist
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 SEAT_UPKEEP_EVERY_S = 1.0  # the leader looks after an embedded control plane's seats this often
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not completed its TLS handshake by then is closed
+BOOTSTRAP_THREADS = 32  # the bootstrap port's worker threads
+BOOTSTRAP_CALLS_PER_ADDRESS = 2  # bootstrap calls one source address may have in flight
+BOOTSTRAP_CONNECTION_AGE_S = 30.0  # a bootstrap connection is closed at this age (its calls get 5 s more)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class CoordinatorConfig:
             threads, kept for unary calls).
         max_concurrent_rpcs: calls in flight at once, streams included; past it a call is RESOURCE_EXHAUSTED (0: twice
             ``max_workers``).
+        calls_per_caller: calls one caller (one client certificate's identity) may have in flight on this replica,
+            streams included; past it its calls are RESOURCE_EXHAUSTED at once (:mod:`pliant.coordinator.limits`); 0:
+            16, or half of ``max_workers`` when that is fewer.
         outage_tolerance_s: the TTL of members' etcd leases: the longest whole control-plane outage (every replica,
             or etcd) that evicts nobody. The leader evicts a silent member after the job's heartbeat TTL, counted only
             while it could hear it (see :mod:`pliant.coordinator.policy`).
@@ -106,6 +113,7 @@ class CoordinatorConfig:
     finished_job_ttl_s: float = 86400.0
     max_watch_streams: int = 0
     max_concurrent_rpcs: int = 0
+    calls_per_caller: int = 0
     outage_tolerance_s: float = 3600.0
     signer: Signer | None = None
     bootstrap_listen: str = ""
@@ -156,6 +164,13 @@ class CoordinatorConfig:
             )
         if not self.max_concurrent_rpcs:
             object.__setattr__(self, "max_concurrent_rpcs", 2 * self.max_workers)
+        if not self.calls_per_caller:
+            object.__setattr__(self, "calls_per_caller", max(2, min(16, self.max_workers // 2)))
+        if not 2 <= self.calls_per_caller < self.max_workers:
+            raise ConfigError(
+                f"--calls-per-caller {self.calls_per_caller} must be at least 2 (an agent's watch and heartbeat) and "
+                f"below max_workers ({self.max_workers}): one caller never holds the replica"
+            )
         if not self.replica_id:
             object.__setattr__(self, "replica_id", f"{socket.gethostname()}-{os.getpid()}")
 
@@ -229,6 +244,9 @@ class CoordinatorServer:
                 ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
             ],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[
+                CallerLimits(config.calls_per_caller, certificate_key, "certificate", self.metrics.observe_rpc)
+            ],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -329,13 +347,18 @@ class CoordinatorServer:
         assert self.tls is not None and self.config.signer is not None
         listen = self.config.bootstrap_listen or bootstrap_address(f"{host}:{self.port}")
         self.bootstrap_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="bootstrap"),
+            futures.ThreadPoolExecutor(max_workers=BOOTSTRAP_THREADS, thread_name_prefix="bootstrap"),
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", 64 << 10),
                 ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+                # a bootstrap join takes one call of a second or less: a connection is closed at this age, so a call
+                # opened and never sent holds its thread no longer
+                ("grpc.max_connection_age_ms", int(BOOTSTRAP_CONNECTION_AGE_S * 1000)),
+                ("grpc.max_connection_age_grace_ms", 5000),
             ],
-            maximum_concurrent_rpcs=32,
+            maximum_concurrent_rpcs=2 * BOOTSTRAP_THREADS,
+            interceptors=[CallerLimits(BOOTSTRAP_CALLS_PER_ADDRESS, address_key, "address", self.metrics.observe_rpc)],
         )
         servicer = BootstrapServicer(
             self.store, self.config.signer, observe=self.metrics.observe_rpc, denylist=self.denylist

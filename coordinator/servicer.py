@@ -49,6 +49,7 @@ from pliant.coordinator.convert import (
     state_to_pb,
     without_addresses,
 )
+from pliant.coordinator.limits import RateLimit
 from pliant.coordinator.revocation import RENEWAL_OVERLAP_S, Denylist, replaced_certificate, revocation_of
 from pliant.coordinator.seat_keeper import SeatKeeper
 from pliant.coordinator.seats import MAX_SEAT_KEY_TTL_S, SEAT_KEY_TTL_S, Seat
@@ -65,6 +66,7 @@ __all__ = ["STREAMS_PER_CALLER", "CoordinatorServicer"]
 logger = logging.getLogger(__name__)
 
 STREAMS_PER_CALLER = 4  # WatchGenerations streams one caller (one certificate identity) holds on a replica at most
+RENEWALS_BURST = 3  # renewals one node may make at once; then as many per certificate lifetime
 MAX_SECRET_CHARS = 128  # a seat key or a seat's proof is 256 bits (43 characters URL-safe, 32 bytes)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -169,6 +171,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._max_watch_streams = max_watch_streams
         self._signer = signer
         self._denylist = denylist
+        # A node renews at two thirds of its certificate's life: three renewals at once, then three per lifetime.
+        lifetime = signer.lifetime_s if signer is not None else 3600.0
+        self._renewals = RateLimit(RENEWALS_BURST, RENEWALS_BURST / lifetime)
         self._watch_streams = 0  # guarded by _watch_lock, as is:
         self._streams_of: dict[str, int] = {}  # caller (its certificate's identity) -> its open streams here
         self._watch_lock = threading.Lock()
@@ -368,6 +373,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "agent a new one with `pliant certs create-agent`"
             )
         assert caller.node_id is not None  # checked by _authorize, as is its membership of the job
+        wait = self._renewals.take(str(caller))
+        if wait:
+            raise ResourceExhausted(
+                f"{caller} renewed its certificate {RENEWALS_BURST} times lately; renew again in {wait:.0f}s (an "
+                f"agent renews at two thirds of its certificate's life)"
+            )
         issued = self._signer.sign(request.csr_pem, caller.node_id, request.job_id)
         # The certificate it replaces stays valid a moment, for calls already under way with it.
         replaced_certificate(
@@ -437,12 +448,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WatchGenerations(
         self, request: pb.WatchGenerationsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.WatchGenerationsResponse]:
-        """Stream generations from ``from_generation`` on, in order, plus job state changes, until the client leaves.
-        A replica serves ``max_watch_streams`` streams, and :data:`STREAMS_PER_CALLER` of one caller: a member that
-        opens streams without end locks out nobody but itself."""
-        caller = ""
+        """Stream generations from ``from_generation`` on, in order, plus job state changes, until the client leaves
+        or its certificate is revoked (checked every ``stream_poll_s``). A replica serves ``max_watch_streams``
+        streams, and :data:`STREAMS_PER_CALLER` of one caller: a member that opens streams without end locks out
+        nobody but itself."""
+        caller, serial = "", 0
         try:
-            caller = str(self._authorize("WatchGenerations", request, context))
+            who = self._authorize("WatchGenerations", request, context)
+            caller, serial = str(who), who.serial
             with self._watch_lock:
                 if self._streams_of.get(caller, 0) >= STREAMS_PER_CALLER:
                     raise ResourceExhausted(
@@ -468,6 +481,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             while context.is_active():
                 event = sub.get(self._stream_poll_s)
+                revoked = self._denylist.why(serial) if self._denylist is not None and serial else ""
+                if revoked:  # a certificate revoked while its stream is open: the stream ends with it
+                    self.observe("WatchGenerations", grpc.StatusCode.UNAUTHENTICATED, 0.0)
+                    context.abort(
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        f"{caller}'s certificate (serial {serial:x}) was revoked ({revoked}); this stream ends",
+                    )
                 if event is None:
                     continue
                 msg = pb.WatchGenerationsResponse(

@@ -29,9 +29,12 @@ from pliant.coordinator.contract import (
     CoordinatorError,
     InvalidArgument,
     PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
     status_for_error,
     validate_id,
 )
+from pliant.coordinator.limits import RateLimit, address_key
 from pliant.coordinator.revocation import Denylist, replaced_certificate
 from pliant.coordinator.store import EtcdStore
 from pliant.errors import ConfigError
@@ -103,8 +106,17 @@ def _held_by_live_member(store: EtcdStore, job: str, node: str) -> None:
             )
 
 
+BOOTSTRAPS_PER_ADDRESS = (32.0, 4.0)  # bootstrap calls one source address may make: a burst, then per second
+WRONG_TOKENS_PER_ADDRESS = (5.0, 1 / 12)  # wrong join tokens one source address may send: 5, then 5 a minute
+
+
 class BootstrapServicer(bpb_grpc.BootstrapServicer):
     """The Bootstrap service (served on the replica's bootstrap port, TLS that checks the server only).
+
+    Each source address may make :data:`BOOTSTRAPS_PER_ADDRESS` calls, and send :data:`WRONG_TOKENS_PER_ADDRESS`
+    wrong join tokens (past them, every call from it is RESOURCE_EXHAUSTED until its bucket refills: a token is never
+    guessed faster); the port's server also holds at most two calls in flight per address
+    (:mod:`pliant.coordinator.limits`).
 
     Args:
         store: the etcd store (join tokens, live members).
@@ -124,15 +136,27 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         self._signer = signer
         self._observe = observe or (lambda method, code, seconds: None)
         self._denylist = denylist
+        self._calls = RateLimit(*BOOTSTRAPS_PER_ADDRESS)
+        self._wrong = RateLimit(*WRONG_TOKENS_PER_ADDRESS)
 
     def IssueAgentCertificate(
         self, request: bpb.IssueAgentCertificateRequest, context: grpc.ServicerContext
     ) -> bpb.AgentCertificate:
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
+            source = address_key(context)
+            wait = max(self._calls.take(source), self._wrong.peek(source))
+            if wait:
+                raise ResourceExhausted(
+                    f"too many bootstrap calls, or wrong join tokens, from {source}; retry in {wait:.0f}s"
+                )
             job = validate_id(request.job_id, "job_id")
             node = validate_id(request.node_id, "node_id")
-            self._store.check_token(job, request.join_token)
+            try:
+                self._store.check_token(job, request.join_token)
+            except Unauthenticated:
+                self._wrong.take(source)
+                raise
             _held_by_live_member(self._store, job, node)
             issued = self._signer.sign(request.csr_pem, node, job)
             # The node id's earlier agent in this job is gone (no live member holds the id): its certificate goes at

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="WatchGenerations streams one replica serves at once (default: max workers less 10%%)",
     )
     coord.add_argument(
+        "--calls-per-caller",
+        type=int,
+        default=0,
+        help="calls one client certificate may have in flight on a replica, streams included; past it its calls are "
+        "refused at once, so that no caller holds the replica's threads (default 16; an agent needs a few)",
+    )
+    coord.add_argument(
         "--signing-ca-dir",
         default=_env("PLIANT_SIGNING_CA_DIR"),
         help="directory with ca.crt and ca.key (pliant certs create-ca; a mounted Secret): this replica signs the "
@@ -249,6 +256,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         max_jobs=args.max_jobs,
         finished_job_ttl_s=args.finished_job_ttl,
         max_watch_streams=args.max_watch_streams,
+        calls_per_caller=args.calls_per_caller,
         outage_tolerance_s=args.outage_tolerance,
         signer=Signer(load_ca(args.signing_ca_dir), args.agent_cert_lifetime) if args.signing_ca_dir else None,
         bootstrap_listen=args.bootstrap_listen,

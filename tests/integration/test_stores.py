@@ -63,7 +63,7 @@ def test_the_zygote_forks_the_store_host_and_its_stores_serve_torch_clients() ->
         stranger.set("/pliant/agent/renewing", f"9999 99 {'0' * 32}")
         assert node1.peer_renewing(node0.address) == (-1.0, -1)
         stranger.set("/pliant/gen/50/master_port", "1234")
-        with pytest.raises(AgentError, match=r"generation 50's store port .* is not sealed with the job's key"):
+        with pytest.raises(AgentError, match=r"generation 50's store port .* is not sealed with the job's agent key"):
             node1.generation_port(node0.address, 50, timeout_s=5)  # a loaded machine: connects may take a while
         node0.set_renewing(42, 7)
 
