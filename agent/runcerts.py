@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pliant.coordinator.etcd_server import MEMBER_CN
 from pliant.tls import IssuedCert, LocalCA, Role, TlsConfig, ca_fingerprint
 
 __all__ = ["RunCerts", "make_run_certs"]
@@ -88,7 +89,7 @@ def make_run_certs(directory: str, node_id: str, hosts: Sequence[str]) -> RunCer
     admin = ca.issue("admin", Role.ADMIN, "run-admin")
     agent = ca.issue("self", Role.AGENT, node_id)
     etcd_ca = LocalCA(path / "etcd", lifetime_days=90)
-    etcd_server = etcd_ca.issue("server", Role.COORDINATOR, "etcd", _server_hosts(hosts))
+    etcd_server = etcd_ca.issue("server", Role.COORDINATOR, MEMBER_CN, _server_hosts(hosts))
     etcd_client = etcd_ca.issue("client", Role.COORDINATOR, "etcd-client")
     logger.info("run certificates (ephemeral CAs) in %s: coordinator, admin, self, etcd", path)
     return RunCerts(

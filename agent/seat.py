@@ -48,7 +48,7 @@ from pliant.agent.contract import state_home
 from pliant.backoff import Backoff
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, FailedPrecondition, PermissionDenied
-from pliant.coordinator.etcd_server import EtcdServer
+from pliant.coordinator.etcd_server import MEMBER_CN, EtcdServer
 from pliant.coordinator.seat_keeper import SeatKit
 from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
 from pliant.coordinator.signer import Signer
@@ -325,7 +325,7 @@ class SeatHolder:
             client_port=saved.client_port,
             peer_port=saved.peer_port,
             die_with_parent=True,
-            tls=etcd_ca.issue("server", Role.COORDINATOR, f"etcd-{saved.member_name}", hosts),
+            tls=etcd_ca.issue("server", Role.COORDINATOR, MEMBER_CN, hosts),
             name=saved.member_name,
             initial_cluster=saved.initial_cluster,
             cluster_state="existing",

@@ -197,13 +197,15 @@ def quote(value: object, limit: int = 100) -> str:
     return f"{text[:limit]}... ({size} characters)"
 
 
-JOIN_TOKEN_RULE = "16-256 printable ASCII characters without spaces"
+JOIN_TOKEN_RULE = (
+    "22-256 printable ASCII characters without spaces, at least 128 random bits (`openssl rand -base64 24` makes one)"
+)
 """What a join token is (one the coordinator generates is 43 URL-safe characters)."""
 
 
 def is_join_token(value: str) -> bool:
     """Whether ``value`` has the form of a join token (:data:`JOIN_TOKEN_RULE`)."""
-    return 16 <= len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value
+    return 22 <= len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value
 
 
 def parse_node_range(text: str) -> tuple[int, int]:

@@ -59,6 +59,12 @@ def find_etcd_binary(name: str = "etcd") -> str:
     )
 
 
+MEMBER_CN = "etcd"
+"""The common name of every etcd member's certificate (server and peer): a member's peer port takes peers with this
+name only (``--peer-cert-allowed-cn``), so a coordinator's etcd client certificate, of the same CA, opens no peer
+port."""
+
+
 def etcd_pki(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> tuple[TlsConfig, TlsConfig]:
     """A PKI for one local etcd, from an ephemeral CA of its own (its key dies with this process): ``DIR/server``
     (etcd's certificate, for ``host``) and ``DIR/client`` (the one client it serves, a coordinator). Returns (server,
@@ -67,7 +73,7 @@ def etcd_pki(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> tupl
 
     ca = LocalCA(directory, lifetime_days=90)
     hosts = [host] if host not in ("", "0.0.0.0", "::") else ["127.0.0.1"]
-    return ca.issue("server", Role.COORDINATOR, "etcd", hosts), ca.issue("client", Role.COORDINATOR, "etcd-client")
+    return ca.issue("server", Role.COORDINATOR, MEMBER_CN, hosts), ca.issue("client", Role.COORDINATOR, "etcd-client")
 
 
 def _url_host(host: str) -> str:
@@ -205,6 +211,8 @@ class EtcdServer:
                 "--peer-trusted-ca-file",
                 self.tls.ca,
                 "--peer-client-cert-auth",
+                "--peer-cert-allowed-cn",
+                MEMBER_CN,
             ]
             files = self.tls.load(need_role=False)
             creds = grpc.ssl_channel_credentials(files.ca_pem, files.key_pem, files.cert_pem)

@@ -89,3 +89,38 @@ def test_a_second_learner_is_refused_while_one_waits(tmp_path) -> None:
         assert [m.name for m in members.list()] == ["a"]
     finally:
         first.stop()
+
+
+def test_a_peer_port_takes_members_only_not_another_certificate_of_etcds_ca(tmp_path) -> None:
+    """A certificate of etcd's CA that is not a member's (a coordinator's etcd client certificate, here with the
+    names a server needs) does not join the cluster as a peer: a learner started with it never starts, and the
+    cluster serves on."""
+    from pliant.coordinator.etcd_server import MEMBER_CN, EtcdServerError
+    from pliant.tls import LocalCA, Role
+
+    ca = LocalCA(tmp_path / "pki", lifetime_days=1)
+    server_tls = ca.issue("server", Role.COORDINATOR, MEMBER_CN, ["127.0.0.1"])
+    client_tls = ca.issue("client", Role.COORDINATOR, "etcd-client")
+    rogue_tls = ca.issue("rogue", Role.COORDINATOR, "etcd-client-x", ["127.0.0.1"])
+    first = EtcdServer(data_dir=str(tmp_path / "a"), tls=server_tls, name="a").start()
+    rogue = EtcdServer(
+        data_dir=str(tmp_path / "x"),
+        tls=rogue_tls,
+        name="x",
+        cluster_state="existing",
+        log_path=str(tmp_path / "x.log"),
+    )
+    try:
+        members = EtcdMembers([first.endpoint], client_tls)
+        url = rogue.peer_url
+        listed = wait_for(lambda: _add(members, "x", url), 30, "x added")
+        rogue.initial_cluster = initial_cluster(listed, "x", url)
+        with pytest.raises(EtcdServerError):
+            rogue.start(timeout_s=8.0)
+        assert "remote error: tls: bad certificate" in (tmp_path / "x.log").read_text(), "refused by its peer"
+        learner = next(m for m in members.list() if url in m.peer_urls)
+        assert learner.learner and not learner.started, learner
+        assert [m.name for m in members.list() if m.started] == ["a"], "the cluster serves on"
+    finally:
+        rogue.stop()
+        first.stop()

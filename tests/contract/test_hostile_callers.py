@@ -157,3 +157,22 @@ def test_a_revoked_certificates_open_watch_stream_ends(make_coordinator, fleet, 
             assert type(ended.value).__name__ == "Unauthenticated" and "was revoked" in str(ended.value)
             assert time.monotonic() - started < 5
         assert next(client.node("b").watch("job")).generation is not None, "another member's stream is served"
+
+
+def test_a_join_token_shorter_than_128_bits_is_refused_whoever_chose_it(make_coordinator, fleet) -> None:
+    """An admin's own token (``pliant job create --join-token-file``, RotateJoinToken) is held to what a generated one
+    is: 22 characters or more (128 bits of URL-safe base64), else INVALID_ARGUMENT, naming its length, not its value."""
+    from pliant.coordinator.contract import InvalidArgument
+
+    server = make_coordinator()
+    with fleet(server) as client:
+        weak = "0123456789abcdefghij0"  # 21 characters
+        for call in (
+            lambda: client.admin.create_job(JobSpec("job", 1, 2), weak),
+            lambda: client.admin.rotate_join_token("job", weak),
+        ):
+            with pytest.raises(InvalidArgument, match="join_token of 21 characters is invalid") as refused:
+                call()
+            assert weak not in str(refused.value)
+            if "job" not in [j.spec.job_id for j in client.list_jobs()]:
+                client.admin.create_job(JobSpec("job", 1, 2), weak + "1")  # 22: accepted

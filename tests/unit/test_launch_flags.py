@@ -142,12 +142,12 @@ def test_the_printed_join_command_names_no_file_of_this_machine_but_the_shared_c
 def test_a_bootstrap_join_needs_a_token_and_a_well_formed_pin() -> None:
     agent = ("--coordinator", "10.0.0.1:29400")
     upper = PIN.upper().replace("SHA", "sha")
-    flags = parse("run", *agent, "--ca-cert-hash", upper, "--join-token=" + "t" * 20, SCRIPT)
+    flags = parse("run", *agent, "--ca-cert-hash", upper, "--join-token=" + "t" * 22, SCRIPT)
     config = config_from_args(flags, ["10.0.0.1:29400"], embedded=False)
     assert config.ca_cert_hash == PIN and config.bootstrap == ("10.0.0.1:29401",) and config.tls is None
     with pytest.raises(ConfigError, match="needs the job's join token"):
         config_from_args(parse("run", *agent, "--ca-cert-hash", PIN, SCRIPT), ["10.0.0.1:29400"], embedded=False)
-    md5 = parse("run", *agent, "--ca-cert-hash", "md5:00", "--join-token=" + "t" * 20, SCRIPT)
+    md5 = parse("run", *agent, "--ca-cert-hash", "md5:00", "--join-token=" + "t" * 22, SCRIPT)
     with pytest.raises(ConfigError, match="is not sha256:<64 hex digits>"):
         config_from_args(md5, ["10.0.0.1:29400"], embedded=False)
 
