@@ -87,6 +87,11 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
         timeout=30,
     )
     assert status.returncode == 0 and '"node_id": "second"' in status.stdout, status.stderr
+    workers = [p for p in descendants(second.pid) if "train_ddp" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert workers, "the second node's workers"
+    for pid in workers:  # the token opened the node's way in; its workers, the user's code, never hold it
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith((b"PLIANT_JOIN_TOKEN=", b"PLIANT_SEAT_KEY="))], pid
     pids = [first.pid, second.pid, *descendants(first.pid), *descendants(second.pid)]
     second.kill(15)  # a graceful leave
     wait_for(lambda: second.proc.poll() is not None, 30, "the second node to leave")
