@@ -95,24 +95,25 @@ class Membership:
         self._left = threading.Event()
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
 
+    def _granted(self, key: str) -> bytes:
+        grant = self.grant
+        return getattr(grant, key) if grant is not None else b""
+
     @property
     def checkpoint_key(self) -> bytes:
         """The job's checkpoint sealing key, as the last join granted it (empty before the first): its workers'."""
-        grant = self.grant
-        return grant.checkpoint_key if grant is not None else b""
+        return self._granted("checkpoint_key")
 
     @property
     def agent_key(self) -> bytes:
         """The job's agent key, as the last join granted it (empty before the first): the agent's own, never its
         workers'."""
-        grant = self.grant
-        return grant.agent_key if grant is not None else b""
+        return self._granted("agent_key")
 
     @property
     def control_key(self) -> bytes:
         """The job's control public key, as the last join granted it (empty before the first)."""
-        grant = self.grant
-        return grant.control_key if grant is not None else b""
+        return self._granted("control_key")
 
     def enter(self, address: str, waiting: Callable[[str, str], None]) -> None:
         """The first join (the agent's main thread), as the node's agent store at ``address``; with a bootstrap join,

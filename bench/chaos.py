@@ -106,7 +106,7 @@ EXTRA_KINDS = ("long-peer-cut", "lone-cut", "split", "slow-link")  # drawn only 
 LONG_CUT_S = 45.0
 SLOW_RATE, SLOW_S = "256kbit", 10.0
 SAMPLES, GLOBAL_BATCH, STEP_S = 1000, 48, 0.05
-TOKEN = "chaos-join-token"
+TOKEN = "chaos-join-token-of-the-soak-0123456789"  # 22 characters or more, as every join token
 
 
 class Soak:
@@ -116,21 +116,34 @@ class Soak:
         self, work: Path, nodes: int, steps: int, prefix: str = "plc", net: int = 9, engine: str = "ddp", nproc: int = 1
     ) -> None:
         self.work, self.steps, self.engine = work, steps, engine
-        self.world = nodes * nproc  # the full world's ranks
+        self.world, self.nproc = nodes * nproc, nproc  # the full world's ranks, each node's
         self.events = work / "events.jsonl"
         self.fabric = Fabric(prefix=prefix, net=net)
         self.nodes = [self.fabric.node(f"n{i}") for i in range(nodes)]
         self.minority = self.nodes[-1]  # also runs coordinator replica r2: a partition of it has a minority side
         self.cuts: list[tuple[float, float]] = []  # when the minority side was cut off (wall time)
         self.slowed: list[tuple[float, float]] = []  # when a node's link was slow (wall time)
-        ca = LocalCA(work / "pki")
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {}
+        self.etcd: EtcdServer | None = None
+        try:
+            self._start()
+        except BaseException:  # whatever started is stopped: a soak that cannot start leaves nothing behind
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        """Start etcd, the two replicas, the job and its agents."""
+        ca = LocalCA(self.work / "pki")
         host = self.fabric.host
         self.coord_tls = ca.issue(
             "coordinator", Role.COORDINATOR, "chaos-coordinator", (host, "127.0.0.1", self.minority.address)
         )
         self.admin_tls = ca.issue("admin", Role.ADMIN, "chaos-admin")
-        self.etcd = EtcdServer(data_dir=str(work / "etcd"), host=host, log_path=str(work / "etcd.log")).start()
-        self.replicas: dict[str, tuple[str, subprocess.Popen | None]] = {
+        self.etcd = EtcdServer(
+            data_dir=str(self.work / "etcd"), host=host, log_path=str(self.work / "etcd.log")
+        ).start()
+        self.replicas = {
             "r2": (f"{self.minority.address}:{free_port()}", None),
             "r1": (f"{host}:{free_port(host)}", None),  # free on that address (etcd listens there too)
         }
@@ -139,9 +152,9 @@ class Soak:
         self.coordinator = ",".join(address for address, _ in self.replicas.values())
         self.spec = [
             "--nnodes",
-            f"1:{nodes}",
+            f"1:{len(self.nodes)}",
             "--nproc-per-node",
-            str(nproc),
+            str(self.nproc),
             "--max-restarts",
             "1000",
             "--heartbeat-ttl",
@@ -170,7 +183,6 @@ class Soak:
             timeout=60,
         )
         self.agent_tls = {n.name: ca.issue(f"agent-{n.name}", Role.AGENT, n.name) for n in self.nodes}
-        self.agents: dict[str, subprocess.Popen] = {}
         for node in self.nodes:
             self.start_agent(node)
 
@@ -454,7 +466,8 @@ class Soak:
             if proc is not None and proc.poll() is None:
                 proc.kill()
         self.fabric.close()
-        self.etcd.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
 
 
 def static_params(work: Path, steps: int, engine: str = "ddp") -> dict:

@@ -160,7 +160,7 @@ class SeatKeeper:
                 return pb.ClaimSeatResponse(reason=decision.reason)
             if isinstance(decision, Promote):
                 return pb.ClaimSeatResponse(reason=self._promote(decision) + "; ask again shortly")
-            secret = secrets.token_bytes(32)  # the granted seat's new proof
+            secret = secrets.token_bytes(32)  # the proof of a seat granted by the key: a new holder, a new proof
             if isinstance(decision, AddLearner):
                 taken = replace(decision.seat, since=self._wall(), proof=digest(secret))
                 try:
@@ -174,12 +174,15 @@ class SeatKeeper:
                 self._forget_coordinators()
                 return self._granted(taken, members, secret)
             assert isinstance(decision, Grant)
+            if proof and decision.seat.proof == digest(proof):
+                secret = proof  # claimed back by its proof: the proof stays (a lost answer is asked again with it)
             granted = replace(decision.seat, proof=digest(secret))
-            if not self._store.write_seats(seats.back(granted), rev):
-                return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+            if granted not in seats.seats:
+                if not self._store.write_seats(seats.back(granted), rev):
+                    return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+                self._forget_coordinators()
             if granted.node not in {s.node for s in seats.seats}:  # its node is back under a new node id
                 logger.warning("control plane: %s is back in its seat (%s)", granted.node, granted.etcd_peer)
-            self._forget_coordinators()
             return self._granted(granted, members, secret)
 
     def upkeep(self, live: set[str]) -> None:

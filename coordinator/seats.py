@@ -6,10 +6,10 @@ nodes or more). The first node takes seat 0 when it starts the control plane; ev
 seat (``ClaimSeat``) until it holds one or the seats are full. A seat holds the run's CA key, etcd's CA key and the
 sealing root, so a node takes a new seat only with a **seat key**: a secret the control plane makes (the first node
 at start, an admin's ``CreateSeatKey`` later), printed apart from the workers' join line, kept in the record as its
-SHA-256 only, and valid for :data:`SEAT_KEY_TTL_S` (kubeadm's ``--certificate-key``). Each grant returns the seat's
-**proof**, a fresh secret whose SHA-256 the seat records: the node keeps it with the seat, and a new agent of the node
-(its etcd member started again from its data) claims the seat back with it. Where a claimant would listen proves
-nothing. A node takes a seat in etcd's safe order
+SHA-256 only, and valid for :data:`SEAT_KEY_TTL_S` (kubeadm's ``--certificate-key``). A grant returns the seat's
+**proof**, a secret whose SHA-256 the seat records (a fresh one whenever the key grants the seat): the node keeps it
+with the seat, and a new agent of the node (its etcd member started again from its data) claims the seat back with it.
+Where a claimant would listen proves nothing. A node takes a seat in etcd's safe order
 (:mod:`pliant.coordinator.etcd_cluster`): its member joins as a learner, which votes only once promoted, and etcd
 holds one learner at a time. A learner is promoted once it has started when the cluster then has three voting
 members or more, or when another node waits for a seat: a second member that votes before a third arrives would make

@@ -63,6 +63,34 @@ class Step:
     pid: int
 
 
+def first_node(nnodes: str, certs: Path, events: Path) -> list[str]:
+    """``pliant run``'s command for the first node of a job of ``nnodes`` nodes (its embedded control plane, its
+    certificates in ``certs``), training the DDP example for good, one worker, logging steps to ``events``."""
+    return [
+        sys.executable,
+        "-m",
+        "pliant",
+        "run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--certs-dir",
+        str(certs),
+        "--heartbeat-ttl",
+        "3",
+        "--join-grace",
+        "0.3",
+        str(SCRIPT),
+        "--steps",
+        "100000",
+        "--step-time",
+        "0.03",
+        "--events",
+        str(events),
+    ]
+
+
 def read_steps(path: Path) -> list[Step]:
     return [Step(**item) for item in read_jsonl(path)]
 

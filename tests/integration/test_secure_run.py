@@ -15,7 +15,7 @@ import pytest
 from pliant.agent.contract import ExitCode, left_on
 from tests.conftest import TEST_JOIN_TOKEN, wait_for
 from tests.fleet import admin_tls, agent_tls
-from tests.integration.harness import SCRIPT, assert_all_gone, descendants, read_steps
+from tests.integration.harness import SCRIPT, assert_all_gone, descendants, first_node, read_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -26,32 +26,7 @@ def _printed(proc_output: callable, pattern: str) -> re.Match[str]:
 
 def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> None:
     events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
-    first = spawn(
-        [
-            sys.executable,
-            "-m",
-            "pliant",
-            "run",
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "1",
-            "--certs-dir",
-            str(certs),
-            "--heartbeat-ttl",
-            "3",
-            "--join-grace",
-            "0.3",
-            str(SCRIPT),
-            "--steps",
-            "100000",
-            "--step-time",
-            "0.03",
-            "--events",
-            str(events),
-        ],
-        name="first",
-    )
+    first = spawn(first_node("1:2", certs, events), name="first")
     join = _printed(first.output, r"other nodes join with:\n  (\S+ .*run .*)\n").group(1)
     assert join.startswith("PLIANT_JOIN_TOKEN=") and "--ca-cert-hash sha256:" in join and "--tls-dir" not in join
     assert "--join-token" not in join, "the token stays off the command line (ps shows it to every local user)"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,42 +16,11 @@ from pliant.coordinator.contract import PermissionDenied
 from pliant.coordinator.etcd_cluster import EtcdMembers
 from pliant.tls import TlsConfig
 from tests.conftest import wait_for
-from tests.integration.harness import SCRIPT, read_steps
+from tests.integration.harness import first_node, read_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 JOB = "default"
-
-
-def _first_node(spawn, tmp_path: Path) -> tuple[object, Path, Path]:
-    events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
-    first = spawn(
-        [
-            sys.executable,
-            "-m",
-            "pliant",
-            "run",
-            "--nnodes",
-            "1:3",
-            "--nproc-per-node",
-            "1",
-            "--certs-dir",
-            str(certs),
-            "--heartbeat-ttl",
-            "3",
-            "--join-grace",
-            "0.3",
-            str(SCRIPT),
-            "--steps",
-            "100000",
-            "--step-time",
-            "0.03",
-            "--events",
-            str(events),
-        ],
-        name="first",
-    )
-    return first, events, certs
 
 
 def _stepping_after(events: Path, step: int) -> None:
@@ -67,7 +35,8 @@ def test_the_join_line_takes_no_seat_and_no_key(spawn, tmp_path: Path) -> None:
     """A holder of the printed join line (token, CA pin, address) bootstraps an agent certificate and joins, then
     asks for a seat without a key, with a made-up key, and naming the first seat's own etcd peer URL; and asks for a
     seat key itself. Each is PERMISSION_DENIED, etcd's membership is as it was, and the job trains on."""
-    first, events, certs = _first_node(spawn, tmp_path)
+    events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
+    first = spawn(first_node("1:3", certs, events), name="first")
     output = first.output
     line = wait_for(lambda: re.search(r"other nodes join with:\n  (\S+ .*run .*)\n", output()), 60, "the join line")
     seat_line = wait_for(lambda: re.search(r"join instead with .*:\n  (\S+ .*run .*)\n", output()), 10, "seat line")
