@@ -13,7 +13,7 @@ import etcd3
 import pytest
 
 from tests.conftest import wait_for
-from tests.integration.harness import SCRIPT, read_steps
+from tests.integration.harness import first_node, read_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -32,26 +32,7 @@ def _refused(host: str, port: int, **tls: str) -> str:
 
 def test_the_embedded_etcd_serves_only_the_coordinator(spawn, tmp_path: Path) -> None:
     events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
-    run = spawn(
-        [
-            sys.executable,
-            "-m",
-            "pliant",
-            "run",
-            "--nproc-per-node",
-            "1",
-            "--certs-dir",
-            str(certs),
-            str(SCRIPT),
-            "--steps",
-            "100000",
-            "--step-time",
-            "0.03",
-            "--events",
-            str(events),
-        ],
-        name="run",
-    )
+    run = spawn(first_node("1", certs, events), name="run")
     endpoint = wait_for(lambda: re.search(r"embedded etcd https://([\d.]+):(\d+)", run.output()), 60, "etcd's URL")
     wait_for(lambda: read_steps(events), 60, "training through the TLS etcd")
     host, port = endpoint.group(1), int(endpoint.group(2))  # type: ignore[union-attr]
