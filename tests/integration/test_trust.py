@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,8 @@ def _newest(events: Path) -> int:
 def test_the_join_line_takes_no_seat_and_no_key(spawn, tmp_path: Path) -> None:
     """A holder of the printed join line (token, CA pin, address) bootstraps an agent certificate and joins, then
     asks for a seat without a key, with a made-up key, and naming the first seat's own etcd peer URL; and asks for a
-    seat key itself. Each is PERMISSION_DENIED, etcd's membership is as it was, and the job trains on."""
+    seat key itself. Each is PERMISSION_DENIED, etcd's membership is as it was, and the job trains on. A seat key an
+    admin makes with `pliant seat-key` does admit a seat, with the keys a seat holds."""
     events, certs = tmp_path / "events.jsonl", tmp_path / "certs"
     first = spawn(first_node("1:3", certs, events), name="first")
     output = first.output
@@ -74,5 +77,24 @@ def test_the_join_line_takes_no_seat_and_no_key(spawn, tmp_path: Path) -> None:
         ], "a refused claim added no etcd member"
         mallory.leave(JOB, "mallory", grant.lease_id)
     _stepping_after(events, _newest(events) + 5)  # the job trains on
+
+    # An admin's `pliant seat-key` makes a key that does admit a seat (whoever the admin gives it to).
+    made = subprocess.run(
+        [sys.executable, "-m", "pliant", "seat-key", "--coordinator", coordinator, "--tls-dir", str(certs / "admin")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    key = re.search(r"PLIANT_SEAT_KEY=(\S+)", made.stdout).group(1)  # type: ignore[union-attr]
+    chosen = request_certificate(bootstrap_address(coordinator), pin, JOB, "chosen", token)
+    with CoordinatorClient([coordinator], chosen, retry_for_s=5.0) as node:
+        node.join(JOB, "chosen", "127.0.0.1:2", join_token=token)
+        answer = wait_for(
+            lambda: (a := node.claim_seat(JOB, "chosen", "127.0.0.1", (40011, 40012, 40013), key)).granted and a,
+            30,
+            "a seat for the key's holder",
+        )
+        assert answer.ca_key_pem and answer.seal_root and len(answer.seat_proof) == 32
     first.kill(15)
     wait_for(lambda: first.proc.poll() is not None, 30, "the first node to stop")
