@@ -22,6 +22,7 @@ Threads: every method runs on gRPC's worker threads; ``_held`` and the buckets a
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import threading
@@ -83,11 +84,6 @@ class CallerLimits(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}
 
-    def held(self, key: str) -> int:
-        """The calls ``key`` has in flight now."""
-        with self._lock:
-            return self._held.get(key, 0)
-
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
     ) -> Any:
@@ -120,43 +116,34 @@ class CallerLimits(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes one request message; none came")
         return request
 
-    def _slot(self, method: str, context: grpc.ServicerContext) -> _Slot:
+    @contextlib.contextmanager
+    def _slot(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """One of the caller's slots for this call, given back when the call ends (however it ends); past its slots
+        the call is RESOURCE_EXHAUSTED at once."""
         key = self._key(context)
         if key:
             with self._lock:
                 held = self._held.get(key, 0)
-                if held < self.per_caller:
+                taken = held < self.per_caller
+                if taken:
                     self._held[key] = held + 1
-                    return _Slot(self, key)
-            self._observe(method, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{method} refused: this {self._what} ({key[:120]}) has {self.per_caller} calls in flight on this "
-                f"replica, the most one caller may; finish or cancel some (an agent needs a few)",
-            )
-        return _Slot(self, "")
-
-    def _give_back(self, key: str) -> None:
-        with self._lock:
-            left = self._held.get(key, 1) - 1
-            if left > 0:
-                self._held[key] = left
-            else:
-                self._held.pop(key, None)
-
-
-class _Slot:
-    """One call's slot of its caller's (none for key ""), given back on exit."""
-
-    def __init__(self, limits: CallerLimits, key: str) -> None:
-        self._limits, self._key = limits, key
-
-    def __enter__(self) -> _Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._key:
-            self._limits._give_back(self._key)
+            if not taken:
+                self._observe(method, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method} refused: this {self._what} ({key[:120]}) has {self.per_caller} calls in flight on this "
+                    f"replica, the most one caller may; finish or cancel some (an agent needs a few)",
+                )
+        try:
+            yield
+        finally:
+            if key:
+                with self._lock:
+                    left = self._held.get(key, 1) - 1
+                    if left > 0:
+                        self._held[key] = left
+                    else:
+                        self._held.pop(key, None)
 
 
 class RateLimit:
