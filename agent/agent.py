@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
-from pliant.agent.console import Summary, WaitLine, awaited
-from pliant.agent.contract import AgentConfig, AgentError, ExitCode
+from pliant.agent.console import Summary, WaitLine, awaited, refused_lines
+from pliant.agent.contract import AgentConfig, AgentError, ExitCode, GroupResult
 from pliant.agent.membership import JoinRefused, Membership
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
@@ -38,14 +38,18 @@ from pliant.agent.stores import NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.bootstrap import BootstrapError
 from pliant.coordinator.contract import (
+    MAX_ERROR_BYTES,
     CoordinatorError,
     Generation,
     GenerationMember,
     JobFinished,
     JobState,
+    Outcome,
     WatchEvent,
+    truncate_reason,
 )
 from pliant.env import WorkerEnv
+from pliant.errorfile import read_error
 from pliant.fence import Fence, read_fence
 from pliant.logsetup import CONSOLE
 from pliant.metrics import MetricsServer, serve_metrics
@@ -108,6 +112,7 @@ class Agent:
                 rescale_grace_s=config.rescale_grace_s,
                 stop_grace_s=config.stop_grace_s,
                 finish_grace_s=config.finish_grace_s,
+                max_nodes=config.spec.max_nodes,
             ),
         )
         self.group: WorkerGroup | None = None
@@ -138,6 +143,7 @@ class Agent:
         self._seat: SeatHolder | None = None  # this node's seat in an embedded control plane (main thread)
         self._wait = WaitLine(status_line())  # the console's line for a long wait (loop thread)
         self._job: tuple[JobState | None, str] = (None, "")  # the job's state and reason, as last watched (loop thread)
+        self._outcome: Outcome | None = None  # how the job ended, once watched (loop thread)
         self._fence: Fence | None = None  # the checkpoint directory's sealed fence, read every FENCE_READ_S
         self._fence_read_at, self._fence_problem = -FENCE_READ_S, ""
 
@@ -253,7 +259,8 @@ class Agent:
         if self.group is not None:
             result = self.group.poll()
             if result is not None and not result.stopped:
-                return core.GroupExited(result, self._describe(result), self.group.alive)
+                error = self._error_of(result)
+                return core.GroupExited(result, self._describe(result, error), self.group.alive, error)
         now = time.monotonic()
         if (
             self.config.checkpoint_dir
@@ -305,7 +312,10 @@ class Agent:
                 self._wait.update(*waiting, self._ticked_at)
             elif isinstance(event, WatchEvent):
                 self._job = (event.status.state, event.status.reason)
+                self._outcome = event.status.outcome
                 if event.generation is not None:
+                    for line in refused_lines(self.state.generation, event.generation):
+                        console.warning("%s", line)
                     self._generations[event.generation.number] = event.generation
                     self._summary.seen(event.generation, time.monotonic())
                     for old in sorted(self._generations)[:-8]:
@@ -339,6 +349,8 @@ class Agent:
                 self.state.reason,
             )
             self.metrics.set_state(self.state.phase)
+            if self.state.reason.startswith(("excluded", "left out")):
+                console.warning("agent %s: %s", self.config.node_id, self.state.reason)
         for action in actions:
             code = self._perform(action)
             if code is not None:
@@ -378,10 +390,16 @@ class Agent:
         elif isinstance(action, core.Leave):
             self.membership.leave()
         elif isinstance(action, core.Exit):
-            if action.code == ExitCode.JOB_FAILED:
-                console.info("job %s failed: %s", self.config.spec.job_id, action.message)
-            outcome = {ExitCode.SUCCEEDED: "succeeded", ExitCode.JOB_FAILED: "failed"}.get(
-                action.code, "left by this node"
+            ended = {ExitCode.SUCCEEDED: "succeeded", ExitCode.JOB_FAILED: "failed"}.get(action.code, "")
+            if ended and action.message:
+                console.info("job %s %s: %s", self.config.spec.job_id, ended, action.message)
+            outcome = (
+                {
+                    Outcome.FULL: "succeeded at full size",
+                    Outcome.REDUCED: "succeeded with a reduced world",
+                }.get(self._outcome, ended)
+                if action.code == ExitCode.SUCCEEDED
+                else ended or "left by this node"
             )
             self._summary.steps = max(self._summary.steps, self._steps_recorded())
             console.info("%s", self._summary.line(self.config.spec.job_id, outcome, time.monotonic()))
@@ -609,21 +627,39 @@ class Agent:
                 allow_fresh_start=config.allow_fresh_start,
                 rescale=config.rescale,
                 progress_file=os.path.join(self.progress_dir, f"gen-{gen.number}-rank-{local_rank}"),
+                error_file=self._error_file(gen.number, local_rank),
                 snapshot_every=config.snapshot_every,
                 snapshot_dir=self.snapshot_dir,
             )
             for local_rank in range(me.nproc)
         ]
 
-    def _describe(self, result: object) -> str:
-        failure = getattr(result, "first_failure", None)
+    def _error_file(self, generation: int, local_rank: int) -> str:
+        """Where the worker of ``local_rank`` in ``generation`` writes the exception it dies of
+        (:mod:`pliant.errorfile`)."""
+        return os.path.join(self.progress_dir, f"error-gen-{generation}-rank-{local_rank}.json")
+
+    def _error_of(self, result: GroupResult) -> str:
+        """The exception the group's first failed worker died of ("" for none: a signal, ``sys.exit``); its file is
+        removed once read, so a worker started again in its place writes its own."""
+        failure = result.first_failure
+        if failure is None:
+            return ""
+        path = self._error_file(result.generation, failure[0])
+        error = read_error(path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return truncate_reason(error, MAX_ERROR_BYTES)
+
+    def _describe(self, result: GroupResult, error: str) -> str:
+        failure = result.first_failure
         if failure is None:
             return ""
         local_rank, code = failure
-        gen = self._generations.get(getattr(result, "generation", 0))
+        gen = self._generations.get(result.generation)
         me = next((m for m in gen.members if m.node_id == self.config.node_id), None) if gen else None
         rank = me.rank_offset + local_rank if me else local_rank
-        return f"local rank {local_rank} (rank {rank}) exited with code {code}"
+        return f"local rank {local_rank} (rank {rank}) exited with code {code}" + (f": {error}" if error else "")
 
     def _dump_stacks(self, why: str) -> None:
         """Ask every worker for its Python stacks (faulthandler), waking stopped ones first, and count the hang."""

@@ -20,14 +20,14 @@ from pliant.agent.core import CoreState
 from pliant.coordinator.contract import Generation, GenerationMember, JobState
 from pliant.statusline import StatusLine
 
-__all__ = ["SHOW_WAIT_AFTER_S", "Summary", "WaitLine", "awaited", "unreachable"]
+__all__ = ["SHOW_WAIT_AFTER_S", "Summary", "WaitLine", "awaited", "refused_lines", "unreachable"]
 
 SHOW_WAIT_AFTER_S = 5.0
 """A wait shorter than this is not shown."""
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+def _count(number: int, noun: str, plural: str = "") -> str:
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 @dataclass
@@ -40,6 +40,8 @@ class Summary:
     worlds: list[int] = field(default_factory=list)  # the world sizes this node trained in, in order
     groups: int = 0  # worker groups started
     in_place: int = 0  # generations handed to running workers
+    rescales: int = 0  # worlds this node went on in after its first, for a join or a leave
+    recoveries: int = 0  # worlds this node went on in after its first, for a failure (a worker's or a lost node's)
     nodes: tuple[str, ...] = ()  # the nodes of the last world this node trained in
     seen_at: dict[int, float] = field(default_factory=dict)  # when this agent first saw each recent generation
 
@@ -51,6 +53,11 @@ class Summary:
 
     def _world(self, gen: Generation) -> tuple[int, str]:
         """Record ``gen``'s world; returns the size before (0: none) and which nodes joined and left since."""
+        if self.groups + self.in_place > 1:  # not this node's first world: a change, by its cause
+            if gen.reason in ("restart", "failure"):
+                self.recoveries += 1
+            else:
+                self.rescales += 1
         before = self.worlds[-1] if self.worlds else 0
         if before != gen.world_size:
             self.worlds.append(gen.world_size)
@@ -83,12 +90,14 @@ class Summary:
         )
 
     def line(self, job: str, outcome: str, now: float) -> str:
-        """The last line: how the job ended for this node, and what it went through."""
+        """The last line: how the job ended for this node, and what it went through: its world sizes, and the changes
+        of world it went on through, by cause (rescales, for joins and leaves; recoveries, from failures)."""
         worlds = " -> ".join(map(str, self.worlds)) or "none"
         steps = f"{self.steps} steps in " if self.steps else ""  # a script without pliant.worker reports none
         return (
-            f"job {job} {outcome}: {steps}{now - self.started_at:.1f}s on this node; world sizes "
-            f"{worlds}; {self.in_place} rescales in place, {max(0, self.groups - 1)} restarts"
+            f"job {job} {outcome}: {steps}{now - self.started_at:.1f}s on this node; world sizes {worlds}; "
+            f"{_count(self.rescales, 'rescale')} and {_count(self.recoveries, 'recovery', 'recoveries')} from "
+            f"failures, {self.in_place} of them in place"
         )
 
 
@@ -116,7 +125,22 @@ def awaited(state: CoreState, job: JobState | None, job_reason: str, min_nodes: 
         return f"waiting for nodes: {job_reason or f'the job needs {min_nodes}'}", ""
     if state.reason.startswith("spare"):
         return f"waiting as a {state.reason}", "this node joins when a node leaves"
+    if state.reason.startswith(("excluded", "left out")):
+        return f"waiting: {state.reason}", "this node joins if the job can take it"
     return "", ""
+
+
+def refused_lines(before: Generation | None, gen: Generation) -> list[str]:
+    """The lines for the world sizes ``gen`` refuses that ``before`` (the generation this node saw last) did not:
+    which size fails, with the script's error, and the size the job trains at instead."""
+    known = {size for size, _error in before.refused} if before is not None else set()
+    where = f"it trains at world {gen.world_size}" if gen.members else "it waits for nodes"
+    return [
+        f"world size {size} fails on every node with {error}; the job no longer takes that size ({where}). That is "
+        f"the script's error at world {size}: see any node's worker log"
+        for size, error in gen.refused
+        if size not in known
+    ]
 
 
 @dataclass

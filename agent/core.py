@@ -99,6 +99,7 @@ __all__ = [
     "Tick",
     "decide",
     "hang_timeout",
+    "left_out",
     "renewal_streak",
 ]
 
@@ -125,6 +126,8 @@ class CoreConfig:
             long workers asked to save or hand over for a rescale may take to exit.
         stop_grace_s: SIGTERM -> SIGKILL.
         finish_grace_s: how long workers may take to exit by themselves after the job succeeded elsewhere.
+        max_nodes: the job's maximum node count as this node was told it (0: unknown): a node left out of a world
+            that has this many is a spare.
     """
 
     hang_timeout_s: float | None = None
@@ -133,6 +136,7 @@ class CoreConfig:
     rescale_grace_s: float = 30.0
     stop_grace_s: float = 5.0
     finish_grace_s: float = 10.0
+    max_nodes: int = 0
 
     @property
     def graces(self) -> Graces:
@@ -150,6 +154,7 @@ class Report:
     arrived: bool = False  # a worker of this node completed a step in ``generation``: every member arrived
     cause: FailureCause = FailureCause.EXITED
     untrained: bool = False  # of a success: no worker of this node completed a step in ``generation``
+    error: str = ""  # of an EXITED failure: the exception the worker died of ("Type: message"; "" for none)
 
 
 @dataclass(frozen=True)
@@ -209,8 +214,9 @@ class JobFinished:
 @dataclass(frozen=True)
 class GroupExited:
     result: GroupResult
-    message: str = ""  # the executor's description of the first failure (rank, code)
+    message: str = ""  # the executor's description of the first failure (rank, code, error)
     alive: int = 0  # workers of the group still running
+    error: str = ""  # the exception the first failed worker died of ("Type: message"; "" for none)
 
 
 @dataclass(frozen=True)
@@ -396,8 +402,8 @@ class Leave:
 
 @dataclass(frozen=True)
 class Exit:
-    """End the agent with ``code`` (:class:`pliant.agent.contract.ExitCode`, or :func:`left_on` a signal); a failed
-    job's ``message`` is printed."""
+    """End the agent with ``code`` (:class:`pliant.agent.contract.ExitCode`, or :func:`left_on` a signal); a finished
+    job's ``message`` (how it ended, and why) is printed."""
 
     code: int
     message: str = ""
@@ -490,13 +496,34 @@ def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreS
         actions.append(Stop() if stranded else Stop(rescale=True, leave=leave))
         state = _no_group(state)
     if mine is None:
-        why = "spare: the job is at max nodes" if gen.members else "the job waits for more nodes"
+        why = left_out(state, gen)
         why += "; workers that waited after a failed step stopped" if stranded else ""
         return _set(state, AgentState.WAITING, why), actions
     actions.append(Start(gen))
     ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
     state = replace(state, group=gen.number, started_at=now, progress=(), members=tuple(m.node_id for m in gen.members))
     return _set(state, AgentState.RUNNING, f"generation {gen.number}, {ranks}"), actions
+
+
+def left_out(state: CoreState, gen: Generation) -> str:
+    """Why this node is not in ``gen``'s world, in a person's words: excluded for its own failures, left out of a
+    world size the job refuses, a spare at the job's maximum, or waiting to be admitted."""
+    if not gen.members:
+        return "the job waits for more nodes"
+    mine = next(((count, error) for node, count, error in gen.excluded if node == state.node_id), None)
+    if mine is not None:
+        count, error = mine
+        return f"excluded after {count} worker failures on this node: {error or 'no error given'}"
+    full = state.config.max_nodes and len(gen.members) >= state.config.max_nodes
+    if gen.refused and not full:
+        sizes = ", ".join(str(size) for size, _error in gen.refused)
+        return (
+            f"left out: the job no longer takes world size {sizes} (it fails on every node); it trains at world "
+            f"{gen.world_size} without this node"
+        )
+    if full:
+        return "spare: the job is at max nodes"
+    return "waiting to be admitted to the job's next world"
 
 
 def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreState, list[Action]]:
@@ -513,7 +540,12 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     if failure is not None and event.alive and _moves_in_place(state):
         # The other local workers keep their processes and state; the next generation replaces the dead one.
         report = _failure(
-            state, result.generation, FailureCause.EXITED, event.message or f"exit code {failure[1]}", failure[1]
+            state,
+            result.generation,
+            FailureCause.EXITED,
+            event.message or f"exit code {failure[1]}",
+            failure[1],
+            event.error,
         )
         return _set(state, AgentState.RUNNING, f"worker failure reported; {event.alive} workers wait in place"), [
             Send(report)
@@ -543,7 +575,12 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     failure = result.first_failure
     code = failure[1] if failure else 1
     report = _failure(
-        state, result.generation, FailureCause.EXITED, event.message or f"a worker exited with code {code}", code
+        state,
+        result.generation,
+        FailureCause.EXITED,
+        event.message or f"a worker exited with code {code}",
+        code,
+        event.error,
     )
     return _set(state, AgentState.WAITING, "worker failure reported"), [Stop(), Send(report)]
 
@@ -565,10 +602,12 @@ def _fenced_by(state: CoreState, fence: Fence | None) -> str:
     )
 
 
-def _failure(state: CoreState, generation: int, cause: FailureCause, message: str, exit_code: int = 0) -> Report:
-    """A failure report of ``generation`` (``exit_code``: a worker's, when it exited), saying whether this node's
-    workers trained a step in it."""
-    return Report("failure", generation, exit_code, message, state.trained_in >= generation, cause)
+def _failure(
+    state: CoreState, generation: int, cause: FailureCause, message: str, exit_code: int = 0, error: str = ""
+) -> Report:
+    """A failure report of ``generation`` (``exit_code``: a worker's, when it exited; ``error``: the exception it
+    died of), saying whether this node's workers trained a step in it."""
+    return Report("failure", generation, exit_code, message, state.trained_in >= generation, cause, error=error)
 
 
 def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState, list[Action]]:
@@ -728,7 +767,10 @@ def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list
         finish = event.state is JobState.SUCCEEDED
         stop: list[Action] = [Stop(finish=finish)] if state.group is not None else []
         if finish:
-            return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [*stop, Exit(ExitCode.SUCCEEDED)]
+            return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [
+                *stop,
+                Exit(ExitCode.SUCCEEDED, event.reason),
+            ]
         return _set(_no_group(state), AgentState.FAILED, event.reason), [*stop, Exit(ExitCode.JOB_FAILED, event.reason)]
     if isinstance(event, GroupExited):
         return _on_exit(state, event, now)

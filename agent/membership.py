@@ -425,6 +425,7 @@ class Membership:
                 lease,
                 arrived=report.arrived,
                 cause=report.cause,
+                error=report.error,
             )
         logger.info(
             "agent %s: %s of generation %d reported (%s; current generation %d)%s",

@@ -46,6 +46,7 @@ from types import TracebackType
 from typing import Any
 
 from pliant.env import STACKS_SIGNAL
+from pliant.errorfile import write_error
 
 # torch._dynamo is what DDP's constructor imports lazily (1.4 s on this machine): paid once here, not per worker.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
@@ -102,10 +103,12 @@ def _name_process(argv: list[str], module: bool) -> None:
 
 
 def _script_excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    """Print an uncaught exception as ``python SCRIPT`` would: the traceback starts at the script's own frame."""
+    """Print an uncaught exception as ``python SCRIPT`` would: the traceback starts at the script's own frame; and
+    write it to the worker's error file (:mod:`pliant.errorfile`) for its agent."""
     while tb is not None and _is_launch_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     traceback.print_exception(kind, value, tb)
+    write_error(os.environ.get("TORCHELASTIC_ERROR_FILE", ""), kind, value, tb)
 
 
 def _is_launch_frame(filename: str) -> bool:

@@ -29,7 +29,14 @@ from pliant.coordinator.contract import (
     WatchEvent,
     error_for_status,
 )
-from pliant.coordinator.convert import cause_to_pb, generation_from_pb, job_info_from_pb, spec_to_pb, state_from_pb
+from pliant.coordinator.convert import (
+    cause_to_pb,
+    generation_from_pb,
+    job_info_from_pb,
+    outcome_from_pb,
+    spec_to_pb,
+    state_from_pb,
+)
 from pliant.net import parse_host_port
 from pliant.tls import Role, TlsMaterial, channel_credentials, new_csr
 from pliant.v1 import coordinator_pb2 as pb
@@ -345,10 +352,12 @@ class CoordinatorClient:
         lease_id: int = 0,
         arrived: bool = False,
         cause: FailureCause = FailureCause.EXITED,
+        error: str = "",
     ) -> tuple[bool, int]:
-        """Report a failure of ``generation`` on this node (``cause``; ``exit_code``: the worker's, when it exited),
-        and peers whose agents are unreachable, with this node's membership lease; ``arrived``: this node's workers
-        trained a step in ``generation``. Returns (accepted, current generation)."""
+        """Report a failure of ``generation`` on this node (``cause``; ``exit_code``: the worker's, when it exited;
+        ``error``: the exception it died of), and peers whose agents are unreachable, with this node's membership
+        lease; ``arrived``: this node's workers trained a step in ``generation``. Returns (accepted, current
+        generation)."""
         req = pb.ReportFailureRequest(
             job_id=job_id,
             node_id=node_id,
@@ -359,6 +368,7 @@ class CoordinatorClient:
             lease_id=lease_id,
             arrived=arrived,
             cause=cause_to_pb(cause),
+            error=error,
         )
         resp = self._call("ReportFailure", req)
         return resp.accepted, resp.current_generation
@@ -411,7 +421,10 @@ class CoordinatorClient:
                     gen = generation_from_pb(msg.generation) if msg.HasField("generation") else None
                     if gen is not None:
                         next_number = gen.number + 1
-                    yield WatchEvent(gen, JobStatus(state_from_pb(msg.job_state), 0.0, msg.job_reason))
+                    status = JobStatus(
+                        state_from_pb(msg.job_state), 0.0, msg.job_reason, outcome_from_pb(msg.job_outcome)
+                    )
+                    yield WatchEvent(gen, status)
             except grpc.RpcError as exc:
                 err = error_for_status(exc.code(), exc.details() or "")
                 if exc.code() == grpc.StatusCode.CANCELLED and call.cancelled():

@@ -21,6 +21,7 @@ from pliant.errors import ConfigError, PliantError
 __all__ = [
     "JOIN_TOKEN_RULE",
     "MAX_ADDRESS_BYTES",
+    "MAX_ERROR_BYTES",
     "MAX_NPROC",
     "MAX_REASON_BYTES",
     "MAX_WORLD_SIZE",
@@ -49,6 +50,7 @@ __all__ = [
     "MemberProgress",
     "NewGeneration",
     "NotFound",
+    "Outcome",
     "PermissionDenied",
     "ResourceExhausted",
     "Revocation",
@@ -72,6 +74,7 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HOST_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 MAX_ADDRESS_BYTES = 255  # host:port a node advertises
 MAX_REASON_BYTES = 4096  # FinishJob reasons and failure messages; longer ones are truncated with a note
+MAX_ERROR_BYTES = 1024  # a failure's error (it travels in every generation that refuses a world or excludes a node)
 MAX_NPROC = 1024  # processes per node (nproc_per_node, a Join's slots)
 MAX_WORLD_SIZE = 65_536  # processes in one generation
 
@@ -384,21 +387,44 @@ class JobSpec:
         ]
 
 
+class Outcome(enum.Enum):
+    """How a finished job ended (:func:`pliant.coordinator.outcome.outcome_of`); the state record carries it once the
+    job is terminal."""
+
+    FULL = "full"
+    """Succeeded at its full size, with no world size refused and no node excluded."""
+    REDUCED = "reduced"
+    """Succeeded, with world sizes refused or nodes excluded (the reason names them)."""
+    FAILED = "failed"
+    """Failed (the reason says why)."""
+
+
 @dataclass(frozen=True)
 class JobStatus:
-    """A job's state record: stored at ``.../jobs/<job>/state``."""
+    """A job's state record: stored at ``.../jobs/<job>/state``. ``outcome``: how it ended, once terminal."""
 
     state: JobState
     since: float
     reason: str = ""
+    outcome: Outcome | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"state": self.state.value, "since": self.since, "reason": self.reason})
+        data = {"state": self.state.value, "since": self.since, "reason": self.reason}
+        if self.outcome is not None:
+            data["outcome"] = self.outcome.value
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobStatus:
         data = json.loads(text)
-        return cls(state=JobState(data["state"]), since=float(data["since"]), reason=data.get("reason", ""))
+        state = JobState(data["state"])
+        outcome = data.get("outcome")
+        return cls(
+            state=state,
+            since=float(data["since"]),
+            reason=data.get("reason", ""),
+            outcome=Outcome(outcome) if outcome else None,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -491,6 +517,11 @@ class Generation:
     # Worker failures charged to each node so far, (node id, count), sorted: kept in etcd, not sent to agents.
     charged: tuple[tuple[str, int], ...] = ()
     warrant: str = ""  # the control plane's signature of this world (pliant.warrant), made as the leader publishes it
+    # World sizes the job no longer takes, (world size, error), sorted: every node of a world of that size failed
+    # with the same error (the world's failure, not a node's; see pliant.coordinator.planner).
+    refused: tuple[tuple[int, str], ...] = ()
+    # Nodes left out for good for their own failures, (node id, failures charged, last error), sorted.
+    excluded: tuple[tuple[str, int, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -514,7 +545,11 @@ class Generation:
         data = json.loads(text)
         members = tuple(_from_mapping(GenerationMember, m) for m in data.pop("members", []))
         charged = tuple((str(n), int(c)) for n, c in data.pop("charged", []))
-        return _from_mapping(cls, {**data, "members": members, "charged": charged})
+        refused = tuple((int(w), str(e)) for w, e in data.pop("refused", []))
+        excluded = tuple((str(n), int(c), str(e)) for n, c, e in data.pop("excluded", []))
+        return _from_mapping(
+            cls, {**data, "members": members, "charged": charged, "refused": refused, "excluded": excluded}
+        )
 
 
 @dataclass(frozen=True)
@@ -579,7 +614,8 @@ class FailureReport:
     """An agent's report that ``generation`` failed on ``node_id`` (``cause``, with a worker's ``exit_code`` when it
     is :attr:`FailureCause.EXITED`), the members whose agents it could not reach (``unreachable``; see
     :func:`pliant.coordinator.policy.evictions`), and whether its workers trained a step in ``generation``
-    (``arrived``: every member arrived)."""
+    (``arrived``: every member arrived). ``error``: the exception a worker died of, as the failure's identity: the
+    same error on every node of a world makes the failure the world's (:mod:`pliant.coordinator.planner`)."""
 
     node_id: str
     generation: int
@@ -589,6 +625,7 @@ class FailureReport:
     unreachable: tuple[str, ...] = ()
     arrived: bool = False
     cause: FailureCause = FailureCause.EXITED
+    error: str = ""  # with EXITED: the exception the worker died of, "Type: message" ("": a signal, or no exception)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "cause": self.cause.value}, sort_keys=True)

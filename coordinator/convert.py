@@ -12,6 +12,7 @@ from pliant.coordinator.contract import (
     JobStatus,
     Member,
     MemberProgress,
+    Outcome,
 )
 from pliant.v1 import coordinator_pb2 as pb
 
@@ -22,6 +23,8 @@ __all__ = [
     "generation_to_pb",
     "job_info_from_pb",
     "job_info_to_pb",
+    "outcome_from_pb",
+    "outcome_to_pb",
     "spec_from_pb",
     "spec_to_pb",
     "state_from_pb",
@@ -116,6 +119,8 @@ def generation_to_pb(gen: Generation) -> pb.Generation:
         created_at=gen.created_at,
         incarnation=gen.incarnation,
         warrant=gen.warrant,
+        refused=[pb.RefusedWorld(world_size=size, error=error) for size, error in gen.refused],
+        excluded=[pb.Exclusion(node_id=node, failures=count, error=error) for node, count, error in gen.excluded],
     )
 
 
@@ -130,6 +135,8 @@ def generation_from_pb(msg: pb.Generation) -> Generation:
         msg.created_at,
         msg.incarnation,
         warrant=msg.warrant,
+        refused=tuple((r.world_size, r.error) for r in msg.refused),
+        excluded=tuple((e.node_id, e.failures, e.error) for e in msg.excluded),
     )
 
 
@@ -146,12 +153,25 @@ def _member_to_pb(m: Member, progress: MemberProgress) -> pb.Member:
     )
 
 
+def outcome_to_pb(outcome: Outcome | None) -> str:
+    return outcome.value if outcome is not None else ""
+
+
+def outcome_from_pb(text: str) -> Outcome | None:
+    """The outcome a message names (None: none, or one this version does not know)."""
+    try:
+        return Outcome(text) if text else None
+    except ValueError:
+        return None
+
+
 def job_info_to_pb(info: JobInfo) -> pb.JobStatus:
     msg = pb.JobStatus(
         spec=spec_to_pb(info.spec),
         state=state_to_pb(info.status.state),
         reason=info.status.reason,
         state_since=info.status.since,
+        outcome=outcome_to_pb(info.status.outcome),
         members=[_member_to_pb(m, info.progress.get(m.node_id, MemberProgress())) for m in info.members],
     )
     if info.generation is not None:
@@ -162,7 +182,7 @@ def job_info_to_pb(info: JobInfo) -> pb.JobStatus:
 def job_info_from_pb(msg: pb.JobStatus) -> JobInfo:
     return JobInfo(
         spec=spec_from_pb(msg.spec),
-        status=JobStatus(state_from_pb(msg.state), msg.state_since, msg.reason),
+        status=JobStatus(state_from_pb(msg.state), msg.state_since, msg.reason, outcome_from_pb(msg.outcome)),
         generation=generation_from_pb(msg.generation) if msg.HasField("generation") else None,
         members=tuple(Member(m.node_id, m.address, m.slots, m.joined_at) for m in msg.members),
         progress={m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at, m.strikes) for m in msg.members},

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pliant.coordinator.contract import Generation, JobSnapshot, JobState, NewGeneration
+from pliant.coordinator.contract import Generation, JobSnapshot, JobState, NewGeneration, Outcome
 from pliant.metrics import FAST_BUCKETS_S
 
 __all__ = ["CoordinatorMetrics"]
@@ -30,6 +30,7 @@ class _JobView:
     generation: int
     world_size: int
     state: JobState
+    outcome: Outcome | None = None
 
 
 class _JobCollector(Collector):
@@ -63,6 +64,12 @@ class _JobCollector(Collector):
             ),
         }
         state = GaugeMetricFamily("pliant_job_state", "1 for the job's current state.", labels=["job_id", "state"])
+        outcome = GaugeMetricFamily(
+            "pliant_job_outcome",
+            "1 for how a finished job ended: full (at its full size), reduced (world sizes refused or nodes "
+            "excluded), failed; no sample while it runs.",
+            labels=["job_id", "outcome"],
+        )
         if self._is_leader():
             with self._lock:
                 jobs = dict(self.jobs)
@@ -71,8 +78,12 @@ class _JobCollector(Collector):
                     family.add_metric([job], float(getattr(view, name)))
                 for s in JobState:
                     state.add_metric([job, s.value], 1.0 if s is view.state else 0.0)
+                if view.outcome is not None:
+                    for o in Outcome:
+                        outcome.add_metric([job, o.value], 1.0 if o is view.outcome else 0.0)
         yield from families.values()
         yield state
+        yield outcome
 
 
 class CoordinatorMetrics:
@@ -162,6 +173,10 @@ class CoordinatorMetrics:
 
     def observe_plan(self, snap: JobSnapshot, seconds: float) -> None:
         self.plan_seconds.observe(seconds)
+        self.observe_job(snap)
+
+    def observe_job(self, snap: JobSnapshot) -> None:
+        """The job's series as ``snap`` has it (a finished job's state and outcome too)."""
         gen = snap.generation
         spec = snap.spec
         view = _JobView(
@@ -171,6 +186,7 @@ class CoordinatorMetrics:
             gen.number if gen else 0,
             gen.world_size if gen else 0,
             snap.status.state,
+            snap.status.outcome,
         )
         self._jobs.update(spec.job_id, view)
 

@@ -28,8 +28,18 @@ Rules (see docs/architecture.md):
   (the nodes whose workers failed; when every report is a wait after a peer failed, the nodes that waited): each node
   has ``max_restarts`` failures of its own. A node charged more than that is excluded (it waits as a spare for the
   rest of the job), and the job fails only when fewer than ``min_nodes`` nodes remain that are not: one member
-  reporting failures again and again excludes itself, never spends the others' budget. Scaling events are never
-  charged; failures in a generation that also lost a node are attributed to that loss and charged to nobody.
+  reporting failures again and again excludes itself, never spends the others' budget. The generation names each
+  excluded node with its count and last error (``Generation.excluded``), so its agent says why it waits. Scaling
+  events are never charged; failures in a generation that also lost a node are attributed to that loss and charged to
+  nobody.
+- A failure is the *world's* when every node of a world of two nodes or more reports a worker's exit with one and the
+  same error (the exception's type and message, :func:`world_error`): a script that cannot train at that world size
+  (a batch that does not divide, a validation interval longer than the epoch). Nobody is charged, and the job refuses
+  that world size for the rest of its life (``Generation.refused``): every world it publishes from then on is the
+  longest prefix of its nodes, in rank order, whose size it does not refuse (the nodes left out wait), and it fails
+  when no such world reaches ``min_nodes``. A first report that carries an error waits up to
+  :data:`pliant.coordinator.policy.REPORT_GRACE_S` for the other nodes' reports while every report so far is the
+  same error. A one-node world's failure cannot be told apart from its node's: it is the node's.
 
 Generation reasons: ``start`` (first world), ``join``, ``leave``, ``failure`` (a node lost), ``restart`` (a worker
 failed).
@@ -38,13 +48,14 @@ failed).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pliant.coordinator.contract import (
     MAX_WORLD_SIZE,
     Decision,
     FailJob,
     FailureCause,
+    FailureReport,
     Generation,
     GenerationMember,
     JobSnapshot,
@@ -57,7 +68,9 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.policy import REPORT_GRACE_S, SILENCE_POLL_S, held_back, reported_evictions
 
-__all__ = ["assign_ranks", "plan"]
+__all__ = ["assign_ranks", "plan", "refused_note", "world_error"]
+
+Refused = tuple[tuple[int, str], ...]  # (world size, error), sorted: the world sizes a job no longer takes
 
 
 def assign_ranks(spec: JobSpec, nodes: Sequence[Member]) -> tuple[GenerationMember, ...]:
@@ -92,16 +105,35 @@ def _publish(
     restarts: int,
     now: float,
     charged: dict[str, int] | None = None,
+    refused: Refused | None = None,
+    errors: Mapping[str, str] | None = None,
 ) -> NewGeneration:
-    """The next generation with ``nodes``; ``charged``: the failures charged to each node (default: unchanged)."""
-    number = (snap.generation.number if snap.generation else 0) + 1
-    since = {m.node_id: m.since for m in snap.generation.members} if snap.generation else {}
+    """The next generation with ``nodes``; ``charged``: the failures charged to each node, ``refused``: the world
+    sizes refused (default: both unchanged); ``errors``: the error of each node charged now (what an exclusion
+    names)."""
+    gen = snap.generation
+    number = (gen.number if gen else 0) + 1
+    since = {m.node_id: m.since for m in gen.members} if gen else {}
     members = tuple(
         dataclasses.replace(m, since=since.get(m.node_id) or number) for m in assign_ranks(snap.spec, nodes)
     )
     counts = _charged(snap) if charged is None else charged
+    last = {node: error for node, _count, error in gen.excluded} if gen else {}
+    last.update(errors or {})
+    excluded = tuple(
+        (node, count, last.get(node, "")) for node, count in sorted(counts.items()) if count > snap.spec.max_restarts
+    )
     generation = Generation(
-        snap.spec.job_id, number, members, reason, restarts, now, snap.incarnation, tuple(sorted(counts.items()))
+        snap.spec.job_id,
+        number,
+        members,
+        reason,
+        restarts,
+        now,
+        snap.incarnation,
+        tuple(sorted(counts.items())),
+        refused=_refused(snap) if refused is None else refused,
+        excluded=excluded,
     )
     return NewGeneration(generation, JobState.RUNNING if members else JobState.WAITING)
 
@@ -110,18 +142,57 @@ def _charged(snap: JobSnapshot) -> dict[str, int]:
     return dict(snap.generation.charged) if snap.generation else {}
 
 
+def _refused(snap: JobSnapshot) -> Refused:
+    return snap.generation.refused if snap.generation else ()
+
+
+def refused_note(refused: Refused) -> str:
+    """The world sizes ``refused``, with their errors, in a person's words ("" for none)."""
+    return "; ".join(f"world {size} fails on every node with {error}" for size, error in refused)
+
+
+def _allowed(spec: JobSpec, nodes: Sequence[Member], refused: Refused) -> list[Member]:
+    """The longest prefix of ``nodes`` (in rank order) whose world size the job does not refuse (empty: none)."""
+    sizes = {size for size, _error in refused}
+    for count in range(len(nodes), 0, -1):
+        if sum(m.slots or spec.nproc_per_node for m in nodes[:count]) not in sizes:
+            return list(nodes[:count])
+    return []
+
+
+def world_error(gen: Generation, failures: Sequence[FailureReport]) -> str:
+    """The error every node of ``gen``'s world failed with, when the failure is the world's: a world of two nodes or
+    more, each of whose nodes reported a worker's exit with the same error ("" otherwise: a node's failure)."""
+    errors = {f.node_id: f.error for f in failures if f.cause is FailureCause.EXITED}
+    if len(gen.members) < 2 or set(errors) != set(gen.node_ids) or len(set(errors.values())) != 1:
+        return ""
+    return next(iter(errors.values()))
+
+
+def _may_be_world_error(gen: Generation, failures: Sequence[FailureReport]) -> bool:
+    """Every report so far is a worker's exit with one and the same error, and some node of the world (of two or more)
+    has not reported yet: the failure may yet prove the world's."""
+    if len(gen.members) < 2 or not failures:
+        return False
+    if any(f.cause is not FailureCause.EXITED or not f.error for f in failures):
+        return False
+    return len({f.error for f in failures}) == 1 and {f.node_id for f in failures} < set(gen.node_ids)
+
+
 def _waiting_or_fail(snap: JobSnapshot, have: Sequence[Member], now: float) -> Decision:
     """Below min nodes: wait until the min-nodes timeout (counted from entering WAITING), then fail."""
     spec = snap.spec
     deadline = snap.status.since + spec.min_nodes_timeout_s
+    refused = refused_note(_refused(snap))
+    why = f" ({refused}: the job no longer takes that size)" if refused else ""
     if now >= deadline:
         names = ", ".join(m.node_id for m in have) or "none"
         return FailJob(
             f"job {spec.job_id!r} waited {spec.min_nodes_timeout_s:g}s with {len(have)} of the {spec.min_nodes} "
-            f"nodes it needs (live: {names}); start more agents, or lower the minimum (--nnodes MIN:MAX) or raise "
-            f"min_nodes_timeout_s"
+            f"nodes it needs{why} (live: {names}); start more agents, or lower the minimum (--nnodes MIN:MAX) or "
+            f"raise min_nodes_timeout_s"
         )
-    return WaitUntil(deadline, f"{len(have)} of min {spec.min_nodes} nodes", JobState.WAITING)
+    return WaitUntil(deadline, f"{len(have)} of min {spec.min_nodes} nodes{why}", JobState.WAITING)
 
 
 def _held(decision: Decision, held: dict[str, float]) -> Decision:
@@ -163,8 +234,8 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     charged = _charged(snap)
     excluded = {n for n, count in charged.items() if count > spec.max_restarts}  # their own failures: for good
     newcomers = [m for m in live if m.node_id not in kept and m.node_id not in held and m.node_id not in excluded]
-    admitted = _admit(spec, survivors, newcomers)
-    target = survivors + admitted
+    target = _allowed(spec, survivors + _admit(spec, survivors, newcomers), _refused(snap))
+    admitted = [m for m in target if m.node_id not in kept]
     running = bool(gen and gen.members)
     restarts = gen.restarts_used if gen else 0
 
@@ -196,20 +267,43 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
             return WaitUntil(
                 until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause", JobState.RUNNING
             )
-    if running and failed_nodes:
+    if running and gen is not None and _may_be_world_error(gen, failures):
+        # A worker's exception: the other nodes may fail with the same one (the world's failure, charged to nobody).
+        until = min(f.reported_at for f in failures) + REPORT_GRACE_S
+        if now < until:
+            return WaitUntil(
+                until,
+                f"{', '.join(failed_nodes)} failed; waiting whether every node fails the same way",
+                JobState.RUNNING,
+            )
+    if running and gen is not None and failed_nodes:
+        error = world_error(gen, failures)
+        if error:  # the world's failure: no node is charged, and the job no longer takes this world size
+            refused = tuple(sorted({*_refused(snap), (gen.world_size, error)}))
+            nodes = _allowed(spec, target, refused)
+            if len(nodes) < spec.min_nodes:
+                return FailJob(
+                    f"job {spec.job_id!r} cannot train at any world size its nodes allow: {refused_note(refused)}; "
+                    f"this is the script's error at that size (see any node's worker log): fix the script, or "
+                    f"run with --nnodes that avoid those sizes"
+                )
+            return _publish(snap, nodes, "restart", restarts + 1, now, refused=refused)
         culprits = sorted({f.node_id for f in failures if f.cause is not FailureCause.WAITING}) or failed_nodes
         for node in culprits:
             charged[node] = charged.get(node, 0) + 1
+        errors = {f.node_id: f.error or f.message for f in failures if f.node_id in culprits}
         over = [n for n in culprits if charged[n] > spec.max_restarts]
         healthy = [m for m in target if m.node_id not in over]
         if over and len(healthy) < spec.min_nodes:
+            refused = refused_note(_refused(snap))
             return FailJob(
                 f"job {spec.job_id!r} spent its restart budget: a worker failed again on {', '.join(over)}, more "
-                f"than max_restarts={spec.max_restarts} times on that node, and {len(healthy)} other node(s) remain "
-                f"of the {spec.min_nodes} it needs; see those nodes' worker logs, then fix the script or raise "
+                f"than max_restarts={spec.max_restarts} times on that node ({errors[over[0]] or 'no error given'}), "
+                f"and {len(healthy)} other node(s) remain of the {spec.min_nodes} it needs"
+                f"{f' ({refused})' if refused else ''}; see those nodes' worker logs, then fix the script or raise "
                 f"--max-restarts"
             )
-        return _publish(snap, healthy, "restart", restarts + 1, now, charged)
+        return _publish(snap, healthy, "restart", restarts + 1, now, charged, errors=errors)
 
     if len(target) < spec.min_nodes:
         return _held(_waiting_or_fail(snap, target, now), held)

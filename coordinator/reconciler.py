@@ -36,6 +36,7 @@ from pliant.coordinator.contract import (
     Keep,
     NewGeneration,
     NotFound,
+    Outcome,
     Unavailable,
     WaitUntil,
 )
@@ -271,6 +272,8 @@ class Reconciler:
         now = self._clock()
         view = self._times.view(snap, now)
         if snap.status.state.terminal:
+            if self._metrics:
+                self._metrics.observe_job(snap)  # its state and outcome, as it ended
             return self._expire(snap, view.status.since, now)
         sweep = self._sweep(snap, fence, now)
         if sweep is None:
@@ -400,7 +403,8 @@ class Reconciler:
                 logger.info("job %s: %s -> %s (%s)", job, status.state.value, decision.state.value, decision.why)
             return decision.deadline
         if isinstance(decision, FailJob):
-            self._store.set_status(snap, JobStatus(JobState.FAILED, self._wall(), decision.reason), fence)
+            failed = JobStatus(JobState.FAILED, self._wall(), decision.reason, Outcome.FAILED)
+            self._store.set_status(snap, failed, fence)
             logger.warning("job %s failed: %s", job, decision.reason)
             return None
         raise TypeError(f"unknown planner decision {decision!r}")

@@ -22,6 +22,7 @@ import grpc
 from pliant.coordinator.authz import ADMIN_METHODS, Caller, require_admin, require_job, require_node
 from pliant.coordinator.contract import (
     JOIN_TOKEN_RULE,
+    MAX_ERROR_BYTES,
     CoordinatorError,
     CorruptRecord,
     FailedPrecondition,
@@ -45,6 +46,7 @@ from pliant.coordinator.convert import (
     cause_from_pb,
     generation_to_pb,
     job_info_to_pb,
+    outcome_to_pb,
     spec_from_pb,
     state_to_pb,
     without_addresses,
@@ -350,6 +352,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             tuple(dict.fromkeys(unreachable)),
             request.arrived,
             cause_from_pb(request.cause, request.exit_code),
+            truncate_reason(request.error, MAX_ERROR_BYTES),
         )
         accepted, current = self._store.report_failure(job, report)
         self._poke(job)
@@ -491,7 +494,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if event is None:
                     continue
                 msg = pb.WatchGenerationsResponse(
-                    job_state=state_to_pb(event.status.state), job_reason=event.status.reason
+                    job_state=state_to_pb(event.status.state),
+                    job_reason=event.status.reason,
+                    job_outcome=outcome_to_pb(event.status.outcome),
                 )
                 if event.generation is not None:
                     msg.generation.CopyFrom(generation_to_pb(event.generation))

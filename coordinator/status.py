@@ -44,6 +44,7 @@ def to_dict(info: JobInfo) -> dict[str, Any]:
     return {
         "job_id": info.spec.job_id,
         "state": info.status.state.value,
+        "outcome": info.status.outcome.value if info.status.outcome is not None else None,
         "reason": info.status.reason,
         "state_since": info.status.since,
         "min_nodes": info.spec.min_nodes,
@@ -53,6 +54,10 @@ def to_dict(info: JobInfo) -> dict[str, Any]:
         "generation_reason": gen.reason if gen else "",
         "world_size": gen.world_size if gen else 0,
         "restarts_used": gen.restarts_used if gen else 0,
+        "refused_world_sizes": [{"world_size": size, "error": error} for size, error in gen.refused] if gen else [],
+        "excluded_nodes": (
+            [{"node_id": node, "failures": count, "error": error} for node, count, error in gen.excluded] if gen else []
+        ),
         "members": members,
     }
 
@@ -88,16 +93,28 @@ def render_table(jobs: Sequence[JobInfo], now: float, unreadable: Mapping[str, s
     ]
     for info in jobs:
         d = to_dict(info)
-        state = d["state"] + (f" ({d['reason']})" if d["reason"] else "")
+        outcome = f", {d['outcome']}" if d["outcome"] and d["outcome"] != d["state"] else ""
+        state = d["state"] + outcome + (f" ({d['reason']})" if d["reason"] else "")
         out.append(f"job {d['job_id']}: {state}, since {_ago(now - d['state_since'])}")
         out.append(
             f"  generation {d['generation']} ({d['generation_reason'] or 'none yet'}), world size "
             f"{d['world_size']}, nodes {len(d['members'])} (min {d['min_nodes']}, max {d['max_nodes']}), "
             f"restarts used {d['restarts_used']}"
         )
+        out.extend(
+            f"  world size {r['world_size']} refused: it fails on every node with {r['error']}"
+            for r in d["refused_world_sizes"]
+        )
+        excluded = {e["node_id"]: e for e in d["excluded_nodes"]}
+        out.extend(
+            f"  node {e['node_id']} excluded after {e['failures']} worker failures: {e['error'] or 'no error given'}"
+            for e in excluded.values()
+        )
         rows = [["NODE", "ADDRESS", "RANKS", "HEARTBEAT", "STEP", "STEP SEEN"]]
         for m in d["members"]:
             ranks = f"{m['ranks'][0]}-{m['ranks'][1]}" if m["ranks"] else "spare"
+            if m["node_id"] in excluded and not m["ranks"]:
+                ranks = "excluded"
             if m["strikes"] and not m["ranks"]:
                 ranks += f" ({m['strikes']} strikes: held back)"
             seen = _ago(now - m["step_at"]) if m["step_at"] else "-"

@@ -56,7 +56,9 @@ from pliant.coordinator.contract import (
     Revocation,
     Strike,
     Unavailable,
+    truncate_reason,
 )
+from pliant.coordinator.outcome import outcome_of
 from pliant.coordinator.policy import may_overwrite
 from pliant.coordinator.seats import Seats
 from pliant.coordinator.store_base import (
@@ -278,8 +280,11 @@ class EtcdStore(MemberStore):
         )
 
     @etcd_call
-    def finish_job(self, job: str, succeeded: bool, reason: str, now: float) -> JobStatus:
-        """Mark ``job`` succeeded or failed. Finishing twice the same way is a no-op.
+    def finish_job(
+        self, job: str, succeeded: bool, reason: str, now: float, generation: Generation | None = None
+    ) -> JobStatus:
+        """Mark ``job`` succeeded or failed, with its outcome (:func:`pliant.coordinator.outcome.outcome_of` of
+        ``generation``, by default its current one). Finishing twice the same way is a no-op.
 
         Raises:
             NotFound: no such job.
@@ -300,12 +305,14 @@ class EtcdStore(MemberStore):
                     f"job {job!r} already {status.state.value} ({status.reason or 'no reason given'}); "
                     f"it cannot become {wanted.value}"
                 )
-            new = JobStatus(wanted, now, reason)
+            gen = generation if generation is not None or not succeeded else self._current(job)[0]
+            outcome, text = outcome_of(succeeded, gen, reason)
+            new = JobStatus(wanted, now, truncate_reason(text), outcome)
             ok, _ = self._txn(
                 compare=[self.tx.mod(state_key) == meta.mod_revision], success=[self.tx.put(state_key, new.to_json())]
             )
             if ok:
-                logger.info("job %s %s: %s", job, wanted.value, reason or "(no reason)")
+                logger.info("job %s %s: %s", job, wanted.value, new.reason or "(no reason)")
                 return new
         raise Unavailable(f"job {job!r} state kept changing while finishing it; retry")
 

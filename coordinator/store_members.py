@@ -545,7 +545,7 @@ class MemberStore(EtcdBase):
                 f"every node's workers completed the job; {', '.join(waiting)} joined generation {generation} as its "
                 f"last steps ran and never trained in it"
             )
-            self.finish_job(job, True, reason, now)
+            self.finish_job(job, True, reason, now, current)
             return True, current.number
         if waiting:
             logger.info(
@@ -556,7 +556,7 @@ class MemberStore(EtcdBase):
                 ", ".join(waiting),
             )
             return True, current.number
-        self.finish_job(job, True, f"every node's workers completed generation {generation}", now)
+        self.finish_job(job, True, f"every node's workers completed generation {generation}", now, current)
         return True, current.number
 
     def _newcomers(self, job: str, current: Generation) -> set[str]:

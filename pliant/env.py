@@ -90,6 +90,8 @@ class WorkerEnv:
             agent).
         progress_file: where the worker writes its step and phase for the agent's hang detection
             (:mod:`pliant.progress`; "" when no agent watches).
+        error_file: where the exception a worker dies of is written (torchrun's ``TORCHELASTIC_ERROR_FILE``,
+            :mod:`pliant.errorfile`; "" when no agent reads it).
         rescale: ``in-place`` (the agent hands running workers their next generation) or ``restart`` (workers
             checkpoint and exit on a rescale); the agent's ``--rescale``.
         snapshot_every: committed steps between a sharded engine's buddy copies (:mod:`pliant.worker.inplace.buddy`), or
@@ -120,6 +122,7 @@ class WorkerEnv:
     warrant: str = ""
     published_at: float = 0.0
     progress_file: str = ""
+    error_file: str = ""
     allow_fresh_start: bool = False
     rescale: str = "restart"
     snapshot_every: int | None = None
@@ -188,6 +191,7 @@ class WorkerEnv:
             "PLIANT_CHECKPOINT_DIR": self.checkpoint_dir,
             "PLIANT_METRICS_DIR": self.metrics_dir,
             "PLIANT_PROGRESS_FILE": self.progress_file,
+            **({"TORCHELASTIC_ERROR_FILE": self.error_file} if self.error_file else {}),
             "PLIANT_JOB_INCARNATION": self.incarnation,
             "PLIANT_CHECKPOINT_KEY": self.checkpoint_key,
             "PLIANT_CONTROL_KEY": self.control_key,
@@ -251,6 +255,7 @@ class WorkerEnv:
             checkpoint_dir=env.get("PLIANT_CHECKPOINT_DIR", ""),
             metrics_dir=env.get("PLIANT_METRICS_DIR", ""),
             progress_file=env.get("PLIANT_PROGRESS_FILE", ""),
+            error_file=env.get("TORCHELASTIC_ERROR_FILE", ""),
             incarnation=env.get("PLIANT_JOB_INCARNATION", ""),
             checkpoint_key=env.get("PLIANT_CHECKPOINT_KEY", ""),
             control_key=env.get("PLIANT_CONTROL_KEY", ""),

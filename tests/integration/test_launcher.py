@@ -43,9 +43,13 @@ def test_a_run_says_what_a_person_needs_and_no_more(tmp_path) -> None:
         for line in lines
         if line.startswith("pliant: generation 1 (start): world 2, ranks 0..1 on this node, 2 workers started in ")
     ], lines
+    assert lines[-2] == (
+        "pliant: job default succeeded: finished at full size, world 2 (1 node): every node's workers completed "
+        "generation 1"
+    ), lines
     assert re.fullmatch(
-        r"pliant: job default succeeded: 20 steps in [\d.]+s on this node; world sizes 2; 0 rescales in place, "
-        r"0 restarts",
+        r"pliant: job default succeeded at full size: 20 steps in [\d.]+s on this node; world sizes 2; "
+        r"0 rescales and 0 recoveries from failures, 0 of them in place",
         lines[-1],
     ), lines
     assert not [line for line in lines if "join with" in line or "PLIANT_JOIN_TOKEN" in line], lines
@@ -88,7 +92,9 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
             and len(waits) <= 1
             and not [line for line in lines if " INFO " in line or "Traceback" in line]
         ), lines
-        assert re.fullmatch(r"pliant: job default succeeded: 150 steps in [\d.]+s on this node; .*", lines[-1]), lines
+        assert re.fullmatch(
+            r"pliant: job default succeeded at full size: 150 steps in [\d.]+s on this node; .*", lines[-1]
+        ), lines
     first_lines = _pliant_lines("".join(said))
     assert [
         line
@@ -104,7 +110,9 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
         for line in second_lines
         if line.startswith("pliant: generation 2 (join): world 2, ranks 1..1 on this node, 1 worker started in ")
     ], second_lines
-    assert "world sizes 1 -> 2; 1 rescales in place, 0 restarts" in first_lines[-1], first_lines
+    assert "world sizes 1 -> 2; 1 rescale and 0 recoveries from failures, 1 of them in place" in first_lines[-1], (
+        first_lines
+    )
 
 
 @pytest.mark.slow

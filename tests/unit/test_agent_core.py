@@ -196,7 +196,7 @@ def test_job_end_signal_and_start_failure() -> None:
     ]
     agent.on(core.GenerationSeen(_gen(2, "a", "b")))
     assert agent.on(core.JobFinished(JobState.RUNNING, "")) == []
-    assert agent.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True), core.Exit(0)]
+    assert agent.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True), core.Exit(0, "done")]
     assert agent.on(core.GenerationSeen(_gen(3, "a"))) == []  # terminal: nothing more
 
     failed = Agent()
@@ -573,7 +573,7 @@ def test_the_jobs_end_lets_workers_finish_then_sigterms_and_exits_once_they_are_
     assert agent.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True)]  # Exit(0) waits
     assert agent.state.phase is AgentState.SUCCEEDED
     assert _tick(agent, 10.0) == [core.Escalate(core.StopStage.TERM)]  # escalated in a final phase
-    assert agent.on(core.GroupStopped(1), after=0.1) == [core.Exit(0)]
+    assert agent.on(core.GroupStopped(1), after=0.1) == [core.Exit(0, "done")]
 
 
 def test_decisions_made_while_a_group_stops_wait_for_it_and_a_newer_generation_replaces_the_planned() -> None:

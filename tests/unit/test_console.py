@@ -45,7 +45,8 @@ def test_world_lines_name_who_joined_and_left_and_the_summary_counts_them() -> N
         swapped, swapped.members[0], 5.0
     )
     assert re.fullmatch(
-        r"job job succeeded: 9\.0s on this node; world sizes 1 -> 3 -> 2; 2 rescales in place, 1 restarts",
+        r"job job succeeded: 9\.0s on this node; world sizes 1 -> 3 -> 2; 1 rescale and 2 recoveries from "
+        r"failures, 2 of them in place",
         summary.line("job", "succeeded", 9.0),
     )
 

@@ -17,6 +17,7 @@ from pliant.coordinator.contract import (
     JobStatus,
     Member,
     NotFound,
+    Outcome,
     Unavailable,
     error_for_status,
     status_for_error,
@@ -61,12 +62,22 @@ def test_addresses_are_validated(bad: str) -> None:
 def test_json_round_trips() -> None:
     spec = JobSpec("job", 1, 3, 2, 4.0, 0.5, 7, 30.0)
     assert JobSpec.from_json(spec.to_json()) == spec
-    status = JobStatus(JobState.FAILED, 12.5, "why")
-    assert JobStatus.from_json(status.to_json()) == status
+    for status in (JobStatus(JobState.FAILED, 12.5, "why", Outcome.FAILED), JobStatus(JobState.RUNNING, 1.0)):
+        assert JobStatus.from_json(status.to_json()) == status
     member = Member("n", "h:1", 2, 3.0, order=9, lease_id=11)
     assert Member.from_json(member.to_json(), order=9) == member
-    gen = Generation("job", 4, assign_ranks(spec, [member]), "join", 1, 5.0)
+    gen = Generation(
+        "job",
+        4,
+        assign_ranks(spec, [member]),
+        "join",
+        1,
+        5.0,
+        refused=((4, "ValueError: no"),),
+        excluded=(("m", 4, "RuntimeError: x"),),
+    )
     assert Generation.from_json(gen.to_json()) == gen
+    assert generation_from_pb(generation_to_pb(gen)) == gen  # what agents are told of refusals and exclusions
 
 
 def test_spec_differences_name_fields() -> None:

@@ -425,3 +425,97 @@ def test_rescale_sequence_never_reuses_a_number() -> None:
         assert set(gen.node_ids) == {m.node_id for m in members}
     assert numbers == list(range(1, len(events) + 1))
     assert gen is not None and gen.node_ids == ("c", "d")
+
+
+# -- a world's failure or a node's -------------------------------------------------------------------------------------
+
+WIDE = JobSpec("job", min_nodes=1, max_nodes=2, nproc_per_node=2, join_grace_s=1.0, max_restarts=3)
+ERROR = "ValueError: val_check_interval (50) must be less than or equal to the number of the training batches (40)"
+
+
+def _snap(gen: Generation, members: list[Member], failures: list[FailureReport], spec: JobSpec = WIDE) -> JobSnapshot:
+    return JobSnapshot(
+        spec=spec,
+        status=JobStatus(JobState.RUNNING, T0),
+        members=tuple(members),
+        generation=gen,
+        failures=tuple(failures),
+    )
+
+
+def _exited(node: str, gen: int, error: str, at: float = T0 + 5) -> FailureReport:
+    return FailureReport(node, gen, 1, f"local rank 0 exited with code 1: {error}", at, error=error)
+
+
+def test_the_same_error_on_every_node_refuses_that_world_size_and_charges_nobody() -> None:
+    world4 = Generation("job", 2, assign_ranks(WIDE, [A, B]), "join", 0, T0)
+    snap = _snap(world4, [A, B], [_exited("a", 2, ERROR), _exited("b", 2, ERROR, T0 + 5.3)])
+    decision = plan(snap, T0 + 5.4)
+    assert isinstance(decision, NewGeneration), decision
+    gen = decision.generation
+    assert gen.node_ids == ("a",) and gen.world_size == 2  # the node that trains at world 2 keeps rank 0
+    assert gen.refused == ((4, ERROR),)
+    assert gen.charged == () and gen.excluded == ()
+    assert gen.reason == "restart"
+    # From then on the job never takes world 4 again: b waits, however long it stays
+    later = _snap(gen, [A, B], [])
+    assert isinstance(plan(later, T0 + 100), Keep)
+
+
+def test_a_first_report_with_an_error_waits_for_the_other_nodes() -> None:
+    world4 = Generation("job", 2, assign_ranks(WIDE, [A, B]), "join", 0, T0)
+    decision = plan(_snap(world4, [A, B], [_exited("a", 2, ERROR)]), T0 + 5.5)
+    assert isinstance(decision, WaitUntil) and decision.deadline == pytest.approx(T0 + 7.0)
+    # nobody else reported in time: a's own failure, charged to a
+    decision = plan(_snap(world4, [A, B], [_exited("a", 2, ERROR)]), T0 + 7.0)
+    assert isinstance(decision, NewGeneration)
+    assert decision.generation.charged == (("a", 1),) and decision.generation.refused == ()
+
+
+def test_different_errors_or_a_signal_are_a_nodes_failure_at_once() -> None:
+    world4 = Generation("job", 2, assign_ranks(WIDE, [A, B]), "join", 0, T0)
+    other = _exited("b", 2, "RuntimeError: Connection closed by peer")
+    decision = plan(_snap(world4, [A, B], [_exited("a", 2, ERROR), other]), T0 + 5.1)
+    assert isinstance(decision, NewGeneration)
+    assert decision.generation.charged == (("a", 1), ("b", 1)) and decision.generation.refused == ()
+    killed = FailureReport("a", 2, -9, "local rank 0 exited with code -9", T0 + 5)
+    decision = plan(_snap(world4, [A, B], [killed]), T0 + 5.1)
+    assert isinstance(decision, NewGeneration) and decision.generation.charged == (("a", 1),)
+
+
+def test_a_one_node_worlds_failure_is_the_nodes() -> None:
+    world2 = Generation("job", 1, assign_ranks(WIDE, [A]), "start", 0, T0)
+    decision = plan(_snap(world2, [A], [_exited("a", 1, ERROR)]), T0 + 5.1)
+    assert isinstance(decision, NewGeneration)
+    assert decision.generation.charged == (("a", 1),) and decision.generation.refused == ()
+
+
+def test_a_job_whose_every_size_fails_fails_with_the_error() -> None:
+    spec = JobSpec("job", min_nodes=2, max_nodes=2, nproc_per_node=2, max_restarts=3)
+    world4 = Generation("job", 1, assign_ranks(spec, [A, B]), "start", 0, T0)
+    snap = _snap(world4, [A, B], [_exited("a", 1, ERROR), _exited("b", 1, ERROR)], spec)
+    decision = plan(snap, T0 + 6)
+    assert isinstance(decision, FailJob)
+    assert "world 4 fails on every node with ValueError: val_check_interval" in decision.reason
+
+
+def test_a_node_over_its_budget_is_excluded_with_its_error() -> None:
+    charged = (("b", 3),)
+    world4 = Generation("job", 5, assign_ranks(WIDE, [A, B]), "restart", 3, T0, charged=charged)
+    error = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    decision = plan(_snap(world4, [A, B], [_exited("b", 5, error)]), T0 + 8)
+    assert isinstance(decision, NewGeneration)
+    gen = decision.generation
+    assert gen.node_ids == ("a",)
+    assert gen.excluded == (("b", 4, error),)
+    # the exclusion stays named in the generations after it
+    after = plan(_snap(gen, [A, B], []), T0 + 20)
+    assert isinstance(after, Keep)
+
+
+def test_a_leave_into_a_refused_size_trains_at_the_next_size_down() -> None:
+    spec = JobSpec("job", min_nodes=1, max_nodes=3, nproc_per_node=2)
+    world6 = Generation("job", 4, assign_ranks(spec, [A, B, C]), "join", 0, T0, refused=((4, ERROR),))
+    decision = plan(JobSnapshot(spec, JobStatus(JobState.RUNNING, T0), (A, C), world6, departed=frozenset("b")), T0)
+    assert isinstance(decision, NewGeneration)
+    assert decision.generation.node_ids == ("a",) and decision.generation.refused == ((4, ERROR),)
