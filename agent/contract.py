@@ -56,13 +56,16 @@ class AgentState(enum.Enum):
 
     Allowed transitions: JOINING -> WAITING (member, not in a generation: spare, below min, or between worlds);
     WAITING <-> RUNNING (workers of a generation that includes this node run); RUNNING -> WAITING (a new generation,
-    a worker failure, all local workers done); JOINING|WAITING|RUNNING -> SUCCEEDED | FAILED (the job finished) or
-    LEFT (SIGTERM: graceful leave). The last three are terminal.
+    a worker failure, all local workers done); RUNNING -> LEAVING (SIGTERM while workers run: the node left the job,
+    and its workers run until the world without it is published, so every node's workers are stopped together);
+    JOINING|WAITING|RUNNING|LEAVING -> SUCCEEDED | FAILED (the job finished) or LEFT (SIGTERM: graceful leave). The
+    last three are terminal.
     """
 
     JOINING = "joining"
     WAITING = "waiting"
     RUNNING = "running"
+    LEAVING = "leaving"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     LEFT = "left"

@@ -65,6 +65,7 @@ __all__ = [
     "FENCE_AFTER",
     "HANG_FLOOR_S",
     "HANG_MULTIPLE",
+    "LEAVE_WAIT_S",
     "Action",
     "ArrivalsRead",
     "CoreConfig",
@@ -110,6 +111,7 @@ HANG_MULTIPLE = 10.0
 # so a shorter streak does not yet show that this node alone is cut off.
 FENCE_AFTER = 1.5
 DONE_UNHEARD_S = 15.0  # workers done and the control plane unreachable this long (and 3 TTLs): the agent exits 0
+LEAVE_WAIT_S = 5.0  # a leaving node's workers wait at most this long for the world without it to be published
 _STEP_SAMPLES = 64  # recent step intervals the median is taken over
 
 
@@ -186,6 +188,7 @@ class CoreState:
     handing: Generation | None = None  # a generation waiting for its newcomers before it is handed over in place
     handover: HandOver | None = None  # that wait: its newcomers, deadline and probes
     stopping: Stopping | None = None  # a group being stopped, and what waits for it to be gone
+    leaving: tuple[int, float] | None = None  # LEAVING: (the signal, when the workers stop at the latest)
     trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
     done: bool = False  # every worker of this node exited 0 (the job's end not yet seen)
     reason: str = ""
@@ -754,8 +757,26 @@ def _sequenced(state: CoreState, actions: list[Action], now: float) -> tuple[Cor
     return replace(state, stopping=stopping), actions[: at + 1]
 
 
+def _leaving(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
+    """LEAVING: the node left; its workers stop (the restart path: SIGTERM for a plain script) once the world without
+    it is published, or at the deadline, or at once on a second signal or when they exited by themselves."""
+    assert state.leaving is not None
+    signum, deadline = state.leaving
+    if isinstance(event, JobFinished) and event.state.terminal:
+        return _decide(replace(state, phase=AgentState.RUNNING, leaving=None), event, now)
+    published = isinstance(event, GenerationSeen) and state.node_id not in event.generation.node_ids
+    due = isinstance(event, Tick) and now >= deadline
+    if not (published or due or isinstance(event, (SignalReceived, GroupExited))):
+        return state, []
+    why = "graceful leave" if published else "graceful leave (the world without this node was not seen in time)"
+    state = replace(_no_group(state), leaving=None)
+    return _set(state, AgentState.LEFT, why), [Stop(rescale=True), Exit(left_on(signum))]
+
+
 def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
     """:func:`decide` for every event but a stop's own, before what must wait for a stop is queued."""
+    if state.phase is AgentState.LEAVING:
+        return _leaving(state, event, now)
     if isinstance(event, Joined):
         state = replace(state, ttl_s=event.ttl_s, renewing_since=None)
         return _set(_renewed(state, now), AgentState.WAITING if state.group is None else state.phase, "joined"), []
@@ -807,12 +828,14 @@ def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list
                 Stop(rescale=True, leave=True),
                 Exit(left_on(event.signum)),
             ]
-        actions = [Stop(rescale=True)] if state.group is not None else []
-        return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [
-            *actions,
-            Leave(),
-            Exit(left_on(event.signum)),
-        ]
+        if state.group is not None and state.stopping is None:
+            # Leave first, and stop the workers once the world without this node is published: every node's agent
+            # then stops its workers at the same moment, so no peer's exit breaks the others' collectives before
+            # their SIGTERM handlers run.
+            state = replace(state, leaving=(event.signum, now + LEAVE_WAIT_S))
+            return _set(state, AgentState.LEAVING, "graceful leave: waiting for the world without this node"), [Leave()]
+        stop: list[Action] = [Stop(rescale=True)] if state.group is not None else []  # a group only planned
+        return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*stop, Leave(), Exit(left_on(event.signum))]
     if isinstance(event, ArrivalsRead):
         return _on_arrivals(state, event, now)
     if isinstance(event, NewcomersProbed):

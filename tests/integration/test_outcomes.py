@@ -107,6 +107,7 @@ def test_a_graceful_leave_sigterms_every_rank_before_any_exits(make_coordinator,
     first_2 = min(e["step"] for e in seen if e.get("world") == 2)
     handled = sorted((e["node"], e["rank"]) for e in seen if e.get("sigterm") == last_4)
     print(f"world 4 stopped after step {last_4}; handlers ran on {handled}; world 2 started at step {first_2}")
-    assert handled == [("node-a", 0), ("node-a", 1), ("node-b", 2), ("node-b", 3)], seen[-12:]
+    assert sorted(rank for _node, rank in handled) == [0, 1, 2, 3], seen[-12:]  # every rank's handler ran
+    assert {node for node, _rank in handled} == {"node-a", "node-b"}
     assert first_2 == last_4 + 1, "no step redone, none skipped"
     assert "Connection closed by peer" not in a.output() + b.output()

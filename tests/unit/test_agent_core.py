@@ -202,10 +202,36 @@ def test_job_end_signal_and_start_failure() -> None:
     failed = Agent()
     assert failed.on(core.JobFinished(JobState.FAILED, "budget spent")) == [core.Exit(1, "budget spent")]
 
-    leaving = Agent()
-    leaving.on(core.GenerationSeen(_gen(1, "a")))
-    assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Stop(rescale=True), core.Leave(), core.Exit(143)]
+    alone = Agent()
+    assert alone.on(core.SignalReceived(signal.SIGTERM)) == [core.Leave(), core.Exit(143)]  # no workers: at once
+
+
+def test_a_graceful_leave_stops_the_workers_once_the_world_without_the_node_is_published() -> None:
+    """The node leaves first; its workers get SIGTERM when every other node's do: as the world without it comes."""
+    leaving = Agent("b")
+    leaving.on(core.GenerationSeen(_gen(1, "a", "b")))
+    assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Leave()]
+    assert leaving.state.phase is AgentState.LEAVING
+    assert leaving.on(core.Tick({}), after=1.0) == []  # the workers train on meanwhile
+    assert leaving.on(core.HeartbeatOk()) == []
+    assert leaving.on(core.GenerationSeen(_gen(2, "a"))) == [core.Stop(rescale=True), core.Exit(143)]
     assert leaving.state.phase is AgentState.LEFT
+
+    unheard = Agent("b")  # the control plane does not answer: the workers stop after LEAVE_WAIT_S all the same
+    unheard.on(core.GenerationSeen(_gen(1, "a", "b")))
+    unheard.on(core.SignalReceived(signal.SIGINT))
+    assert unheard.on(core.Tick({}), after=core.LEAVE_WAIT_S - 0.1) == []
+    assert unheard.on(core.Tick({}), after=0.2) == [core.Stop(rescale=True), core.Exit(130)]
+
+    impatient = Agent("b")  # a second Ctrl-C stops them at once
+    impatient.on(core.GenerationSeen(_gen(1, "a", "b")))
+    impatient.on(core.SignalReceived(signal.SIGINT))
+    assert impatient.on(core.SignalReceived(signal.SIGINT)) == [core.Stop(rescale=True), core.Exit(130)]
+
+    finished = Agent("b")  # the job ended meanwhile: it ends as the job did
+    finished.on(core.GenerationSeen(_gen(1, "a", "b")))
+    finished.on(core.SignalReceived(signal.SIGTERM))
+    assert finished.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True), core.Exit(0, "done")]
 
 
 def test_a_newer_world_in_the_checkpoint_directory_fences_a_lone_node_and_says_so() -> None:
@@ -584,5 +610,5 @@ def test_decisions_made_while_a_group_stops_wait_for_it_and_a_newer_generation_r
     assert newer == [core.Prepare(_gen(3, "a", "b"))]  # no second stop: group 2 never started
     assert agent.state.stopping is not None and agent.state.stopping.then == (core.Start(_gen(3, "a", "b")),)
     leaving = agent.on(core.SignalReceived(signal.SIGTERM))
-    assert leaving == []  # leave and exit wait for the stop too
+    assert leaving == []  # leave and exit wait for the stop too; the planned group never starts
     assert agent.on(core.GroupStopped(1)) == [core.Leave(), core.Exit(143)]
