@@ -5,7 +5,9 @@ a rescale saves a Lightning checkpoint at a step boundary and the next world res
     pliant run --nnodes 1:4 --nproc-per-node 1 --checkpoint-dir /shared/ckpt examples/train_lightning_elastic.py
 
 With ``--events FILE`` each rank appends one JSON line per trained step (used by the tests); ``--out FILE``: rank 0
-writes the final ``global_step`` and parameters' checksum there.
+writes the final ``global_step`` and parameters' checksum there. ``--save-every N --save-dir DIR`` adds the script's
+own ``ModelCheckpoint`` (``last.ckpt`` every N steps): after a kill the next world resumes from whichever of it and
+the rescale checkpoint is newer.
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--accelerator", default="cpu", help="Lightning's accelerator (fsdp needs a GPU)")
+    parser.add_argument("--save-every", type=int, default=0, help="the script's own checkpoint every N steps")
+    parser.add_argument("--save-dir", default="checkpoints", help="where the script's own checkpoints go")
     args = parser.parse_args()
+    callbacks: list[L.Callback] = [Events(args.events, args.step_time)]
+    if args.save_every:
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(args.save_dir, every_n_train_steps=args.save_every, save_last=True)
+        )
 
     x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
@@ -74,9 +83,9 @@ def main() -> None:
         devices=1,
         num_nodes=1,
         max_steps=args.max_steps,
-        callbacks=[Events(args.events, args.step_time)],
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.save_every),
         enable_progress_bar=False,
         enable_model_summary=False,
     )

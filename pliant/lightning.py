@@ -14,18 +14,22 @@ strategies with three changes, and nothing else for the script to write:
   rank saves a Lightning checkpoint (``Trainer.save_checkpoint``: Lightning's own format, as its SLURM requeue path
   does) and exits with :data:`pliant.env.RESCALE_EXIT_CODE`, which the agent takes for "saved for the rescale", not a
   failure. The batch whose start it was is not trained: it is the first one of the next world.
-- **The next world resumes from it.** At setup, when the script passed no ``ckpt_path`` and a rescale checkpoint
-  exists, the fit resumes from it: weights, optimizer, loop progress (``global_step``), callbacks. The checkpoint is
-  ``<--checkpoint-dir>/lightning/rescale.ckpt`` (the directory every node shares), else under the trainer's
-  ``default_root_dir``; it is written to a temporary name and renamed by global rank 0, so a kill during the save
-  leaves the previous one. Like Lightning's own resume from an HPC checkpoint it is found by its place: a job started
-  on a directory that holds another run's rescale checkpoint resumes from it, so give each job its own
-  ``--checkpoint-dir``.
+- **The next world resumes from the newest complete checkpoint.** When the script passed no ``ckpt_path``, the fit
+  resumes from the newest (by modification time) complete checkpoint of the job: the rescale checkpoint, or, in a
+  generation after the job's first, one the script's own ``ModelCheckpoint`` callbacks wrote (``*.ckpt`` in their
+  ``dirpath``, ``last.ckpt`` included): weights, optimizer, loop progress (``global_step``), callbacks. Complete: a
+  whole ``torch.save`` archive (its zip directory, written last, is there), so a file cut short by a kill is passed
+  over. The rescale checkpoint is ``<--checkpoint-dir>/lightning/rescale.ckpt`` (the directory every node shares),
+  else under the trainer's ``default_root_dir``; it is written to a temporary name and renamed by global rank 0, so a
+  kill during the save leaves the previous one. Every rank chooses by itself, so the script's checkpoint directory
+  must be one every node sees (as Lightning's own resume needs). Like Lightning's own resume from an HPC checkpoint
+  the rescale checkpoint is found by its place: a job started on a directory that holds another run's rescale
+  checkpoint resumes from it, so give each job its own ``--checkpoint-dir``.
 
-A worker killed (kill -9, a lost node) gets no such save: the next world resumes from the last rescale checkpoint, or
-from the script's own ``ModelCheckpoint`` when it passes ``ckpt_path`` itself, and redoes the steps since. Resuming
-mid-epoch, Lightning iterates a plain ``DataLoader`` from the start of the epoch again (its progress counters go on):
-steps are never trained twice, but a sample may be seen twice in that epoch and another not at all.
+A worker killed (kill -9, a lost node) gets no such save: the next world resumes from the newest of the last rescale
+checkpoint and the script's own checkpoints, and redoes the steps since. Resuming mid-epoch, Lightning iterates a
+plain ``DataLoader`` from the start of the epoch again (its progress counters go on): steps are never trained twice,
+but a sample may be seen twice in that epoch and another not at all.
 
 Outside a pliant agent (torchrun, a plain process) the strategies are Lightning's, unchanged.
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +57,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy  # type: ignore[no-redef]
 
-__all__ = ["DDP", "FSDP", "LightningError", "rescale_checkpoint"]
+__all__ = ["DDP", "FSDP", "LightningError", "complete", "newest_checkpoint", "rescale_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +126,8 @@ class _Elastic:
         self._rescale.listen()
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         path = rescale_checkpoint(self._env, trainer.default_root_dir)
-        if path.exists():
-            _resume_from(trainer, path)
+        if path.exists() or self._env.generation > 1:
+            _resume_newest(trainer, path, scripts=self._env.generation > 1)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
@@ -146,10 +151,33 @@ class _Elastic:
         sys.exit(RESCALE_EXIT_CODE)
 
 
-def _resume_from(trainer: Any, path: Path) -> None:
-    """Make this fit resume from ``path`` unless the script named a checkpoint itself: Lightning chose the fit's path
-    before its strategy is set up, and restores it just after the setup hooks, so the restore is pointed at ``path``
-    once (the checkpoint connector's ``_restore_modules_and_callbacks``).
+def complete(path: Path) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` archive: its zip directory, written last, is there (nothing is
+    unpickled)."""
+    try:
+        return path.is_file() and zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
+def newest_checkpoint(trainer: Any, rescale: Path, scripts: bool = True) -> Path | None:
+    """The newest complete checkpoint of this fit, by modification time: ``rescale``, or (``scripts``) a ``*.ckpt``
+    that one of the trainer's ``ModelCheckpoint`` callbacks writes to its ``dirpath``; None when there is none."""
+    candidates = [rescale]
+    if scripts:
+        for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath and os.path.isdir(dirpath):
+                candidates += sorted(Path(dirpath).glob("*.ckpt"))
+    found = [path for path in candidates if complete(path)]
+    return max(found, key=lambda path: path.stat().st_mtime, default=None)
+
+
+def _resume_newest(trainer: Any, rescale: Path, scripts: bool) -> None:
+    """Make this fit resume from the newest complete checkpoint (:func:`newest_checkpoint`) unless the script named
+    one itself: Lightning chose the fit's path before its strategy is set up, and restores it just after the setup
+    hooks (which resolve the ``ModelCheckpoint`` directories), so the restore is pointed at the newest once (the
+    checkpoint connector's ``_restore_modules_and_callbacks``).
 
     Raises:
         LightningError: this Lightning restores elsewhere.
@@ -159,14 +187,17 @@ def _resume_from(trainer: Any, path: Path) -> None:
     if original is None:
         raise LightningError(
             "this Lightning restores a fit's checkpoint elsewhere: pass ckpt_path to trainer.fit yourself "
-            f"(the rescale checkpoint is {path})"
+            f"(the rescale checkpoint is {rescale})"
         )
 
     def restore(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
         connector._restore_modules_and_callbacks = original
         if checkpoint_path is None:
-            logger.info("pliant: resuming from the rescale checkpoint %s", path)
-            checkpoint_path = str(path)
+            newest = newest_checkpoint(trainer, rescale, scripts)
+            if newest is not None:
+                which = "the rescale checkpoint" if newest == rescale else "the script's checkpoint"
+                logger.info("pliant: resuming from %s %s (the newest complete one)", which, newest)
+                checkpoint_path = str(newest)
         return original(checkpoint_path, *args, **kwargs)
 
     connector._restore_modules_and_callbacks = restore

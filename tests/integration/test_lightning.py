@@ -31,7 +31,8 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
 ) -> None:
     server = make_coordinator()
     accelerator = "gpu" if strategy == "fsdp" else "cpu"
-    extra = script_flags(tmp_path, STEPS, "--strategy", strategy, "--accelerator", accelerator)
+    own = ("--save-every", "5", "--save-dir", str(tmp_path / "own"))  # the script's own last.ckpt, every 5 steps
+    extra = script_flags(tmp_path, STEPS, "--strategy", strategy, "--accelerator", accelerator, *own)
     run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=90)
     a, joined, killed_in = run.agent, run.joined, run.killed_in
 
@@ -40,12 +41,16 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     twice = trained_twice(tmp_path, STEPS)
     # Only the kill ends a world without a save: a step trained twice was first trained in the world the kill ended.
     assert all(gens[0] == killed_in and len(gens) == 2 for gens in twice.values()), twice
+    # The kill came 10 steps or more after the join's rescale checkpoint: the script's own last.ckpt (every 5 steps)
+    # is the newer one, and the next world resumes from it.
+    assert len(twice) <= 5, twice
     output = a.output()
     assert "saved for the rescale" in output and "resuming from the rescale checkpoint" in output
+    assert "resuming from the script's checkpoint " + str(tmp_path / "own" / "last.ckpt") in output
     assert "workers stopped for the rescale" in output
     print(
         f"lightning {strategy} with the plugin: {len(twice)} steps trained twice, all after the kill -9 (generation "
-        f"{killed_in}); join at generation {joined}; {STEPS} steps in all"
+        f"{killed_in}), resumed from the script's last.ckpt; join at generation {joined}; {STEPS} steps in all"
     )
 
 
