@@ -6,11 +6,11 @@ import enum
 import os
 import socket
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pliant.coordinator.contract import JobSpec
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_MODES
 from pliant.errors import ConfigError, PliantError
+from pliant.home import state_home
 from pliant.net import parse_host_port
 from pliant.tls import TlsConfig
 
@@ -73,12 +73,6 @@ class AgentState(enum.Enum):
 
 COORDINATORS = "@COORDINATORS@"
 """The coordinators' place in :attr:`AgentConfig.join_line` (a word the shell takes as it is, unquoted)."""
-
-
-def state_home() -> Path:
-    """Where a node keeps what outlives its agent (``pliant run``'s sealing root, a control-plane seat): the user's
-    state directory (``XDG_STATE_HOME``, else ``~/.local/state``), under ``pliant``."""
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "pliant"
 
 
 def default_node_id() -> str:

@@ -35,6 +35,7 @@ from pliant.coordinator.contract import (
     Unavailable,
 )
 from pliant.logsetup import CONSOLE
+from pliant.statusview import remove_view, write_view
 from pliant.tls import Role
 from pliant.v1.coordinator_pb2 import HeartbeatRequest
 
@@ -132,6 +133,7 @@ class Membership:
             self.join(waiting)
         finally:
             self.client.waiting = None  # the heartbeat thread uses the client from now on; it says its own lines
+        self._write_view()
 
     def start(self) -> None:
         """Start the heartbeat, the generation watch and the reporter (after the first join)."""
@@ -147,8 +149,15 @@ class Membership:
         self._reports.put(report)
 
     def close(self) -> None:
-        """Close the coordinator channels (the threads end with ``stop``)."""
+        """Close the coordinator channels (the threads end with ``stop``), and remove this node's view of its job."""
         self.client.close()
+        remove_view(self.config.spec.job_id, self.config.node_id)
+
+    def _write_view(self) -> None:
+        """Keep this node's view of its job for ``pliant status`` (:mod:`pliant.statusview`) current: its certificate
+        and the coordinators (after the join, a renewal, a change of coordinators)."""
+        if self.tls is not None:
+            write_view(self.config.spec.job_id, self.config.node_id, self.tls, tuple(self.client.targets))
 
     def _say_unreachable(self, since: float) -> None:
         """One line, once per outage (:func:`pliant.agent.console.unreachable`)."""
@@ -273,6 +282,7 @@ class Membership:
         if not coordinators or sorted(coordinators) == sorted(self.client.targets):
             return
         self.client.use_targets(coordinators)
+        self._write_view()
         logger.info("agent %s: the control plane's coordinators are %s", self.config.node_id, ",".join(coordinators))
         if self.config.join_line:
             line = self.config.join_line.replace(COORDINATORS, ",".join(coordinators))
@@ -305,7 +315,10 @@ class Membership:
                     if said:
                         console.info("agent %s: the control plane is reachable again", node)
                 failing, said = False, False
-                self.tls = self.credentials.renew_if_due() or self.tls
+                renewed = self.credentials.renew_if_due()
+                if renewed is not None:
+                    self.tls = renewed
+                    self._write_view()
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
                 if self._left.is_set():
                     return

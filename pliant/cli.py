@@ -177,8 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--coordinator",
-        default=_env("PLIANT_COORDINATOR", "127.0.0.1:29400"),
-        help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR, default 127.0.0.1:29400)",
+        default=_env("PLIANT_COORDINATOR", None),
+        help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR); without it, and without "
+        "--tls-dir or --insecure, the job this node's agent runs, as the agent sees it (from any node of the job); "
+        "else 127.0.0.1:29400",
     )
     status.add_argument("--job", default=None, help="show only this job id")
     status.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
@@ -294,7 +296,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from pliant.coordinator.status import status_main
 
-    return status_main(args.coordinator, args.job, args.json, tls_from_flags(args.tls_dir, args.insecure, "status"))
+    if args.coordinator is None and not args.tls_dir and not args.insecure:  # this node's view of its job
+        from pliant.statusview import find_view
+        from pliant.tls import TlsConfig
+
+        view = find_view(args.job)
+        return status_main(view.coordinators, view.job, args.json, TlsConfig.from_dir(view.tls_dir))
+    coordinator = args.coordinator or "127.0.0.1:29400"
+    return status_main(coordinator, args.job, args.json, tls_from_flags(args.tls_dir, args.insecure, "status"))
 
 
 def _cmd_etcd(args: argparse.Namespace) -> int:

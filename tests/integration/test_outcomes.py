@@ -5,7 +5,10 @@ node's workers with SIGTERM before any peer's exit can break their collectives."
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,6 +103,14 @@ def test_a_graceful_leave_sigterms_every_rank_before_any_exits(make_coordinator,
     wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
     assert b.proc.returncode == left_on(signal.SIGINT), b.output()[-3000:]
     wait_for(lambda: [e for e in events() if e.get("world") == 2], 60, "world 2 stepping")
+    # `pliant status` with no flags on a node of the job: the node's agent's view of it
+    status = subprocess.run(
+        [sys.executable, "-m", "pliant", "status", "--job", "job", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0, status.stderr
+    (job,) = json.loads(status.stdout)["jobs"]
+    assert job["state"] == "running" and job["world_size"] == 2, job
+    assert [m["node_id"] for m in job["members"] if m["in_generation"]] == ["node-a"], job
     a.kill(signal.SIGTERM)
     wait_for(lambda: a.proc.poll() is not None, 60, "node a to leave")
     seen = events()
