@@ -162,33 +162,32 @@ class WaitLine:
             self.line.show(what, f"{now - self.since:.0f}s so far" + (f"; {note}" if note else ""), now)
 
 
-def unreachable(
-    node: str, targets: Sequence[str], seated: bool, members: Sequence[GenerationMember], down_s: float
-) -> str:
+def unreachable(node: str, targets: Sequence[str], seated: Sequence[str], down_s: float) -> str:
     """The one line an agent says once per control-plane outage: where the control plane was, what still works, and
     what brings it back.
 
     Args:
         node: this node's id.
         targets: the coordinators the agent calls.
-        seated: the control plane is an embedded one with seats (more than one coordinator listed means several).
-        members: the current generation's members (one whose address is a coordinator's hosts a one-seat control
-            plane).
+        seated: the nodes that held the embedded control plane's seats, as the control plane last listed them (empty:
+            a standalone deployment, or none listed).
         down_s: how long it has been unreachable.
     """
-    hosts = {target.rsplit(":", 1)[0].strip("[]") for target in targets}
-    owner = next((m.node_id for m in members if m.address.rsplit(":", 1)[0].strip("[]") in hosts), "")
-    if seated and len(targets) > 1:
-        where = f"an embedded control plane on {len(targets)} nodes: its etcd needs {len(targets) // 2 + 1} of them"
+    if len(seated) > 1:
+        where = (
+            f"an embedded control plane on {len(seated)} nodes ({', '.join(seated)}): its etcd needs "
+            f"{len(seated) // 2 + 1} of them"
+        )
         fix = (
             "Start `pliant run` again (the join line) on the seats' nodes that are gone: each takes its seat back "
             "from its saved state, and the control plane is back once a majority of the seats runs"
         )
-    elif owner:
-        where = f"embedded in node {owner}'s `pliant run`"
+    elif seated:
+        where = f"embedded in node {seated[0]}'s `pliant run`"
         fix = (
-            f"Restart `pliant run` on node {owner} with the same flags and --listen, or run standalone coordinator "
-            f"replicas for a control plane that outlives any node (README: Two machines)"
+            f"Restart `pliant run` on node {seated[0]} with the same flags and --listen; a control plane that "
+            f"outlives any node takes 3 seats (--nnodes with 3 nodes or more) or standalone replicas (README: "
+            f"Guarantees and limits)"
         )
     else:
         where, fix = "its replicas", "Check that a coordinator replica runs and reaches etcd (pliant status)"

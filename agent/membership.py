@@ -95,6 +95,10 @@ class Membership:
         self._reports: queue.Queue[core.Report] = queue.Queue()
         self._left = threading.Event()
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
+        # Heartbeat thread: the nodes that hold the control plane's seats, as the last answer listed them (what the
+        # line of an unreachable control plane names), and whether a seat is handed to this node (its seat takes it).
+        self.seated: tuple[str, ...] = ()
+        self.seat_handed = threading.Event()
 
     def _granted(self, key: str) -> bytes:
         grant = self.grant
@@ -161,14 +165,7 @@ class Membership:
 
     def _say_unreachable(self, since: float) -> None:
         """One line, once per outage (:func:`pliant.agent.console.unreachable`)."""
-        gen = self._world()
-        line = unreachable(
-            self.config.node_id,
-            tuple(self.client.targets),
-            seated=bool(self.config.join_line),
-            members=gen.members if gen is not None else (),
-            down_s=time.monotonic() - since,
-        )
+        line = unreachable(self.config.node_id, tuple(self.client.targets), self.seated, time.monotonic() - since)
         console.warning("%s", line)
 
     def _create_job(self) -> None:
@@ -309,6 +306,10 @@ class Membership:
                 beat = self.client.beat(request, timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))
                 self._events.put(core.HeartbeatOk())
                 self._follow_coordinators(beat.coordinators)
+                self.seated = beat.seated or self.seated
+                if beat.seat_handed and not self.seat_handed.is_set():
+                    console.info("agent %s: a control-plane seat is handed to this node; taking it", node)
+                    self.seat_handed.set()
                 if failing:
                     back_after = time.monotonic() - down_since
                     logger.info("agent %s: heartbeats reach the coordinator again after %.0fs", node, back_after)

@@ -74,11 +74,13 @@ _HANDSHAKE_REFUSED = re.compile(
 
 @dataclass(frozen=True)
 class Beat:
-    """A heartbeat's answer: the membership lease's TTL, and the coordinators of the control plane as it stands
-    (empty when it does not list them)."""
+    """A heartbeat's answer: the membership lease's TTL, the coordinators of the control plane as it stands and the
+    nodes that hold its seats (empty when it does not list them), and whether a seat is being handed to this node."""
 
     ttl_s: float
     coordinators: tuple[str, ...] = ()
+    seated: tuple[str, ...] = ()
+    seat_handed: bool = False
 
 
 class CoordinatorClient:
@@ -306,7 +308,7 @@ class CoordinatorClient:
     def beat(self, request: pb.HeartbeatRequest, timeout_s: float | None = None) -> Beat:
         """:meth:`heartbeat` with its whole answer: the lease's TTL and the control plane's coordinators."""
         resp = self._call("Heartbeat", request, timeout_s)
-        return Beat(resp.ttl_s, tuple(resp.coordinators))
+        return Beat(resp.ttl_s, tuple(resp.coordinators), tuple(resp.control_plane_nodes), resp.seat_handed)
 
     def claim_seat(
         self,

@@ -23,6 +23,7 @@ from pliant.coordinator.seats import (
     AddLearner,
     Deny,
     Grant,
+    Handover,
     Promote,
     Refuse,
     Remove,
@@ -83,15 +84,17 @@ class SeatKeeper:
         kit: SeatKit,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        node: str = "",
     ) -> None:
         self._store = store
         self._members = members
         self.kit = kit
+        self.node = node  # the node whose seat this replica is ("": not known)
         self._clock = clock
         self._wall = wall
         self._lock = threading.Lock()  # one claim at a time
         self._cache = threading.Lock()
-        self._coordinators: tuple[tuple[str, ...], float] = ((), float("-inf"))  # and when read (under _cache)
+        self._record: tuple[Seats | None, float] = (None, float("-inf"))  # the record, and when read (under _cache)
         # What the upkeep saw (upkeep thread): seated node -> last seen live (or its seat first seen), seated node ->
         # its seat first seen, etcd member without a seat -> first seen so.
         self._live: dict[str, float] = {}
@@ -124,20 +127,62 @@ class SeatKeeper:
                 return key, now + ttl_s
         raise CoordinatorError("the seats record kept changing while a seat key was added; try again")
 
+    def _cached(self) -> Seats | None:
+        """The seats record, read at most every :data:`COORDINATORS_READ_EVERY_S` (the last one read when etcd does
+        not answer)."""
+        with self._cache:
+            record, read_at = self._record
+            if self._clock() - read_at < COORDINATORS_READ_EVERY_S:
+                return record
+        try:
+            record, _rev = self._store.read_seats()
+        except CoordinatorError:
+            return record
+        with self._cache:
+            self._record = (record, self._clock())
+        return record
+
     def coordinators(self) -> tuple[str, ...]:
         """The coordinators of the control plane as the seats record lists them (read at most every few seconds)."""
-        with self._cache:
-            listed, read_at = self._coordinators
-            if self._clock() - read_at < COORDINATORS_READ_EVERY_S:
-                return listed
-        try:
-            seats, _rev = self._store.read_seats()
-        except CoordinatorError:
-            return listed
-        listed = seats.coordinators if seats is not None else ()
-        with self._cache:
-            self._coordinators = (listed, self._clock())
-        return listed
+        record = self._cached()
+        return record.coordinators if record is not None else ()
+
+    def seats_of(self) -> tuple[str, ...]:
+        """The nodes that hold the control plane's seats, in the order they took them (read at most every few
+        seconds): what an agent names when the control plane is unreachable."""
+        record = self._cached()
+        return tuple(seat.node for seat in record.seats) if record is not None else ()
+
+    def handed_to(self, node: str) -> bool:
+        """Whether a seat is being handed to ``node`` (read at most every few seconds)."""
+        record = self._cached()
+        return record is not None and record.handing_to(node, self._wall()) is not None
+
+    def hand_over(self, node: str, to: str, ttl_s: float) -> bool:
+        """Record that ``node``'s seat goes to ``to`` if it takes it within ``ttl_s`` (see :mod:`seats`); False when
+        ``node`` holds no seat.
+
+        Raises:
+            CoordinatorError: etcd did not answer, or the record kept changing.
+        """
+        for _attempt in range(5):
+            seats, rev = self._store.read_seats()
+            if seats is None or seats.holder(node) is None:
+                return False
+            handover = Handover(node, to, self._wall() + ttl_s)
+            if self._store.write_seats(replace(seats, handover=handover), rev):
+                logger.warning("control plane: %s hands its seat to %s (for %.0fs)", node, to, ttl_s)
+                self._forget_coordinators()
+                return True
+        raise CoordinatorError("the seats record kept changing while a hand-over was recorded; try again")
+
+    def seats(self) -> Seats | None:
+        """The seats record as etcd has it now (None: none).
+
+        Raises:
+            CoordinatorError: etcd did not answer.
+        """
+        return self._store.read_seats()[0]
 
     def claim(self, seat: Seat, key: str, proof: bytes) -> pb.ClaimSeatResponse:
         """Answer a node's claim for a seat (``seat``: its node and where it would listen; ``key``: the seat key it
@@ -208,7 +253,7 @@ class SeatKeeper:
             for key in set(seen) - keep:  # type: ignore[operator]
                 del seen[key]  # type: ignore[attr-defined]
         sightings = Sightings(self._live, self._seated, self._seatless)
-        for action in decide_upkeep(seats, members, sightings, now):
+        for action in decide_upkeep(seats, members, sightings, now, self.node, self._wall()):
             if isinstance(action, Promote):
                 self._promote(action)
             elif isinstance(action, Remove):
@@ -216,7 +261,7 @@ class SeatKeeper:
 
     def _forget_coordinators(self) -> None:
         with self._cache:
-            self._coordinators = ((), float("-inf"))
+            self._record = (None, float("-inf"))
 
     def _promote(self, action: Promote) -> str:
         try:

@@ -17,10 +17,20 @@ the loss of either node cost the quorum. The leader keeps the seats: it promotes
 seat of a node that has not been a live member of any job for :data:`GONE_AFTER_S` (and a learner that never
 started), so that a node that joins later can take that seat and the quorum is whole again.
 
+**A seat is handed over** when its node leaves gracefully while another node of the job runs: the leaving node
+records a hand-over (``handover``: from it, to a live member it names, until a deadline), the control plane's
+explicit choice on the seat's behalf. The named node's agent learns it from its heartbeat's answer and claims the
+seat without a key (its certificate names it); the claim makes room for one more seat while the hand-over lasts, its
+member joins as a learner, and the leader promotes it once it started. Once it votes, the leaving node gives up the
+lead (it stops its replica), and a replica other than the leaving node's removes the leaving node's member and seat:
+the control plane then runs on the named node, as it did on the one that left. A hand-over that does not complete by
+its deadline lapses (the record keeps the seats as they are).
+
 Record: one etcd key, ``{prefix}/control-plane/seats``, a JSON object written with a compare on its mod revision:
 ``{"wanted": N, "seats": [{"node": ID, "coordinator": "HOST:PORT", "etcd_client": URL, "etcd_peer": URL,
-"since": WALL, "proof": SHA256_HEX}], "keys": [{"digest": SHA256_HEX, "expires_at": WALL}]}``, the seats in the order
-they were taken, the keys that have not expired. An agent learns the coordinators from every heartbeat's answer.
+"since": WALL, "proof": SHA256_HEX}], "keys": [{"digest": SHA256_HEX, "expires_at": WALL}], "handover": {"node":
+ID, "to": ID, "expires_at": WALL} | null}``, the seats in the order they were taken, the keys that have not expired.
+An agent learns the coordinators, and a seat handed to it, from every heartbeat's answer.
 
 Decisions are pure functions of the record, etcd's member list, the live nodes and the time
 (:func:`decide_claim`, :func:`decide_upkeep`); :class:`pliant.coordinator.seat_keeper.SeatKeeper` performs them.
@@ -43,6 +53,7 @@ __all__ = [
     "AddLearner",
     "Deny",
     "Grant",
+    "Handover",
     "Promote",
     "Refuse",
     "Remove",
@@ -109,13 +120,28 @@ def digest(secret: str | bytes) -> str:
 
 
 @dataclass(frozen=True)
+class Handover:
+    """``node``'s seat goes to ``to`` (a live member of the job), if it takes it before ``expires_at`` (wall clock)."""
+
+    node: str
+    to: str
+    expires_at: float
+
+
+@dataclass(frozen=True)
 class Seats:
-    """The seats record: how many seats the control plane wants, who holds them (in the order they were taken), and
-    the seat keys that admit new seats."""
+    """The seats record: how many seats the control plane wants, who holds them (in the order they were taken), the
+    seat keys that admit new seats, and a seat being handed over."""
 
     wanted: int
     seats: tuple[Seat, ...] = ()
     keys: tuple[SeatKey, ...] = ()
+    handover: Handover | None = None
+
+    def handing_to(self, node: str, now: float) -> Handover | None:
+        """The hand-over of a seat to ``node`` that lasts at ``now`` (None: none)."""
+        handover = self.handover
+        return handover if handover is not None and handover.to == node and now < handover.expires_at else None
 
     @property
     def coordinators(self) -> tuple[str, ...]:
@@ -133,7 +159,11 @@ class Seats:
         return replace(self, seats=tuple(seat if s.etcd_peer == seat.etcd_peer else s for s in self.seats))
 
     def without(self, node: str) -> Seats:
-        return replace(self, seats=tuple(s for s in self.seats if s.node != node))
+        """This record without ``node``'s seat (and without a hand-over from or to it)."""
+        handover = (
+            self.handover if self.handover is None or node not in (self.handover.node, self.handover.to) else None
+        )
+        return replace(self, seats=tuple(s for s in self.seats if s.node != node), handover=handover)
 
     def with_key(self, key: SeatKey, now: float) -> Seats:
         """This record with ``key`` among its keys, and without the keys expired at ``now``."""
@@ -153,17 +183,24 @@ class Seats:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"wanted": self.wanted, "seats": [asdict(s) for s in self.seats], "keys": [asdict(k) for k in self.keys]},
+            {
+                "wanted": self.wanted,
+                "seats": [asdict(s) for s in self.seats],
+                "keys": [asdict(k) for k in self.keys],
+                "handover": asdict(self.handover) if self.handover is not None else None,
+            },
             sort_keys=True,
         )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Seats:
         data = json.loads(text)
+        handover = data.get("handover")
         return cls(
             int(data["wanted"]),
             tuple(Seat(**seat) for seat in data.get("seats", [])),
             tuple(SeatKey(**key) for key in data.get("keys", [])),
+            Handover(**handover) if handover else None,
         )
 
 
@@ -240,15 +277,16 @@ def decide_claim(seats: Seats, members: Sequence[EtcdMember], claim: Seat, key: 
     if back is not None and _member_of(back, members) is not None:
         # The seat's own node (its agent again, or a new one with its member's data, under a new node id).
         return Grant(replace(back, node=claim.node, coordinator=claim.coordinator))
-    if not key:
+    handed = seats.handing_to(claim.node, now)  # a leaving seat's node named this one: no key needed
+    if handed is None and not key:
         return Deny(NO_KEY)
-    if not seats.admits(key, now):
+    if handed is None and not seats.admits(key, now):
         return Deny(BAD_KEY)
     held = seats.holder(claim.node)
     if held is not None and _member_of(held, members) is not None:
         return Grant(held)
     others = seats.without(claim.node)
-    if len(others.seats) >= seats.wanted:
+    if len(others.seats) >= seats.wanted + (handed is not None):  # the leaving seat's place is the named node's
         return Refuse(f"the control plane's {seats.wanted} seat(s) are taken", final=True)
     learner = next((m for m in members if m.learner), None)
     if learner is not None:
@@ -269,13 +307,37 @@ class Sightings:
     seatless: Mapping[int, float]
 
 
-def decide_upkeep(seats: Seats, members: Sequence[EtcdMember], seen: Sightings, now: float) -> list[Promote | Remove]:
+def _handed_over(seats: Seats, members: Sequence[EtcdMember], me: str, wall: float) -> list[Promote | Remove]:
+    """The steps of a hand-over that lasts at ``wall``: promote the named node's learner once it started; once it
+    votes, remove the leaving node's member and seat (never by the leaving node's own replica, ``me``, which gives
+    up the lead first)."""
+    handover = seats.handover
+    if handover is None or wall >= handover.expires_at:
+        return []
+    target = seats.holder(handover.to)
+    member = _member_of(target, members) if target is not None else None
+    if member is None or not member.started:
+        return []
+    if member.learner:
+        return [Promote(member.id, f"{handover.to} takes the seat of {handover.node}, which leaves")]
+    leaving = seats.holder(handover.node)
+    if leaving is None or me == handover.node:
+        return []
+    gone = _member_of(leaving, members)
+    return [
+        Remove(gone.id if gone is not None else 0, handover.node, f"{handover.node} handed its seat to {handover.to}")
+    ]
+
+
+def decide_upkeep(
+    seats: Seats, members: Sequence[EtcdMember], seen: Sightings, now: float, me: str = "", wall: float = 0.0
+) -> list[Promote | Remove]:
     """The leader's upkeep of the seats, by the record, etcd's members, and what the leader saw (``now`` on its
-    clock).
+    clock); ``me``: the node of the replica that leads; ``wall``: the wall clock a hand-over's deadline is in.
 
     At most one change per call, the safest first: removing a learner that holds no seat (a claim that failed half
-    way) or one that never started, then the member of a node that is gone (never the last voting member), then a
-    promotion.
+    way) or one that never started, then a hand-over's step, then the member of a node that is gone (never the last
+    voting member), then a promotion.
     """
     voters = [m for m in members if not m.learner]
     for member in members:
@@ -284,6 +346,9 @@ def decide_upkeep(seats: Seats, members: Sequence[EtcdMember], seen: Sightings, 
             return [Remove(member.id, "", "a learner without a seat")]
         if seat is not None and not member.started and now - seen.seated.get(seat.node, now) > NEVER_STARTED_S:
             return [Remove(member.id, seat.node, f"{seat.node}'s member never started")]
+    handing = _handed_over(seats, members, me, wall)
+    if handing:
+        return handing
     for seat in seats.seats:
         member = _member_of(seat, members)
         if member is None and now - seen.seated.get(seat.node, now) > NEVER_STARTED_S:

@@ -216,7 +216,7 @@ class CoordinatorServer:
         self.seats: SeatKeeper | None = None
         if config.seats is not None:
             members = EtcdMembers(config.etcd_endpoints, config.etcd_tls, config.etcd_timeout_s)
-            self.seats = SeatKeeper(self.store, members, config.seats)
+            self.seats = SeatKeeper(self.store, members, config.seats, node=config.replica_id)
         self.servicer = CoordinatorServicer(
             self.store,
             self.hub,

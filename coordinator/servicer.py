@@ -313,8 +313,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if len(self._probed) > 100_000:  # nodes come and go: forget them all now and then
                 self._probed.clear()
             self._probed[key] = probe
-        coordinators = self._seats.coordinators() if self._seats is not None else ()
-        return pb.HeartbeatResponse(ttl_s=ttl, coordinators=coordinators)
+        if self._seats is None:
+            return pb.HeartbeatResponse(ttl_s=ttl)
+        return pb.HeartbeatResponse(
+            ttl_s=ttl,
+            coordinators=self._seats.coordinators(),
+            control_plane_nodes=self._seats.seats_of(),
+            seat_handed=self._seats.handed_to(request.node_id),
+        )
 
     def _record_progress(self, request: pb.HeartbeatRequest) -> None:
         """Write the node's step to etcd when it changed and the last write is ``progress_interval_s`` old."""

@@ -129,13 +129,14 @@ def test_on_a_terminal_the_line_updates_in_place_and_other_output_erases_it_firs
     assert out.getvalue().endswith("(6s so far)\r\x1b[K")
 
 
-def test_the_line_of_a_control_plane_gone_says_where_it_was_and_what_brings_it_back() -> None:
-    members = _gen(3, "a", "b").members  # a at 10.0.0.0:1, b at 10.0.0.1:1
-    one = unreachable("b", ("10.0.0.0:29400",), seated=False, members=members, down_s=10.4)
-    assert "the control plane at 10.0.0.0:29400 (embedded in node a's `pliant run`) has been unreachable for 10s" in one
+def test_the_line_of_a_control_plane_gone_names_the_nodes_that_held_it_never_a_guess() -> None:
+    # all nodes on one host: an address names no node; the control plane's own list of its seats does
+    one = unreachable("b", ("127.0.0.1:29400",), ("a",), down_s=10.4)
+    assert "at 127.0.0.1:29400 (embedded in node a's `pliant run`) has been unreachable for 10s" in one
     assert "Restart `pliant run` on node a" in one and "the workers keep training" in one
-    seats = unreachable("b", ("10.0.0.0:1", "10.0.0.1:1", "10.0.0.2:1"), seated=True, members=members, down_s=12)
-    assert "(an embedded control plane on 3 nodes: its etcd needs 2 of them)" in seats
+    assert "README: Guarantees and limits" in one
+    seats = unreachable("b", ("10.0.0.0:1", "10.0.0.1:1", "10.0.0.2:1"), ("a", "c", "d"), down_s=12)
+    assert "(an embedded control plane on 3 nodes (a, c, d): its etcd needs 2 of them)" in seats
     assert "each takes its seat back from its saved state" in seats
-    standalone = unreachable("b", ("coord:29400",), seated=False, members=members, down_s=10)
+    standalone = unreachable("b", ("coord:29400",), (), down_s=10)
     assert "(its replicas)" in standalone and "Check that a coordinator replica runs" in standalone
