@@ -196,6 +196,7 @@ class Agent:
                     self.membership.client,
                     self.metrics.registry,
                     lambda line: console.info("%s", line),
+                    self.membership.seat_handed,
                 ).start()
                 self._seat.resumed.wait(RESUME_WAIT_S + 5)
             joining = WaitLine(status_line(), after_s=JOIN_WAIT_SHOWN_AFTER_S)

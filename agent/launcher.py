@@ -15,6 +15,7 @@ import os
 import secrets
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from pliant.tls import Role, TlsConfig, add_tls_flags, read_token_file, tls_from
 if TYPE_CHECKING:
     from pliant.agent.runcerts import RunCerts
     from pliant.agent.workers import Zygote
+    from pliant.coordinator.etcd_server import EtcdServer
+    from pliant.coordinator.server import CoordinatorServer
 
 __all__ = ["add_launch_flags", "agent_main", "config_from_args", "run_main"]
 
@@ -584,11 +587,9 @@ def run_main(args: argparse.Namespace) -> int:
     draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
     listen_host, listen_port = parse_host_port(args.listen, what="--listen", allow_zero=True)
     _check_free(listen_host, listen_port, "--listen")
-    from pliant.coordinator.seats import wanted_seats
-
     if listen_port and not args.insecure:  # the bootstrap join's port is the next one, then etcd's two with seats
         _check_free(listen_host, listen_port + 1, "--listen's port + 1 (the bootstrap join's port)")
-        if wanted_seats(parse_node_range(args.nnodes)[1], args.control_plane_seats) > 1:
+        if parse_node_range(args.nnodes)[1] > 1:  # a seat another node can take: etcd serves the network
             _check_free(listen_host, listen_port + 2, "--listen's port + 2 (etcd's client port)")
             _check_free(listen_host, listen_port + 3, "--listen's port + 3 (etcd's peer port)")
     args.host = draft.host
@@ -628,27 +629,30 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
     listen_host, listen_port = parse_host_port(args.listen, what="--listen", allow_zero=True)
     host = args.host if is_wildcard(listen_host) else listen_host
     seats = wanted_seats(parse_node_range(args.nnodes)[1], args.control_plane_seats) if certs else 1
+    # A job another node may join has a seated control plane even with one seat: the seat can then be handed over
+    # when this node leaves (pliant.coordinator.seat_handover).
+    seated = certs is not None and parse_node_range(args.nnodes)[1] > 1
     # A wildcard --listen serves every interface; the join command names the address this node advertises.
     # etcd serves mutual TLS from a CA of its own (the coordinators are its clients), unless the run is --insecure.
     # With seats, its members on other nodes reach it at this node's address, on the ports after the bootstrap's.
     etcd = EtcdServer(
-        host=host if seats > 1 else "127.0.0.1",
-        client_port=listen_port + 2 if seats > 1 and listen_port else None,
-        peer_port=listen_port + 3 if seats > 1 and listen_port else None,
+        host=host if seated else "127.0.0.1",
+        client_port=listen_port + 2 if seated and listen_port else None,
+        peer_port=listen_port + 3 if seated and listen_port else None,
         log_path=log_path,
         die_with_parent=True,
         tls=certs.etcd_server if certs else None,
-        name=args.node_id if seats > 1 else "pliant",
+        name=args.node_id if seated else "pliant",
     )
     with etcd:
         kit = None
-        if certs and seats > 1:
+        if certs and seated:
             kit = SeatKit(certs.ca, certs.etcd_ca, load_or_create_root(args.seal_root_file), 2.0, seats)
         coord_config = CoordinatorConfig(
             etcd_endpoints=(etcd.endpoint,),
             listen=args.listen,
             leader_ttl_s=2.0,
-            replica_id="embedded",
+            replica_id=args.node_id if seated else "embedded",
             tls=certs.coordinator if certs else None,
             etcd_tls=certs.etcd_client if certs else None,
             insecure=certs is None,
@@ -665,7 +669,7 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
                 coordinator.seats.take_first(first, seat_key, SEAT_KEY_TTL_S)
             security = f"mutual TLS, certificates in {certs.directory}" if certs else "PLAINTEXT (--insecure)"
             ports = f"ports {coordinator.port}" + (f" and {coordinator.bootstrap_port}" if certs else "")
-            if seats > 1:
+            if seated:
                 ports = f"ports {coordinator.port}, {coordinator.bootstrap_port}, {etcd.client_port}, {etcd.peer_port}"
             joinable = parse_node_range(args.nnodes)[1] > 1  # --nnodes 1:1: no node can join, none is told how
             plane = f"pliant: coordinator on {address} ({security}; embedded etcd {etcd.endpoint})"
@@ -674,7 +678,7 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
             else:
                 join = _join_command(args, address, certs.fingerprint if certs else "", token)
                 print(f"{plane}; other nodes join with:\n  {join}", flush=True)
-                if coordinator.seats is not None:
+                if coordinator.seats is not None and seats > 1:
                     print(
                         f"pliant: {seats - 1} more node(s) may hold a seat of the control plane (an etcd member and a "
                         f"coordinator replica: it then outlives any one node); on those, join instead with (its "
@@ -700,7 +704,29 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
                 print(f"pliant: `{status} --tls-dir {certs.directory / 'admin'}` shows the job", flush=True)
             config = config_from_args(args, [address], embedded=True, tls=certs.agent if certs else None)
             config = dataclasses.replace(config, admin_tls=certs.admin if certs else None)
-            if seats > 1 and joinable:
+            if seated and joinable:
                 line = _join_command(args, COORDINATORS, certs.fingerprint if certs else "", token)
                 config = dataclasses.replace(config, join_line=line)
-            return Agent(config, zygote=zygote, registry=registry).run()
+            code = Agent(config, zygote=zygote, registry=registry).run()
+            if code >= 128 and coordinator.seats is not None:  # left on a signal: the seat goes to another node
+                _hand_over(coordinator, etcd, args.node_id)
+            return code
+
+
+def _hand_over(coordinator: CoordinatorServer, etcd: EtcdServer, node: str) -> None:
+    """Hand this node's control-plane seat to another node of the job before the run ends
+    (:func:`pliant.coordinator.seat_handover.hand_over`); a second signal cuts it short."""
+    from pliant.coordinator.seat_handover import hand_over
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    said = lambda line: print(f"pliant: {line}", flush=True)  # noqa: E731
+    previous = [signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        hand_over(coordinator, etcd, node, said)
+    except KeyboardInterrupt:
+        said("left without handing the control-plane seat over: the control plane ends with this node")
+    finally:
+        for sig, handler in zip((signal.SIGINT, signal.SIGTERM), previous, strict=True):
+            signal.signal(sig, handler)

@@ -2,7 +2,8 @@
 or the seats are full, then runs the etcd member and the coordinator replica the seat holds until the agent stops.
 
 A node asks for a new seat only with the control plane's seat key (``PLIANT_SEAT_KEY``, from the seat line the
-first node printed, or ``pliant seat-key``); without one it holds no seat, unless it comes back to the seat it held.
+first node printed, or ``pliant seat-key``); without one it holds no seat, unless it comes back to the seat it held,
+or a leaving seat's node hands its seat to it (its heartbeat's answer says so; :mod:`pliant.coordinator.seats`).
 
 The node listens for them on its own address (the one it advertises): the coordinator on the port the node joined
 the control plane with when it is free here (the Bootstrap service on the next one), etcd's client and peer ports on
@@ -100,6 +101,8 @@ class SeatHolder:
         client: the agent's coordinator client.
         registry: where the replica's metrics go (the node's endpoint).
         said: called with a line for the console when the seat is taken.
+        handed: set (by the agent's heartbeat) when a leaving seat's node hands its seat to this node: a node without
+            a seat key then claims it.
     """
 
     def __init__(
@@ -112,8 +115,10 @@ class SeatHolder:
         client: CoordinatorClient,
         registry: CollectorRegistry,
         said: Callable[[str], None],
+        handed: threading.Event | None = None,
     ) -> None:
         self.job = job
+        self.handed = handed if handed is not None else threading.Event()  # a seat is handed to this node
         self.key = key
         self.node_id = node_id
         self.host = host
@@ -148,8 +153,12 @@ class SeatHolder:
         elif self.key:
             ports = seat_ports(self.host, parse_host_port(self.client.targets[0], what="--coordinator")[1])
             proof = b""
-        else:
-            return  # no seat held before, and no key for a new one: this node is a worker node only
+        else:  # no seat held before, and no key for a new one: a seat only when one is handed to this node
+            while not self.handed.wait(0.5):
+                if self.stop.is_set():
+                    return
+            ports = seat_ports(self.host, parse_host_port(self.client.targets[0], what="--coordinator")[1])
+            proof = b""
         while not self.joined.wait(0.5):
             if self.stop.is_set():
                 return
@@ -347,7 +356,11 @@ class SeatHolder:
 
     def close(self) -> None:
         """Stop asking, stop the seat's replica and etcd member, and remove the seat's home (the leader gives the seat
-        up once this node is gone)."""
+        up once this node is gone). The replica stops first: the member stops with this seat's thread, and a
+        replica whose etcd is gone only warns until it stops."""
+        coordinator, self.coordinator = self.coordinator, None
+        if coordinator is not None:
+            coordinator.stop()
         self.stop.set()
         self.joined.set()
         if self._thread.is_alive():

@@ -176,6 +176,14 @@ class SeatKeeper:
                 return True
         raise CoordinatorError("the seats record kept changing while a hand-over was recorded; try again")
 
+    def members(self) -> list[EtcdMember]:
+        """etcd's members now.
+
+        Raises:
+            EtcdClusterError: etcd did not answer.
+        """
+        return self._members.list()
+
     def seats(self) -> Seats | None:
         """The seats record as etcd has it now (None: none).
 

@@ -11,8 +11,12 @@ node printed. Nothing sets GLOO_SOCKET_IFNAME: pliant picks the interface of the
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,8 +58,11 @@ def _worker_env(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
-def _recipe(tmp_path: Path, fabric: Fabric, nproc: int, nodes: int) -> tuple[list[Machine], str]:
-    """The first machine's command from the README, and the join line it prints."""
+def _recipe(
+    tmp_path: Path, fabric: Fabric, nproc: int, nodes: int, seats: tuple[str, ...] = ("--control-plane-seats", "1")
+) -> tuple[list[Machine], str]:
+    """The first machine's command from the README, and the join line it prints (``seats``: the seat flags; one
+    seat by default: what losing the control plane costs; seats: test_control_plane_seats)."""
     machines = [Machine(fabric, name, tmp_path) for name in "abc"[:nodes]]
     first = machines[0]
     argv = [
@@ -67,8 +74,7 @@ def _recipe(tmp_path: Path, fabric: Fabric, nproc: int, nodes: int) -> tuple[lis
         f"0.0.0.0:{PORT}",
         "--nnodes",
         f"1:{nodes}",
-        "--control-plane-seats",  # one seat: what losing the control plane costs (seats: test_control_plane_seats)
-        "1",
+        *seats,
         "--nproc-per-node",
         str(nproc),
         "train.py",
@@ -165,10 +171,67 @@ def _without_the_control_plane(machines: list[Machine]) -> float:
         said = wait_for(lambda m=machine: re.search(r".*has been unreachable for.*", m.output()), 30, "the line")
         line = said.group(0)  # type: ignore[union-attr]
         assert f"{first.node.address}:{PORT}" in line and "embedded in node hosta-" in line, line
-        assert "Restart `pliant run` on node hosta-" in line and "standalone coordinator replicas" in line, line
+        assert "Restart `pliant run` on node hosta-" in line and "or standalone replicas" in line, line
         assert machine.output().count("has been unreachable") == 1, "said once"
     said = time.time()
     said_s = said - gone
     world = len(machines)
     wait_for(lambda: ranks_at(machines, world, said) == set(range(world)), 30, "the world training on")
     return said_s
+
+
+def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabric, tmp_path: Path) -> None:
+    """The README's recipe on two machines (one seat, the default for two nodes): Ctrl-C of the first machine hands
+    its seat to the second before it leaves. The second trains on, holds the control plane, prints a join line of
+    its own that a third machine joins with, `pliant status` works there, and the job finishes."""
+    machines, join = _recipe(tmp_path, fabric, 1, nodes=2, seats=())
+    first, second = machines
+    wait_for(lambda: ranks_at([first], 1) == {0}, 120, "the first machine stepping")
+    started = time.time()
+    second.run(["env", *shlex.split(join)], hide_tmp=True)
+    wait_for(lambda: ranks_at(machines, 2, started) == {0, 1}, 120, "world 2 stepping")
+
+    pressed = time.time()
+    os.killpg(first.procs[0].pid, signal.SIGINT)  # Ctrl-C
+    wait_for(lambda: first.procs[0].poll() is not None, 120, "the first machine to leave")
+    left_s = time.time() - pressed
+    print(first.output()[-2500:], "\n----\n", second.output()[-2500:])
+    assert first.procs[0].returncode == 130, first.output()[-3000:]
+    assert "handing this node's control-plane seat to hostb-" in first.output()
+    assert re.search(r"hostb-\S+ holds the control plane now", first.output()), first.output()[-3000:]
+    assert "a control-plane seat is handed to this node" in second.output()
+    assert "this node holds a control-plane seat" in second.output()
+    wait_for(lambda: ranks_at([second], 1, pressed + left_s) == {0}, 60, "the second machine training on alone")
+    assert "has been unreachable" not in second.output(), "the control plane never went away"
+
+    found = wait_for(
+        lambda: re.search(
+            rf"other nodes join with:\n  (.+--coordinator {second.node.address}:\S+ .+)\n", second.output()
+        ),
+        60,
+        "the second machine's join line",
+    )
+    third = Machine(fabric, "c", tmp_path)
+    grown = time.time()
+    third.run(["env", *shlex.split(found.group(1))], hide_tmp=True)  # type: ignore[union-attr]
+    wait_for(lambda: ranks_at([second, third], 2, grown) == {0, 1}, 120, "world 2 again, with the third machine")
+
+    pid = second.procs[-1].pid  # `pliant status` on the second machine, with no flags: its agent's view
+    status = subprocess.run(
+        ["nsenter", "-t", str(pid), "-m", "-n", "-u", "--", sys.executable, "-m", "pliant", "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=second.cwd,
+    )
+    assert status.returncode == 0, status.stderr[-2000:]
+    (job,) = json.loads(status.stdout)["jobs"]
+    assert job["state"] == "running" and job["world_size"] == 2, job
+
+    newest = max(e["step"] for m in (second, third) for e in m.events())
+    for m in (second, third):
+        m.stop_at(newest + 10)
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in (second, third)), 90, "both machines to exit")
+    assert [m.procs[-1].returncode for m in (second, third)] == [0, 0], [m.output()[-2000:] for m in (second, third)]
+    assert "succeeded at full size" in second.output()
+    print(f"Ctrl-C of the first of two machines: it handed its seat over and left in {left_s:.1f}s")
