@@ -308,6 +308,9 @@ class SeatHolder:
         )
         self._start_services(saved, self._kit(), resume=False)
         (self.home / "seat.json").write_text(json.dumps(asdict(saved)))
+        # The agent calls this node's replica too from now on: a seat handed over by a node that leaves may be all
+        # that is left of the control plane before a heartbeat's answer lists it.
+        self.client.use_targets([*self.client.targets, self.coordinator.address])  # type: ignore[union-attr]
         self.said(
             f"this node holds a control-plane seat: coordinator on {self.coordinator.address}, etcd member "  # type: ignore[union-attr]
             f"{self.etcd.endpoint}"  # type: ignore[union-attr]

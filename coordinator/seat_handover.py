@@ -8,8 +8,10 @@ The steps, each waited for up to one deadline (:data:`HANDOVER_WAIT_S` in all):
    and the control plane ends with this node;
 2. wait until that node's etcd member votes (its agent took the seat on its next heartbeat, its member joined as a
    learner, and the leader promoted it once it started);
-3. stop this node's replica, which gives up the lead: a replica of the named node leads, and its upkeep removes this
-   node's member and seat;
+3. answer heartbeats a few seconds more (:data:`LISTED_FOR_S`: each answer lists the named node's replica, which every
+   agent calls from then on), then stop this node's replica, which gives up the lead: a replica of the named node
+   leads, and its upkeep removes this node's member and seat (etcd allows it once the two members have been
+   connected for its health interval, 5 s);
 4. wait until this node's etcd member exits: etcd ends a member once the cluster removed it.
 
 A hand-over that runs out of time, or that a second signal cuts short, leaves the control plane as it stands: with a
@@ -33,6 +35,7 @@ __all__ = ["HANDOVER_WAIT_S", "hand_over"]
 logger = logging.getLogger(__name__)
 
 HANDOVER_WAIT_S = 60.0  # the whole hand-over: the named node's learner starts, syncs and is promoted within it
+LISTED_FOR_S = 3.0  # the leaving replica answers this long once the named node votes: agents learn its replica
 _POLL_S = 0.5
 
 
@@ -74,6 +77,8 @@ def hand_over(
         server.stop()
         say(f"{to} did not take the control-plane seat within {wait_s:.0f}s; the control plane ends with this node")
         return False
+    keeper.forget()  # the heartbeats' answers list the named node's replica from now on ...
+    time.sleep(LISTED_FOR_S)  # ... for every agent's next beats, before this replica goes
     server.stop()  # gives up the lead: the named node's replica removes this node's member and seat
     while time.monotonic() < deadline:
         if etcd.proc is None or etcd.proc.poll() is not None:  # etcd exits once the cluster removed its member

@@ -267,6 +267,10 @@ class SeatKeeper:
             elif isinstance(action, Remove):
                 self._remove(action, seats, rev)
 
+    def forget(self) -> None:
+        """Read the seats record again at the next heartbeat (a hand-over's step changed what it lists)."""
+        self._forget_coordinators()
+
     def _forget_coordinators(self) -> None:
         with self._cache:
             self._record = (None, float("-inf"))

@@ -12,6 +12,7 @@ from pliant.coordinator.seats import (
     AddLearner,
     Deny,
     Grant,
+    Handover,
     Promote,
     Refuse,
     Remove,
@@ -168,3 +169,28 @@ def test_a_client_follows_the_coordinators_it_is_told_keeping_the_one_it_calls_f
         assert client.targets == ["10.0.0.2:29400", "10.0.0.3:29400"] and client._current == 0
         client.use_targets([])  # nothing listed: the targets stay
         assert client.targets == ["10.0.0.2:29400", "10.0.0.3:29400"] and len(client._stubs) == 2
+
+
+def test_a_leaving_seat_is_handed_to_the_node_it_names_and_to_no_other() -> None:
+    """One seat (a two-node job): the first node leaves and names b. b claims without a key, joins as a learner in
+    the room the hand-over makes, is promoted once it started, and then a replica other than a's removes a."""
+    handing = Seats(1, (_seat("a"),), KEYS, Handover("a", "b", expires_at=50.0))
+    one = [_member("a", 1)]
+    assert handing.handing_to("b", 1.0) is not None and handing.handing_to("c", 1.0) is None
+    assert isinstance(_claim(handing, one, _seat("c"), key=""), Deny)  # another node proves nothing
+    assert isinstance(_claim(Seats(1, (_seat("a"),), KEYS), one, _seat("b"), key=""), Deny)  # no hand-over: no seat
+    assert isinstance(_claim(handing, one, _seat("b"), key="", now=60.0), Deny)  # the hand-over lapsed
+    assert _claim(handing, one, _seat("b"), key="") == AddLearner(_seat("b"))  # room for one more while it lasts
+    taken = Seats(1, (_seat("a"), _seat("b")), KEYS, handing.handover)
+    seen = _seen({"b": 0.0})
+    learner = [*one, _member("b", 2, learner=True, started=False)]
+    assert decide_upkeep(taken, learner, seen, 1.0, me="a", wall=1.0) == []  # not started yet
+    started = [*one, _member("b", 2, learner=True)]
+    (promote,) = decide_upkeep(taken, started, seen, 1.0, me="a", wall=1.0)
+    assert isinstance(promote, Promote) and promote.member_id == 2
+    voting = [*one, _member("b", 2)]
+    assert decide_upkeep(taken, voting, seen, 1.0, me="a", wall=1.0) == []  # a's own replica never removes a
+    (remove,) = decide_upkeep(taken, voting, seen, 1.0, me="b", wall=1.0)
+    assert remove == Remove(1, "a", "a handed its seat to b")
+    assert taken.without("a") == Seats(1, (_seat("b"),), KEYS)  # the seat and the hand-over go together
+    assert Seats.from_json(taken.to_json()) == taken
