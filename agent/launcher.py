@@ -558,7 +558,15 @@ def agent_main(args: argparse.Namespace) -> int:
             )
         line = _join_command(args, COORDINATORS, config.ca_cert_hash, config.join_token)
         config = dataclasses.replace(config, seat=True, seat_key=args.seat_key, join_line=line)
+        _quiet_control_plane()  # a seat this node may take or be handed
     return Agent(config).run()
+
+
+def _quiet_control_plane() -> None:
+    """On a quiet console, a replica on this node says only its errors: what it warns of (a job's failure, a seat's
+    change) the agent says in its own lines."""
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        logging.getLogger("pliant.coordinator").setLevel(logging.ERROR)
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -621,9 +629,7 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
     from pliant.coordinator.signer import Signer
 
     log_path = str(Path(args.log_dir) / "etcd.log") if args.log_dir else None
-    if not logging.getLogger().isEnabledFor(logging.INFO):
-        # A quiet console: what the embedded coordinator warns of (a job's failure) the agent says in its own line.
-        logging.getLogger("pliant.coordinator").setLevel(logging.ERROR)
+    _quiet_control_plane()
     if log_path:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     listen_host, listen_port = parse_host_port(args.listen, what="--listen", allow_zero=True)

@@ -283,7 +283,8 @@ class Membership:
         logger.info("agent %s: the control plane's coordinators are %s", self.config.node_id, ",".join(coordinators))
         if self.config.join_line:
             line = self.config.join_line.replace(COORDINATORS, ",".join(coordinators))
-            console.info("control plane on %d nodes; other nodes join with:\n  %s", len(coordinators), line)
+            nodes = f"{len(coordinators)} node{'' if len(coordinators) == 1 else 's'}"
+            console.info("control plane on %s; other nodes join with:\n  %s", nodes, line)
 
     def _heartbeat_loop(self) -> None:
         node = self.config.node_id

@@ -310,7 +310,9 @@ class SeatHolder:
         (self.home / "seat.json").write_text(json.dumps(asdict(saved)))
         # The agent calls this node's replica too from now on: a seat handed over by a node that leaves may be all
         # that is left of the control plane before a heartbeat's answer lists it.
-        self.client.use_targets([*self.client.targets, self.coordinator.address])  # type: ignore[union-attr]
+        own = self.coordinator.address  # type: ignore[union-attr]
+        if own not in self.client.targets:
+            self.client.use_targets([*self.client.targets, own])
         self.said(
             f"this node holds a control-plane seat: coordinator on {self.coordinator.address}, etcd member "  # type: ignore[union-attr]
             f"{self.etcd.endpoint}"  # type: ignore[union-attr]
