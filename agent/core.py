@@ -828,10 +828,10 @@ def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list
                 Stop(rescale=True, leave=True),
                 Exit(left_on(event.signum)),
             ]
-        if state.group is not None and state.stopping is None:
+        if state.group is not None and state.stopping is None and state.renewing_since is not None:
             # Leave first, and stop the workers once the world without this node is published: every node's agent
             # then stops its workers at the same moment, so no peer's exit breaks the others' collectives before
-            # their SIGTERM handlers run.
+            # their SIGTERM handlers run. (A control plane that does not answer publishes nothing: no wait then.)
             state = replace(state, leaving=(event.signum, now + LEAVE_WAIT_S))
             return _set(state, AgentState.LEAVING, "graceful leave: waiting for the world without this node"), [Leave()]
         stop: list[Action] = [Stop(rescale=True)] if state.group is not None else []  # a group only planned

@@ -42,6 +42,7 @@ from pliant.v1.coordinator_pb2 import HeartbeatRequest
 __all__ = ["JoinRefused", "Membership"]
 
 logger = logging.getLogger(__name__)
+LEAVE_UNREACHABLE_S = 1.0  # a leave tries this long when the last heartbeat was not answered
 console = logging.getLogger(CONSOLE)  # the job's own lines (pliant.logsetup)
 
 _GONE = (NotFound, PermissionDenied, FailedPrecondition)  # a report the coordinator will never take: drop it
@@ -99,6 +100,7 @@ class Membership:
         # line of an unreachable control plane names), and whether a seat is handed to this node (its seat takes it).
         self.seated: tuple[str, ...] = ()
         self.seat_handed = threading.Event()
+        self.reachable = True  # the last heartbeat was answered (heartbeat thread; read by a leave)
 
     def _granted(self, key: str) -> bytes:
         grant = self.grant
@@ -306,6 +308,7 @@ class Membership:
                 )
                 beat = self.client.beat(request, timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))
                 self._events.put(core.HeartbeatOk())
+                self.reachable = True
                 self._follow_coordinators(beat.coordinators)
                 self.seated = beat.seated or self.seated
                 if beat.seat_handed and not self.seat_handed.is_set():
@@ -328,6 +331,7 @@ class Membership:
                 self._rejoin()
             except CoordinatorError as exc:
                 self.metrics.heartbeat_failures.inc()
+                self.reachable = False
                 self._events.put(core.HeartbeatFailed())
                 if not failing:
                     # The call retried for heartbeat_retry_s before it failed: the outage began about then.
@@ -458,7 +462,9 @@ class Membership:
         self._left.set()  # no heartbeat, and no re-join, from here on
         if self.grant is None:
             return
+        # A control plane that does not answer the heartbeats is not waited for: the membership expires by itself.
+        retry_for_s = None if self.reachable else LEAVE_UNREACHABLE_S
         try:
-            self.client.leave(self.config.spec.job_id, self.config.node_id, self.grant.lease_id)
+            self.client.leave(self.config.spec.job_id, self.config.node_id, self.grant.lease_id, retry_for_s)
         except CoordinatorError as exc:
             logger.warning("agent %s: leave failed (%s); the membership expires by itself", self.config.node_id, exc)

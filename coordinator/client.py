@@ -187,8 +187,11 @@ class CoordinatorClient:
 
     # -- plumbing ------------------------------------------------------------------------------------------------------
 
-    def _retrying(self, attempt: Callable[[pb_grpc.CoordinatorStub], _T], what: str) -> _T:
-        deadline = time.monotonic() + self.retry_for_s
+    def _retrying(
+        self, attempt: Callable[[pb_grpc.CoordinatorStub], _T], what: str, retry_for_s: float | None = None
+    ) -> _T:
+        retry_for_s = self.retry_for_s if retry_for_s is None else retry_for_s
+        deadline = time.monotonic() + retry_for_s
         backoff = Backoff(0.05, 1.0)
         while True:
             stub = self._stub()
@@ -208,7 +211,7 @@ class CoordinatorClient:
                     ) from exc
                 if time.monotonic() >= deadline:
                     raise Unavailable(
-                        f"{what}: no coordinator answered at {','.join(self.targets)} for {self.retry_for_s:g}s "
+                        f"{what}: no coordinator answered at {','.join(self.targets)} for {retry_for_s:g}s "
                         f"({details}); check that a replica runs and reaches etcd"
                     ) from exc
                 if not backoff.failing:  # said once: what the retries wait for
@@ -340,8 +343,10 @@ class CoordinatorClient:
         resp = self._call("CreateSeatKey", pb.CreateSeatKeyRequest(ttl_s=ttl_s))
         return resp.seat_key, resp.expires_at
 
-    def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
-        self._call("Leave", pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id))
+    def leave(self, job_id: str, node_id: str, lease_id: int, retry_for_s: float | None = None) -> None:
+        """Leave the job (``retry_for_s``: how long to retry while no coordinator answers; default the client's)."""
+        request = pb.LeaveRequest(job_id=job_id, node_id=node_id, lease_id=lease_id)
+        self._retrying(lambda stub: stub.Leave(request, timeout=self.timeout_s), "Leave", retry_for_s)
 
     def report_failure(
         self,

@@ -209,6 +209,7 @@ def test_job_end_signal_and_start_failure() -> None:
 def test_a_graceful_leave_stops_the_workers_once_the_world_without_the_node_is_published() -> None:
     """The node leaves first; its workers get SIGTERM when every other node's do: as the world without it comes."""
     leaving = Agent("b")
+    leaving.on(core.Joined(10.0))
     leaving.on(core.GenerationSeen(_gen(1, "a", "b")))
     assert leaving.on(core.SignalReceived(signal.SIGTERM)) == [core.Leave()]
     assert leaving.state.phase is AgentState.LEAVING
@@ -218,17 +219,26 @@ def test_a_graceful_leave_stops_the_workers_once_the_world_without_the_node_is_p
     assert leaving.state.phase is AgentState.LEFT
 
     unheard = Agent("b")  # the control plane does not answer: the workers stop after LEAVE_WAIT_S all the same
+    unheard.on(core.Joined(10.0))
     unheard.on(core.GenerationSeen(_gen(1, "a", "b")))
     unheard.on(core.SignalReceived(signal.SIGINT))
     assert unheard.on(core.Tick({}), after=core.LEAVE_WAIT_S - 0.1) == []
     assert unheard.on(core.Tick({}), after=0.2) == [core.Stop(rescale=True), core.Exit(130)]
 
     impatient = Agent("b")  # a second Ctrl-C stops them at once
+    impatient.on(core.Joined(10.0))
     impatient.on(core.GenerationSeen(_gen(1, "a", "b")))
     impatient.on(core.SignalReceived(signal.SIGINT))
     assert impatient.on(core.SignalReceived(signal.SIGINT)) == [core.Stop(rescale=True), core.Exit(130)]
 
+    cut_off = Agent("b")  # heartbeats fail: no world without this node will be published, so no wait
+    cut_off.on(core.Joined(10.0))
+    cut_off.on(core.GenerationSeen(_gen(1, "a", "b")))
+    cut_off.on(core.HeartbeatFailed())
+    assert cut_off.on(core.SignalReceived(signal.SIGINT)) == [core.Stop(rescale=True), core.Leave(), core.Exit(130)]
+
     finished = Agent("b")  # the job ended meanwhile: it ends as the job did
+    finished.on(core.Joined(10.0))
     finished.on(core.GenerationSeen(_gen(1, "a", "b")))
     finished.on(core.SignalReceived(signal.SIGTERM))
     assert finished.on(core.JobFinished(JobState.SUCCEEDED, "done")) == [core.Stop(finish=True), core.Exit(0, "done")]
