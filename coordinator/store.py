@@ -56,7 +56,6 @@ from pliant.coordinator.contract import (
     Revocation,
     Strike,
     Unavailable,
-    truncate_reason,
 )
 from pliant.coordinator.outcome import outcome_of
 from pliant.coordinator.policy import may_overwrite
@@ -284,7 +283,8 @@ class EtcdStore(MemberStore):
         self, job: str, succeeded: bool, reason: str, now: float, generation: Generation | None = None
     ) -> JobStatus:
         """Mark ``job`` succeeded or failed, with its outcome (:func:`pliant.coordinator.outcome.outcome_of` of
-        ``generation``, by default its current one). Finishing twice the same way is a no-op.
+        ``generation``, by default its current one); the reason of a finish with ``generation`` (the members' reports)
+        leads with what the outcome names. Finishing twice the same way is a no-op.
 
         Raises:
             NotFound: no such job.
@@ -307,7 +307,8 @@ class EtcdStore(MemberStore):
                 )
             gen = generation if generation is not None or not succeeded else self._current(job)[0]
             outcome, text = outcome_of(succeeded, gen, reason)
-            new = JobStatus(wanted, now, truncate_reason(text), outcome)
+            # The members' reports are narrated with the outcome; an admin's FinishJob keeps its own words.
+            new = JobStatus(wanted, now, text if generation is not None else reason, outcome)
             ok, _ = self._txn(
                 compare=[self.tx.mod(state_key) == meta.mod_revision], success=[self.tx.put(state_key, new.to_json())]
             )
