@@ -336,9 +336,9 @@ class Membership:
                 if not failing:
                     # The call retried for heartbeat_retry_s before it failed: the outage began about then.
                     down_since = time.monotonic() - self.config.heartbeat_retry_s
-                    logger.warning(
-                        "agent %s: heartbeat failed (%s); retrying, workers keep training", self.config.node_id, exc
-                    )
+                    # An unreachable control plane gets its one line below; any other failure is said here.
+                    log = logger.info if isinstance(exc, Unavailable) else logger.warning
+                    log("agent %s: heartbeat failed (%s); retrying, workers keep training", self.config.node_id, exc)
                 if not said and isinstance(exc, Unavailable):
                     self._say_unreachable(down_since)
                     said = True
@@ -392,7 +392,8 @@ class Membership:
             except CoordinatorError as exc:
                 if self._stop.is_set():
                     return
-                log = logger.debug if failing else logger.warning  # said once per outage
+                # Said once per outage; an unreachable control plane gets the heartbeat's one line instead.
+                log = logger.debug if failing else logger.info if isinstance(exc, Unavailable) else logger.warning
                 log("agent %s: generation watch failed (%s); resuming", self.config.node_id, exc)
                 failing = True
                 self._stop.wait(1.0)
