@@ -684,12 +684,17 @@ def _run_embedded(args: argparse.Namespace, zygote: Zygote | None, certs: RunCer
             else:
                 join = _join_command(args, address, certs.fingerprint if certs else "", token)
                 print(f"{plane}; other nodes join with:\n  {join}", flush=True)
-                if coordinator.seats is not None and seats > 1:
+                if coordinator.seats is not None:
+                    who = (
+                        f"{seats - 1} more node(s) may hold a seat of the control plane (an etcd member and a "
+                        f"coordinator replica: it then outlives any one node); on those"
+                        if seats > 1
+                        else "the control plane has one seat, this node's; on the node that is to take it over when "
+                        "this node leaves (Ctrl-C hands it over)"
+                    )
                     print(
-                        f"pliant: {seats - 1} more node(s) may hold a seat of the control plane (an etcd member and a "
-                        f"coordinator replica: it then outlives any one node); on those, join instead with (its "
-                        f"PLIANT_SEAT_KEY opens the control plane: give it to no other node; valid "
-                        f"{SEAT_KEY_TTL_S / 3600:g}h, `pliant seat-key` makes another):\n"
+                        f"pliant: {who}, join instead with (its PLIANT_SEAT_KEY opens the control plane: give it to no "
+                        f"other node; valid {SEAT_KEY_TTL_S / 3600:g}h, `pliant seat-key` makes another):\n"
                         f"  PLIANT_SEAT_KEY={seat_key} {join}",
                         flush=True,
                     )

@@ -100,6 +100,7 @@ class Membership:
         # line of an unreachable control plane names), and whether a seat is handed to this node (its seat takes it).
         self.seated: tuple[str, ...] = ()
         self.seat_handed = threading.Event()
+        self._handed_said = False  # the console was told of a seat handed to this node
         self.reachable = True  # the last heartbeat was answered (heartbeat thread; read by a leave)
 
     def _granted(self, key: str) -> bytes:
@@ -311,8 +312,10 @@ class Membership:
                 self.reachable = True
                 self._follow_coordinators(beat.coordinators)
                 self.seated = beat.seated or self.seated
-                if beat.seat_handed and not self.seat_handed.is_set():
-                    console.info("agent %s: a control-plane seat is handed to this node; taking it", node)
+                if beat.seat_handed:
+                    if not self._handed_said:
+                        console.info("agent %s: a control-plane seat is handed to this node; taking it", node)
+                        self._handed_said = True
                     self.seat_handed.set()
                 if failing:
                     back_after = time.monotonic() - down_since

@@ -2,8 +2,9 @@
 or the seats are full, then runs the etcd member and the coordinator replica the seat holds until the agent stops.
 
 A node asks for a new seat only with the control plane's seat key (``PLIANT_SEAT_KEY``, from the seat line the
-first node printed, or ``pliant seat-key``); without one it holds no seat, unless it comes back to the seat it held,
-or a leaving seat's node hands its seat to it (its heartbeat's answer says so; :mod:`pliant.coordinator.seats`).
+first node printed, or ``pliant seat-key``); without one it holds no seat, unless it comes back to the seat it held.
+With the key and the seats full, it stands by and asks again now and then, and at once when a leaving seat's node
+hands its seat to it (its heartbeat's answer says so; :mod:`pliant.coordinator.seats`).
 
 The node listens for them on its own address (the one it advertises): the coordinator on the port the node joined
 the control plane with when it is free here (the Bootstrap service on the next one), etcd's client and peer ports on
@@ -101,8 +102,8 @@ class SeatHolder:
         client: the agent's coordinator client.
         registry: where the replica's metrics go (the node's endpoint).
         said: called with a line for the console when the seat is taken.
-        handed: set (by the agent's heartbeat) when a leaving seat's node hands its seat to this node: a node without
-            a seat key then claims it.
+        handed: set (by the agent's heartbeat) when a leaving seat's node hands its seat to this node, which stands
+            by with its seat key: it asks at once.
     """
 
     def __init__(
@@ -153,16 +154,13 @@ class SeatHolder:
         elif self.key:
             ports = seat_ports(self.host, parse_host_port(self.client.targets[0], what="--coordinator")[1])
             proof = b""
-        else:  # no seat held before, and no key for a new one: a seat only when one is handed to this node
-            while not self.handed.wait(0.5):
-                if self.stop.is_set():
-                    return
-            ports = seat_ports(self.host, parse_host_port(self.client.targets[0], what="--coordinator")[1])
-            proof = b""
+        else:
+            return  # no seat held before, and no key for a new one: this node is a worker node only
         while not self.joined.wait(0.5):
             if self.stop.is_set():
                 return
         backoff = Backoff(*ASK_EVERY_S)
+        standing = False  # the console was told that this node stands by
         while not self.stop.is_set():
             try:
                 answer = self.client.claim_seat(self.job, self.node_id, self.host, ports, self.key, proof)
@@ -180,9 +178,13 @@ class SeatHolder:
                 logger.info("agent %s: asking for a control-plane seat failed (%s); asking again", self.node_id, exc)
                 self.stop.wait(backoff.next())
                 continue
-            if not answer.granted:
+            if not answer.granted:  # full (this node stands by) or busy: asked again, at once when a seat is handed
                 logger.info("agent %s: no control-plane seat yet: %s", self.node_id, answer.reason)
-                self.stop.wait(backoff.next())
+                if "stands by" in answer.reason and not standing:
+                    self.said("the control plane's seats are taken: this node stands by to take one handed over")
+                    standing = True
+                if self.handed.wait(backoff.next()):
+                    self.handed.clear()
                 continue
             self._keep_proof(answer.seat_proof)
             if self.coordinator is None:
@@ -368,6 +370,7 @@ class SeatHolder:
             coordinator.stop()
         self.stop.set()
         self.joined.set()
+        self.handed.set()
         if self._thread.is_alive():
             self._thread.join(RESUME_WAIT_S + 10)
         self._stop_services()

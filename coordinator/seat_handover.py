@@ -4,8 +4,9 @@ etcd member.
 
 The steps, each waited for up to one deadline (:data:`HANDOVER_WAIT_S` in all):
 
-1. name a live member of a job that holds no seat (the first by node id) in the seats record's hand-over; none:
-   nothing to hand over, and the control plane goes on with the other seats, or ends with this node;
+1. name a live node that stands by (it joined with the seat key while the seats were full; the latest of them) and
+   holds no seat in the seats record's hand-over; none: nothing to hand over, and the control plane goes on with the
+   other seats, or ends with this node;
 2. wait until that node's etcd member votes (its agent took the seat on its next heartbeat, its member joined as a
    learner, and the leader promoted it once it started);
 3. answer heartbeats a few seconds more (:data:`LISTED_FOR_S`: each answer lists the named node's replica, which every
@@ -63,15 +64,23 @@ def hand_over(
     try:
         store = server.store
         seats = keeper.seats()
-        seated = {seat.node for seat in seats.seats} if seats is not None else set()
         live = {m.node_id for job in store.list_job_ids() for m in store.read_job(job).members}
-        free = sorted(live - seated - {node})  # a live member that holds no seat yet
-        if not free or not keeper.hand_over(node, free[0], wait_s):
+        seated = {seat.node for seat in seats.seats} if seats is not None else set()
+        # A node the operator gave the seat key, that stands by, is live and holds no seat: the latest to claim.
+        ready = [n for n in (seats.standby if seats is not None else ()) if n in live and n not in seated | {node}]
+        if not ready:
+            if live - {node}:
+                say(
+                    "no node stands by to take this node's control-plane seat (one joined with the seat line does); "
+                    "the control plane ends with this node"
+                )
+            return False
+        if not keeper.hand_over(node, ready[-1], wait_s):
             return False
     except CoordinatorError as exc:
         say(f"this node's control-plane seat could not be handed over ({exc}); the control plane ends with this node")
         return False
-    to = free[0]
+    to = ready[-1]
     say(
         f"handing this node's control-plane seat to {to} before this node leaves (up to {wait_s:.0f}s; a second "
         f"Ctrl-C leaves at once, and the control plane then ends with this node)"

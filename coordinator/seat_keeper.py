@@ -31,6 +31,7 @@ from pliant.coordinator.seats import (
     SeatKey,
     Seats,
     Sightings,
+    StandBy,
     decide_claim,
     decide_upkeep,
     digest,
@@ -211,6 +212,10 @@ class SeatKeeper:
                 raise PermissionDenied(f"seat refused to node {seat.node}: {decision.reason}")
             if isinstance(decision, Refuse):
                 return pb.ClaimSeatResponse(reason=decision.reason)
+            if isinstance(decision, StandBy):
+                if seat.node not in seats.standby and self._store.write_seats(seats.standing_by(seat.node), rev):
+                    logger.warning("control plane: %s stands by to take a seat handed over", seat.node)
+                return pb.ClaimSeatResponse(reason=decision.reason)
             if isinstance(decision, Promote):
                 return pb.ClaimSeatResponse(reason=self._promote(decision) + "; ask again shortly")
             secret = secrets.token_bytes(32)  # the proof of a seat granted by the key: a new holder, a new proof
@@ -220,7 +225,7 @@ class SeatKeeper:
                     members = self._members.add_learner(taken.node, taken.etcd_peer)
                 except EtcdClusterError as exc:
                     return pb.ClaimSeatResponse(reason=f"etcd cannot add a member now ({exc}); ask again shortly")
-                if not self._store.write_seats(seats.with_seat(taken), rev):
+                if not self._store.write_seats(seats.with_seat(taken).seated(taken.node), rev):
                     self._remove_quietly(members, taken)
                     return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
                 logger.warning("control plane: seat granted to %s (etcd learner %s)", taken.node, taken.etcd_peer)

@@ -17,19 +17,22 @@ the loss of either node cost the quorum. The leader keeps the seats: it promotes
 seat of a node that has not been a live member of any job for :data:`GONE_AFTER_S` (and a learner that never
 started), so that a node that joins later can take that seat and the quorum is whole again.
 
-**A seat is handed over** when its node leaves gracefully while another node of the job runs: the leaving node
-records a hand-over (``handover``: from it, to a live member it names, until a deadline), the control plane's
-explicit choice on the seat's behalf. The named node's agent learns it from its heartbeat's answer and claims the
-seat without a key (its certificate names it); the claim makes room for one more seat while the hand-over lasts, its
-member joins as a learner, and the leader promotes it once it started. Once it votes, the leaving node gives up the
+**A seat is handed over** when its node leaves gracefully while a node that **stands by** runs. A node stands by when
+it claimed with a valid seat key while the seats were full (``standby``, by node id): the operator gave it the key,
+so it may hold the control plane, and it waits for a seat. The leaving node records a hand-over (``handover``: from
+it, to a live standby node it names, until a deadline). The named node's agent learns it from its heartbeat's answer
+and claims again with its key; the claim makes room for one more seat while the hand-over lasts, its member joins as
+a learner, and the leader promotes it once it started. The workers' join line alone never stands by, so it never
+receives a seat. Once it votes, the leaving node gives up the
 lead (it stops its replica), and a replica other than the leaving node's removes the leaving node's member and seat:
 the control plane then runs on the named node, as it did on the one that left. A hand-over that does not complete by
 its deadline lapses (the record keeps the seats as they are).
 
 Record: one etcd key, ``{prefix}/control-plane/seats``, a JSON object written with a compare on its mod revision:
 ``{"wanted": N, "seats": [{"node": ID, "coordinator": "HOST:PORT", "etcd_client": URL, "etcd_peer": URL,
-"since": WALL, "proof": SHA256_HEX}], "keys": [{"digest": SHA256_HEX, "expires_at": WALL}], "handover": {"node":
-ID, "to": ID, "expires_at": WALL} | null}``, the seats in the order they were taken, the keys that have not expired.
+"since": WALL, "proof": SHA256_HEX}], "keys": [{"digest": SHA256_HEX, "expires_at": WALL}], "standby": [ID],
+"handover": {"node": ID, "to": ID, "expires_at": WALL} | null}``, the seats in the order they were taken, the keys
+that have not expired, the nodes standing by (the latest :data:`MAX_STANDBY`).
 An agent learns the coordinators, and a seat handed to it, from every heartbeat's answer.
 
 Decisions are pure functions of the record, etcd's member list, the live nodes and the time
@@ -48,6 +51,7 @@ from pliant.coordinator.etcd_cluster import EtcdMember
 
 __all__ = [
     "GONE_AFTER_S",
+    "MAX_STANDBY",
     "NEVER_STARTED_S",
     "SEAT_KEY_TTL_S",
     "AddLearner",
@@ -61,6 +65,7 @@ __all__ = [
     "SeatKey",
     "Seats",
     "Sightings",
+    "StandBy",
     "decide_claim",
     "decide_upkeep",
     "digest",
@@ -75,6 +80,8 @@ SEAT_KEY_TTL_S = 2 * 3600.0
 """How long a seat key admits new seats unless its maker says otherwise (kubeadm's certificate key: two hours)."""
 MAX_SEAT_KEY_TTL_S = 7 * 24 * 3600.0
 """The longest a seat key may be made to last."""
+MAX_STANDBY = 16
+"""The nodes standing by that the record keeps (the latest to claim)."""
 
 
 def wanted_seats(max_nodes: int, asked: int = 0) -> int:
@@ -137,6 +144,16 @@ class Seats:
     seats: tuple[Seat, ...] = ()
     keys: tuple[SeatKey, ...] = ()
     handover: Handover | None = None
+    standby: tuple[str, ...] = ()
+
+    def standing_by(self, node: str) -> Seats:
+        """This record with ``node`` among the nodes that stand by (the latest :data:`MAX_STANDBY` kept)."""
+        others = tuple(n for n in self.standby if n != node)
+        return replace(self, standby=(*others, node)[-MAX_STANDBY:])
+
+    def seated(self, node: str) -> Seats:
+        """This record once ``node`` holds a seat: no longer standing by."""
+        return replace(self, standby=tuple(n for n in self.standby if n != node))
 
     def handing_to(self, node: str, now: float) -> Handover | None:
         """The hand-over of a seat to ``node`` that lasts at ``now`` (None: none)."""
@@ -188,6 +205,7 @@ class Seats:
                 "seats": [asdict(s) for s in self.seats],
                 "keys": [asdict(k) for k in self.keys],
                 "handover": asdict(self.handover) if self.handover is not None else None,
+                "standby": list(self.standby),
             },
             sort_keys=True,
         )
@@ -201,6 +219,7 @@ class Seats:
             tuple(Seat(**seat) for seat in data.get("seats", [])),
             tuple(SeatKey(**key) for key in data.get("keys", [])),
             Handover(**handover) if handover else None,
+            tuple(str(n) for n in data.get("standby", [])),
         )
 
 
@@ -248,7 +267,14 @@ class Refuse:
     """No seat for the node now; ``reason`` says why and whether to ask again."""
 
     reason: str
-    final: bool = False  # the seats are full: asking again is pointless until one is given up
+
+
+@dataclass(frozen=True)
+class StandBy:
+    """The seats are full, and the claimant holds a valid seat key: record it among the nodes that stand by (a seat
+    whose node leaves may be handed to it); ``reason`` says so."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -258,7 +284,7 @@ class Deny:
     reason: str
 
 
-Claim = Grant | AddLearner | Promote | Refuse | Deny
+Claim = Grant | AddLearner | Promote | Refuse | StandBy | Deny
 
 NO_KEY = (
     "a control-plane seat takes the control plane's seat key (PLIANT_SEAT_KEY, in the seat line the first node "
@@ -277,17 +303,19 @@ def decide_claim(seats: Seats, members: Sequence[EtcdMember], claim: Seat, key: 
     if back is not None and _member_of(back, members) is not None:
         # The seat's own node (its agent again, or a new one with its member's data, under a new node id).
         return Grant(replace(back, node=claim.node, coordinator=claim.coordinator))
-    handed = seats.handing_to(claim.node, now)  # a leaving seat's node named this one: no key needed
-    if handed is None and not key:
+    if not key:
         return Deny(NO_KEY)
-    if handed is None and not seats.admits(key, now):
+    if not seats.admits(key, now):
         return Deny(BAD_KEY)
     held = seats.holder(claim.node)
     if held is not None and _member_of(held, members) is not None:
         return Grant(held)
     others = seats.without(claim.node)
-    if len(others.seats) >= seats.wanted + (handed is not None):  # the leaving seat's place is the named node's
-        return Refuse(f"the control plane's {seats.wanted} seat(s) are taken", final=True)
+    handed = seats.handing_to(claim.node, now)  # a leaving seat's node named this one: its place is this one's
+    if len(others.seats) >= seats.wanted + (handed is not None):
+        return StandBy(
+            f"the control plane's {seats.wanted} seat(s) are taken; this node stands by to take one whose node leaves"
+        )
     learner = next((m for m in members if m.learner), None)
     if learner is not None:
         if learner.started:

@@ -181,15 +181,22 @@ def _without_the_control_plane(machines: list[Machine]) -> float:
 
 
 def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabric, tmp_path: Path) -> None:
-    """The README's recipe on two machines (one seat, the default for two nodes): Ctrl-C of the first machine hands
-    its seat to the second before it leaves. The second trains on, holds the control plane, prints a join line of
-    its own that a third machine joins with, `pliant status` works there, and the job finishes."""
+    """The README's recipe on two machines (one seat, the default for two nodes), the second joined with the seat
+    line: Ctrl-C of the first machine hands its seat to the second before it leaves, never to a third machine that
+    holds only the workers' line (a spare, first by node id). The second trains on and holds the control plane; the
+    spare takes the first's place in the world; a fourth machine joins with the line the second prints; `pliant
+    status` works on the second; and the job finishes."""
     machines, join = _recipe(tmp_path, fabric, 1, nodes=2, seats=())
     first, second = machines
+    seat_key = re.search(r"join instead with .*:\n  (PLIANT_SEAT_KEY=\S+) ", first.output()).group(1)  # type: ignore[union-attr]
     wait_for(lambda: ranks_at([first], 1) == {0}, 120, "the first machine stepping")
     started = time.time()
-    second.run(["env", *shlex.split(join)], hide_tmp=True)
+    second.run(["env", seat_key, *shlex.split(join)], hide_tmp=True)
     wait_for(lambda: ranks_at(machines, 2, started) == {0, 1}, 120, "world 2 stepping")
+    wait_for(lambda: "stands by to take" in second.output(), 30, "the second machine standing by for a seat")
+    spare = Machine(fabric, "c", tmp_path)  # the workers' line only: a spare at the job's maximum
+    spare.run(["env", *shlex.split(join)], hide_tmp=True)
+    wait_for(lambda: "certificate signed at" in spare.output(), 60, "the spare's join")
 
     pressed = time.time()
     os.killpg(first.procs[0].pid, signal.SIGINT)  # Ctrl-C
@@ -201,8 +208,9 @@ def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabri
     assert re.search(r"hostb-\S+ holds the control plane now", first.output()), first.output()[-3000:]
     assert "a control-plane seat is handed to this node" in second.output()
     assert "this node holds a control-plane seat" in second.output()
-    wait_for(lambda: ranks_at([second], 1, pressed + left_s) == {0}, 60, "the second machine training on alone")
-    assert "has been unreachable" not in second.output(), "the control plane never went away"
+    assert "control-plane seat" not in spare.output(), "the workers' line never gets a seat"
+    wait_for(lambda: ranks_at([second, spare], 2, pressed) == {0, 1}, 90, "the spare in the first machine's place")
+    assert "has been unreachable" not in second.output() + spare.output(), "the control plane never went away"
 
     found = wait_for(
         lambda: re.search(
@@ -211,10 +219,9 @@ def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabri
         60,
         "the second machine's join line",
     )
-    third = Machine(fabric, "c", tmp_path)
-    grown = time.time()
-    third.run(["env", *shlex.split(found.group(1))], hide_tmp=True)  # type: ignore[union-attr]
-    wait_for(lambda: ranks_at([second, third], 2, grown) == {0, 1}, 120, "world 2 again, with the third machine")
+    fourth = Machine(fabric, "d", tmp_path)
+    fourth.run(["env", *shlex.split(found.group(1))], hide_tmp=True)  # type: ignore[union-attr]
+    wait_for(lambda: "certificate signed at 10.213." in fourth.output(), 60, "a join through the second's line")
 
     pid = second.procs[-1].pid  # `pliant status` on the second machine, with no flags: its agent's view
     status = subprocess.run(
@@ -227,11 +234,13 @@ def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabri
     assert status.returncode == 0, status.stderr[-2000:]
     (job,) = json.loads(status.stdout)["jobs"]
     assert job["state"] == "running" and job["world_size"] == 2, job
+    assert len(job["members"]) == 3, job  # the second, the spare in the world, the fourth waiting
 
-    newest = max(e["step"] for m in (second, third) for e in m.events())
-    for m in (second, third):
+    newest = max(e["step"] for m in (second, spare) for e in m.events())
+    for m in (second, spare):
         m.stop_at(newest + 10)
-    wait_for(lambda: all(m.procs[-1].poll() is not None for m in (second, third)), 90, "both machines to exit")
-    assert [m.procs[-1].returncode for m in (second, third)] == [0, 0], [m.output()[-2000:] for m in (second, third)]
+    ends = (second, spare, fourth)
+    wait_for(lambda: all(m.procs[-1].poll() is not None for m in ends), 90, "every machine to exit")
+    assert [m.procs[-1].returncode for m in ends] == [0, 0, 0], [m.output()[-2000:] for m in ends]
     assert "succeeded at full size" in second.output()
     print(f"Ctrl-C of the first of two machines: it handed its seat over and left in {left_s:.1f}s")

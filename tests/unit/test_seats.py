@@ -20,6 +20,7 @@ from pliant.coordinator.seats import (
     SeatKey,
     Seats,
     Sightings,
+    StandBy,
     decide_claim,
     decide_upkeep,
     digest,
@@ -78,7 +79,7 @@ def test_seats_fill_one_learner_at_a_time_and_a_second_voter_waits_for_a_third()
         Promote(3, "3 voting members then")
     ]
     full = _claim(seats, [*voters, _member("c", 3)], _seat("d"))
-    assert isinstance(full, Refuse) and full.final and "3 seat(s) are taken" in full.reason
+    assert isinstance(full, StandBy) and "3 seat(s) are taken; this node stands by" in full.reason
 
 
 def test_a_gone_nodes_seat_is_given_up_and_taken_by_a_newcomer() -> None:
@@ -171,16 +172,20 @@ def test_a_client_follows_the_coordinators_it_is_told_keeping_the_one_it_calls_f
         assert client.targets == ["10.0.0.2:29400", "10.0.0.3:29400"] and len(client._stubs) == 2
 
 
-def test_a_leaving_seat_is_handed_to_the_node_it_names_and_to_no_other() -> None:
-    """One seat (a two-node job): the first node leaves and names b. b claims without a key, joins as a learner in
-    the room the hand-over makes, is promoted once it started, and then a replica other than a's removes a."""
-    handing = Seats(1, (_seat("a"),), KEYS, Handover("a", "b", expires_at=50.0))
+def test_a_leaving_seat_is_handed_to_the_node_it_names_that_stands_by_with_the_key() -> None:
+    """One seat (a two-node job): b claims with the seat key while the seat is taken and stands by; the first node
+    leaves and names b. b claims again with its key, joins as a learner in the room the hand-over makes, is promoted
+    once it started, and then a replica other than a's removes a. The workers' join line never gets the seat."""
+    full = Seats(1, (_seat("a"),), KEYS)
     one = [_member("a", 1)]
+    assert isinstance(_claim(full, one, _seat("b")), StandBy)  # the key, and no room: b stands by
+    assert full.standing_by("b").standby == ("b",) and full.standing_by("b").seated("b").standby == ()
+    handing = Seats(1, (_seat("a"),), KEYS, Handover("a", "b", expires_at=50.0), standby=("b",))
     assert handing.handing_to("b", 1.0) is not None and handing.handing_to("c", 1.0) is None
-    assert isinstance(_claim(handing, one, _seat("c"), key=""), Deny)  # another node proves nothing
-    assert isinstance(_claim(Seats(1, (_seat("a"),), KEYS), one, _seat("b"), key=""), Deny)  # no hand-over: no seat
-    assert isinstance(_claim(handing, one, _seat("b"), key="", now=60.0), Deny)  # the hand-over lapsed
-    assert _claim(handing, one, _seat("b"), key="") == AddLearner(_seat("b"))  # room for one more while it lasts
+    assert isinstance(_claim(handing, one, _seat("b"), key=""), Deny)  # named, but without the key: nothing
+    assert isinstance(_claim(handing, one, _seat("c")), StandBy)  # another key holder, not named: no room for it
+    assert isinstance(_claim(handing, one, _seat("b"), now=60.0), StandBy)  # the hand-over lapsed
+    assert _claim(handing, one, _seat("b")) == AddLearner(_seat("b"))  # room for one more while it lasts
     taken = Seats(1, (_seat("a"), _seat("b")), KEYS, handing.handover)
     seen = _seen({"b": 0.0})
     learner = [*one, _member("b", 2, learner=True, started=False)]
@@ -193,4 +198,4 @@ def test_a_leaving_seat_is_handed_to_the_node_it_names_and_to_no_other() -> None
     (remove,) = decide_upkeep(taken, voting, seen, 1.0, me="b", wall=1.0)
     assert remove == Remove(1, "a", "a handed its seat to b")
     assert taken.without("a") == Seats(1, (_seat("b"),), KEYS)  # the seat and the hand-over go together
-    assert Seats.from_json(taken.to_json()) == taken
+    assert Seats.from_json(handing.to_json()) == handing
