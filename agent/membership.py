@@ -34,8 +34,9 @@ from pliant.coordinator.contract import (
     Unauthenticated,
     Unavailable,
 )
+from pliant.coordinator.convert import job_info_to_pb
 from pliant.logsetup import CONSOLE
-from pliant.statusview import remove_view, write_view
+from pliant.statusview import ViewServer, serve_view
 from pliant.tls import Role
 from pliant.v1.coordinator_pb2 import HeartbeatRequest
 
@@ -102,6 +103,7 @@ class Membership:
         self.seat_handed = threading.Event()
         self._handed_said = False  # the console was told of a seat handed to this node
         self.reachable = True  # the last heartbeat was answered (heartbeat thread; read by a leave)
+        self._view: ViewServer | None = None  # this node's view of its job for `pliant status` (main thread)
 
     def _granted(self, key: str) -> bytes:
         grant = self.grant
@@ -140,7 +142,8 @@ class Membership:
             self.join(waiting)
         finally:
             self.client.waiting = None  # the heartbeat thread uses the client from now on; it says its own lines
-        self._write_view()
+        if self.tls is not None and self._view is None:
+            self._view = serve_view(self.config.spec.job_id, self.config.node_id, self._job_status)
 
     def start(self) -> None:
         """Start the heartbeat, the generation watch and the reporter (after the first join)."""
@@ -156,15 +159,16 @@ class Membership:
         self._reports.put(report)
 
     def close(self) -> None:
-        """Close the coordinator channels (the threads end with ``stop``), and remove this node's view of its job."""
+        """Stop serving this node's view of its job, and close the coordinator channels (the threads end with
+        ``stop``)."""
+        if self._view is not None:
+            self._view.close()
         self.client.close()
-        remove_view(self.config.spec.job_id, self.config.node_id)
 
-    def _write_view(self) -> None:
-        """Keep this node's view of its job for ``pliant status`` (:mod:`pliant.statusview`) current: its certificate
-        and the coordinators (after the join, a renewal, a change of coordinators)."""
-        if self.tls is not None:
-            write_view(self.config.spec.job_id, self.config.node_id, self.tls, tuple(self.client.targets))
+    def _job_status(self) -> bytes:
+        """The job as this agent may read it (GetJob: the member view), serialized: this node's view for
+        ``pliant status`` (:mod:`pliant.statusview`; its server's threads)."""
+        return job_info_to_pb(self.client.get_job(self.config.spec.job_id, progress=True)).SerializeToString()
 
     def _say_unreachable(self, since: float) -> None:
         """One line, once per outage (:func:`pliant.agent.console.unreachable`)."""
@@ -282,7 +286,6 @@ class Membership:
         if not coordinators or sorted(coordinators) == sorted(self.client.targets):
             return
         self.client.use_targets(coordinators)
-        self._write_view()
         logger.info("agent %s: the control plane's coordinators are %s", self.config.node_id, ",".join(coordinators))
         if self.config.join_line:
             line = self.config.join_line.replace(COORDINATORS, ",".join(coordinators))
@@ -323,10 +326,7 @@ class Membership:
                     if said:
                         console.info("agent %s: the control plane is reachable again", node)
                 failing, said = False, False
-                renewed = self.credentials.renew_if_due()
-                if renewed is not None:
-                    self.tls = renewed
-                    self._write_view()
+                self.tls = self.credentials.renew_if_due() or self.tls
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
                 if self._left.is_set():
                     return

@@ -13,9 +13,13 @@ from typing import Any
 
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobInfo, MemberProgress
+from pliant.coordinator.convert import job_info_from_pb
+from pliant.errors import ConfigError
+from pliant.statusview import find_view, read_view
 from pliant.tls import TlsConfig
+from pliant.v1 import coordinator_pb2 as pb
 
-__all__ = ["render_json", "render_table", "status_main", "to_dict"]
+__all__ = ["render_json", "render_table", "status_main", "to_dict", "view_main"]
 
 
 def to_dict(info: JobInfo) -> dict[str, Any]:
@@ -143,3 +147,24 @@ def status_main(coordinator: str, job: str | None, as_json: bool, tls: TlsConfig
         client.close()
     print(render_json(jobs, unreadable) if as_json else render_table(jobs, time.time(), unreadable))
     return 0
+
+
+def view_main(job: str | None, as_json: bool) -> int:
+    """Print ``job`` (or the only job viewed here) as this machine's agent of it sees it (:mod:`pliant.statusview`):
+    the newest agent's view that answers.
+
+    Raises:
+        ConfigError: no agent of the job runs here, or none of them could read it (the last reason).
+    """
+    name, sockets = find_view(job)
+    failure: ConfigError | None = None
+    for path in sockets:
+        try:
+            info = job_info_from_pb(pb.JobStatus.FromString(read_view(path)))
+        except ConfigError as exc:
+            failure = exc
+            continue
+        print(render_json([info]) if as_json else render_table([info], time.time()))
+        return 0
+    assert failure is not None
+    raise ConfigError(f"job {name!r}: {failure}")

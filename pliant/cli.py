@@ -297,11 +297,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from pliant.coordinator.status import status_main
 
     if args.coordinator is None and not args.tls_dir and not args.insecure:  # this node's view of its job
-        from pliant.statusview import find_view
-        from pliant.tls import TlsConfig
+        from pliant.coordinator.status import view_main
 
-        view = find_view(args.job)
-        return status_main(view.coordinators, view.job, args.json, TlsConfig.from_dir(view.tls_dir))
+        return view_main(args.job, args.json)
     coordinator = args.coordinator or "127.0.0.1:29400"
     return status_main(coordinator, args.job, args.json, tls_from_flags(args.tls_dir, args.insecure, "status"))
 

@@ -1,17 +1,19 @@
-"""A node's view of its job for ``pliant status``: written by its agent, found by job, removed when it exits."""
+"""A node's view of its job for ``pliant status``: served by its agent on a socket that gives the job's status and
+nothing else, found by job, gone when the agent stops."""
 
 from __future__ import annotations
 
-import os
 import stat
 
 import pytest
 
+from pliant.coordinator.contract import JobSpec
+from pliant.coordinator.convert import spec_to_pb
 from pliant.errors import ConfigError
-from pliant.statusview import find_view, remove_view, write_view
-from pliant.tls import TlsMaterial
+from pliant.statusview import find_view, read_view, serve_view
+from pliant.v1 import coordinator_pb2 as pb
 
-TLS = TlsMaterial(b"CA", b"CERT", b"KEY", None)
+pytestmark = pytest.mark.timeout(10)
 
 
 @pytest.fixture(autouse=True)
@@ -20,24 +22,35 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_the_newest_view_of_a_job_names_its_coordinators_and_certificate() -> None:
+def _status(job: str) -> bytes:
+    return pb.JobStatus(spec=spec_to_pb(JobSpec(job)), reason="running well").SerializeToString()
+
+
+def test_a_view_answers_with_the_jobs_status_and_goes_with_its_agent(home) -> None:
     with pytest.raises(ConfigError, match="no pliant agent runs on this machine"):
         find_view(None)
-    older = write_view("job", "node-a", TLS, ["10.0.0.1:29400"])
-    os.utime(older / "coordinators", (1, 1))
-    newer = write_view("job", "node-b", TLS, ["10.0.0.2:29400", "10.0.0.3:29400"])
-    view = find_view(None)
-    assert (view.job, view.coordinators, view.tls_dir) == ("job", "10.0.0.2:29400,10.0.0.3:29400", newer)
-    assert (newer / "tls.key").read_bytes() == b"KEY"
-    assert stat.S_IMODE((newer / "tls.key").stat().st_mode) == 0o600
-    assert stat.S_IMODE(newer.stat().st_mode) == 0o700
-    with pytest.raises(ConfigError, match="no pliant agent of job 'other' runs"):
-        find_view("other")
-    write_view("other", "node-c", TLS, ["10.0.0.4:29400"])
+    a = serve_view("job", "node-a", lambda: _status("job"))
+    assert a is not None
+    assert stat.S_IMODE(a.path.parent.stat().st_mode) == 0o700
+    name, sockets = find_view(None)
+    assert name == "job" and sockets == [a.path]
+    assert pb.JobStatus.FromString(read_view(a.path)).reason == "running well"
+
+    def unreachable() -> bytes:
+        raise ConnectionError("no coordinator answered at 10.0.0.1:29400 for 10s")
+
+    b = serve_view("job", "node-b", unreachable)
+    assert b is not None
+    with pytest.raises(ConfigError, match=r"could not be read: no coordinator answered at 10\.0\.0\.1:29400"):
+        read_view(b.path)
+    other = serve_view("other", "node-c", lambda: _status("other"))
+    assert other is not None
     with pytest.raises(ConfigError, match=r"several jobs \(job, other\); name one with --job"):
         find_view(None)
-    assert find_view("other").coordinators == "10.0.0.4:29400"
-    remove_view("job", "node-b")
-    assert find_view("job").tls_dir == older
-    remove_view("job", "node-a")
-    assert find_view(None).job == "other"
+    with pytest.raises(ConfigError, match="no pliant agent of job 'nope' runs"):
+        find_view("nope")
+    for view in (a, b, other):
+        view.close()
+    assert not a.path.exists() and not (home / "pliant" / "status" / "job").exists()
+    with pytest.raises(ConfigError, match="no pliant agent runs on this machine"):
+        find_view(None)
