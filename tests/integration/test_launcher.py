@@ -87,8 +87,10 @@ def test_a_join_says_what_a_person_needs_and_no_more(tmp_path) -> None:
     for output in ("".join(said), second.stdout + second.stderr):
         lines = _pliant_lines(output)
         waits = [line for line in lines if re.search(r"\(\d+s so far", line)]  # a slow newcomer: one line
+        # At most: the join line and the seat line (two lines each), the loopback note, the status command, two
+        # worlds, and the end (how the job ended, this node's summary).
         assert (
-            len(lines) - len(waits) <= 8
+            len(lines) - len(waits) <= 10
             and len(waits) <= 1
             and not [line for line in lines if " INFO " in line or "Traceback" in line]
         ), lines

@@ -163,7 +163,7 @@ def _without_the_control_plane(machines: list[Machine]) -> float:
     import psutil
 
     first, others = machines[0], machines[1:]
-    etcd = [p for p in psutil.Process(first.procs[0].pid).children(recursive=True) if "etcd" in p.name()]
+    etcd = [p for p in psutil.Process(first.procs[0].pid).children(recursive=True) if p.name() == "etcd"]
     assert len(etcd) == 1, etcd
     gone = time.time()
     etcd[0].kill()
