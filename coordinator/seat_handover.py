@@ -51,8 +51,9 @@ def hand_over(
     ``server`` (see the module docstring).
 
     Returns:
-        True when another node holds the control plane now; False when there was nobody to hand it to, or the
-        hand-over did not complete (``server`` is stopped either way).
+        True when another node holds the control plane now (``server`` stopped); False when there was nobody to hand
+        it to (``server`` left running for the caller to stop), or the hand-over did not complete (``server``
+        stopped).
 
     Raises:
         KeyboardInterrupt: a second signal cut the hand-over short (``server`` is left running for the caller to stop).
@@ -70,9 +71,10 @@ def hand_over(
         ready = [n for n in (seats.standby if seats is not None else ()) if n in live and n not in seated | {node}]
         if not ready:
             if live - {node}:
+                rest = "it goes on with its other seats" if len(seated - {node}) else "it ends with this node"
                 say(
-                    "no node stands by to take this node's control-plane seat (one joined with the seat line does); "
-                    "the control plane ends with this node"
+                    f"no node stands by to take this node's control-plane seat (one joined with the seat line does); "
+                    f"{rest}"
                 )
             return False
         if not keeper.hand_over(node, ready[-1], wait_s):

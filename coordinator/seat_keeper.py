@@ -4,8 +4,8 @@ record and etcd's member list, asks the decision, and performs it (etcd membersh
 
 Threads: :meth:`SeatKeeper.claim` runs on gRPC handler threads, one claim at a time on a replica (``_lock``; the
 record's compare orders the replicas); :meth:`SeatKeeper.upkeep` runs on the server's seat thread while this replica
-leads, and owns what it saw (``_live``, ``_seated``, ``_seatless``); :meth:`SeatKeeper.coordinators` runs on any
-thread (a cached read under ``_cache``).
+leads, and owns what it saw (``_live``, ``_seated``, ``_seatless``, ``_looked_at``); :meth:`SeatKeeper.coordinators`
+runs on any thread (a cached read under ``_cache``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ __all__ = ["SeatKeeper", "SeatKit"]
 logger = logging.getLogger(__name__)
 
 COORDINATORS_READ_EVERY_S = 2.0  # the seats record behind every heartbeat's list of coordinators, read this often
+UNSEEN_AFTER_S = 5.0  # an upkeep pass this long after the last one starts the seats' sightings again
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class SeatKeeper:
         self._live: dict[str, float] = {}
         self._seated: dict[str, float] = {}
         self._seatless: dict[int, float] = {}
+        self._looked_at = float("-inf")  # the last upkeep pass that read the seats (upkeep thread)
 
     def take_first(self, seat: Seat, key: str, ttl_s: float) -> None:
         """Record ``seat`` as seat 0, the node that started the control plane, and seat key ``key`` (valid ``ttl_s``)
@@ -254,6 +256,11 @@ class SeatKeeper:
             return
         members = self._members.list()
         now = self._clock()
+        if now - self._looked_at > UNSEEN_AFTER_S:
+            # This replica did not look for a while (it did not lead, or etcd did not answer): what it saw is stale,
+            # and every seat gets a full GONE_AFTER_S from now, as every member gets a full TTL after an outage.
+            self._live = dict.fromkeys(self._live, now)
+        self._looked_at = now
         nodes = {seat.node for seat in seats.seats}
         for node in nodes:
             self._seated.setdefault(node, now)
