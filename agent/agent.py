@@ -1,5 +1,7 @@
-"""The node agent's executor: it joins the job, turns what happens into events for :func:`pliant.agent.core.decide`,
-and performs the actions it returns (start and stop workers, send reports, dump stacks, leave, exit).
+"""The node agent's executor: it joins the job, turns what happens into events (:mod:`pliant.agent.events`) for
+:func:`pliant.agent.core.decide`, and performs the actions it returns (:mod:`pliant.agent.actions`: start and stop
+workers, open or read a store port, send reports, dump stacks, leave, exit). It keeps processes, threads and queues,
+and no decision of its own.
 
 Threads feed one event queue: the membership's (:mod:`pliant.agent.membership`: the generation watch, the heartbeat,
 which also re-joins after an eviction), signals, and the short-lived threads that read a store port from node rank 0
@@ -20,15 +22,45 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from pliant.agent import core, snapshots
+from pliant.agent.actions import (
+    Action,
+    Dump,
+    Escalate,
+    Exit,
+    Leave,
+    Prepare,
+    ProbeNewcomers,
+    ProbePeers,
+    ReadArrivals,
+    ReadStorePort,
+    Reconfigure,
+    Send,
+    Start,
+    Stop,
+)
 from pliant.agent.console import Summary, WaitLine, awaited, refused_lines
 from pliant.agent.contract import AgentConfig, AgentError, ExitCode, GroupResult
+from pliant.agent.events import (
+    ArrivalsRead,
+    Event,
+    GenerationSeen,
+    GroupExited,
+    GroupStopped,
+    NewcomersProbed,
+    PeersProbed,
+    SignalReceived,
+    StartFailed,
+    StopStarted,
+    StorePortRead,
+    Tick,
+)
+from pliant.agent.events import JobFinished as JobEnded
 from pliant.agent.membership import JoinRefused, Membership
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
@@ -72,15 +104,6 @@ HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this 
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
 
 
-@dataclass(frozen=True)
-class _PortFound:
-    """A node that is not rank 0 read ``generation``'s store port from node rank 0's agent store, in the background:
-    what waited for it (a start, or a hand-over in place) goes on now, unless it was cancelled meanwhile."""
-
-    generation: Generation
-    port: int
-
-
 class Agent:
     """One node's supervisor. ``run()`` returns the process exit code (:class:`ExitCode`): 0 when the job succeeded, 1
     when it failed (never because the coordinator was away), 2 when this agent could not take part, 128 + N when it
@@ -116,12 +139,7 @@ class Agent:
             ),
         )
         self.group: WorkerGroup | None = None
-        self._stopping: WorkerGroup | None = None  # the group being stopped (core.CoreState.stopping has its stage)
-        # Loop thread: what waits for a store port read in the background (_PortFound); read by that reader.
-        self._pending_start: Generation | None = None  # a start
-        self._pending_hand: Generation | None = None  # a hand-over in place
-        self._port_reads: set[int] = set()  # the generations whose store port is being read
-        self._found_port: tuple[int, int] | None = None  # the last port read: (generation, port)
+        self._stopping: WorkerGroup | None = None  # the group being stopped (the core's Stopping phase has its stage)
         self.store: NodeStore | None = None
         self._stores: StoreHost | None = None
         self._generations: dict[int, Generation] = {}
@@ -129,7 +147,7 @@ class Agent:
         self._stop = threading.Event()
         registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.metrics = AgentMetrics(registry, config.spec.job_id, config.node_id)
-        self.metrics.set_state(self.state.phase)
+        self.metrics.set_state(self.state.lifecycle)
         self.membership = Membership(
             config, self._events, self.metrics, self._stop, lambda: self.state.generation, self._generations.get
         )
@@ -164,7 +182,7 @@ class Agent:
         """Join, supervise until the job ends or SIGTERM, clean up, and return the exit code."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, _frame: self._events.put(core.SignalReceived(signum)))
+                signal.signal(sig, lambda signum, _frame: self._events.put(SignalReceived(signum)))
         try:
             if self.zygote is None and not self.config.no_python:
                 self.zygote = Zygote(self.base_env, plan_preload(self.config))  # imports torch while the agent joins
@@ -256,12 +274,12 @@ class Agent:
         if self._stopping is not None and not self._stopping.late():  # every worker of the stopped group exited
             stopped, self._stopping = self._stopping, None
             stopped.reap()
-            return core.GroupStopped(stopped.generation)
+            return GroupStopped(stopped.generation)
         if self.group is not None:
             result = self.group.poll()
             if result is not None and not result.stopped:
                 error = self._error_of(result)
-                return core.GroupExited(result, self._describe(result, error), self.group.alive, error)
+                return GroupExited(result, self._describe(result, error), self.group.alive, error)
         now = time.monotonic()
         if (
             self.config.checkpoint_dir
@@ -272,7 +290,7 @@ class Agent:
         ready = self.group is not None and self.group.ready()
         progress = self.group.progress() if self.group is not None else {}
         self._summary.steps = max([self._summary.steps, *(step for step, _phase, _gen in progress.values())])
-        return core.Tick(progress, self._fence, ready)
+        return Tick(progress, self._fence, ready)
 
     def _read_fence(self) -> Fence | None:
         """The checkpoint directory's fence if the control plane's warrants bear it out; one that they do not (forged,
@@ -298,7 +316,7 @@ class Agent:
         next_tick = time.monotonic()
         while True:
             event = self._next_event(next_tick)
-            if isinstance(event, core.Tick):
+            if isinstance(event, Tick):
                 self._ticked_at = time.monotonic()
                 quick = self.state.handing is not None or self.state.stopping is not None
                 next_tick = time.monotonic() + (0.02 if quick else TICK_S)
@@ -321,13 +339,10 @@ class Agent:
                     self._summary.seen(event.generation, time.monotonic())
                     for old in sorted(self._generations)[:-8]:
                         del self._generations[old]
-                    code = self._dispatch(core.GenerationSeen(event.generation))
+                    code = self._dispatch(GenerationSeen(event.generation))
                     if code is not None:
                         return code
-                event = core.JobFinished(event.status.state, event.status.reason)
-            elif isinstance(event, _PortFound):
-                self._port_found(event)
-                continue
+                event = JobEnded(event.status.state, event.status.reason)
             elif isinstance(event, JoinRefused):
                 console.error("error: cannot join again: %s", event)
                 return ExitCode.ERROR
@@ -336,61 +351,62 @@ class Agent:
                 return code
             self._track_workers()
 
-    def _dispatch(self, event: core.Event) -> int | None:
-        if isinstance(event, (core.GenerationSeen, core.SignalReceived)) and self.group is not None:
-            self._dispatch(core.Tick(self.group.progress(), self._fence, self.group.ready()))  # on fresh readiness
+    def _dispatch(self, event: Event) -> int | None:
+        if isinstance(event, (GenerationSeen, SignalReceived)) and self.group is not None:
+            self._dispatch(Tick(self.group.progress(), self._fence, self.group.ready()))  # on fresh readiness
         before = self.state
         self.state, actions = core.decide(self.state, event, time.monotonic())
-        if self.state.phase is not before.phase or self.state.reason != before.reason:
+        if self.state.lifecycle is not before.lifecycle or self.state.reason != before.reason:
             logger.info(
                 "agent %s: %s -> %s (%s)",
                 self.config.node_id,
-                before.phase.value,
-                self.state.phase.value,
+                before.lifecycle.value,
+                self.state.lifecycle.value,
                 self.state.reason,
             )
-            self.metrics.set_state(self.state.phase)
+            self.metrics.set_state(self.state.lifecycle)
             if self.state.reason.startswith(("excluded", "left out")):
                 console.warning("agent %s: %s", self.config.node_id, self.state.reason)
         for action in actions:
             code = self._perform(action)
             if code is not None:
                 return code
-        if isinstance(event, core.GroupExited) and self.group is not None:
+        if isinstance(event, GroupExited) and self.group is not None:
             self.group.forget_dead()  # the others stay in place; the next generation replaces the dead
         return None
 
-    def _perform(self, action: core.Action) -> int | None:
-        if isinstance(action, core.Prepare):
-            assert self.store is not None
-            self.store.open_generation(action.generation.number)
-        elif isinstance(action, core.Stop):
+    def _perform(self, action: Action) -> int | None:
+        if isinstance(action, Prepare):
+            self._open_store(action.generation)
+        elif isinstance(action, ReadStorePort):
+            self._in_background(lambda: self._read_port(action.generation), "store-port")
+        elif isinstance(action, Stop):
             self._stop_group(action)
-        elif isinstance(action, core.Escalate):
+        elif isinstance(action, Escalate):
             self._escalate(action.stage)
-        elif isinstance(action, core.Reconfigure):
-            self._reconfigure(action.generation)
-        elif isinstance(action, core.ReadArrivals):
-            self._read_arrivals(action.generation)
-        elif isinstance(action, core.ProbeNewcomers):
+        elif isinstance(action, Reconfigure):
+            self._reconfigure(action.generation, action.port)
+        elif isinstance(action, ReadArrivals):
+            self._read_arrivals(action.generation, action.port)
+        elif isinstance(action, ProbeNewcomers):
             self._in_background(lambda: self._probe_newcomers(action), "probe-newcomers")
-        elif isinstance(action, core.Start):
+        elif isinstance(action, Start):
             try:
-                self._start_workers(action.generation)
+                self._spawn(action.generation, action.port)
             except AgentError as exc:
                 logger.warning(
                     "agent %s: cannot start generation %d: %s", self.config.node_id, action.generation.number, exc
                 )
-                self._events.put(core.StartFailed(action.generation.number, str(exc)))
-        elif isinstance(action, core.Send):
+                self._events.put(StartFailed(action.generation.number, str(exc)))
+        elif isinstance(action, Send):
             self.membership.report(action.report)
-        elif isinstance(action, core.Dump):
+        elif isinstance(action, Dump):
             self._dump_stacks(action.why)
-        elif isinstance(action, core.ProbePeers):
-            self._in_background(lambda: self._events.put(core.PeersProbed(*self._peers_renewing())), "probe-peers")
-        elif isinstance(action, core.Leave):
+        elif isinstance(action, ProbePeers):
+            self._in_background(lambda: self._events.put(PeersProbed(*self._peers_renewing())), "probe-peers")
+        elif isinstance(action, Leave):
             self.membership.leave()
-        elif isinstance(action, core.Exit):
+        elif isinstance(action, Exit):
             ended = {ExitCode.SUCCEEDED: "succeeded", ExitCode.JOB_FAILED: "failed"}.get(action.code, "")
             if ended and action.message:
                 console.info("job %s %s: %s", self.config.spec.job_id, ended, action.message)
@@ -409,11 +425,10 @@ class Agent:
 
     # -- actions -------------------------------------------------------------------------------------------------------
 
-    def _stop_group(self, action: core.Stop) -> None:
+    def _stop_group(self, action: Stop) -> None:
         """Begin stopping the running group (:mod:`pliant.agent.stopping`); the core escalates on its ticks, and the
-        loop reports the group gone (:class:`core.GroupStopped`)."""
+        loop reports the group gone (:class:`pliant.agent.events.GroupStopped`)."""
         group, self.group = self.group, None
-        self._pending_hand = None  # a hand-over still reading its store port: the group it was for stops
         if self._stopping is not None:  # the core stops one group at a time: a second is a bug, not a wait
             logger.error(
                 "agent %s: a stop came while generation %d still stopped; killing that one",
@@ -422,9 +437,8 @@ class Agent:
             )
             self._stopping.stop(0.0)
             self._stopping = None
-        if group is None:  # nothing runs (a start still reading its store port is cancelled): gone at once
-            self._pending_start = None
-            self._events.put(core.GroupStopped(self.state.group or 0))
+        if group is None:  # nothing runs (a group only planned): gone at once
+            self._events.put(GroupStopped(0))
             return
         self._stopping = group
         if action.leave:
@@ -445,7 +459,7 @@ class Agent:
             )
         awaited = group.begin_stop(rescale=action.rescale, leave=action.leave, finish=action.finish, hung=action.hung)
         if action.rescale and not awaited:  # no worker takes the request: SIGTERM went at once
-            self._events.put(core.StopStarted(StopStage.TERM))
+            self._events.put(StopStarted(StopStage.TERM))
 
     def _escalate(self, stage: StopStage) -> None:
         """The stopping group's stage ran out (the core's deadline): enter ``stage``."""
@@ -470,99 +484,51 @@ class Agent:
             "move in place, or a worker still starting)"
         )
 
-    def _read_arrivals(self, gen: Generation) -> None:
-        """How many workers counted themselves in at ``gen``'s store, for the waiting hand-over (:mod:`core`); 0 while
-        the store's port is still being read."""
-        port = self._store_port(gen)
+    def _read_arrivals(self, gen: Generation, port: int) -> None:
+        """How many workers counted themselves in at ``gen``'s store on ``port``, for the waiting hand-over (0 while
+        the store is not reachable yet: the next tick reads again)."""
+        master_addr = gen.store_address.rsplit(":", 1)[0]
         arrived = 0
-        if port is not None:
-            master_addr = gen.store_address.rsplit(":", 1)[0]
-            try:
-                assert self.store is not None
-                arrived = self.store.arrivals(master_addr, port)
-            except Exception as exc:  # the store is not reachable yet: the next tick reads again
-                logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
-        self._events.put(core.ArrivalsRead(gen.number, arrived))
+        try:
+            assert self.store is not None
+            arrived = self.store.arrivals(master_addr, port)
+        except Exception as exc:
+            logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
+        self._events.put(ArrivalsRead(gen.number, arrived))
 
-    def _reconfigure(self, gen: Generation) -> None:
-        """Hand the running group ``gen`` in place (see :meth:`WorkerGroup.reconfigure`): :mod:`core` decided when
-        (with newcomers, once their workers counted themselves in)."""
+    def _reconfigure(self, gen: Generation, port: int) -> None:
+        """Hand the running group ``gen`` in place, its store on ``port`` (see :meth:`WorkerGroup.reconfigure`)."""
         assert self.group is not None
-        port = self._store_port(gen)
-        if port is None:  # handed over once the port is read (_PortFound)
-            self._pending_hand = gen
-            return
-        self._pending_hand = None
         kept, started = self.group.reconfigure(gen.number, self._envs(gen, port))
         self.metrics.rescales.labels("in-place").inc()
         self.metrics.generation.set(gen.number)
         console.info("%s", self._summary.handed(gen, kept, started, time.monotonic()))
 
-    def _start_workers(self, gen: Generation) -> None:
-        """Start this node's workers of ``gen``: at once when its store port is known (node rank 0 opens it itself),
-        otherwise once it is read (:class:`_PortFound`), so the loop never waits for a node rank 0 that is slow to stop
-        its old group, or dead.
-
-        Raises:
-            AgentError: this node's store did not open the generation's store.
-        """
-        port = self._store_port(gen)
-        if port is None:
-            self._pending_start = gen
-            return
-        self._spawn(gen, port)
-
-    def _store_port(self, gen: Generation) -> int | None:
-        """``gen``'s store port when known now: node rank 0 opens it (in its own agent store, at once); another node
-        has it once read from node rank 0's agent store. None while that read runs, in the background: it reports
-        :class:`_PortFound`, or :class:`core.StartFailed` when the port was not there in time.
-
-        Raises:
-            AgentError: this node, node rank 0, could not open the generation's store.
-        """
+    def _open_store(self, gen: Generation) -> None:
+        """Open ``gen``'s store (this node is its rank 0) and answer with its port."""
         assert self.store is not None
-        if self._me(gen).node_rank == 0:
-            return self.store.open_generation(gen.number)
-        if self._found_port is not None and self._found_port[0] == gen.number:
-            return self._found_port[1]
-        if gen.number not in self._port_reads:
-            self._port_reads.add(gen.number)
-            self._in_background(lambda: self._read_port(gen), "store-port")
-        return None
+        try:
+            self._events.put(StorePortRead(gen.number, self.store.open_generation(gen.number)))
+        except AgentError as exc:
+            self._events.put(StorePortRead(gen.number, 0, f"this node could not open the generation's store: {exc}"))
 
     def _read_port(self, gen: Generation) -> None:
-        """Read ``gen``'s store port from node rank 0's agent store (the background reader; see :meth:`_store_port`)."""
+        """Read ``gen``'s store port from node rank 0's agent store (a background reader) and answer with it. Node
+        rank 0 opens the store before it stops its old group, so this is normally at once; the bound is the longest
+        node rank 0 may take to stop that group, so a slow checkpoint never fails a join. A newer generation, or the
+        core no longer waiting for the port, ends the wait."""
         assert self.store is not None
+        wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
 
-        def wanted() -> bool:
-            return gen in (self._pending_start, self._pending_hand) or self.state.handing == gen
+        def superseded() -> bool:
+            return self.membership.newest_seen > gen.number or not core.wants_port(self.state, gen.number)
 
         try:
-            port = self._port_from_rank_0(gen, self.store, lambda: not wanted())
+            port = self.store.generation_port(gen.store_address, gen.number, timeout_s=wait_s, superseded=superseded)
         except AgentError as exc:
-            if wanted():  # not cancelled: what waited for it failed
-                self._events.put(core.StartFailed(gen.number, str(exc)))
-            self._events.put(_PortFound(gen, 0))
+            self._events.put(StorePortRead(gen.number, 0, str(exc)))
             return
-        self._events.put(_PortFound(gen, port))
-
-    def _port_found(self, found: _PortFound) -> None:
-        """What waited for ``found``'s store port goes on (a port of 0: the read failed; nothing goes on)."""
-        gen = found.generation
-        self._port_reads.discard(gen.number)
-        if not found.port:
-            self._pending_start = None if self._pending_start is gen else self._pending_start
-            self._pending_hand = None if self._pending_hand is gen else self._pending_hand
-            return
-        self._found_port = (gen.number, found.port)
-        if self._pending_start is gen:
-            self._pending_start = None
-            try:
-                self._spawn(gen, found.port)
-            except AgentError as exc:
-                self._events.put(core.StartFailed(gen.number, str(exc)))
-        elif self._pending_hand is gen:
-            self._reconfigure(gen)
+        self._events.put(StorePortRead(gen.number, port))
 
     def _spawn(self, gen: Generation, master_port: int) -> None:
         log_dir = None
@@ -582,21 +548,6 @@ class Agent:
 
     def _me(self, gen: Generation) -> GenerationMember:
         return next(m for m in gen.members if m.node_id == self.config.node_id)
-
-    def _port_from_rank_0(self, gen: Generation, store: NodeStore, cancelled: Callable[[], bool]) -> int:
-        """``gen``'s store port, read from node rank 0's agent store (any thread). Node rank 0 opens the store before
-        it stops its old group, so this is normally at once; the bound is the longest node rank 0 may take to stop
-        that group, so a slow checkpoint never fails a join. A newer generation, or ``cancelled()``, ends the wait.
-
-        Raises:
-            AgentError: the port was not there in time, or the wait was ended.
-        """
-        wait_s = self.config.rescale_grace_s + self.config.stop_grace_s + 15.0
-
-        def superseded() -> bool:
-            return self.membership.newest_seen > gen.number or cancelled()
-
-        return store.generation_port(gen.store_address, gen.number, timeout_s=wait_s, superseded=superseded)
 
     def _envs(self, gen: Generation, master_port: int) -> list[WorkerEnv]:
         """This node's workers' env contracts in ``gen``, whose store listens on ``master_port``."""
@@ -674,12 +625,12 @@ class Agent:
         answers with an event, so the loop never waits on a peer that does not answer."""
         threading.Thread(target=work, name=name, daemon=True).start()
 
-    def _probe_newcomers(self, action: core.ProbeNewcomers) -> None:
-        """Which of ``action``'s newcomers' agents this node cannot reach (a probe thread; :class:`core.NewcomersProbed`
-        answers)."""
+    def _probe_newcomers(self, action: ProbeNewcomers) -> None:
+        """Which of ``action``'s newcomers' agents this node cannot reach (a probe thread; answered with
+        :class:`pliant.agent.events.NewcomersProbed`)."""
         gen, newcomers = action.generation, set(action.newcomers)
         unreachable = frozenset(m.node_id for m in gen.members if m.node_id in newcomers and not reachable(m.address))
-        self._events.put(core.NewcomersProbed(gen.number, action.arrived, unreachable))
+        self._events.put(NewcomersProbed(gen.number, action.arrived, unreachable))
 
     def _peers_renewing(self) -> tuple[float, int]:
         """The longest unbroken renewal streak among (up to 8 of) the generation's other agents, and the newest

@@ -111,15 +111,17 @@ def awaited(state: CoreState, job: JobState | None, job_reason: str, min_nodes: 
         min_nodes: the job's minimum as this node was told it (the job's own may differ).
         now: the executor's monotonic clock (a hand-over's grace is counted on it).
     """
-    pending, gen = state.handover, state.handing
-    if pending is not None and gen is not None:
-        left = max(0.0, pending.deadline - now)
-        newcomers = ", ".join(pending.newcomers)
-        return f"generation {gen.number}: waiting for {newcomers} to start their workers", f"{left:.0f}s to go"
-    moving = [p for _, p in state.progress if p.phase == "transfer"]
-    if state.group is not None and moving:
+    handing = state.handing
+    if handing is not None and handing.handover is not None:
+        left = max(0.0, handing.handover.deadline - now)
+        newcomers = ", ".join(handing.handover.newcomers)
+        what = f"generation {handing.generation.number}: waiting for {newcomers} to start their workers"
+        return what, f"{left:.0f}s to go"
+    group = state.group
+    moving = [p for _, p in group.progress if p.phase == "transfer"] if group is not None else []
+    if moving:
         return f"generation {moving[0].generation}: moving the state into the new world", f"{len(moving)} rank(s) here"
-    if state.group is not None or state.phase is not AgentState.WAITING:
+    if group is not None or state.lifecycle is not AgentState.WAITING:
         return "", ""
     if job is JobState.WAITING:
         return f"waiting for nodes: {job_reason or f'the job needs {min_nodes}'}", ""

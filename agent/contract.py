@@ -16,6 +16,7 @@ from pliant.tls import TlsConfig
 
 __all__ = [
     "COORDINATORS",
+    "TRANSITIONS",
     "AgentConfig",
     "AgentError",
     "AgentState",
@@ -52,14 +53,13 @@ def left_on(signum: int) -> int:
 
 
 class AgentState(enum.Enum):
-    """An agent's lifecycle.
+    """An agent's lifecycle, as it reports it (metrics, logs); the transitions allowed are :data:`TRANSITIONS`.
 
-    Allowed transitions: JOINING -> WAITING (member, not in a generation: spare, below min, or between worlds);
-    WAITING <-> RUNNING (workers of a generation that includes this node run); RUNNING -> WAITING (a new generation,
-    a worker failure, all local workers done); RUNNING -> LEAVING (SIGTERM while workers run: the node left the job,
-    and its workers run until the world without it is published, so every node's workers are stopped together);
-    JOINING|WAITING|RUNNING|LEAVING -> SUCCEEDED | FAILED (the job finished) or LEFT (SIGTERM: graceful leave). The
-    last three are terminal.
+    JOINING: joining the job (first, or again after its membership was lost). WAITING: a member without workers
+    (spare, left out, below min, between worlds, or done and waiting for the job's end). RUNNING: workers of a
+    generation that includes this node start or run. LEAVING: the node left the job on SIGTERM, and its workers run
+    until the world without it is published, so every node's workers are stopped together. SUCCEEDED, FAILED (the job
+    finished) and LEFT (graceful leave) are terminal.
     """
 
     JOINING = "joining"
@@ -70,6 +70,22 @@ class AgentState(enum.Enum):
     FAILED = "failed"
     LEFT = "left"
 
+
+def _transitions(
+    *pairs: tuple[tuple[AgentState, ...], tuple[AgentState, ...]],
+) -> frozenset[tuple[AgentState, AgentState]]:
+    return frozenset((a, b) for sources, targets in pairs for a in sources for b in targets)
+
+
+_S = AgentState
+TRANSITIONS = _transitions(
+    ((_S.JOINING,), (_S.WAITING, _S.RUNNING)),  # joined; or a generation with or without this node came first
+    ((_S.WAITING,), (_S.RUNNING, _S.JOINING)),  # a generation includes this node; the membership was lost
+    ((_S.RUNNING,), (_S.WAITING, _S.LEAVING, _S.JOINING)),  # a world without it, failure, done; SIGTERM; lost
+    ((_S.JOINING, _S.WAITING, _S.RUNNING, _S.LEAVING), (_S.SUCCEEDED, _S.FAILED, _S.LEFT)),  # the job ended; left
+)
+"""The lifecycle changes the agent's core may make, (from, to), besides staying: the states it reports follow only
+these (a test drives the core through random events and checks both ways)."""
 
 COORDINATORS = "@COORDINATORS@"
 """The coordinators' place in :attr:`AgentConfig.join_line` (a word the shell takes as it is, unquoted)."""

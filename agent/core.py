@@ -1,8 +1,19 @@
-"""The agent's decisions as one pure function: ``decide(state, event, now) -> (state, actions)``.
+"""The agent's decisions as one state machine: ``decide(state, event, now) -> (state, actions)``.
 
 No I/O and no clock: :mod:`pliant.agent.agent` (the executor) turns what happens (a generation from the watch, a
-worker exit, a heartbeat's outcome, a signal, the workers' progress on each tick) into events, calls :func:`decide`,
-and performs the actions it returns, in order. Everything here is unit-tested with a fake clock and no processes.
+worker exit, a heartbeat's outcome, a signal, a store port read, the workers' progress on each tick) into events
+(:mod:`pliant.agent.events`), calls :func:`decide`, and performs the actions it returns (:mod:`pliant.agent.actions`),
+in order. Everything here is unit-tested with a fake clock and no processes.
+
+The agent is in one phase at a time, and each phase carries its own data (:data:`Phase`): :class:`Joining`,
+:class:`Waiting` (not in the world), :class:`Starting` (a group of a generation waits for its store port),
+:class:`Running` (a worker group runs), :class:`HandingOver` (the running group waits for a generation's store port or
+its newcomers before it is handed that generation in place), :class:`Leaving` (the node left; its workers run until
+the world without it is published), :class:`pliant.agent.stopping.Stopping` (a group is being stopped; what follows
+waits for it) and :class:`Ended`. Around them, :class:`CoreState` keeps what holds across phases: the newest
+generation seen, the membership's renewals, the step times and the newest generation a step completed in. The
+lifecycle a phase reports (:class:`pliant.agent.contract.AgentState`) and the transitions allowed between lifecycles
+are in :mod:`pliant.agent.contract`.
 
 The rules:
 
@@ -37,11 +48,15 @@ The rules:
   fenced by the checkpoint directory instead: once a newer generation opened it (its fence file), the old group is
   stopped (and reported), and its commits are refused anyway. A new incarnation of the job (started again after every
   node was lost) takes the directory over; the fence then stops any world of the older one.
-- **Stopping is a state**: a group is stopped in stages with deadlines (:mod:`pliant.agent.stopping`): the executor
+- **Store ports**: a group starts, or is handed a generation in place, once the generation's store port is known:
+  node rank 0 opens the store itself (:class:`Prepare`), any other node reads the port from node rank 0's agent store
+  in the background (:class:`ReadStorePort`), so the loop never waits for a node rank 0 that is slow to stop its old
+  group, or dead. Both are answered with :class:`StorePortRead`; a port that could not be read fails the start.
+- **Stopping is a phase**: a group is stopped in stages with deadlines (:mod:`pliant.agent.stopping`): the executor
   starts each stage when told (:class:`Stop`, then :class:`Escalate` once a tick finds the stage's deadline passed)
   and never waits; it reports the group gone (:class:`GroupStopped`). What needs the old workers gone (the next
-  group's :class:`Start`, :class:`Leave`, :class:`Exit`, and whatever was decided after them) waits in
-  ``CoreState.stopping`` until then.
+  group's :class:`Start`, :class:`Leave`, :class:`Exit`, and whatever was decided after them) waits in the
+  :class:`pliant.agent.stopping.Stopping` phase until then.
 - **Hangs**: workers write their step and phase (start, step, save, done) to a progress file. A rank in the step
   phase that makes no progress for the hang timeout (by default ``HANG_MULTIPLE`` x the median step time, at least
   ``HANG_FLOOR_S``), or that stays in the start or save phase for the start timeout, is hung: the agent dumps every
@@ -52,13 +67,50 @@ The rules:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
-from pliant.agent.contract import AgentState, ExitCode, GroupResult, left_on
+from pliant.agent.actions import (
+    Action,
+    Dump,
+    Escalate,
+    Exit,
+    Leave,
+    Prepare,
+    ProbeNewcomers,
+    ProbePeers,
+    ReadArrivals,
+    ReadStorePort,
+    Reconfigure,
+    Report,
+    Send,
+    Start,
+    Stop,
+)
+from pliant.agent.contract import AgentState, ExitCode, left_on
+from pliant.agent.events import (
+    ArrivalsRead,
+    Event,
+    GenerationSeen,
+    GroupExited,
+    GroupStopped,
+    HeartbeatFailed,
+    HeartbeatOk,
+    JobFinished,
+    Joined,
+    LeaseLost,
+    NewcomersProbed,
+    PeersProbed,
+    SignalReceived,
+    StartFailed,
+    StopStarted,
+    StorePortRead,
+    Tick,
+)
 from pliant.agent.handover import HandOver, probe_due, probed
 from pliant.agent.stopping import Graces, Stopping, StopStage, begin, defer, escalated, first_stage
-from pliant.coordinator.contract import FailureCause, Generation, JobState
+from pliant.coordinator.contract import FailureCause, Generation, GenerationMember, JobState
 from pliant.fence import Fence
 
 __all__ = [
@@ -66,42 +118,24 @@ __all__ = [
     "HANG_FLOOR_S",
     "HANG_MULTIPLE",
     "LEAVE_WAIT_S",
-    "Action",
-    "ArrivalsRead",
     "CoreConfig",
     "CoreState",
-    "Dump",
-    "Escalate",
-    "Event",
-    "Exit",
-    "GenerationSeen",
-    "GroupExited",
-    "GroupStopped",
-    "HeartbeatFailed",
-    "HeartbeatOk",
-    "JobFinished",
-    "Joined",
-    "LeaseLost",
-    "Leave",
-    "NewcomersProbed",
-    "PeersProbed",
-    "Prepare",
-    "ProbeNewcomers",
-    "ProbePeers",
-    "ReadArrivals",
-    "Reconfigure",
-    "Report",
-    "Send",
-    "SignalReceived",
-    "Start",
-    "StartFailed",
-    "Stop",
-    "StopStarted",
-    "Tick",
+    "Ended",
+    "Group",
+    "HandingOver",
+    "Joining",
+    "Leaving",
+    "Phase",
+    "RankProgress",
+    "Running",
+    "Starting",
+    "Stopping",
+    "Waiting",
     "decide",
     "hang_timeout",
     "left_out",
     "renewal_streak",
+    "wants_port",
 ]
 
 HANG_FLOOR_S = 60.0
@@ -146,289 +180,232 @@ class CoreConfig:
 
 
 @dataclass(frozen=True)
-class Report:
-    """A report the coordinator must receive: a worker failure or the group's success, for ``generation``."""
+class RankProgress:
+    """A local rank's progress as last read: ``step`` and ``phase``, first seen at ``since``; the generation a
+    "wait" or a "transfer" names (a new wait at the same step is a new record)."""
 
-    kind: str  # "failure" | "success"
-    generation: int
-    exit_code: int = 0  # of a failure whose cause is EXITED: the worker's (negative: the signal that killed it)
-    message: str = ""
-    arrived: bool = False  # a worker of this node completed a step in ``generation``: every member arrived
-    cause: FailureCause = FailureCause.EXITED
-    untrained: bool = False  # of a success: no worker of this node completed a step in ``generation``
-    error: str = ""  # of an EXITED failure: the exception the worker died of ("Type: message"; "" for none)
+    step: int
+    phase: str
+    since: float
+    generation: int = 0
 
 
 @dataclass(frozen=True)
-class RankProgress:
-    step: int
-    phase: str
-    since: float  # when this (step, phase, generation) was first seen
-    generation: int = 0  # of a "wait" or a "transfer": its generation (a new wait at the same step is a new record)
+class Group:
+    """This node's worker group of one generation.
+
+    Attributes:
+        number: the generation the workers run, or were last handed in place.
+        members: the node ids of the generation the workers last formed (or were handed).
+        progress: the local ranks' progress, as last read.
+        ready: every live worker announced that it re-forms in place.
+        handed: the generation last handed to these workers in place (None: none).
+    """
+
+    number: int
+    members: tuple[str, ...] = ()
+    progress: tuple[tuple[int, RankProgress], ...] = ()
+    ready: bool = False
+    handed: int | None = None
+
+
+# -- phases ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Joining:
+    """Joining the job (first, or again after the membership was lost). ``done``: this node's workers completed the
+    job's work before the membership was lost."""
+
+    done: bool = False
+    lifecycle: ClassVar[AgentState] = AgentState.JOINING
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A member with no workers: not in the world (spare, left out, excluded), or between worlds. ``done``: every
+    worker of this node exited 0, and the job's end is not seen yet."""
+
+    done: bool = False
+    lifecycle: ClassVar[AgentState] = AgentState.WAITING
+
+
+@dataclass(frozen=True)
+class Starting:
+    """``generation`` includes this node: its ``group`` starts once the generation's store port is read."""
+
+    generation: Generation
+    group: Group
+    lifecycle: ClassVar[AgentState] = AgentState.RUNNING
+
+
+@dataclass(frozen=True)
+class Running:
+    """This node's worker ``group`` runs."""
+
+    group: Group
+    lifecycle: ClassVar[AgentState] = AgentState.RUNNING
+
+
+@dataclass(frozen=True)
+class HandingOver:
+    """The running ``group`` is handed ``generation`` in place once its store ``port`` is known and, when it admits
+    newcomers, once they counted themselves in (``handover``: their wait, its deadline and probes; None: no
+    newcomers). The workers train on in their generation meanwhile."""
+
+    group: Group
+    generation: Generation
+    port: int | None = None
+    handover: HandOver | None = None
+    lifecycle: ClassVar[AgentState] = AgentState.RUNNING
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """The node left the job on signal ``signum``; its ``group`` runs until the world without it is published, or
+    until ``deadline``."""
+
+    group: Group
+    signum: int
+    deadline: float
+    lifecycle: ClassVar[AgentState] = AgentState.LEAVING
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The agent is done: the job ``SUCCEEDED`` or ``FAILED``, or the node ``LEFT``. Terminal."""
+
+    outcome: AgentState
+
+    @property
+    def lifecycle(self) -> AgentState:
+        return self.outcome
+
+
+Phase = Joining | Waiting | Starting | Running | HandingOver | Leaving | Stopping | Ended
+"""The agent's phase; :class:`pliant.agent.stopping.Stopping` wraps the phase that follows the stop."""
 
 
 @dataclass(frozen=True)
 class CoreState:
-    """What the agent knows. ``group`` is the generation number of the running worker group (None: none)."""
+    """What the agent knows: its ``phase`` and what holds across phases.
+
+    Attributes:
+        node_id: this node's id.
+        phase: the phase the agent is in (:data:`Phase`).
+        generation: the newest generation seen.
+        ttl_s: the membership's heartbeat TTL.
+        renewed_at: when the membership was last renewed.
+        renewing_since: start of the current unbroken run of renewals (None: failing).
+        probed_at: when the peers were last asked how long they renew (self-fencing).
+        step_intervals: recent step intervals, for the automatic hang timeout.
+        trained_in: the newest generation a worker of this node was seen to complete a step in.
+        reason: why the agent is in its phase, in a person's words.
+        config: the timings.
+    """
 
     node_id: str
-    phase: AgentState = AgentState.JOINING
+    phase: Phase = field(default_factory=Joining)
     generation: Generation | None = None
-    group: int | None = None
-    started_at: float = 0.0
-    progress: tuple[tuple[int, RankProgress], ...] = ()
-    step_intervals: tuple[float, ...] = ()
     ttl_s: float = 10.0
     renewed_at: float = 0.0
-    renewing_since: float | None = None  # start of the current unbroken run of renewals (None: failing)
+    renewing_since: float | None = None
     probed_at: float = -1e18
-    ready: bool = False  # every live worker of the group announced that it re-forms in place
-    handed: int | None = None  # the generation last handed to the running group in place
-    members: tuple[str, ...] = ()  # the node ids of the generation the running group last formed (or was handed)
-    handing: Generation | None = None  # a generation waiting for its newcomers before it is handed over in place
-    handover: HandOver | None = None  # that wait: its newcomers, deadline and probes
-    stopping: Stopping | None = None  # a group being stopped, and what waits for it to be gone
-    leaving: tuple[int, float] | None = None  # LEAVING: (the signal, when the workers stop at the latest)
-    trained_in: int = 0  # the newest generation a worker of this node was seen to complete a step in
-    done: bool = False  # every worker of this node exited 0 (the job's end not yet seen)
+    step_intervals: tuple[float, ...] = ()
+    trained_in: int = 0
     reason: str = ""
     config: CoreConfig = field(default_factory=CoreConfig)
 
-
-# -- events ------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Joined:
-    ttl_s: float
-
-
-@dataclass(frozen=True)
-class GenerationSeen:
-    generation: Generation
-
-
-@dataclass(frozen=True)
-class JobFinished:
-    state: JobState
-    reason: str
-
-
-@dataclass(frozen=True)
-class GroupExited:
-    result: GroupResult
-    message: str = ""  # the executor's description of the first failure (rank, code, error)
-    alive: int = 0  # workers of the group still running
-    error: str = ""  # the exception the first failed worker died of ("Type: message"; "" for none)
-
-
-@dataclass(frozen=True)
-class GroupStopped:
-    """The group being stopped has no live worker left (the executor reaped it, or gave up on it: ``GONE``)."""
-
-    generation: int
-
-
-@dataclass(frozen=True)
-class StopStarted:
-    """The first stage the executor could enter for a :class:`Stop` when it differs from the one asked: a rescale
-    none of whose workers takes the request is stopped with SIGTERM at once (``TERM``)."""
-
-    stage: StopStage
-
-
-@dataclass(frozen=True)
-class StartFailed:
-    generation: int
-    message: str
-
-
-@dataclass(frozen=True)
-class HeartbeatOk:
-    pass
-
-
-@dataclass(frozen=True)
-class HeartbeatFailed:
-    pass
-
-
-@dataclass(frozen=True)
-class LeaseLost:
-    why: str
-
-
-@dataclass(frozen=True)
-class PeersProbed:
-    streak_s: float  # the longest unbroken run of membership renewals among the peers' agents (-1: none answered)
-    newest: int = -1  # the newest generation any of them has seen (-1: none says; 0: none seen)
-
-
-@dataclass(frozen=True)
-class SignalReceived:
-    """SIGTERM or SIGINT: leave the job gracefully, and exit with :func:`pliant.agent.contract.left_on` it."""
-
-    signum: int
-
-
-@dataclass(frozen=True)
-class ArrivalsRead:
-    """What :class:`ReadArrivals` found: ``arrived`` workers counted in at ``generation``'s store (0: unreadable)."""
-
-    generation: int
-    arrived: int
-
-
-@dataclass(frozen=True)
-class NewcomersProbed:
-    """What :class:`ProbeNewcomers` found: the newcomers of ``generation`` whose agents did not answer."""
-
-    generation: int
-    arrived: int
-    unreachable: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Periodic, with the workers' progress as read now (local rank -> (step, phase) or (step, phase, generation), for
-    ranks that write one; the generation a "wait" names) and the checkpoint directory's fence, checked against the
-    job's key (:mod:`pliant.fence`; None: none, or one that is not sealed with the key)."""
-
-    progress: Mapping[int, tuple[int, str] | tuple[int, str, int]] = field(default_factory=dict)
-    fence: Fence | None = None
-    ready: bool = False  # every live worker announced that it re-forms in place
-
-
-Event = (
-    Joined
-    | GenerationSeen
-    | JobFinished
-    | GroupExited
-    | GroupStopped
-    | StopStarted
-    | StartFailed
-    | HeartbeatOk
-    | HeartbeatFailed
-    | LeaseLost
-    | PeersProbed
-    | SignalReceived
-    | ArrivalsRead
-    | NewcomersProbed
-    | Tick
-)
-
-
-# -- actions -----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prepare:
-    """Open ``generation``'s store (this node is its rank 0) so joiners can meet there while the old group saves."""
-
-    generation: Generation
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Begin stopping the running group (:mod:`pliant.agent.stopping`): ``rescale`` asks the workers to checkpoint and
-    exit (``leave``: to hand over and exit, the others re-forming in place); ``finish`` lets them end by themselves;
-    neither: SIGTERM. ``hung``: the workers' stacks are being dumped (:class:`Dump`), SIGTERM follows once they had
-    time to reach the logs. The executor answers :class:`GroupStopped` once no worker is left (at once when it has no
-    group)."""
-
-    rescale: bool = False
-    finish: bool = False
-    leave: bool = False
-    hung: bool = False
-
-
-@dataclass(frozen=True)
-class Escalate:
-    """The stopping group's stage ran out: enter ``stage`` (``DUMP``: the late workers' stacks to their logs;
-    ``TERM``: SIGTERM; ``KILL``: SIGKILL; ``GONE``: give up on what outlived SIGKILL)."""
-
-    stage: StopStage
-
-
-@dataclass(frozen=True)
-class Reconfigure:
-    """Hand the running group ``generation`` in place: live workers get their new env, dead local ranks fresh
-    workers."""
-
-    generation: Generation
-
-
-@dataclass(frozen=True)
-class ReadArrivals:
-    """Count the workers that counted themselves in at ``generation``'s store; answer with :class:`ArrivalsRead`."""
-
-    generation: Generation
-
-
-@dataclass(frozen=True)
-class ProbeNewcomers:
-    """Probe the agents of ``generation``'s ``newcomers``; answer with :class:`NewcomersProbed` (``arrived`` passed
-    on)."""
-
-    generation: Generation
-    newcomers: tuple[str, ...]
-    arrived: int
-
-
-@dataclass(frozen=True)
-class Start:
-    generation: Generation
-
-
-@dataclass(frozen=True)
-class Send:
-    report: Report
-
-
-@dataclass(frozen=True)
-class Dump:
-    """Ask every worker for its Python stacks, into its log (a hang; the :class:`Stop` that follows gives them the
-    time to get there)."""
-
-    why: str
-
-
-@dataclass(frozen=True)
-class ProbePeers:
-    pass
-
-
-@dataclass(frozen=True)
-class Leave:
-    pass
-
-
-@dataclass(frozen=True)
-class Exit:
-    """End the agent with ``code`` (:class:`pliant.agent.contract.ExitCode`, or :func:`left_on` a signal); a finished
-    job's ``message`` (how it ended, and why) is printed."""
-
-    code: int
-    message: str = ""
-
-
-Action = (
-    Prepare
-    | Stop
-    | Escalate
-    | Reconfigure
-    | ReadArrivals
-    | ProbeNewcomers
-    | Start
-    | Send
-    | Dump
-    | ProbePeers
-    | Leave
-    | Exit
-)
+    @property
+    def lifecycle(self) -> AgentState:
+        """The lifecycle state the agent reports (:class:`pliant.agent.contract.AgentState`)."""
+        return self.phase.lifecycle
+
+    @property
+    def current(self) -> Phase:
+        """The phase decisions are made in: the phase that follows a stop while a group stops."""
+        return self.phase.after if isinstance(self.phase, Stopping) else self.phase
+
+    @property
+    def group(self) -> Group | None:
+        """This node's worker group (one only planned, while it starts, included)."""
+        phase = self.current
+        return phase.group if isinstance(phase, (Starting, Running, HandingOver, Leaving)) else None
+
+    @property
+    def stopping(self) -> Stopping | None:
+        """The stop in progress, if a group is being stopped."""
+        return self.phase if isinstance(self.phase, Stopping) else None
+
+    @property
+    def handing(self) -> HandingOver | None:
+        """The hand-over in place that waits, if any."""
+        phase = self.current
+        return phase if isinstance(phase, HandingOver) else None
 
 
 # -- decisions ---------------------------------------------------------------------------------------------------------
+
+
+def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
+    """The agent's next state and the actions to perform, in order, for ``event`` at agent-clock time ``now``."""
+    phase = state.phase
+    if isinstance(phase, Stopping):
+        return _while_stopping(state, phase, event, now)
+    if isinstance(event, (GroupStopped, StopStarted)) or isinstance(phase, Ended):
+        return state, []
+    state, actions = _decide(state, event, now, stopping=False)
+    at = next((i for i, action in enumerate(actions) if isinstance(action, Stop)), None)
+    if at is None:
+        return state, actions
+    stop = actions[at]
+    assert isinstance(stop, Stop)
+    stage = first_stage(stop.rescale, stop.finish, stop.hung)
+    # What follows the stop waits for the group to be gone (:mod:`pliant.agent.stopping`).
+    stopping = begin(stage, state.config.graces, now, tuple(actions[at + 1 :]), after=state.phase)
+    return replace(state, phase=stopping), actions[: at + 1]
+
+
+def _while_stopping(state: CoreState, phase: Stopping, event: Event, now: float) -> tuple[CoreState, list[Action]]:
+    """:func:`decide` while a group stops: the stop's own events and deadlines, and every other event decided in the
+    phase that follows, with what must wait for the group to be gone queued."""
+    if isinstance(event, GroupStopped):  # what waited for the group to be gone
+        return replace(state, phase=phase.after), list(phase.then)
+    if isinstance(event, StopStarted):
+        return replace(state, phase=begin(event.stage, state.config.graces, now, phase.then, phase.after)), []
+    escalate: list[Action] = []
+    if isinstance(event, Tick):  # a stage's deadline passed: the next stage
+        following = escalated(phase, state.config.graces, now)
+        if following is not None and following.stage is StopStage.GONE:
+            return replace(state, phase=phase.after), [Escalate(StopStage.GONE), *phase.then]
+        if following is not None:
+            phase, escalate = following, [Escalate(following.stage)]
+    if isinstance(phase.after, Ended):
+        return replace(state, phase=phase), escalate
+    state, actions = _decide(replace(state, phase=phase.after), event, now, stopping=True)
+    actions, then = defer(phase.then, actions)
+    return replace(state, phase=replace(phase, then=then, after=state.phase)), [*escalate, *actions]
+
+
+def _decide(state: CoreState, event: Event, now: float, stopping: bool) -> tuple[CoreState, list[Action]]:
+    """The decision for ``event`` in the current phase (``stopping``: an earlier group is still being stopped)."""
+    if isinstance(state.phase, Leaving):
+        return _leaving(state, state.phase, event, now)
+    if isinstance(event, SignalReceived):
+        return _on_signal(state, event, now, stopping)
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise TypeError(f"unknown agent event {event!r}")
+    return handler(state, event, now)
+
+
+def _enter(state: CoreState, phase: Phase, reason: str = "") -> CoreState:
+    return replace(state, phase=phase, reason=reason or state.reason)
+
+
+def _with_group(state: CoreState, group: Group) -> CoreState:
+    """``state`` with its phase's group replaced by ``group``."""
+    return replace(state, phase=replace(state.phase, group=group))  # type: ignore[type-var]
 
 
 def hang_timeout(state: CoreState) -> float:
@@ -447,65 +424,77 @@ def renewal_streak(state: CoreState, now: float) -> float:
     return now - state.renewing_since
 
 
+def wants_port(state: CoreState, generation: int) -> bool:
+    """Whether the agent still waits for ``generation``'s store port (a background reader stops once not)."""
+    phase = state.current
+    if isinstance(phase, Starting):
+        return phase.generation.number == generation
+    return isinstance(phase, HandingOver) and phase.port is None and phase.generation.number == generation
+
+
 def _renewed(state: CoreState, now: float) -> CoreState:
     unbroken = state.renewing_since is not None and now - state.renewed_at <= state.ttl_s
     return replace(state, renewed_at=now, renewing_since=state.renewing_since if unbroken else now)
 
 
-def _set(state: CoreState, phase: AgentState, reason: str = "", **changes: object) -> CoreState:
-    return replace(state, phase=phase, reason=reason or state.reason, **changes)  # type: ignore[arg-type]
-
-
-def _no_group(state: CoreState) -> CoreState:
-    return replace(state, group=None, progress=(), started_at=0.0, ready=False, members=(), handing=None, handover=None)
-
-
 def _moves_in_place(state: CoreState) -> bool:
     """Whether this node's running group takes the next generation in its processes: ``--rescale in-place``, and
     every worker announced that it takes directives."""
-    return state.config.rescale_in_place and state.ready and state.group is not None
+    phase = state.current
+    return state.config.rescale_in_place and isinstance(phase, (Running, HandingOver)) and phase.group.ready
 
 
-def _on_generation(state: CoreState, gen: Generation, now: float) -> tuple[CoreState, list[Action]]:
+def _port_of(gen: Generation, mine: GenerationMember) -> Action:
+    """How this node learns ``gen``'s store port: node rank 0 opens the store, any other node reads its port."""
+    return Prepare(gen) if mine.node_rank == 0 else ReadStorePort(gen)
+
+
+def _on_joined(state: CoreState, event: Joined, now: float) -> tuple[CoreState, list[Action]]:
+    state = _renewed(replace(state, ttl_s=event.ttl_s, renewing_since=None), now)
+    phase = state.phase
+    if isinstance(phase, Joining):
+        phase = Waiting(done=phase.done)
+    return _enter(state, phase, "joined"), []
+
+
+def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple[CoreState, list[Action]]:
+    gen = event.generation
     if state.generation is not None and gen.number <= state.generation.number:
         return state, []
-    state = replace(state, generation=gen, done=False)
-    actions: list[Action] = []
+    state = replace(state, generation=gen)
     mine = next((m for m in gen.members if m.node_id == state.node_id), None)
-    if mine is not None and mine.node_rank == 0:
-        actions.append(Prepare(gen))
-    if mine is not None and _moves_in_place(state):
+    actions: list[Action] = [_port_of(gen, mine)] if mine is not None else []
+    ids = tuple(m.node_id for m in gen.members)
+    group = state.group
+    if mine is not None and group is not None and _moves_in_place(state):
         ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
         # The same processes: their progress carries on (a rank still in "wait" waits for this very generation).
-        state = replace(state, group=gen.number, started_at=now, handed=gen.number, handing=None, handover=None)
+        group = replace(group, number=gen.number, handed=gen.number)
         why = f"generation {gen.number} in place, {ranks}"
-        known = set(state.members) or {m.node_id for m in gen.members}  # an unknown group's world: no newcomers
-        newcomers = tuple(m.node_id for m in gen.members if m.node_id not in known)
+        known = set(group.members) or set(ids)  # an unknown group's world: no newcomers
+        newcomers = tuple(node for node in ids if node not in known)
         needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
         if needed:  # handed over once the newcomers counted themselves in (the survivors train on meanwhile)
             pending = HandOver(newcomers, needed, now + state.config.rescale_grace_s)
-            state = replace(state, handing=gen, handover=pending)
-            return _set(state, AgentState.RUNNING, f"{why}, once {', '.join(newcomers)} arrive"), actions
-        state = replace(state, members=tuple(m.node_id for m in gen.members))
-        return _set(state, AgentState.RUNNING, why), [*actions, Reconfigure(gen)]
+            return _enter(
+                state, HandingOver(group, gen, None, pending), f"{why}, once {', '.join(newcomers)} arrive"
+            ), (actions)
+        return _enter(state, HandingOver(replace(group, members=ids), gen), why), actions
     stranded = False
-    if state.group is not None:
+    if group is not None:
         # Dropped from a world that goes on in place (evicted, or a spare again): the workers hand over and leave at
         # the step boundary, as in a graceful leave, so the others re-form without a restart. Workers that all wait
         # after a failed step have no boundary left to hand over at (their world broke; the next goes on without
         # them), and may sit in a meeting with a peer they cannot reach: they are stopped at once.
         leave = mine is None and bool(gen.members) and _moves_in_place(state)
-        stranded = leave and bool(state.progress) and all(p.phase == "wait" for _, p in state.progress)
+        stranded = leave and bool(group.progress) and all(p.phase == "wait" for _, p in group.progress)
         actions.append(Stop() if stranded else Stop(rescale=True, leave=leave))
-        state = _no_group(state)
     if mine is None:
         why = left_out(state, gen)
         why += "; workers that waited after a failed step stopped" if stranded else ""
-        return _set(state, AgentState.WAITING, why), actions
-    actions.append(Start(gen))
+        return _enter(state, Waiting(), why), actions
     ranks = f"ranks {mine.rank_offset}..{mine.rank_offset + mine.nproc - 1}"
-    state = replace(state, group=gen.number, started_at=now, progress=(), members=tuple(m.node_id for m in gen.members))
-    return _set(state, AgentState.RUNNING, f"generation {gen.number}, {ranks}"), actions
+    return _enter(state, Starting(gen, Group(gen.number, ids)), f"generation {gen.number}, {ranks}"), actions
 
 
 def left_out(state: CoreState, gen: Generation) -> str:
@@ -529,79 +518,85 @@ def left_out(state: CoreState, gen: Generation) -> str:
     return "waiting to be admitted to the job's next world"
 
 
+def _on_port(state: CoreState, event: StorePortRead, now: float) -> tuple[CoreState, list[Action]]:
+    """A generation's store port: the group that waited for it starts, or is handed the generation in place."""
+    if not wants_port(state, event.generation):
+        return state, []
+    if not event.port:
+        return _on_start_failed(state, StartFailed(event.generation, event.error or "no store port"), now)
+    phase = state.current
+    if isinstance(phase, Starting):
+        return _enter(state, Running(phase.group)), [Start(phase.generation, event.port)]
+    assert isinstance(phase, HandingOver)
+    if phase.handover is None:
+        return _enter(state, Running(phase.group)), [Reconfigure(phase.generation, event.port)]
+    return _enter(state, replace(phase, port=event.port)), []
+
+
+def _on_start_failed(state: CoreState, event: StartFailed, now: float) -> tuple[CoreState, list[Action]]:
+    group = state.group
+    if group is None or group.number != event.generation:
+        return state, []
+    report = _failure(state, event.generation, FailureCause.START_FAILED, event.message)
+    return _enter(state, Waiting(), f"cannot start: {event.message}"), [Stop(), Send(report)]
+
+
 def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreState, list[Action]]:
     result = event.result
-    if state.group is None or result.stopped:
+    group = state.group
+    if group is None or result.stopped:
         return state, [Stop()]  # not the group this state runs: just reap it
-    if result.generation != state.group:
-        if state.handed != state.group:
+    if result.generation != group.number:
+        if group.handed != group.number:
             return state, [Stop()]  # a group of an earlier generation: just reap it
-        # The running group, handed generation ``state.group`` in place and not re-formed there yet (the executor
+        # The running group, handed generation ``group.number`` in place and not re-formed there yet (the executor
         # waits for newcomers): its exit is that generation's, or the failure report would be stale and lost.
-        result = replace(result, generation=state.group)
+        result = replace(result, generation=group.number)
     failure = result.first_failure
     if failure is not None and event.alive and _moves_in_place(state):
         # The other local workers keep their processes and state; the next generation replaces the dead one.
-        report = _failure(
-            state,
-            result.generation,
-            FailureCause.EXITED,
-            event.message or f"exit code {failure[1]}",
-            failure[1],
-            event.error,
-        )
-        return _set(state, AgentState.RUNNING, f"worker failure reported; {event.alive} workers wait in place"), [
+        message = event.message or f"exit code {failure[1]}"
+        report = _failure(state, result.generation, FailureCause.EXITED, message, failure[1], event.error)
+        return _enter(state, state.phase, f"worker failure reported; {event.alive} workers wait in place"), [
             Send(report)
         ]
-    state = _no_group(state)
     if result.succeeded:
         # Workers handed a generation in place that ran the job's last steps in the world before it, while its
         # newcomers' workers started, complete it untrained: the coordinator then does not wait for the newcomers,
         # whose workers can never train in it.
-        untrained = state.handed == result.generation and 0 < state.trained_in < result.generation
+        untrained = group.handed == result.generation and 0 < state.trained_in < result.generation
         report = Report("success", result.generation, untrained=untrained)
-        state = replace(state, done=True)
-        return _set(state, AgentState.WAITING, "workers done; waiting for the job to finish"), [Stop(), Send(report)]
+        return _enter(state, Waiting(done=True), "workers done; waiting for the job to finish"), [Stop(), Send(report)]
     if result.saved_for_rescale:
         gen = state.generation
-        if gen is not None and state.handed == result.generation == gen.number:
+        mine = next((m for m in gen.members if m.node_id == state.node_id), None) if gen is not None else None
+        if gen is not None and mine is not None and group.handed == result.generation == gen.number:
             # Handed this generation in place, the world took the restart path instead (an engine that cannot move
             # in place, or another node's group could not): fresh workers restore from the checkpoint.
-            state = replace(state, group=gen.number, started_at=now)
-            return _set(state, AgentState.RUNNING, f"generation {gen.number} restarted from the checkpoint"), [
-                Stop(),
-                Start(gen),
-            ]
-        return _set(state, AgentState.WAITING, f"workers of generation {result.generation} saved for a rescale"), [
-            Stop()
-        ]
-    failure = result.first_failure
+            restarted = Starting(gen, Group(gen.number, handed=group.handed))
+            why = f"generation {gen.number} restarted from the checkpoint"
+            return _enter(state, restarted, why), [_port_of(gen, mine), Stop()]
+        return _enter(state, Waiting(), f"workers of generation {result.generation} saved for a rescale"), [Stop()]
     code = failure[1] if failure else 1
-    report = _failure(
-        state,
-        result.generation,
-        FailureCause.EXITED,
-        event.message or f"a worker exited with code {code}",
-        code,
-        event.error,
-    )
-    return _set(state, AgentState.WAITING, "worker failure reported"), [Stop(), Send(report)]
+    message = event.message or f"a worker exited with code {code}"
+    report = _failure(state, result.generation, FailureCause.EXITED, message, code, event.error)
+    return _enter(state, Waiting(), "worker failure reported"), [Stop(), Send(report)]
 
 
 def _fenced_by(state: CoreState, fence: Fence | None) -> str:
     """Why the checkpoint directory's ``fence`` says that this node's running world was superseded ("" if not)."""
-    gen = state.generation
-    if fence is None or state.group is None or gen is None or fence.job != gen.job_id:
+    gen, group = state.generation, state.group
+    if fence is None or group is None or gen is None or fence.job != gen.job_id:
         return ""
-    if not fence.supersedes(gen.incarnation, state.group):
+    if not fence.supersedes(gen.incarnation, group.number):
         return ""
     if fence.owner.incarnation == gen.incarnation:
         return (
-            f"fenced: generation {fence.owner.generation} owns the checkpoint directory, this group runs {state.group}"
+            f"fenced: generation {fence.owner.generation} owns the checkpoint directory, this group runs {group.number}"
         )
     return (
         f"fenced: another incarnation of job {gen.job_id} (started again) took the checkpoint directory over; "
-        f"this world (generation {state.group}) stops"
+        f"this world (generation {group.number}) stops"
     )
 
 
@@ -615,9 +610,10 @@ def _failure(
 
 def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState, list[Action]]:
     """Track each rank's progress (and the newest generation a step completed in); a hung rank fails the group."""
-    if state.group is None:
+    group = state.group
+    if group is None:
         return state, []
-    before = dict(state.progress)
+    before = dict(group.progress)
     progress: dict[int, RankProgress] = {}
     intervals = list(state.step_intervals)
     waiting: list[int] = []  # ranks that entered the "wait" phase since the last tick
@@ -635,13 +631,8 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
         if old is not None and old.phase == "step" and phase == "step" and step > old.step:
             intervals.append((now - old.since) / (step - old.step))
         progress[rank] = RankProgress(step, phase, now, generation)
-    state = replace(
-        state,
-        progress=tuple(sorted(progress.items())),
-        step_intervals=tuple(intervals[-_STEP_SAMPLES:]),
-        ready=tick.ready,
-        trained_in=trained_in,
-    )
+    group = replace(group, progress=tuple(sorted(progress.items())), ready=tick.ready)
+    state = replace(_with_group(state, group), step_intervals=tuple(intervals[-_STEP_SAMPLES:]), trained_in=trained_in)
     limit = hang_timeout(state)
     start_limit = state.config.start_timeout_s
     for rank, p in sorted(progress.items()):
@@ -658,22 +649,19 @@ def _watch_progress(state: CoreState, tick: Tick, now: float) -> tuple[CoreState
             why = f"local rank {rank} spent {idle:.0f}s on {what} (start timeout {start_limit:g}s)"
         else:
             continue
-        generation = state.group
-        assert generation is not None
-        report = _failure(state, generation, FailureCause.HUNG, f"hang: {why}")
-        state = _set(_no_group(state), AgentState.WAITING, f"hang detected: {why}")
-        return state, [Dump(why), Stop(hung=True), Send(report)]
+        report = _failure(state, group.number, FailureCause.HUNG, f"hang: {why}")
+        return _enter(state, Waiting(), f"hang detected: {why}"), [Dump(why), Stop(hung=True), Send(report)]
     if waiting:
         message = f"local rank {min(waiting)} saw a peer fail mid-step and waits in place for the next generation"
-        state = _set(state, state.phase, "a peer failed; waiting in place")
-        return state, [Send(_failure(state, state.group, FailureCause.WAITING, message))]  # no worker of ours failed
+        state = _enter(state, state.phase, "a peer failed; waiting in place")
+        return state, [Send(_failure(state, group.number, FailureCause.WAITING, message))]  # no worker of ours failed
     return state, []
 
 
 def _done_unheard(state: CoreState, now: float) -> bool:
     """Every worker of this node exited 0, and nothing has been heard from the control plane for DONE_UNHEARD_S (and
     three TTLs): nothing is left to do here, and no one may ever say that the job finished."""
-    if not state.done or state.group is not None or state.renewing_since is not None:
+    if not isinstance(state.phase, Waiting) or not state.phase.done or state.renewing_since is not None:
         return False
     return now - state.renewed_at > max(DONE_UNHEARD_S, 3 * state.ttl_s)
 
@@ -688,174 +676,150 @@ def _watch_membership(state: CoreState, now: float) -> tuple[CoreState, list[Act
     return replace(state, probed_at=now), [ProbePeers()]
 
 
+def _on_tick(state: CoreState, event: Tick, now: float) -> tuple[CoreState, list[Action]]:
+    if _done_unheard(state, now):
+        why = (
+            f"this node's workers finished, and the control plane has not been reached for "
+            f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting"
+        )
+        return _enter(state, Ended(AgentState.SUCCEEDED), why), [Exit(ExitCode.SUCCEEDED)]
+    fenced = _fenced_by(state, event.fence)
+    if fenced:
+        # Reported, so that the control plane that runs this world learns why it stopped.
+        group = state.group
+        report = _failure(state, group.number if group is not None else 0, FailureCause.FENCED, fenced)
+        return _enter(state, Waiting(), fenced), [Stop(), Send(report)]
+    state, actions = _watch_progress(state, event, now)
+    if not actions:
+        state, actions = _watch_membership(state, now)
+    handing = state.handing
+    if handing is not None and handing.handover is not None:  # a hand-over waits: read its arrivals on every tick
+        if handing.port is None:  # none can have counted in where nobody knows the store yet
+            state, probe = _on_arrivals(state, ArrivalsRead(handing.generation.number, 0), now)
+            actions = [*actions, *probe]
+        else:
+            actions = [*actions, ReadArrivals(handing.generation, handing.port)]
+    return state, actions
+
+
 def _on_arrivals(state: CoreState, event: ArrivalsRead, now: float) -> tuple[CoreState, list[Action]]:
     """Probe the newcomers of a waiting hand-over when a probe is due (all arrived, the grace ran out, or the last
     probe is old)."""
-    pending, gen = state.handover, state.handing
-    if pending is None or gen is None or gen.number != event.generation:
+    handing = state.handing
+    if handing is None or handing.handover is None or handing.generation.number != event.generation:
         return state, []  # handed over, reported or superseded since
+    pending = handing.handover
     if not probe_due(pending, event.arrived, now):
         return state, []
-    state = replace(state, handover=replace(pending, probing=True))  # answered by NewcomersProbed
-    return state, [ProbeNewcomers(gen, pending.newcomers, event.arrived)]
+    state = _enter(state, replace(handing, handover=replace(pending, probing=True)))  # answered by NewcomersProbed
+    return state, [ProbeNewcomers(handing.generation, pending.newcomers, event.arrived)]
 
 
 def _on_probed(state: CoreState, event: NewcomersProbed, now: float) -> tuple[CoreState, list[Action]]:
     """Hand the waiting generation over, report the newcomers this node cannot reach, or wait on."""
-    pending, gen = state.handover, state.handing
-    if pending is None or gen is None or gen.number != event.generation:
+    handing = state.handing
+    if handing is None or handing.handover is None or handing.generation.number != event.generation:
         return state, []
-    pending, verdict = probed(pending, event.arrived, event.unreachable, now, state.config.rescale_grace_s)
+    gen = handing.generation
+    pending, verdict = probed(handing.handover, event.arrived, event.unreachable, now, state.config.rescale_grace_s)
     if verdict.cut:  # the workers train on in their generation; the report brings the next one
         report = _failure(state, gen.number, FailureCause.NOT_ARRIVED, verdict.message)
-        state = replace(state, handing=None, handover=None)
-        return _set(state, AgentState.RUNNING, f"generation {gen.number} not handed over: {verdict.message}"), [
-            Send(report)
+        why = f"generation {gen.number} not handed over: {verdict.message}"
+        return _enter(state, Running(handing.group), why), [Send(report)]
+    if verdict.hand and handing.port is not None:
+        group = replace(handing.group, members=tuple(m.node_id for m in gen.members))
+        why = f"generation {gen.number} handed over in place"
+        return _enter(state, Running(group), why), [Reconfigure(gen, handing.port)]
+    return _enter(state, replace(handing, handover=pending)), []
+
+
+def _on_job(state: CoreState, event: JobFinished, now: float) -> tuple[CoreState, list[Action]]:
+    if not event.state.terminal:
+        return state, []
+    finish = event.state is JobState.SUCCEEDED
+    stop: list[Action] = [Stop(finish=finish)] if state.group is not None else []
+    if finish:
+        return _enter(state, Ended(AgentState.SUCCEEDED), event.reason), [*stop, Exit(ExitCode.SUCCEEDED, event.reason)]
+    return _enter(state, Ended(AgentState.FAILED), event.reason), [*stop, Exit(ExitCode.JOB_FAILED, event.reason)]
+
+
+def _on_heartbeat_ok(state: CoreState, event: HeartbeatOk, now: float) -> tuple[CoreState, list[Action]]:
+    return _renewed(state, now), []
+
+
+def _on_heartbeat_failed(state: CoreState, event: HeartbeatFailed, now: float) -> tuple[CoreState, list[Action]]:
+    return _watch_membership(replace(state, renewing_since=None), now)
+
+
+def _on_lease_lost(state: CoreState, event: LeaseLost, now: float) -> tuple[CoreState, list[Action]]:
+    actions: list[Action] = [Stop()] if state.group is not None else []
+    done = isinstance(state.phase, (Waiting, Joining)) and state.phase.done
+    return _enter(replace(state, renewing_since=None), Joining(done), f"membership lost: {event.why}"), actions
+
+
+def _on_peers(state: CoreState, event: PeersProbed, now: float) -> tuple[CoreState, list[Action]]:
+    limit = FENCE_AFTER * state.ttl_s
+    group = state.group
+    if event.streak_s < limit or group is None or now - state.renewed_at <= limit:
+        return state, []
+    if 0 < event.newest <= group.number:  # the peers' world is still this group's: not evicted (yet)
+        return state, []
+    why = (
+        f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
+        f"{event.streak_s:.0f}s" + (f" and seen generation {event.newest}" if event.newest > 0 else "")
+    )
+    return _enter(state, Waiting(), why), [Stop()]
+
+
+def _on_signal(state: CoreState, event: SignalReceived, now: float, stopping: bool) -> tuple[CoreState, list[Action]]:
+    """SIGTERM or SIGINT: leave gracefully (``stopping``: an earlier group is still being stopped, and this node's
+    group, if any, is only planned)."""
+    code = left_on(event.signum)
+    if _moves_in_place(state):
+        # Leave first: the others' next generation (without this node) is on its way while this node's ranks
+        # reach the step boundary, so they find their directives there and re-form without waiting.
+        return _enter(state, Ended(AgentState.LEFT), "graceful leave"), [
+            Leave(),
+            Stop(rescale=True, leave=True),
+            Exit(code),
         ]
-    if verdict.hand:
-        state = replace(state, handing=None, handover=None, members=tuple(m.node_id for m in gen.members))
-        return _set(state, AgentState.RUNNING, f"generation {gen.number} handed over in place"), [Reconfigure(gen)]
-    return replace(state, handover=pending), []
+    phase = state.current
+    if isinstance(phase, (Running, HandingOver)) and not stopping and state.renewing_since is not None:
+        # Leave first, and stop the workers once the world without this node is published: every node's agent
+        # then stops its workers at the same moment, so no peer's exit breaks the others' collectives before
+        # their SIGTERM handlers run. (A control plane that does not answer publishes nothing: no wait then.)
+        leaving = Leaving(phase.group, event.signum, now + LEAVE_WAIT_S)
+        return _enter(state, leaving, "graceful leave: waiting for the world without this node"), [Leave()]
+    stop: list[Action] = [Stop(rescale=True)] if state.group is not None else []  # a group only planned
+    return _enter(state, Ended(AgentState.LEFT), "graceful leave"), [*stop, Leave(), Exit(code)]
 
 
-def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
-    """The agent's next state and the actions to perform, in order, for ``event`` at agent-clock time ``now``."""
-    stopping = state.stopping
-    if isinstance(event, GroupStopped):  # what waited for the group to be gone
-        return (replace(state, stopping=None), list(stopping.then)) if stopping is not None else (state, [])
-    if isinstance(event, StopStarted):
-        if stopping is None:
-            return state, []
-        return replace(state, stopping=begin(event.stage, state.config.graces, now, stopping.then)), []
-    escalate: list[Action] = []
-    if isinstance(event, Tick) and stopping is not None:  # a stage's deadline passed: the next stage
-        following = escalated(stopping, state.config.graces, now)
-        if following is not None and following.stage is StopStage.GONE:
-            return replace(state, stopping=None), [Escalate(StopStage.GONE), *stopping.then]
-        if following is not None:
-            state, escalate = replace(state, stopping=following), [Escalate(following.stage)]
-    if state.phase in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.LEFT):
-        return state, escalate
-    state, actions = _decide(state, event, now)
-    state, actions = _sequenced(state, actions, now)
-    return state, [*escalate, *actions]
-
-
-def _sequenced(state: CoreState, actions: list[Action], now: float) -> tuple[CoreState, list[Action]]:
-    """Queue what must wait for a group to be gone (:mod:`pliant.agent.stopping`): everything after a :class:`Stop`
-    that begins one, and, while a group stops, every start, leave or exit and what was decided after it."""
-    if state.stopping is not None:
-        actions, then = defer(state.stopping.then, actions, (Start, Leave, Exit), Stop, Start)
-        return replace(state, stopping=replace(state.stopping, then=then)), actions
-    at = next((i for i, action in enumerate(actions) if isinstance(action, Stop)), None)
-    if at is None:
-        return state, actions
-    stop = actions[at]
-    assert isinstance(stop, Stop)
-    stage = first_stage(stop.rescale, stop.finish, stop.hung)
-    stopping = begin(stage, state.config.graces, now, tuple(actions[at + 1 :]))
-    return replace(state, stopping=stopping), actions[: at + 1]
-
-
-def _leaving(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
+def _leaving(state: CoreState, phase: Leaving, event: Event, now: float) -> tuple[CoreState, list[Action]]:
     """LEAVING: the node left; its workers stop (the restart path: SIGTERM for a plain script) once the world without
     it is published, or at the deadline, or at once on a second signal or when they exited by themselves."""
-    assert state.leaving is not None
-    signum, deadline = state.leaving
     if isinstance(event, JobFinished) and event.state.terminal:
-        return _decide(replace(state, phase=AgentState.RUNNING, leaving=None), event, now)
+        return _on_job(_enter(state, Running(phase.group)), event, now)
     published = isinstance(event, GenerationSeen) and state.node_id not in event.generation.node_ids
-    due = isinstance(event, Tick) and now >= deadline
+    due = isinstance(event, Tick) and now >= phase.deadline
     if not (published or due or isinstance(event, (SignalReceived, GroupExited))):
         return state, []
     why = "graceful leave" if published else "graceful leave (the world without this node was not seen in time)"
-    state = replace(_no_group(state), leaving=None)
-    return _set(state, AgentState.LEFT, why), [Stop(rescale=True), Exit(left_on(signum))]
+    return _enter(state, Ended(AgentState.LEFT), why), [Stop(rescale=True), Exit(left_on(phase.signum))]
 
 
-def _decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[Action]]:
-    """:func:`decide` for every event but a stop's own, before what must wait for a stop is queued."""
-    if state.phase is AgentState.LEAVING:
-        return _leaving(state, event, now)
-    if isinstance(event, Joined):
-        state = replace(state, ttl_s=event.ttl_s, renewing_since=None)
-        return _set(_renewed(state, now), AgentState.WAITING if state.group is None else state.phase, "joined"), []
-    if isinstance(event, GenerationSeen):
-        return _on_generation(state, event.generation, now)
-    if isinstance(event, JobFinished):
-        if not event.state.terminal:
-            return state, []
-        finish = event.state is JobState.SUCCEEDED
-        stop: list[Action] = [Stop(finish=finish)] if state.group is not None else []
-        if finish:
-            return _set(_no_group(state), AgentState.SUCCEEDED, event.reason), [
-                *stop,
-                Exit(ExitCode.SUCCEEDED, event.reason),
-            ]
-        return _set(_no_group(state), AgentState.FAILED, event.reason), [*stop, Exit(ExitCode.JOB_FAILED, event.reason)]
-    if isinstance(event, GroupExited):
-        return _on_exit(state, event, now)
-    if isinstance(event, StartFailed):
-        if state.group != event.generation:
-            return state, []
-        report = _failure(state, event.generation, FailureCause.START_FAILED, event.message)
-        return _set(_no_group(state), AgentState.WAITING, f"cannot start: {event.message}"), [Stop(), Send(report)]
-    if isinstance(event, HeartbeatOk):
-        return _renewed(state, now), []
-    if isinstance(event, HeartbeatFailed):
-        return _watch_membership(replace(state, renewing_since=None), now)
-    if isinstance(event, LeaseLost):
-        actions: list[Action] = [Stop()] if state.group is not None else []
-        state = replace(state, renewing_since=None)
-        return _set(_no_group(state), AgentState.JOINING, f"membership lost: {event.why}"), actions
-    if isinstance(event, PeersProbed):
-        limit = FENCE_AFTER * state.ttl_s
-        if event.streak_s < limit or state.group is None or now - state.renewed_at <= limit:
-            return state, []
-        if 0 < event.newest <= state.group:  # the peers' world is still this group's: not evicted (yet)
-            return state, []
-        why = (
-            f"fenced: no membership renewal for {now - state.renewed_at:.0f}s while a peer has renewed for "
-            f"{event.streak_s:.0f}s" + (f" and seen generation {event.newest}" if event.newest > 0 else "")
-        )
-        return _set(_no_group(state), AgentState.WAITING, why), [Stop()]
-    if isinstance(event, SignalReceived):
-        if _moves_in_place(state):
-            # Leave first: the others' next generation (without this node) is on its way while this node's ranks
-            # reach the step boundary, so they find their directives there and re-form without waiting.
-            return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [
-                Leave(),
-                Stop(rescale=True, leave=True),
-                Exit(left_on(event.signum)),
-            ]
-        if state.group is not None and state.stopping is None and state.renewing_since is not None:
-            # Leave first, and stop the workers once the world without this node is published: every node's agent
-            # then stops its workers at the same moment, so no peer's exit breaks the others' collectives before
-            # their SIGTERM handlers run. (A control plane that does not answer publishes nothing: no wait then.)
-            state = replace(state, leaving=(event.signum, now + LEAVE_WAIT_S))
-            return _set(state, AgentState.LEAVING, "graceful leave: waiting for the world without this node"), [Leave()]
-        stop: list[Action] = [Stop(rescale=True)] if state.group is not None else []  # a group only planned
-        return _set(_no_group(state), AgentState.LEFT, "graceful leave"), [*stop, Leave(), Exit(left_on(event.signum))]
-    if isinstance(event, ArrivalsRead):
-        return _on_arrivals(state, event, now)
-    if isinstance(event, NewcomersProbed):
-        return _on_probed(state, event, now)
-    if isinstance(event, Tick):
-        if _done_unheard(state, now):
-            why = (
-                f"this node's workers finished, and the control plane has not been reached for "
-                f"{now - state.renewed_at:.0f}s, so the job's end cannot be recorded; exiting"
-            )
-            return _set(state, AgentState.SUCCEEDED, why), [Exit(ExitCode.SUCCEEDED)]
-        fenced = _fenced_by(state, event.fence)
-        if fenced:
-            # Reported, so that the control plane that runs this world learns why it stopped.
-            report = _failure(state, state.group or 0, FailureCause.FENCED, fenced)
-            return _set(_no_group(state), AgentState.WAITING, fenced), [Stop(), Send(report)]
-        state, actions = _watch_progress(state, event, now)
-        if not actions:
-            state, actions = _watch_membership(state, now)
-        if state.handing is not None:  # a hand-over waits: read its arrivals on every tick
-            actions = [*actions, ReadArrivals(state.handing)]
-        return state, actions
-    raise TypeError(f"unknown agent event {event!r}")
+_HANDLERS: dict[type, Callable[[CoreState, object, float], tuple[CoreState, list[Action]]]] = {
+    Joined: _on_joined,  # type: ignore[dict-item]
+    GenerationSeen: _on_generation,  # type: ignore[dict-item]
+    StorePortRead: _on_port,  # type: ignore[dict-item]
+    StartFailed: _on_start_failed,  # type: ignore[dict-item]
+    JobFinished: _on_job,  # type: ignore[dict-item]
+    GroupExited: _on_exit,  # type: ignore[dict-item]
+    HeartbeatOk: _on_heartbeat_ok,  # type: ignore[dict-item]
+    HeartbeatFailed: _on_heartbeat_failed,  # type: ignore[dict-item]
+    LeaseLost: _on_lease_lost,  # type: ignore[dict-item]
+    PeersProbed: _on_peers,  # type: ignore[dict-item]
+    ArrivalsRead: _on_arrivals,  # type: ignore[dict-item]
+    NewcomersProbed: _on_probed,  # type: ignore[dict-item]
+    Tick: _on_tick,  # type: ignore[dict-item]
+}
+"""Each event's decision, outside the stop's own events and the leaving phase."""

@@ -2,7 +2,7 @@
 waiting while an earlier agent of the node id still holds it), heartbeats (and a re-join after an eviction), the
 generation watch and the reports, each on a thread of its own that answers the agent's loop with events.
 
-What reaches the agent's event queue: :class:`pliant.agent.core.Joined` for each join, ``HeartbeatOk``,
+What reaches the agent's event queue: :class:`pliant.agent.events.Joined` for each join, ``HeartbeatOk``,
 ``HeartbeatFailed`` and ``LeaseLost`` from the heartbeat, every :class:`~pliant.coordinator.contract.WatchEvent` of
 the watch, and :class:`JoinRefused` when a re-join is refused for good. Nothing here waits on the agent's loop, and the
 loop never waits on the control plane: reports are queued and sent in order, retried while no coordinator answers.
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pliant.agent import core
+from pliant.agent import actions, events
 from pliant.agent.console import unreachable
 from pliant.agent.contract import COORDINATORS, AgentConfig, AgentError
 from pliant.agent.credentials import Credentials
@@ -94,7 +94,7 @@ class Membership:
         self.address = ""  # the node's agent store, which peers reach it on: set before the first join
         self.grant: JoinGrant | None = None
         self.newest_seen = 0  # the newest generation the watch delivered (it may still wait in the event queue)
-        self._reports: queue.Queue[core.Report] = queue.Queue()
+        self._reports: queue.Queue[actions.Report] = queue.Queue()
         self._left = threading.Event()
         self._reached = 0  # the last generation whose every member this node, a spare, reached (see _probe)
         # Heartbeat thread: the nodes that hold the control plane's seats, as the last answer listed them (what the
@@ -154,7 +154,7 @@ class Membership:
         ):
             threading.Thread(target=target, name=name, daemon=True).start()
 
-    def report(self, report: core.Report) -> None:
+    def report(self, report: actions.Report) -> None:
         """Queue ``report``; the reporter sends it after those before it, however long the coordinator is away."""
         self._reports.put(report)
 
@@ -249,7 +249,7 @@ class Membership:
                     )
                 self._stop.wait(0.5)
         self.grant = grant
-        self._events.put(core.Joined(grant.heartbeat_ttl_s))
+        self._events.put(events.Joined(grant.heartbeat_ttl_s))
         logger.info("agent %s: joined job %s", self.config.node_id, job)
         self._say_spec_differences(job)
 
@@ -311,7 +311,7 @@ class Membership:
                     misses_generation=misses,
                 )
                 beat = self.client.beat(request, timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))
-                self._events.put(core.HeartbeatOk())
+                self._events.put(events.HeartbeatOk())
                 self.reachable = True
                 self._follow_coordinators(beat.coordinators)
                 self.seated = beat.seated or self.seated
@@ -330,12 +330,12 @@ class Membership:
             except (NotFound, PermissionDenied) as exc:  # evicted (or another's lease): join again
                 if self._left.is_set():
                     return
-                self._events.put(core.LeaseLost(str(exc)))
+                self._events.put(events.LeaseLost(str(exc)))
                 self._rejoin()
             except CoordinatorError as exc:
                 self.metrics.heartbeat_failures.inc()
                 self.reachable = False
-                self._events.put(core.HeartbeatFailed())
+                self._events.put(events.HeartbeatFailed())
                 if not failing:
                     # The call retried for heartbeat_retry_s before it failed: the outage began about then.
                     down_since = time.monotonic() - self.config.heartbeat_retry_s
@@ -428,7 +428,7 @@ class Membership:
                     log("agent %s: %s (%s); retrying", self.config.node_id, why, exc)
                     self._stop.wait(backoff.next())
 
-    def _send(self, report: core.Report) -> None:
+    def _send(self, report: actions.Report) -> None:
         job, node, lease = self.config.spec.job_id, self.config.node_id, self.grant.lease_id if self.grant else 0
         if report.kind == "success":
             accepted, current = self.client.report_success(job, node, report.generation, lease, report.untrained)

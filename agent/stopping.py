@@ -1,7 +1,7 @@
-"""Stopping a worker group, as a state with deadlines (pure; applied by :func:`pliant.agent.core.decide`).
+"""Stopping a worker group, as a phase of the agent with deadlines (pure; applied by :func:`pliant.agent.core.decide`).
 
 A group is stopped in stages, each with a grace after which the next begins; the executor never waits for one. It
-starts a stage when told to (:class:`pliant.agent.core.Stop`, then :class:`pliant.agent.core.Escalate`), tells
+starts a stage when told to (:class:`pliant.agent.actions.Stop`, then :class:`pliant.agent.actions.Escalate`), tells
 which first stage it could enter (``StopStarted``), and reports the group gone once every worker exited
 (``GroupStopped``); the core checks the deadline on its ticks. The stages:
 
@@ -17,9 +17,10 @@ which first stage it could enter (``StopStarted``), and reports the group gone o
 - ``GONE``: a worker that outlived SIGKILL (a process stuck in the kernel) is given up on, with an error.
 
 What the core decided to do once the group is gone (start the next group, exit, leave) waits in
-:attr:`Stopping.then`: nothing that needs the old workers gone (their checkpoint saved, their ports, their GPU) runs
-before. While a group stops, anything of that kind decided meanwhile joins the queue, and a group that was only
-planned (its start still queued) is dropped from it when a newer decision stops it.
+:attr:`Stopping.then`, and the phase the agent is in once it is gone in :attr:`Stopping.after`: nothing that needs
+the old workers gone (their checkpoint saved, their ports, their GPU) runs before. While a group stops, the core
+decides in ``after`` as if the group were gone, anything of that kind decided meanwhile joins the queue, and a group
+that was only planned (its start still queued) is dropped from it when a newer decision stops it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 from typing import Any
+
+from pliant.agent.actions import Action, Exit, Leave, Start, Stop
 
 __all__ = ["DUMP_S", "KILL_REAP_S", "Graces", "StopStage", "Stopping", "begin", "defer", "escalated", "first_stage"]
 
@@ -66,11 +69,25 @@ class Graces:
 
 @dataclass(frozen=True)
 class Stopping:
-    """A group being stopped: its ``stage``, until ``deadline`` (agent clock), and what waits for it to be gone."""
+    """The agent's phase while a group is being stopped.
+
+    Attributes:
+        stage: the stage the stop is in, until ``deadline`` (agent clock).
+        deadline: when the stage runs out and the next begins.
+        then: the actions that wait for the group to be gone, in order.
+        after: the phase the agent is in once the group is gone (:data:`pliant.agent.core.Phase`; never a
+            ``Stopping``); the core decides in it meanwhile.
+    """
 
     stage: StopStage
     deadline: float
-    then: tuple[Any, ...] = ()
+    then: tuple[Action, ...] = ()
+    after: Any = None
+
+    @property
+    def lifecycle(self) -> Any:
+        """The lifecycle state the agent reports: the one of the phase it is in once the group is gone."""
+        return self.after.lifecycle
 
 
 def first_stage(rescale: bool, finish: bool, hung: bool = False) -> StopStage:
@@ -83,9 +100,9 @@ def first_stage(rescale: bool, finish: bool, hung: bool = False) -> StopStage:
     return StopStage.RESCALE if rescale else StopStage.TERM
 
 
-def begin(stage: StopStage, graces: Graces, now: float, then: tuple[Any, ...] = ()) -> Stopping:
+def begin(stage: StopStage, graces: Graces, now: float, then: tuple[Action, ...] = (), after: Any = None) -> Stopping:
     """A stop entering ``stage`` at ``now``."""
-    return Stopping(stage, now + graces.of(stage), then)
+    return Stopping(stage, now + graces.of(stage), then, after)
 
 
 def escalated(stopping: Stopping, graces: Graces, now: float) -> Stopping | None:
@@ -103,21 +120,19 @@ def escalated(stopping: Stopping, graces: Graces, now: float) -> Stopping | None
     return replace(stopping, stage=following, deadline=now + graces.of(following))
 
 
-def defer(
-    then: tuple[Any, ...], actions: list[Any], waits: tuple[type, ...], stop: type, start: type
-) -> tuple[list[Any], tuple[Any, ...]]:
+def defer(then: tuple[Action, ...], actions: list[Action]) -> tuple[list[Action], tuple[Action, ...]]:
     """While a group stops: split ``actions`` into those to perform now and the queue ``then`` extended. From the first
-    action of a kind in ``waits`` on, actions queue, in order. A ``stop`` among them stops the group that was only
-    planned: the ``start`` actions queued so far are dropped, and the stop itself is not performed (the group already
-    stopping is the only one the executor has)."""
-    now_actions: list[Any] = []
+    start, leave or exit on, actions queue, in order. A stop among them stops the group that was only planned: the
+    starts queued so far are dropped, and the stop itself is not performed (the group already stopping is the only
+    one the executor has)."""
+    now_actions: list[Action] = []
     queued = list(then)
     waiting = False
     for action in actions:
-        if isinstance(action, stop):
-            queued = [a for a in queued if not isinstance(a, start)]
+        if isinstance(action, Stop):
+            queued = [a for a in queued if not isinstance(a, Start)]
             waiting = True
-        elif waiting or isinstance(action, waits):
+        elif waiting or isinstance(action, (Start, Leave, Exit)):
             waiting = True
             queued.append(action)
         else:

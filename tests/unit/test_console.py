@@ -9,8 +9,7 @@ import re
 import pytest
 
 from pliant.agent.console import SHOW_WAIT_AFTER_S, Summary, WaitLine, awaited, unreachable
-from pliant.agent.contract import AgentState
-from pliant.agent.core import CoreState, RankProgress
+from pliant.agent.core import CoreState, Group, HandingOver, RankProgress, Running, Waiting
 from pliant.agent.handover import HandOver
 from pliant.coordinator.contract import Generation, GenerationMember, JobState
 from pliant.statusline import OFF_TERMINAL_EVERY_S, ConsoleHandler, StatusLine
@@ -52,24 +51,24 @@ def test_world_lines_name_who_joined_and_left_and_the_summary_counts_them() -> N
 
 
 def test_what_a_node_waits_for_in_a_persons_words() -> None:
-    waiting = CoreState("a", phase=AgentState.WAITING)
+    waiting = CoreState("a", phase=Waiting())
     assert awaited(waiting, JobState.WAITING, "", 2, 0.0) == ("waiting for nodes: the job needs 2", "")
-    spare = CoreState("a", phase=AgentState.WAITING, reason="spare: the job is at max nodes")
+    spare = CoreState("a", phase=Waiting(), reason="spare: the job is at max nodes")
     assert awaited(spare, JobState.RUNNING, "", 1, 0.0)[0] == "waiting as a spare: the job is at max nodes"
     pending = HandOver(newcomers=("b", "c"), needed=2, deadline=40.0)
-    handing = CoreState("a", phase=AgentState.RUNNING, group=1, handing=_gen(2, "a", "b", "c"), handover=pending)
+    handing = CoreState("a", phase=HandingOver(Group(1), _gen(2, "a", "b", "c"), None, pending))
     assert awaited(handing, JobState.RUNNING, "", 1, 10.0) == (
         "generation 2: waiting for b, c to start their workers",
         "30s to go",
     )
-    moving = CoreState("a", phase=AgentState.RUNNING, group=2, progress=((0, RankProgress(9, "transfer", 1.0, 2)),))
+    moving = CoreState("a", phase=Running(Group(2, progress=((0, RankProgress(9, "transfer", 1.0, 2)),))))
     assert awaited(moving, JobState.RUNNING, "", 1, 5.0) == (
         "generation 2: moving the state into the new world",
         "1 rank(s) here",
     )
-    training = CoreState("a", phase=AgentState.RUNNING, group=1)
+    training = CoreState("a", phase=Running(Group(1)))
     assert awaited(training, JobState.RUNNING, "", 1, 0.0) == ("", "")
-    assert awaited(CoreState("a", phase=AgentState.WAITING, reason="joined"), JobState.RUNNING, "", 1, 0.0) == ("", "")
+    assert awaited(CoreState("a", phase=Waiting(), reason="joined"), JobState.RUNNING, "", 1, 0.0) == ("", "")
 
 
 def test_off_a_terminal_a_wait_is_a_line_when_it_changes_and_every_so_often() -> None:
