@@ -132,9 +132,7 @@ class Agent:
                 config.hang_timeout_s,
                 config.start_timeout_s,
                 rescale_in_place=config.rescale == "in-place",
-                rescale_grace_s=config.rescale_grace_s,
-                stop_grace_s=config.stop_grace_s,
-                finish_grace_s=config.finish_grace_s,
+                graces=config.graces,
                 max_nodes=config.spec.max_nodes,
             ),
         )
@@ -224,8 +222,7 @@ class Agent:
                 self._seat.joined.set()  # it asks for a seat (or its own back) from now on
             self.membership.start()
             # The join grace runs while the store host starts (the zygote's torch import); heartbeats already go.
-            generation_ports = port + 1 if self.config.store_port else 0
-            self.store = NodeStore(self._stores, self.config.host, listening, generation_ports)
+            self.store = NodeStore(self._stores, self.config.host, listening, self.config.store_port)
             self.store.key = self.membership.agent_key  # seals its records (its workers hold no such key)
             return self._loop()
         except JobFinished as exc:  # a node that comes late ends as the job did

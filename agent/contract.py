@@ -7,6 +7,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from pliant import settings
+from pliant.agent.stopping import Graces
 from pliant.coordinator.contract import JobSpec
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_MODES
 from pliant.errors import ConfigError, PliantError
@@ -159,9 +161,9 @@ class AgentConfig:
     store_port: int = 0
     log_dir: str = ""
     checkpoint_dir: str = ""
-    stop_grace_s: float = 5.0
-    rescale_grace_s: float = 30.0
-    finish_grace_s: float = 10.0
+    stop_grace_s: float = settings.STOP_GRACE_S
+    rescale_grace_s: float = settings.RESCALE_GRACE_S
+    finish_grace_s: float = settings.FINISH_GRACE_S
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
     allow_fresh_start: bool = False
@@ -180,6 +182,11 @@ class AgentConfig:
     seat: bool = False
     seat_key: str = field(default="", repr=False)
     join_line: str = ""
+
+    @property
+    def graces(self) -> Graces:
+        """How long each stage of stopping a worker group may last."""
+        return Graces(finish_s=self.finish_grace_s, rescale_s=self.rescale_grace_s, stop_s=self.stop_grace_s)
 
     @property
     def held_membership_wait_s(self) -> float:

@@ -158,10 +158,8 @@ class CoreConfig:
         start_timeout_s: no first step (or a checkpoint save, or a wait for the next generation) for this long is a
             hang; 0 disables it.
         rescale_in_place: ``--rescale in-place``: reconfigure groups that can (False: always the restart path).
-        rescale_grace_s: how long a hand-over in place waits for its newcomers before a last probe decides, and how
-            long workers asked to save or hand over for a rescale may take to exit.
-        stop_grace_s: SIGTERM -> SIGKILL.
-        finish_grace_s: how long workers may take to exit by themselves after the job succeeded elsewhere.
+        graces: how long each stage of a stop may last; the rescale grace is also how long a hand-over in place
+            waits for its newcomers before a last probe decides.
         max_nodes: the job's maximum node count as this node was told it (0: unknown): a node left out of a world
             that has this many is a spare.
     """
@@ -169,14 +167,8 @@ class CoreConfig:
     hang_timeout_s: float | None = None
     start_timeout_s: float = 600.0
     rescale_in_place: bool = False
-    rescale_grace_s: float = 30.0
-    stop_grace_s: float = 5.0
-    finish_grace_s: float = 10.0
+    graces: Graces = field(default_factory=Graces)
     max_nodes: int = 0
-
-    @property
-    def graces(self) -> Graces:
-        return Graces(finish_s=self.finish_grace_s, rescale_s=self.rescale_grace_s, stop_s=self.stop_grace_s)
 
 
 @dataclass(frozen=True)
@@ -475,7 +467,7 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
         newcomers = tuple(node for node in ids if node not in known)
         needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
         if needed:  # handed over once the newcomers counted themselves in (the survivors train on meanwhile)
-            pending = HandOver(newcomers, needed, now + state.config.rescale_grace_s)
+            pending = HandOver(newcomers, needed, now + state.config.graces.rescale_s)
             return _enter(
                 state, HandingOver(group, gen, None, pending), f"{why}, once {', '.join(newcomers)} arrive"
             ), (actions)
@@ -721,7 +713,7 @@ def _on_probed(state: CoreState, event: NewcomersProbed, now: float) -> tuple[Co
     if handing is None or handing.handover is None or handing.generation.number != event.generation:
         return state, []
     gen = handing.generation
-    pending, verdict = probed(handing.handover, event.arrived, event.unreachable, now, state.config.rescale_grace_s)
+    pending, verdict = probed(handing.handover, event.arrived, event.unreachable, now, state.config.graces.rescale_s)
     if verdict.cut:  # the workers train on in their generation; the report brings the next one
         report = _failure(state, gen.number, FailureCause.NOT_ARRIVED, verdict.message)
         why = f"generation {gen.number} not handed over: {verdict.message}"

@@ -25,11 +25,11 @@ asks for a seat as a newcomer when it has the seat key.
 The agent keeps its seat's etcd member running: one that exits (killed, crashed) is started again from its data,
 after a backoff.
 
-Thread ownership: :meth:`SeatHolder.run` runs on its own thread, which starts ``etcd`` and ``coordinator``, restarts
-``etcd``, and lives until :meth:`SeatHolder.close` (the agent's main thread, at exit) sets ``stop``, joins it, and
-stops them: the etcd member is started with a parent-death signal, which the kernel sends when the thread that
-started it ends. The agent
-waits for ``resumed`` before it joins, and sets ``joined`` once it has.
+Thread ownership: :meth:`SeatHolder.run` runs on its own thread, which starts the seat (``plane``: its etcd member
+and replica, :mod:`pliant.coordinator.embedded`), restarts the member, and lives until :meth:`SeatHolder.close` (the
+agent's main thread, at exit) stops the replica, sets ``stop``, joins it, and stops the member: the etcd member is
+started with a parent-death signal, which the kernel sends when the thread that started it ends. The agent waits for
+``resumed`` before it joins, and sets ``joined`` once it has.
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ from pliant.agent.contract import state_home
 from pliant.backoff import Backoff
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, FailedPrecondition, PermissionDenied
+from pliant.coordinator.embedded import EmbeddedSeat, SeatPlan
 from pliant.coordinator.etcd_server import MEMBER_CN, EtcdServer
 from pliant.coordinator.seat_keeper import SeatKit
-from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
-from pliant.coordinator.signer import Signer
-from pliant.net import cannot_listen, free_port, free_port_pair, parse_host_port
+from pliant.coordinator.server import CoordinatorServer
+from pliant.net import free_port, parse_host_port
+from pliant.ports import SeatPorts, free_api_port
 from pliant.tls import IssuedCert, LocalCA, Role
 from pliant.v1 import coordinator_pb2 as pb
 
@@ -68,13 +69,13 @@ RESTART_AFTER_S = (1.0, 30.0)  # a seat's etcd member that exited is started aga
 
 
 def seat_ports(host: str, joined_port: int) -> tuple[int, int, int]:
-    """Where a seat's coordinator, etcd client and etcd peer listen on ``host``: ``joined_port`` (the control plane's
-    port the node joined on; the Bootstrap service on the next) and the two after, when all four are free here (the
-    ports a firewall already opens), else free ones."""
-    block = [joined_port + i for i in range(4)]
-    if not any(cannot_listen(host, port) for port in block):
-        return block[0], block[2], block[3]
-    return free_port_pair(host), free_port(host), free_port(host)
+    """Where a seat's coordinator, etcd client and etcd peer listen on ``host``: the block of ports of the control
+    plane's port the node joined on (:mod:`pliant.ports`) when all four are free here (the ports a firewall already
+    opens), else free ones."""
+    block = SeatPorts.of(joined_port)
+    if block.free_on(host):
+        return block.api, block.etcd_client, block.etcd_peer
+    return free_api_port(host), free_port(host), free_port(host)
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,18 @@ class SeatHolder:
         self.stop = threading.Event()
         self.resumed = threading.Event()  # set once a saved seat was started again, or there was none
         self.joined = threading.Event()  # set by the agent once it joined (a claim needs its membership)
-        self.etcd: EtcdServer | None = None
-        self.coordinator: CoordinatorServer | None = None
+        self.plane: EmbeddedSeat | None = None  # the seat's etcd member and replica, while it holds one
         self._thread = threading.Thread(target=self.run, name="seat", daemon=True)
+
+    @property
+    def etcd(self) -> EtcdServer | None:
+        """The seat's etcd member, while this node holds a seat."""
+        return self.plane.etcd if self.plane is not None else None
+
+    @property
+    def coordinator(self) -> CoordinatorServer | None:
+        """The seat's coordinator replica, while this node holds a seat."""
+        return self.plane.coordinator if self.plane is not None else None
 
     def start(self) -> SeatHolder:
         self._thread.start()
@@ -331,43 +341,40 @@ class SeatHolder:
         )
 
     def _start_services(self, saved: _Saved, kit: SeatKit, resume: bool) -> None:
-        """Start the seat's etcd member (from its data when ``resume``, else joining the cluster) and its replica."""
+        """Start the seat (:mod:`pliant.coordinator.embedded`): its etcd member (from its data when ``resume``, else
+        joining the cluster) and its replica, with certificates issued here from the control plane's CAs."""
         hosts = [self.host, "127.0.0.1", "localhost"]
         ca = LocalCA(self.home / "pki", ca=kit.ca)
         etcd_ca = LocalCA(self.home / "etcd-pki", ca=kit.etcd_ca)
-        self.etcd = EtcdServer(
-            data_dir=str(self.home / "etcd"),
+        plan = SeatPlan(
             host=self.host,
+            listen=f"{'[' + self.host + ']' if ':' in self.host else self.host}:{saved.coordinator_port}",
+            member_name=saved.member_name,
+            replica_id=self.node_id,
             client_port=saved.client_port,
             peer_port=saved.peer_port,
-            die_with_parent=True,
-            tls=etcd_ca.issue("server", Role.COORDINATOR, MEMBER_CN, hosts),
-            name=saved.member_name,
-            initial_cluster=saved.initial_cluster,
-            cluster_state="existing",
-        )
-        self.etcd.start(timeout_s=RESUME_WAIT_S if resume else 60.0)
-        config = CoordinatorConfig(
-            # voting members first (a learner refuses clients), this node's own last
-            etcd_endpoints=(*(e for e in saved.etcd_endpoints if e != self.etcd.endpoint), self.etcd.endpoint),
-            listen=f"{'[' + self.host + ']' if ':' in self.host else self.host}:{saved.coordinator_port}",
-            leader_ttl_s=saved.leader_ttl_s,
-            replica_id=self.node_id,
-            tls=ca.issue("coordinator", Role.COORDINATOR, f"seat-{self.node_id}", hosts),
-            etcd_tls=etcd_ca.issue("client", Role.COORDINATOR, f"etcd-client-{self.node_id}"),
-            signer=Signer(kit.ca),
+            etcd_tls=etcd_ca.issue("server", Role.COORDINATOR, MEMBER_CN, hosts),
+            coordinator_tls=ca.issue("coordinator", Role.COORDINATOR, f"seat-{self.node_id}", hosts),
+            etcd_client_tls=etcd_ca.issue("client", Role.COORDINATOR, f"etcd-client-{self.node_id}"),
+            ca=kit.ca,
             seal_root=kit.seal_root,
             seats=SeatKit(kit.ca, kit.etcd_ca, kit.seal_root, saved.leader_ttl_s, 0),
+            leader_ttl_s=saved.leader_ttl_s,
+            data_dir=str(self.home / "etcd"),
+            initial_cluster=saved.initial_cluster,
+            cluster_state="existing",
+            peers=saved.etcd_endpoints,
         )
-        self.coordinator = CoordinatorServer(config, self.registry).start()
+        self.plane = EmbeddedSeat(plan, self.registry)
+        self.plane.start(etcd_timeout_s=RESUME_WAIT_S if resume else 60.0)
 
     def close(self) -> None:
         """Stop asking, stop the seat's replica and etcd member, and remove the seat's home (the leader gives the seat
         up once this node is gone). The replica stops first: the member stops with this seat's thread, and a
         replica whose etcd is gone only warns until it stops."""
-        coordinator, self.coordinator = self.coordinator, None
-        if coordinator is not None:
-            coordinator.stop()
+        plane = self.plane
+        if plane is not None:
+            plane.stop_replica()
         self.stop.set()
         self.joined.set()
         self.handed.set()
@@ -379,9 +386,6 @@ class SeatHolder:
             self._release_home()
 
     def _stop_services(self) -> None:
-        if self.coordinator is not None:
-            self.coordinator.stop()
-            self.coordinator = None
-        if self.etcd is not None:
-            self.etcd.stop()
-            self.etcd = None
+        plane, self.plane = self.plane, None
+        if plane is not None:
+            plane.stop()

@@ -29,6 +29,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pliant import settings
 from pliant.agent.actions import Action, Exit, Leave, Start, Stop
 
 __all__ = ["DUMP_S", "KILL_REAP_S", "Graces", "StopStage", "Stopping", "begin", "defer", "escalated", "first_stage"]
@@ -52,9 +53,9 @@ class StopStage(enum.Enum):
 class Graces:
     """How long each stage may last (from :class:`pliant.agent.contract.AgentConfig`)."""
 
-    finish_s: float = 10.0
-    rescale_s: float = 30.0
-    stop_s: float = 5.0
+    finish_s: float = settings.FINISH_GRACE_S
+    rescale_s: float = settings.RESCALE_GRACE_S
+    stop_s: float = settings.STOP_GRACE_S
 
     def of(self, stage: StopStage) -> float:
         return {

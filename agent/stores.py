@@ -30,14 +30,14 @@ from collections.abc import Callable
 from pliant.agent.contract import AgentError
 from pliant.agent.storehost import REPLY_MARGIN_S, START_TIMEOUT_S, StoreHost, StoreHostError, listen
 from pliant.net import parse_host_port
+from pliant.ports import GENERATION_PORTS, generation_port
 from pliant.seal import tag
 
 __all__ = ["ARRIVED_KEY", "NodeStore", "reachable", "reserve"]
 
 logger = logging.getLogger(__name__)
 
-_KEEP = 2  # generation stores kept alive (the current and the previous one)
-_GENERATION_PORTS = _KEEP + 1  # fixed generation store ports used in turn: the kept ones and the next
+_KEEP = GENERATION_PORTS - 1  # generation stores kept alive (the current and the previous one)
 PORT_ATTEMPT_S = 2.0  # one attempt to read a generation's store port; see NodeStore.generation_port
 
 
@@ -85,11 +85,12 @@ class NodeStore:
         host: the address other nodes reach this node on.
         port: the long-lived store's listening socket (:func:`reserve`; handed to the host and closed here), or its
             port (0: a free one).
-        generation_ports: with a fixed store port P, the generation stores use P+1, P+2 and P+3 in turn (three, so
-            the two kept open and the next never share one), so that a firewall can be opened ahead; 0: free ports.
+        store_port: the agent's fixed store port (``--store-port``): the generation stores use the ports after it
+            in turn (:func:`pliant.ports.generation_port`; the two kept open and the next never share one), so that a
+            firewall can be opened ahead; 0: free ports.
     """
 
-    def __init__(self, stores: StoreHost, host: str, port: int | socket.socket = 0, generation_ports: int = 0) -> None:
+    def __init__(self, stores: StoreHost, host: str, port: int | socket.socket = 0, store_port: int = 0) -> None:
         self.stores = stores
         self.host = host
         listening = reserve(host, port) if isinstance(port, int) else port
@@ -102,7 +103,7 @@ class NodeStore:
             listening.close()  # the host holds its own descriptor of it
         self.address = f"{host}:{bound}"
         self._generation_ports: dict[int, int] = {}
-        self._first_generation_port = generation_ports
+        self._store_port = store_port
         self.key = b""  # the job's agent key, set once the agent joined (its main thread), before any record is written
 
     def set_renewing(self, streak_s: int, generation: int = 0) -> None:
@@ -145,7 +146,7 @@ class NodeStore:
         """Start generation ``generation``'s store server (node rank 0) and publish its port. Returns the port."""
         if generation in self._generation_ports:  # opened already (before the old group stopped)
             return self._generation_ports[generation]
-        wanted = self._first_generation_port + generation % _GENERATION_PORTS if self._first_generation_port else 0
+        wanted = generation_port(self._store_port, generation)
         try:
             port = int(self.stores.request("serve", START_TIMEOUT_S, host=self.host, port=wanted))
         except StoreHostError as exc:

@@ -45,7 +45,8 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from pliant.env import STACKS_SIGNAL
+from pliant import settings
+from pliant.env import STACKS_SIGNAL, error_file, install
 from pliant.errorfile import write_error
 
 # torch._dynamo is what DDP's constructor imports lazily (1.4 s on this machine): paid once here, not per worker.
@@ -86,8 +87,7 @@ def _become_worker(sock: socket.socket, out_fd: int, job: dict[str, Any]) -> Non
     os.dup2(devnull, 0)
     os.close(devnull)
     _name_process(job["argv"], bool(job.get("module")))  # first: it moves the environment the next lines rewrite
-    os.environ.clear()
-    os.environ.update(job["env"])
+    install(job["env"], replace=True)
     sys.argv = list(job["argv"])
     sys.excepthook = _script_excepthook
 
@@ -108,7 +108,7 @@ def _script_excepthook(kind: type[BaseException], value: BaseException, tb: Trac
     while tb is not None and _is_launch_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     traceback.print_exception(kind, value, tb)
-    write_error(os.environ.get("TORCHELASTIC_ERROR_FILE", ""), kind, value, tb)
+    write_error(error_file(), kind, value, tb)
 
 
 def _is_launch_frame(filename: str) -> bool:
@@ -271,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     sock = socket.socket(fileno=args.fd)
     store_fd = args.store_fd
-    for name in os.environ.get("PLIANT_WORKER_PRELOAD", ",".join(PRELOAD)).split(","):
+    for name in (settings.WORKER_PRELOAD.read() or ",".join(PRELOAD)).split(","):
         if name:
             with contextlib.suppress(ImportError):  # the script reports what it misses itself
                 importlib.import_module(name)

@@ -15,6 +15,7 @@ import shlex
 import sys
 import time
 
+from pliant import settings
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobSpec, parse_node_range
 from pliant.tls import add_tls_flags, read_token_file, tls_from_flags
@@ -35,7 +36,7 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         p.add_argument("job_id", help="the job id")
         p.add_argument(
             "--coordinator",
-            default=os.environ.get("PLIANT_COORDINATOR", "127.0.0.1:29400"),
+            default=settings.COORDINATOR.flag_default() or settings.DEFAULT_COORDINATOR,
             help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR)",
         )
         add_tls_flags(p, "admin")
@@ -146,7 +147,7 @@ def add_seat_key_command(sub: argparse._SubParsersAction) -> None:  # type: igno
     )
     seat.add_argument(
         "--coordinator",
-        default=os.environ.get("PLIANT_COORDINATOR", "127.0.0.1:29400"),
+        default=settings.COORDINATOR.flag_default() or settings.DEFAULT_COORDINATOR,
         help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR)",
     )
     seat.add_argument(

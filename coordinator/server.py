@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from pliant import settings
 from pliant.bootstrap import bootstrap_address
 from pliant.coordinator.contract import CoordinatorError
 from pliant.coordinator.election import LeaderElection
@@ -35,7 +36,8 @@ from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
 from pliant.errors import ConfigError
 from pliant.metrics import MetricsServer, serve_metrics
-from pliant.net import free_port_pair, local_address, parse_host_port
+from pliant.net import local_address, parse_host_port
+from pliant.ports import free_api_port
 from pliant.tls import Role, TlsConfig, server_credentials
 from pliant.v1 import bootstrap_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
@@ -96,8 +98,8 @@ class CoordinatorConfig:
     """
 
     etcd_endpoints: tuple[str, ...]
-    listen: str = "127.0.0.1:29400"
-    prefix: str = "/pliant/v1"
+    listen: str = settings.DEFAULT_COORDINATOR
+    prefix: str = settings.ETCD_KEY_ROOT
     leader_ttl_s: float = 5.0
     replica_id: str = ""
     etcd_timeout_s: float = 5.0
@@ -279,7 +281,7 @@ class CoordinatorServer:
         """
         host, port = parse_host_port(self.config.listen, allow_zero=True)
         if port == 0 and self.config.signer is not None and not self.config.bootstrap_listen:
-            port = free_port_pair(host)  # the bootstrap port is the API port + 1
+            port = free_api_port(host)  # and its bootstrap port (pliant.ports)
         try:
             if self.tls is not None:
                 assert self.config.tls is not None

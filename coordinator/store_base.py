@@ -23,7 +23,7 @@ import etcd3.exceptions
 import etcd3.watch
 import grpc
 
-from pliant import warrant
+from pliant import settings, warrant
 from pliant.coordinator.contract import (
     CoordinatorError,
     CorruptRecord,
@@ -200,7 +200,7 @@ class EtcdBase:
     def __init__(
         self,
         endpoints: Sequence[str],
-        prefix: str = "/pliant/v1",
+        prefix: str = settings.ETCD_KEY_ROOT,
         timeout_s: float = 5.0,
         observer: EtcdObserver | None = None,
         credentials: grpc.ChannelCredentials | None = None,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
+from pliant.ports import bootstrap_of
 from pliant.tls import Role, TlsMaterial, ca_fingerprint, identity_from_pem, new_csr, not_after
 
 __all__ = [
@@ -73,10 +74,10 @@ def parse_pin(text: str) -> str:
 
 
 def bootstrap_address(coordinator: str) -> str:
-    """The Bootstrap service's HOST:PORT by convention: the coordinator API's port + 1."""
+    """The Bootstrap service's HOST:PORT by convention (:mod:`pliant.ports`): the coordinator API's port + 1."""
     host, port = parse_host_port(coordinator, what="--coordinator", allow_zero=True)
     host = f"[{host}]" if ":" in host else host
-    return f"{host}:{port + 1}"
+    return f"{host}:{bootstrap_of(port)}"
 
 
 def fetch_ca(address: str, timeout_s: float = 5.0) -> bytes:

@@ -1,22 +1,21 @@
 """The ``pliant`` command: dispatches to the roles. Roles are imported lazily, so ``pliant coordinator`` needs no torch.
 
-Precedence of settings: command-line flag > environment variable (read here, once) > default.
+Precedence of settings: command-line flag > environment variable (:mod:`pliant.settings`) > default.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from pliant import __version__
+from pliant import __version__, settings
 from pliant.errors import ConfigError, PliantError
-from pliant.flags import Parser, from_env, typed
+from pliant.flags import Parser, typed
 from pliant.logsetup import setup_logging
 from pliant.metrics import add_metrics_port_flag
 from pliant.tls import add_tls_flags, tls_from_flags
@@ -24,10 +23,6 @@ from pliant.tls import add_tls_flags, tls_from_flags
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger(__name__)
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name) or default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,25 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument(
         "--etcd",
-        default=_env("PLIANT_ETCD"),
+        default=settings.ETCD.flag_default(),
         help="etcd client URLs, comma-separated, e.g. http://10.0.0.1:2379,http://10.0.0.2:2379 (env PLIANT_ETCD)",
     )
     coord.add_argument(
         "--listen",
-        default=_env("PLIANT_LISTEN", "127.0.0.1:29400"),
+        default=settings.LISTEN.flag_default(),
         help="HOST:PORT to serve gRPC on (env PLIANT_LISTEN, default 127.0.0.1:29400; 0.0.0.0:29400 for every "
         "interface)",
     )
     add_tls_flags(coord, "coordinator")
     coord.add_argument(
         "--etcd-cacert",
-        default=_env("PLIANT_ETCD_CACERT"),
+        default=settings.ETCD_CACERT.flag_default(),
         help="CA certificate etcd's server certificate is checked against (https:// endpoints)",
     )
     coord.add_argument(
-        "--etcd-cert", default=_env("PLIANT_ETCD_CERT"), help="client certificate for etcd's --client-cert-auth"
+        "--etcd-cert",
+        default=settings.ETCD_CERT.flag_default(),
+        help="client certificate for etcd's --client-cert-auth",
     )
-    coord.add_argument("--etcd-key", default=_env("PLIANT_ETCD_KEY"), help="its private key")
+    coord.add_argument("--etcd-key", default=settings.ETCD_KEY.flag_default(), help="its private key")
     coord.add_argument(
         "--health-port",
         type=int,
@@ -77,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument(
         "--max-jobs",
         type=typed(int, "an integer"),
-        default=from_env("PLIANT_MAX_JOBS", "1000"),
+        default=settings.MAX_JOBS.flag_default(),
         help="jobs the deployment holds at most; CreateJob past it is RESOURCE_EXHAUSTED (default 1000)",
     )
     coord.add_argument(
@@ -109,19 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument(
         "--signing-ca-dir",
-        default=_env("PLIANT_SIGNING_CA_DIR"),
+        default=settings.SIGNING_CA_DIR.flag_default(),
         help="directory with ca.crt and ca.key (pliant certs create-ca; a mounted Secret): this replica signs the "
         "agent certificates of nodes that join by bootstrap (--ca-cert-hash) and renews them, and serves the "
         "bootstrap port (env PLIANT_SIGNING_CA_DIR)",
     )
     coord.add_argument(
         "--bootstrap-listen",
-        default=_env("PLIANT_BOOTSTRAP_LISTEN", ""),
+        default=settings.BOOTSTRAP_LISTEN.flag_default(),
         help="HOST:PORT of the bootstrap service with --signing-ca-dir (default: --listen's port + 1)",
     )
     coord.add_argument(
         "--seal-root-file",
-        default=_env("PLIANT_SEAL_ROOT_FILE", ""),
+        default=settings.SEAL_ROOT_FILE.flag_default(),
         help="file holding the sealing secret that jobs' checkpoint keys derive from (made on first use, mode 0600; "
         "a mounted Secret), shared by every replica; default: a secret kept in etcd, made once (env "
         "PLIANT_SEAL_ROOT_FILE)",
@@ -134,24 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument(
         "--prefix",
-        default=_env("PLIANT_ETCD_PREFIX", "/pliant/v1"),
+        default=settings.ETCD_PREFIX.flag_default(),
         help="root of pliant's etcd keys (env PLIANT_ETCD_PREFIX, default /pliant/v1)",
     )
     coord.add_argument(
         "--leader-ttl",
         type=typed(float, "a number of seconds"),
-        default=from_env("PLIANT_LEADER_TTL", "5"),
+        default=settings.LEADER_TTL.flag_default(),
         help="leader lease TTL in seconds: a dead leader is replaced within about this long (default 5)",
     )
     coord.add_argument(
         "--replica-id",
-        default=_env("PLIANT_REPLICA_ID", ""),
+        default=settings.REPLICA_ID.flag_default(),
         help="this replica's name (env PLIANT_REPLICA_ID, default hostname-pid)",
     )
     add_metrics_port_flag(coord, "on --listen's host")
     coord.set_defaults(func=_cmd_coordinator)
 
-    from pliant.agent.launcher import add_launch_flags  # torch-free: flags and config only
+    from pliant.agent.launch_flags import add_launch_flags  # torch-free: flags only
 
     run = sub.add_parser(
         "run",
@@ -177,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--coordinator",
-        default=_env("PLIANT_COORDINATOR", None),
+        default=settings.COORDINATOR.flag_default(),
         help="coordinator replica(s) HOST:PORT[,HOST:PORT] (env PLIANT_COORDINATOR); without it, and without "
         "--tls-dir or --insecure, the job this node's agent runs, as the agent sees it (from any node of the job); "
         "else 127.0.0.1:29400",
@@ -282,13 +279,13 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pliant.agent.launcher import run_main
+    from pliant.agent.commands import run_main
 
     return run_main(args)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from pliant.agent.launcher import agent_main
+    from pliant.agent.commands import agent_main
 
     return agent_main(args)
 
@@ -300,7 +297,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         from pliant.coordinator.status import view_main
 
         return view_main(args.job, args.json)
-    coordinator = args.coordinator or "127.0.0.1:29400"
+    coordinator = args.coordinator or settings.DEFAULT_COORDINATOR
     return status_main(coordinator, args.job, args.json, tls_from_flags(args.tls_dir, args.insecure, "status"))
 
 

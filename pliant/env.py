@@ -1,5 +1,7 @@
-"""The env contract between an agent and its workers: built by the agent with ``to_env()``, read once by a worker with
-``from_env()``. Nothing else in pliant reads or writes these variables.
+"""The env contract between an agent and its workers: built by the agent with ``to_env()``, put into a worker's
+process with :func:`install` (the zygote, as it starts a worker; a worker re-formed in place, at each new generation)
+and read by a worker with ``from_env()`` (and :func:`error_file`). Nothing else in pliant reads or writes these
+variables; every other variable pliant reads is declared in :mod:`pliant.settings`.
 
 The variables are torchrun's (so unmodified torchrun scripts, and frameworks such as Lightning that detect
 torchelastic, run unchanged) plus ``PLIANT_*`` for pliant's own worker library.
@@ -22,6 +24,8 @@ __all__ = [
     "RESCALE_SIGNAL",
     "STACKS_SIGNAL",
     "WorkerEnv",
+    "error_file",
+    "install",
     "parse_every",
 ]
 
@@ -56,6 +60,21 @@ def parse_every(text: str, name: str) -> int | None:
         return int(text)
     except ValueError:
         raise ConfigError(f"{name} {text!r} must be 'auto' or a whole number of steps between buddy copies") from None
+
+
+def install(variables: Mapping[str, str], replace: bool = False) -> None:
+    """Put a worker's ``variables`` (:meth:`WorkerEnv.to_env`'s, with whatever else its agent passes on) into this
+    process's environment, where code that reads it itself finds them (torch's ``env://``, frameworks, the user's
+    script); ``replace``: they become the whole environment (a worker's start)."""
+    if replace:
+        os.environ.clear()
+    os.environ.update(variables)
+
+
+def error_file(environ: Mapping[str, str] | None = None) -> str:
+    """Where this worker writes the exception it dies of (:attr:`WorkerEnv.error_file`; "" for nowhere), read on its
+    own: an exception hook must not fail on an environment that :meth:`WorkerEnv.from_env` refuses."""
+    return (os.environ if environ is None else environ).get("TORCHELASTIC_ERROR_FILE", "")
 
 
 @dataclass(frozen=True)

@@ -3,20 +3,19 @@ environment whose bad values are reported, like a bad flag's, naming the variabl
 
 - :class:`Parser` is every pliant command's parser (its subcommands' too): ``allow_abbrev=False``, so that
   ``--nproc-per-nod 2`` is an error instead of silently meaning ``--nproc-per-node``, and an error is one line.
-- :func:`from_env` gives a flag its default from a variable (``PLIANT_*``), read when the parser is built but converted
-  only when the command line is parsed (argparse converts a string default with the flag's ``type``), so a bad value
-  never breaks ``--help`` or another command; :func:`typed` is that ``type``, whose error names the variable when the
-  value came from it.
+- A flag whose default a variable sets (:meth:`pliant.settings.Setting.flag_default`) gets it as an
+  :class:`EnvValue`, read when the parser is built but converted only when the command line is parsed (argparse
+  converts a string default with the flag's ``type``), so a bad value never breaks ``--help`` or another command;
+  :func:`typed` is that ``type``, whose error names the variable when the value came from it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-__all__ = ["EnvValue", "Parser", "from_env", "typed"]
+__all__ = ["EnvValue", "Parser", "typed"]
 
 _T = TypeVar("_T")
 
@@ -37,16 +36,6 @@ class EnvValue(str):
     """A flag's default as the environment variable :attr:`var` gave it."""
 
     var: str
-
-
-def from_env(var: str, fallback: str | None = None) -> str | None:
-    """The default of a flag that the variable ``var`` sets when it is not empty; ``fallback`` otherwise."""
-    value = os.environ.get(var)
-    if not value:
-        return fallback
-    given = EnvValue(value)
-    given.var = var
-    return given
 
 
 def typed(convert: Callable[[str], _T], what: str) -> Callable[[str], _T]:

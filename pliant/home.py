@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from pliant import settings
 
 __all__ = ["state_home"]
 
@@ -12,4 +13,4 @@ def state_home() -> Path:
     """Where a node keeps what outlives its agent (``pliant run``'s sealing root, a control-plane seat, its view of its
     job for ``pliant status``): the user's state directory (``XDG_STATE_HOME``, else ``~/.local/state``), under
     ``pliant``."""
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "pliant"
+    return Path(settings.STATE_HOME.read() or Path.home() / ".local" / "state") / "pliant"

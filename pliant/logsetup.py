@@ -11,8 +11,8 @@ level (its agent passes the environment on). Every handler erases the status lin
 from __future__ import annotations
 
 import logging
-import os
 
+from pliant import settings
 from pliant.statusline import ConsoleHandler
 
 __all__ = ["CONSOLE", "setup_library_logging", "setup_logging"]
@@ -24,7 +24,7 @@ _QUIET = "WARNING"
 
 
 def _level(level: str | None) -> int:
-    name = (level or os.environ.get("PLIANT_LOG_LEVEL") or _QUIET).upper()
+    name = (level or settings.LOG_LEVEL.read() or _QUIET).upper()
     return getattr(logging, name, logging.WARNING)
 
 

@@ -20,8 +20,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 
+from pliant import settings
 from pliant.errors import ConfigError
-from pliant.flags import from_env, typed
+from pliant.flags import typed
 from pliant.net import parse_host_port
 
 __all__ = ["FAST_BUCKETS_S", "SLOW_BUCKETS_S", "Health", "MetricsServer", "add_metrics_port_flag", "serve_metrics"]
@@ -111,7 +112,7 @@ def add_metrics_port_flag(parser: argparse.ArgumentParser, where: str) -> None:
     parser.add_argument(
         "--metrics-port",
         type=typed(int, "a port number"),
-        default=from_env("PLIANT_METRICS_PORT"),  # converted when the command line is parsed
+        default=settings.METRICS_PORT.flag_default(),  # converted when the command line is parsed
         help=f"serve Prometheus metrics ({where}) on this port; 0 picks a free one (env PLIANT_METRICS_PORT; "
         "default: no endpoint)",
     )

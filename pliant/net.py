@@ -12,7 +12,6 @@ from pliant.errors import ConfigError
 __all__ = [
     "cannot_listen",
     "free_port",
-    "free_port_pair",
     "interface_of",
     "is_loopback",
     "is_wildcard",
@@ -71,26 +70,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def free_port_pair(host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """A port P such that P and P + 1 are both free on ``host`` right now (a coordinator's API and bootstrap ports).
-
-    Raises:
-        ConfigError: no such pair was found.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(attempts):
-        port = free_port(host)
-        if port >= 65535:
-            continue
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port + 1))
-            except OSError:
-                continue
-        return port
-    raise ConfigError(f"no two adjacent free ports on {host}; pass --listen {host}:PORT with PORT and PORT+1 free")
 
 
 def is_loopback(host: str) -> bool:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pliant import settings
 from pliant.errors import ConfigError
 
 __all__ = [
@@ -628,7 +629,7 @@ def add_tls_flags(parser: argparse.ArgumentParser, role: str) -> None:
     """Add ``--tls-dir`` (env ``PLIANT_TLS_DIR``) and ``--insecure`` to a command run as ``role``."""
     parser.add_argument(
         "--tls-dir",
-        default=os.environ.get("PLIANT_TLS_DIR") or None,
+        default=settings.TLS_DIR.flag_default(),
         help=f"directory with ca.crt, tls.crt and tls.key of a{'n' if role[0] in 'aeiou' else ''} {role} certificate "
         f"(env PLIANT_TLS_DIR; create them with `pliant certs`)",
     )

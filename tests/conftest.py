@@ -234,7 +234,8 @@ def spawn_agent(spawn: Callable[..., Spawned], pki: object, fleet: Callable[...,
     """
     import argparse
 
-    from pliant.agent.launcher import add_launch_flags, config_from_args
+    from pliant.agent.launch_flags import add_launch_flags
+    from pliant.agent.launcher import config_from_args
     from tests.fleet import agent_tls
 
     created: set[tuple[str, str]] = set()

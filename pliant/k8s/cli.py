@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pliant import settings
 from pliant.errors import ConfigError
 from pliant.k8s import names
 
@@ -69,8 +70,18 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     job.add_argument("--checkpoint-size", default="20Gi", help="the size of the claim made (default 20Gi)")
     job.add_argument("--storage-class", default="", help="its storage class (default: the cluster's)")
     job.add_argument("--token-secret", default="", help="an existing Secret with key `token` (default: make one)")
-    job.add_argument("--rescale-grace", type=float, default=30.0, help="the agents' --rescale-grace, s (default 30)")
-    job.add_argument("--stop-grace", type=float, default=5.0, help="the agents' --stop-grace, s (default 5)")
+    job.add_argument(
+        "--rescale-grace",
+        type=float,
+        default=settings.RESCALE_GRACE_S,
+        help=f"the agents' --rescale-grace, s (default {settings.RESCALE_GRACE_S:g})",
+    )
+    job.add_argument(
+        "--stop-grace",
+        type=float,
+        default=settings.STOP_GRACE_S,
+        help=f"the agents' --stop-grace, s (default {settings.STOP_GRACE_S:g})",
+    )
     job.add_argument("--max-restarts", type=int, default=3, help="worker failures the job survives (default 3)")
     job.add_argument(
         "training",

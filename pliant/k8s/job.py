@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pliant import settings
 from pliant.agent.contract import ExitCode, left_on
 from pliant.agent.stopping import DUMP_S, KILL_REAP_S
 from pliant.errors import ConfigError
@@ -123,8 +124,8 @@ class JobUnit:
     storage_class: str = ""
     token: str = field(default="", repr=False)
     token_secret: str = ""
-    rescale_grace_s: float = 30.0
-    stop_grace_s: float = 5.0
+    rescale_grace_s: float = settings.RESCALE_GRACE_S
+    stop_grace_s: float = settings.STOP_GRACE_S
     max_restarts: int = 3
 
     def __post_init__(self) -> None:

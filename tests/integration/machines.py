@@ -1,8 +1,10 @@
 """Machines that share nothing but a network, on this one: each a network namespace with its own address
-(bench/netns.py), its own host name (a UTS namespace) and, when asked, its own view of /tmp (a mount namespace: an
-empty tmpfs with only its working directory bound back in), a working directory with its own copy of the training
-script, and the events its workers log there. Shared by the tests of the README's two-machines recipe and of the
-embedded control plane's seats. Root only.
+(bench/netns.py), its own host name (a UTS namespace), a working directory with its own copy of the training script,
+its temporary files (``TMPDIR``) and its user's state directory (``XDG_STATE_HOME``) in that directory, and the events
+its workers log there. A machine that hides the others' files runs in a mount namespace where the folder of every
+machine's directory is an empty tmpfs with only its own bound back in: it sees none of another machine's files, and
+everything else (the clone, its virtual environment) as it is. Shared by the tests of the README's two-machines
+recipe and of the embedded control plane's seats. Root only.
 """
 
 from __future__ import annotations
@@ -53,29 +55,39 @@ def fabric_fixture(prefix: str, net: int) -> Callable[[], Iterator[Fabric]]:
 
 
 class Machine:
-    """One "machine": a namespace, a host name, a working directory with its copy of the script, a private /tmp."""
+    """One "machine": a namespace, a host name, a working directory with its copy of the script, its temporary files
+    and its state directory."""
 
     def __init__(self, fabric: Fabric, name: str, root: Path) -> None:
         self.node: Node = fabric.node(name)
         self.hostname = f"host{name}"
+        self.root = root
         self.cwd = root / name
+        self.state_home = self.cwd / "state"
         self.cwd.mkdir(parents=True)
         shutil.copy(ELASTIC, self.cwd / "train.py")
         self.log = root / f"{name}.log"
         self.procs: list = []
 
-    def run(self, argv: list[str], hide_tmp: bool) -> None:
-        """Run ``argv`` on this machine, from its working directory (``hide_tmp``: with an empty /tmp)."""
-        cwd = shlex.quote(str(self.cwd))
+    @property
+    def env(self) -> dict[str, str]:
+        """What this machine's processes find in their environment besides the caller's: their temporary files and
+        their user's state directory, in this machine's directory."""
+        return {"TMPDIR": str(self.cwd / "tmp"), "XDG_STATE_HOME": str(self.state_home)}
+
+    def run(self, argv: list[str], hide_others: bool) -> None:
+        """Run ``argv`` on this machine, from its working directory (``hide_others``: where no other machine's files
+        can be seen)."""
+        cwd, root = shlex.quote(str(self.cwd)), shlex.quote(str(self.root))
         setup = f"hostname {self.hostname}"
-        # With hide_tmp: an empty /tmp (room for an etcd member: its log preallocates 64 MB) with only this
-        # machine's working directory in it, bound back in place.
-        if hide_tmp:
+        # Hiding the others: the machines' folder becomes an empty tmpfs with only this machine's directory in it,
+        # bound back in place.
+        if hide_others:
             setup += (
-                f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=1g tmpfs /tmp && mkdir -p {cwd} && "
+                f" && mount --bind {cwd} /mnt && mount -t tmpfs -o size=64m tmpfs {root} && mkdir -p {cwd} && "
                 f"mount --bind /mnt {cwd}"
             )
-        setup += f" && cd {cwd}"
+        setup += f" && mkdir -p {shlex.quote(self.env['TMPDIR'])} && cd {cwd}"
         shell = [
             "unshare",
             "--uts",
@@ -87,6 +99,8 @@ class Machine:
             "-c",
             f'{setup} && exec "$@"',
             "sh",
+            "env",
+            *(f"{name}={value}" for name, value in self.env.items()),
             *argv,
         ]
         self.procs.append(self.node.spawn(shell, self.log, gloo_ifname=False))

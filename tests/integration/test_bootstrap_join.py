@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from pliant.agent.contract import ExitCode
-from pliant.net import free_port_pair
+from pliant.ports import free_api_port
 from tests.conftest import wait_for
 from tests.integration.harness import SCRIPT, read_steps
 
@@ -34,7 +34,7 @@ def test_a_standalone_replica_signs_and_the_agent_renews_while_it_trains(etcd, p
     _pliant("certs", "create-coordinator", "127.0.0.1", "--certs-dir", str(certs))
     _pliant("certs", "create-admin", "alice", "--certs-dir", str(certs))
     pin = _pliant("certs", "fingerprint", "--certs-dir", str(certs)).strip()
-    address = f"127.0.0.1:{free_port_pair()}"
+    address = f"127.0.0.1:{free_api_port()}"
     coordinator = spawn(
         [
             *PLIANT,

@@ -95,10 +95,9 @@ def _stepping(machines: list[Machine], world: int, since: float) -> None:
 
 
 def _join(machine: Machine, line: str) -> None:
-    """Run the join ``line`` on ``machine``, its user's state directory kept in its working directory (a home that
-    outlives the machine's processes, as a real machine's does)."""
-    state = f"XDG_STATE_HOME={machine.cwd / 'state'}"
-    machine.run(["env", "PLIANT_LOG_LEVEL=INFO", state, *shlex.split(line)], hide_tmp=True)
+    """Run the join ``line`` on ``machine`` (its user's state directory, in its working directory, outlives its
+    processes, as a real machine's does)."""
+    machine.run(["env", "PLIANT_LOG_LEVEL=INFO", *shlex.split(line)], hide_others=True)
 
 
 def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_path: Path) -> None:
@@ -109,7 +108,7 @@ def test_losing_the_first_node_and_then_another_seat_costs_nothing(fabric, tmp_p
     machines = [Machine(fabric, name, tmp_path) for name in "abcdef"]
     a, b, c, d, e, f = machines
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
-    a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_tmp=False)
+    a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_others=False)
     first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
     certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
     etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")  # etcd's CA signs every member's client
@@ -191,7 +190,7 @@ def test_two_seats_lost_at_once_stop_the_control_plane_not_the_training(fabric, 
     machines = [Machine(fabric, name, tmp_path) for name in "abcd"]
     a, b, c, d = machines
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:4"]
-    a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_tmp=False)
+    a.run(["env", "PLIANT_LOG_LEVEL=INFO", *argv, "--nproc-per-node", "1", *SCRIPT], hide_others=False)
     first_line = wait_for(lambda: _join_lines(a), 90, "the join command")[0]
     certs = re.search(r"certificates in (\S+);", a.output()).group(1)  # type: ignore[union-attr]
     etcd_tls = TlsConfig.from_dir(Path(certs) / "etcd" / "client")

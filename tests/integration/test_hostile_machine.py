@@ -33,7 +33,7 @@ def test_one_machine_holding_calls_takes_no_replica_and_a_join_goes_through(fabr
     a, b, c = (Machine(fabric, name, tmp_path) for name in "abc")
     argv = [sys.executable, "-m", "pliant", "run", "--listen", f"0.0.0.0:{PORT}", "--nnodes", "1:3"]
     script = ["train.py", "--steps", "100000", "--step-time", "0.05", "--events", "events.jsonl"]
-    a.run([*argv, "--nproc-per-node", "1", *script], hide_tmp=False)
+    a.run([*argv, "--nproc-per-node", "1", *script], hide_others=False)
     line = wait_for(lambda: re.search(r"other nodes join with:\n  (.+)\n", a.output()), 90, "the join line").group(1)  # type: ignore[union-attr]
     words = shlex.split(line)
     token = next(w.split("=", 1)[1] for w in words if w.startswith("PLIANT_JOIN_TOKEN="))
@@ -41,14 +41,14 @@ def test_one_machine_holding_calls_takes_no_replica_and_a_join_goes_through(fabr
     wait_for(lambda: ranks_at([a], 1) == {0}, 90, "the first machine stepping")
 
     address, calls = f"{a.node.address}:{PORT}", (str(API_CALLS), str(BOOTSTRAP_CALLS))
-    b.run([sys.executable, str(ATTACKER), address, pin, token, "90", *calls], hide_tmp=False)
+    b.run([sys.executable, str(ATTACKER), address, pin, token, "90", *calls], hide_others=False)
     said = wait_for(lambda: re.search(r"bootstrap: (\d+) held, (\d+) refused", b.output()), 60, "the attack")
     api = re.search(r"api: (\d+) held, (\d+) refused", b.output())
     assert api and (int(api.group(1)), int(api.group(2))) == (16, API_CALLS - 16), b.output()[-2000:]
     assert (int(said.group(1)), int(said.group(2))) == (2, BOOTSTRAP_CALLS - 2), b.output()[-2000:]  # type: ignore[union-attr]
 
     attacked = time.time()
-    c.run(["env", *words], hide_tmp=True)  # another machine joins by bootstrap with the same line, meanwhile
+    c.run(["env", *words], hide_others=True)  # another machine joins by bootstrap with the same line, meanwhile
     wait_for(lambda: ranks_at([a, c], 2, attacked) == {0, 1}, 120, "world 2 stepping while the calls are held")
     assert b.procs[-1].poll() is None, "the calls were still held"
     assert "RESOURCE_EXHAUSTED" not in a.output() + c.output(), "nobody else was refused"

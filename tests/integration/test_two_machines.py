@@ -1,11 +1,11 @@
 """The README's "Two machines" recipe, verbatim, on machines that share nothing but a network.
 
 Each machine is a network namespace with its own address (bench/netns.py), its own host name (a UTS namespace) and
-its own view of the files (a mount namespace): a joining machine sees none of the first machine's files (every
-directory under /tmp but its own is hidden behind an empty tmpfs: the first node's run and certificate directories
-among them),
-runs from its own working directory with its own copy of the script, and is told nothing but the one line the first
-node printed. Nothing sets GLOO_SOCKET_IFNAME: pliant picks the interface of the address it advertises. Root only.
+its own view of the files (a mount namespace): a joining machine sees none of the first machine's files (the first
+node's run and certificate directories, its temporary files and state directory among them: see
+tests/integration/machines.py), runs from its own working directory with its own copy of the script, and is told
+nothing but the one line the first node printed. Nothing sets GLOO_SOCKET_IFNAME: pliant picks the interface of the
+address it advertises. Root only.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _recipe(
         "100000",
         *SCRIPT_ARGS,
     ]
-    first.run(argv, hide_tmp=False)
+    first.run(argv, hide_others=False)
     found = wait_for(lambda: re.search(r"other nodes join with:\n  (.+)\n", first.output()), 90, "the join command")
     return machines, found.group(1)  # type: ignore[union-attr]
 
@@ -118,7 +118,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     wait_for(lambda: ranks_at([first], nproc) == set(range(nproc)), 120, "the first machine stepping")
 
     started = time.time()
-    second.run(["env", *shlex.split(join)], hide_tmp=True)
+    second.run(["env", *shlex.split(join)], hide_others=True)
     wait_for(lambda: ranks_at(machines, 2 * nproc, started) == set(range(2 * nproc)), 120, "world 2 stepping")
     joined_s = first_step_at(machines, 2 * nproc, started, 2 * nproc) - started
     assert "certificate signed at" in second.output(), second.output()[-3000:]
@@ -130,7 +130,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     survivors_s = first_step_at([first], nproc, killed, nproc) - killed
 
     rejoined = time.time()
-    second.run(["env", *shlex.split(join)], hide_tmp=True)  # the same line again
+    second.run(["env", *shlex.split(join)], hide_others=True)  # the same line again
     wait_for(lambda: ranks_at(machines, 2 * nproc, rejoined) == set(range(2 * nproc)), 120, "world 2 again")
     rejoin_s = first_step_at(machines, 2 * nproc, rejoined, 2 * nproc) - rejoined
 
@@ -138,7 +138,7 @@ def test_the_readme_recipe_grows_the_job_survives_a_kill_and_rejoins(fabric, tmp
     if len(machines) == 3:
         third = machines[2]
         grown = time.time()
-        third.run(["env", *shlex.split(join)], hide_tmp=True)
+        third.run(["env", *shlex.split(join)], hide_others=True)
         wait_for(lambda: ranks_at(machines, 3, grown) == {0, 1, 2}, 120, "world 3 stepping")
         _check_addresses(first, machines, 3)
         assert len({m.hostname for m in machines}) == 3
@@ -191,11 +191,11 @@ def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabri
     seat_key = re.search(r"join instead with .*:\n  (PLIANT_SEAT_KEY=\S+) ", first.output()).group(1)  # type: ignore[union-attr]
     wait_for(lambda: ranks_at([first], 1) == {0}, 120, "the first machine stepping")
     started = time.time()
-    second.run(["env", seat_key, *shlex.split(join)], hide_tmp=True)
+    second.run(["env", seat_key, *shlex.split(join)], hide_others=True)
     wait_for(lambda: ranks_at(machines, 2, started) == {0, 1}, 120, "world 2 stepping")
     wait_for(lambda: "stands by to take" in second.output(), 30, "the second machine standing by for a seat")
     spare = Machine(fabric, "c", tmp_path)  # the workers' line only: a spare at the job's maximum
-    spare.run(["env", *shlex.split(join)], hide_tmp=True)
+    spare.run(["env", *shlex.split(join)], hide_others=True)
     wait_for(lambda: "certificate signed at" in spare.output(), 60, "the spare's join")
 
     pressed = time.time()
@@ -220,7 +220,7 @@ def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabri
         "the second machine's join line",
     )
     fourth = Machine(fabric, "d", tmp_path)
-    fourth.run(["env", *shlex.split(found.group(1))], hide_tmp=True)  # type: ignore[union-attr]
+    fourth.run(["env", *shlex.split(found.group(1))], hide_others=True)  # type: ignore[union-attr]
     wait_for(lambda: "certificate signed at 10.213." in fourth.output(), 60, "a join through the second's line")
 
     pid = second.procs[-1].pid  # `pliant status` on the second machine, with no flags: its agent's view
@@ -230,6 +230,7 @@ def test_ctrl_c_of_the_first_machine_hands_the_control_plane_to_the_second(fabri
         text=True,
         timeout=60,
         cwd=second.cwd,
+        env={**os.environ, **second.env},
     )
     assert status.returncode == 0, status.stderr[-2000:]
     (job,) = json.loads(status.stdout)["jobs"]

@@ -32,6 +32,10 @@ class Agent:
     read is answered with :data:`PORT` in the same call."""
 
     def __init__(self, node: str = "a", instant_stops: bool = True, instant_ports: bool = True, **config: object):
+        graces = {
+            name: config.pop(f"{name}_grace_s") for name in ("rescale", "stop", "finish") if f"{name}_grace_s" in config
+        }
+        config["graces"] = stopping.Graces(**{f"{name}_s": value for name, value in graces.items()})
         self.state = core.CoreState(node, config=core.CoreConfig(**config))  # type: ignore[arg-type]
         self.now = 100.0
         self.actions: list[act.Action] = []

@@ -11,7 +11,7 @@ import pytest
 
 from pliant.agent import actions, core, events
 from pliant.agent.contract import TRANSITIONS, AgentState, GroupResult
-from pliant.agent.stopping import StopStage
+from pliant.agent.stopping import Graces, StopStage
 from pliant.coordinator.contract import Generation, GenerationMember, JobState
 from pliant.env import RESCALE_EXIT_CODE
 
@@ -72,7 +72,7 @@ def _event(rng: random.Random, state: core.CoreState, number: int) -> tuple[even
 
 def _explore(seed: int) -> set[tuple[AgentState, AgentState]]:
     rng = random.Random(seed)
-    config = core.CoreConfig(rescale_in_place=rng.random() < 0.7, hang_timeout_s=5.0, rescale_grace_s=3.0)
+    config = core.CoreConfig(rescale_in_place=rng.random() < 0.7, hang_timeout_s=5.0, graces=Graces(rescale_s=3.0))
     state = core.CoreState("a", config=config)
     now, number, seen = 0.0, 0, set()
     for _ in range(60):

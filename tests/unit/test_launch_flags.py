@@ -9,7 +9,8 @@ from unittest import mock
 
 import pytest
 
-from pliant.agent.launcher import add_launch_flags, config_from_args
+from pliant.agent.launch_flags import add_launch_flags
+from pliant.agent.launcher import config_from_args
 from pliant.agent.workers import WorkerCommand, worker_base_env
 from pliant.errors import ConfigError
 
@@ -119,7 +120,7 @@ def test_the_printed_join_command_names_no_file_of_this_machine_but_the_shared_c
     import shlex
     import sys
 
-    from pliant.agent.launcher import _join_command
+    from pliant.agent.commands import _join_command
 
     args = parse("run", "--checkpoint-dir", "shared/ckpt", "--nnodes", "1:2", SCRIPT, "--steps", "5")
     command = _join_command(args, "10.0.0.1:29400", PIN, "-TOKEN")

@@ -25,7 +25,6 @@ the same in every generation (``env`` is replaced whole, never changed in place)
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,7 +32,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from pliant.env import WorkerEnv
+from pliant.env import WorkerEnv, install
 from pliant.progress import Directive, ProgressFile, read_directive
 from pliant.worker.contract import WorkerError
 from pliant.worker.inplace import nccl
@@ -133,8 +132,8 @@ class World:
     def adopt(self, directive: Directive) -> None:
         """Move to ``directive``'s generation: its env becomes this world's and its variables go into ``os.environ``.
         The group is formed by :meth:`form`, after the old one was retired."""
-        os.environ.update(directive.env)
-        self.env = WorkerEnv.from_env(dict(os.environ))
+        install(directive.env)
+        self.env = WorkerEnv.from_env()
 
     def meet(self, superseded: Callable[[], bool] = lambda: False, meet_s: float | None = None) -> None:
         """Initialise the default process group of this world's generation, noting the sockets it opened
