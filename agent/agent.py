@@ -87,7 +87,7 @@ from pliant.logsetup import CONSOLE
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import interface_of, is_loopback
 from pliant.progress import read_record
-from pliant.seal import SealError
+from pliant.security.seal import SealError
 from pliant.statusline import status_line
 
 if TYPE_CHECKING:

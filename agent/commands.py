@@ -22,9 +22,9 @@ from pliant.agent.contract import COORDINATORS
 from pliant.agent.launcher import config_from_args, embedded_ports, ignored_notes
 from pliant.coordinator.contract import is_join_token, parse_node_range
 from pliant.errors import ConfigError
+from pliant.flags import tls_from_flags
 from pliant.net import is_loopback, is_wildcard, parse_host_port
-from pliant.seal import load_or_create_root
-from pliant.tls import tls_from_flags
+from pliant.security.seal import load_or_create_root
 
 if TYPE_CHECKING:
     from pliant.agent.runcerts import RunCerts

@@ -14,7 +14,7 @@ from pliant.env import RESCALE_EXIT_CODE, RESCALE_MODES
 from pliant.errors import ConfigError, PliantError
 from pliant.home import state_home
 from pliant.net import parse_host_port
-from pliant.tls import TlsConfig
+from pliant.security.tlsdir import TlsConfig
 
 __all__ = [
     "COORDINATORS",

@@ -12,7 +12,7 @@ from pliant.agent.contract import AgentConfig
 from pliant.bootstrap import BootstrapError, CertificateLifetime, renewal_due, request_certificate
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobFinished
-from pliant.tls import TlsMaterial
+from pliant.security.tlsdir import TlsMaterial
 
 __all__ = ["Credentials"]
 

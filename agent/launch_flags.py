@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pliant import settings
 from pliant.agent.contract import state_home
 from pliant.env import AUTO
+from pliant.flags import add_tls_flags
 from pliant.metrics import add_metrics_port_flag
-from pliant.tls import add_tls_flags
 
 __all__ = ["add_launch_flags", "default_seal_root_file"]
 

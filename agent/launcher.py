@@ -20,7 +20,9 @@ from pliant.env import parse_every
 from pliant.errors import ConfigError
 from pliant.net import cannot_listen, is_wildcard, local_address, parse_host_port
 from pliant.ports import SeatPorts
-from pliant.tls import Role, TlsConfig, read_token_file
+from pliant.security.identity import Role
+from pliant.security.tlsdir import TlsConfig
+from pliant.security.tokens import read_token_file
 
 __all__ = ["advertised_host", "check_free", "check_token", "config_from_args", "embedded_ports", "ignored_notes"]
 

@@ -36,8 +36,8 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.convert import job_info_to_pb
 from pliant.logsetup import CONSOLE
+from pliant.security.identity import Role
 from pliant.statusview import ViewServer, serve_view
-from pliant.tls import Role
 from pliant.v1.coordinator_pb2 import HeartbeatRequest
 
 __all__ = ["JoinRefused", "Membership"]

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pliant.coordinator.etcd_server import MEMBER_CN
-from pliant.tls import IssuedCert, LocalCA, Role, TlsConfig, ca_fingerprint
+from pliant.security.identity import Role, ca_fingerprint
+from pliant.security.issuance import IssuedCert, LocalCA
+from pliant.security.tlsdir import TlsConfig
 
 __all__ = ["RunCerts", "make_run_certs"]
 

@@ -56,7 +56,8 @@ from pliant.coordinator.seat_keeper import SeatKit
 from pliant.coordinator.server import CoordinatorServer
 from pliant.net import free_port, parse_host_port
 from pliant.ports import SeatPorts, free_api_port
-from pliant.tls import IssuedCert, LocalCA, Role
+from pliant.security.identity import Role
+from pliant.security.issuance import IssuedCert, LocalCA
 from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = ["SeatHolder", "seat_ports"]

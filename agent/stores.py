@@ -11,8 +11,8 @@ the store host binds the socket itself and hands it over with ``master_listen_fd
 
 TCPStore has no authentication: anyone who reaches a store's port (another local user, another host) may read and
 write its keys. The records pliant's agents act on are therefore sealed with the job's agent key
-(:func:`pliant.seal.tag` under :func:`pliant.seal.agent_key`, which only agents hold: not their workers):
-``/pliant/gen/<N>/master_port`` is ``"<port> <tag(key, "port", N, port)>"`` and ``/pliant/agent/renewing`` is
+(:func:`pliant.security.seal.tag` under :func:`pliant.security.seal.agent_key`, which only agents hold: not their
+workers): ``/pliant/gen/<N>/master_port`` is ``"<port> <tag(key, "port", N, port)>"`` and ``/pliant/agent/renewing`` is
 ``"<streak> <generation> <tag(key, "renewing", streak, generation)>"``. A record whose seal does not hold is taken as
 absent (a port not yet published; a peer that does not answer), so nobody but a member's agent steers where workers
 meet or how the self-fence votes. Torch's own rendezvous keys in a generation store are
@@ -31,7 +31,7 @@ from pliant.agent.contract import AgentError
 from pliant.agent.storehost import REPLY_MARGIN_S, START_TIMEOUT_S, StoreHost, StoreHostError, listen
 from pliant.net import parse_host_port
 from pliant.ports import GENERATION_PORTS, generation_port
-from pliant.seal import tag
+from pliant.security.seal import tag
 
 __all__ = ["ARRIVED_KEY", "NodeStore", "reachable", "reserve"]
 

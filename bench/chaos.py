@@ -78,7 +78,8 @@ import torch
 
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.net import free_port
-from pliant.tls import LocalCA, Role
+from pliant.security.identity import Role
+from pliant.security.issuance import LocalCA
 
 if __package__:  # imported as bench.chaos (the suite's short soak, tests/integration/test_chaos.py)
     from bench.common import ask_for_stacks, batches_counted, end_soon, max_param_diff, read_jsonl

@@ -40,7 +40,10 @@ from pliant.coordinator.contract import Generation, JobSpec
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.store import EtcdStore
 from pliant.net import free_port
-from pliant.tls import LocalCA, Role, TlsMaterial, channel_credentials
+from pliant.security.credentials import channel_credentials
+from pliant.security.identity import Role
+from pliant.security.issuance import LocalCA
+from pliant.security.tlsdir import TlsMaterial
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -20,7 +20,7 @@ from control_plane import Security, _scrape, replica_cpu_s, start_replica
 
 from pliant.coordinator.contract import JobSpec
 from pliant.coordinator.etcd_server import EtcdServer
-from pliant.tls import LocalCA
+from pliant.security.issuance import LocalCA
 
 
 def main() -> None:

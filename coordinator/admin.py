@@ -18,7 +18,8 @@ import time
 from pliant import settings
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobSpec, parse_node_range
-from pliant.tls import add_tls_flags, read_token_file, tls_from_flags
+from pliant.flags import add_tls_flags, tls_from_flags
+from pliant.security.tokens import read_token_file
 
 __all__ = ["add_job_commands", "add_seat_key_command", "job_main", "seat_key_main"]
 

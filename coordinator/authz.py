@@ -1,6 +1,7 @@
 """Who may call what: the coordinator's authorization rules as pure functions of the caller's identity (no I/O).
 
-The caller's identity comes from its verified client certificate (:func:`pliant.tls.peer_identity`). The rules:
+The caller's identity comes from its verified client certificate (:func:`pliant.security.credentials.peer_identity`).
+The rules:
 
 ============================  =======================================================================================
 call                          who may make it
@@ -24,7 +25,8 @@ RevokeCertificate             admin
 The Bootstrap service (:mod:`pliant.coordinator.signer`) is served on a port of its own, to callers without a
 certificate; the job's join token is its credential.
 
-An agent certificate signed by the bootstrap join names its job (:data:`pliant.tls.JOB_URI`): it acts in that job
+An agent certificate signed by the bootstrap join names its job (:data:`pliant.security.identity.JOB_URI`): it acts in
+that job
 only, whatever node ids other jobs have. One an operator made (``pliant certs create-agent``) names none, and acts in
 any job whose member its node id is.
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pliant.coordinator.contract import PermissionDenied
-from pliant.tls import Identity, Role
+from pliant.security.identity import Identity, Role
 
 __all__ = ["ADMIN_METHODS", "Caller", "require_admin", "require_job", "require_node"]
 

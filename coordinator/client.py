@@ -1,7 +1,7 @@
 """A Python client of the coordinator API, for agents, ``pliant status`` and the benches (no torch).
 
-Every channel is mutual TLS when the client is given its TLS files (:class:`pliant.tls.TlsMaterial`): the server is
-checked against the CA, and this process's certificate says who it is. It spreads over several replicas: an
+Every channel is mutual TLS when the client is given its TLS files (:class:`pliant.security.tlsdir.TlsMaterial`): the
+server is checked against the CA, and this process's certificate says who it is. It spreads over several replicas: an
 UNAVAILABLE answer (a replica down, or etcd unreachable behind it) is retried on the next replica with backoff for up
 to ``retry_for_s``; no other code is ever retried. Status codes become domain errors through the contract's one
 table. Watches resume from the next generation number on another replica, so an agent misses nothing.
@@ -38,7 +38,10 @@ from pliant.coordinator.convert import (
     state_from_pb,
 )
 from pliant.net import parse_host_port
-from pliant.tls import Role, TlsMaterial, channel_credentials, new_csr
+from pliant.security.credentials import channel_credentials
+from pliant.security.identity import Role
+from pliant.security.issuance import new_csr
+from pliant.security.tlsdir import TlsMaterial
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -60,9 +63,9 @@ class JoinGrant:
         self.heartbeat_ttl_s: float = msg.heartbeat_ttl_s
         self.heartbeat_interval_s: float = msg.heartbeat_interval_s
         self.generation: int = msg.generation
-        self.checkpoint_key: bytes = msg.checkpoint_key  # the job's key for checkpoint markers (pliant.seal)
-        self.agent_key: bytes = msg.agent_key  # the job's key for agents' store records (pliant.seal)
-        self.control_key: bytes = msg.control_key  # the job's control public key (pliant.warrant)
+        self.checkpoint_key: bytes = msg.checkpoint_key  # the job's key for checkpoint markers (pliant.security.seal)
+        self.agent_key: bytes = msg.agent_key  # the job's key for agents' store records (pliant.security.seal)
+        self.control_key: bytes = msg.control_key  # the job's control public key (pliant.security.warrant)
 
 
 # What gRPC says when the peer's certificate does not verify (either side): permanent, unlike a refused connection.

@@ -516,7 +516,9 @@ class Generation:
     incarnation: str = ""  # the job's incarnation: a UUID the control plane wrote once, when it created the job
     # Worker failures charged to each node so far, (node id, count), sorted: kept in etcd, not sent to agents.
     charged: tuple[tuple[str, int], ...] = ()
-    warrant: str = ""  # the control plane's signature of this world (pliant.warrant), made as the leader publishes it
+    warrant: str = (
+        ""  # the control plane's signature of this world (pliant.security.warrant), made as the leader publishes it
+    )
     # World sizes the job no longer takes, (world size, error), sorted: every node of a world of that size failed
     # with the same error (the world's failure, not a node's; see pliant.coordinator.planner).
     refused: tuple[tuple[int, str], ...] = ()
@@ -575,7 +577,8 @@ class Revocation:
 @dataclass(frozen=True)
 class Admission:
     """What a Join grants: the membership lease, the current generation number (0: none yet), the heartbeat TTL, the
-    job's checkpoint key and agent key (:mod:`pliant.seal`), and its control public key (:mod:`pliant.warrant`)."""
+    job's checkpoint key and agent key (:mod:`pliant.security.seal`), and its control public key
+    (:mod:`pliant.security.warrant`)."""
 
     lease_id: int
     generation: int

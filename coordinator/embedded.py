@@ -22,7 +22,8 @@ from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.seat_keeper import SeatKit
 from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
 from pliant.coordinator.signer import Signer
-from pliant.tls import IssuedCert, TlsConfig
+from pliant.security.issuance import IssuedCert
+from pliant.security.tlsdir import TlsConfig
 
 __all__ = ["EMBEDDED_LEADER_TTL_S", "EmbeddedSeat", "SeatPlan"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pliant.coordinator.etcd_server import EtcdServerError, find_etcd_binary
-from pliant.tls import TlsConfig
+from pliant.security.tlsdir import TlsConfig
 
 __all__ = ["EtcdClusterError", "EtcdMember", "EtcdMembers", "NotInSync", "initial_cluster"]
 

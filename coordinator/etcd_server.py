@@ -22,8 +22,8 @@ import grpc
 
 from pliant.coordinator.contract import CoordinatorError
 from pliant.net import free_port
+from pliant.security.tlsdir import TlsConfig
 from pliant.spawn import die_with_parent
-from pliant.tls import TlsConfig
 
 __all__ = ["EtcdServer", "EtcdServerError", "etcd_pki", "find_etcd_binary"]
 
@@ -69,7 +69,8 @@ def etcd_pki(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> tupl
     """A PKI for one local etcd, from an ephemeral CA of its own (its key dies with this process): ``DIR/server``
     (etcd's certificate, for ``host``) and ``DIR/client`` (the one client it serves, a coordinator). Returns (server,
     client)."""
-    from pliant.tls import LocalCA, Role
+    from pliant.security.identity import Role
+    from pliant.security.issuance import LocalCA
 
     ca = LocalCA(directory, lifetime_days=90)
     hosts = [host] if host not in ("", "0.0.0.0", "::") else ["127.0.0.1"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from pliant.tls import identity_from_pem
+from pliant.security.identity import identity_from_pem
 
 __all__ = ["CallerLimits", "RateLimit", "address_key", "certificate_key"]
 

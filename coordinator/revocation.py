@@ -140,7 +140,7 @@ def replaced_certificate(
     Raises:
         AlreadyExists: the node id holds a certificate of another job that has not expired (nothing was recorded).
     """
-    from pliant.tls import certificate_serial, not_after
+    from pliant.security.identity import certificate_serial, not_after
 
     old = store.replace_agent_cert(job, node, certificate_serial(cert_pem), not_after(cert_pem).timestamp(), now)
     if old is None or denylist is None or old[0] == certificate_serial(cert_pem):

@@ -37,7 +37,7 @@ from pliant.coordinator.seats import (
     digest,
 )
 from pliant.coordinator.store import EtcdStore
-from pliant.tls import IssuedCert
+from pliant.security.issuance import IssuedCert
 from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = ["SeatKeeper", "SeatKit"]
@@ -56,7 +56,7 @@ class SeatKit:
     Attributes:
         ca: the run's CA.
         etcd_ca: etcd's CA.
-        seal_root: the sealing secret (:mod:`pliant.seal`).
+        seal_root: the sealing secret (:mod:`pliant.security.seal`).
         leader_ttl_s: the replicas' leader lease TTL.
         wanted: the seats the control plane wants (1, 3 or 5).
     """

@@ -38,7 +38,9 @@ from pliant.errors import ConfigError
 from pliant.metrics import MetricsServer, serve_metrics
 from pliant.net import local_address, parse_host_port
 from pliant.ports import free_api_port
-from pliant.tls import Role, TlsConfig, server_credentials
+from pliant.security.credentials import server_credentials
+from pliant.security.identity import Role
+from pliant.security.tlsdir import TlsConfig
 from pliant.v1 import bootstrap_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = ["CoordinatorConfig", "CoordinatorServer"]
@@ -91,7 +93,8 @@ class CoordinatorConfig:
             signs none and serves no bootstrap port.
         bootstrap_listen: HOST:PORT of the Bootstrap service (TLS that checks the server only), with ``signer``;
             "": the API's host and its port + 1 (:func:`pliant.bootstrap.bootstrap_address`).
-        seal_root: the sealing secret jobs' checkpoint keys derive from (:mod:`pliant.seal`; ``--seal-root-file``);
+        seal_root: the sealing secret jobs' checkpoint keys derive from (:mod:`pliant.security.seal`;
+        ``--seal-root-file``);
             None: the one in etcd (made once). Replicas of one deployment share it.
         seats: an embedded control plane's seats (:mod:`pliant.coordinator.seats`): what a node that takes one gets;
             None: a control plane without seats (a standalone deployment, or an embedded one of one seat).

@@ -58,7 +58,8 @@ from pliant.coordinator.seats import MAX_SEAT_KEY_TTL_S, SEAT_KEY_TTL_S, Seat
 from pliant.coordinator.signer import Signer
 from pliant.coordinator.store import EtcdStore
 from pliant.coordinator.watch_hub import WatchHub
-from pliant.tls import certificate_serial, identity_from_pem, peer_certificate
+from pliant.security.credentials import peer_certificate
+from pliant.security.identity import certificate_serial, identity_from_pem
 from pliant.v1 import bootstrap_pb2 as bpb
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc

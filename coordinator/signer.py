@@ -7,8 +7,8 @@ Kubernetes Secret mounted there), the way kube-controller-manager gets ``--clust
 given the key can sign; one without it refuses renewals with FAILED_PRECONDITION and serves no Bootstrap port.
 
 What is signed is decided by :meth:`Signer.sign`: only the agent role, only the node id the request is for, bound to
-the one job it was asked for (a URI SAN, :data:`pliant.tls.JOB_URI`). Who may ask: a node that holds the job's join
-token, for a node id that no live member of any job holds and whose certificate of another job has expired
+the one job it was asked for (a URI SAN, :data:`pliant.security.identity.JOB_URI`). Who may ask: a node that holds the
+job's join token, for a node id that no live member of any job holds and whose certificate of another job has expired
 (:class:`BootstrapServicer`); or the agent itself, a live member, over mutual TLS (the servicer's
 ``RenewAgentCertificate``, authorized where every call is). Certificates are short-lived (``lifetime_s``) and for
 client use only; a node id holds one, in one job: signing it another in that job revokes the one before
@@ -38,7 +38,8 @@ from pliant.coordinator.limits import RateLimit, address_key
 from pliant.coordinator.revocation import Denylist, replaced_certificate
 from pliant.coordinator.store import EtcdStore
 from pliant.errors import ConfigError
-from pliant.tls import IssuedCert, Role, csr_identity, not_after, sign_csr
+from pliant.security.identity import Role, not_after
+from pliant.security.issuance import IssuedCert, csr_identity, sign_csr
 from pliant.v1 import bootstrap_pb2 as bpb
 from pliant.v1 import bootstrap_pb2_grpc as bpb_grpc
 

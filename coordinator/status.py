@@ -15,8 +15,8 @@ from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobInfo, MemberProgress
 from pliant.coordinator.convert import job_info_from_pb
 from pliant.errors import ConfigError
+from pliant.security.tlsdir import TlsConfig
 from pliant.statusview import find_view, read_view
-from pliant.tls import TlsConfig
 from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = ["render_json", "render_table", "status_main", "to_dict", "view_main"]

@@ -5,7 +5,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     leader                              elected replica id (leased; its create revision is the fencing token)
     jobs/<job>/spec                     JobSpec JSON
     jobs/<job>/token                    "sha256:<hex>" of the job's join token (never the token itself)
-    jobs/<job>/incarnation              a UUID written once with the spec: the job's incarnation (pliant.seal's fence)
+    jobs/<job>/incarnation              a UUID written once with the spec: the job's incarnation
+    (pliant.security.seal's fence)
     jobs/<job>/state                    JobStatus JSON (waiting | running | succeeded | failed)
     jobs/<job>/members/<node>           Member JSON, attached to the node's lease
     jobs/<job>/generation               the current Generation JSON
@@ -18,7 +19,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     jobs/<job>/departed/<node>          marker of a graceful Leave (cleared by the next generation or a re-join)
     jobs/<job>/strikes/<node>           {"address", "count", "lifted", "lifts"}: failed readmissions (policy.struck;
                                         on a lease that lapses STRIKE_WINDOW_S after the last strike; see policy)
-    seal-root                           the sealing secret, hex (pliant.seal), unless the coordinator is given one
+    seal-root                           the sealing secret, hex (pliant.security.seal), unless the coordinator is given
+    one
     revoked/<serial hex>                a revoked certificate (Revocation JSON), on a lease that lapses after it expires
     certs/<node>                        {"serial", "not_after"} of the agent certificate last signed for the node id
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys

@@ -23,7 +23,7 @@ import etcd3.exceptions
 import etcd3.watch
 import grpc
 
-from pliant import settings, warrant
+from pliant import settings
 from pliant.coordinator.contract import (
     CoordinatorError,
     CorruptRecord,
@@ -37,7 +37,8 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.keepalive import KeepAliveStream
 from pliant.net import parse_host_port
-from pliant.seal import KEY_BYTES, agent_key, job_key, parse_root
+from pliant.security import warrant
+from pliant.security.seal import KEY_BYTES, agent_key, job_key, parse_root
 
 __all__ = [
     "HISTORY",
@@ -208,7 +209,9 @@ class EtcdBase:
         seal_root: bytes | None = None,
     ) -> None:
         self.observer = observer
-        self._seal_root = seal_root  # the sealing secret (pliant.seal); None: the one in etcd, read or made once
+        self._seal_root = (
+            seal_root  # the sealing secret (pliant.security.seal); None: the one in etcd, read or made once
+        )
         self.membership_lease_s = membership_lease_s
         self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
@@ -264,8 +267,8 @@ class EtcdBase:
 
     @etcd_call
     def seal_root(self) -> bytes:
-        """The control plane's sealing secret (:mod:`pliant.seal`): the one configured, else the one in etcd, which
-        the first replica to need it creates."""
+        """The control plane's sealing secret (:mod:`pliant.security.seal`): the one configured, else the one in etcd,
+        which the first replica to need it creates."""
         if self._seal_root is None:
             made = secrets.token_hex(KEY_BYTES)
             ok, responses = self._txn(
@@ -283,19 +286,19 @@ class EtcdBase:
         return self._seal_root
 
     def checkpoint_key(self, job: str) -> bytes:
-        """``job``'s checkpoint key (:func:`pliant.seal.job_key`)."""
+        """``job``'s checkpoint key (:func:`pliant.security.seal.job_key`)."""
         return job_key(self.seal_root(), job)
 
     def agent_key(self, job: str) -> bytes:
-        """``job``'s agent key (:func:`pliant.seal.agent_key`)."""
+        """``job``'s agent key (:func:`pliant.security.seal.agent_key`)."""
         return agent_key(self.seal_root(), job)
 
     def control_key(self, job: str) -> bytes:
-        """The public half of ``job``'s control key (:func:`pliant.warrant.public_key`)."""
+        """The public half of ``job``'s control key (:func:`pliant.security.warrant.public_key`)."""
         return warrant.public_key(self.seal_root(), job)
 
     def warrant(self, generation: Generation) -> str:
-        """The control plane's warrant of ``generation`` (:func:`pliant.warrant.sign`)."""
+        """The control plane's warrant of ``generation`` (:func:`pliant.security.warrant.sign`)."""
         world = warrant.World(generation.job_id, generation.incarnation, generation.number, generation.created_at)
         return warrant.sign(self.seal_root(), world)
 

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
 from pliant.ports import bootstrap_of
-from pliant.tls import Role, TlsMaterial, ca_fingerprint, identity_from_pem, new_csr, not_after
+from pliant.security.identity import Role, ca_fingerprint, identity_from_pem, not_after
+from pliant.security.issuance import new_csr
+from pliant.security.tlsdir import TlsMaterial
 
 __all__ = [
     "BootstrapError",

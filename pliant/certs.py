@@ -22,18 +22,10 @@ import os
 from pathlib import Path
 
 from pliant.errors import ConfigError
-from pliant.tls import (
-    CA_CERT,
-    TLS_CERT,
-    IssuedCert,
-    Role,
-    add_tls_flags,
-    ca_fingerprint,
-    issue_cert,
-    new_ca,
-    tls_from_flags,
-    write_tls_dir,
-)
+from pliant.flags import add_tls_flags, tls_from_flags
+from pliant.security.identity import Role, ca_fingerprint
+from pliant.security.issuance import IssuedCert, issue_cert, new_ca, write_tls_dir
+from pliant.security.tlsdir import CA_CERT, TLS_CERT
 
 __all__ = ["CA_KEY", "add_certs_commands", "certs_main", "create_ca_files", "load_ca"]
 
@@ -148,7 +140,7 @@ def _issue(args: argparse.Namespace, role: Role, name: str, hosts: list[str]) ->
 def _list(args: argparse.Namespace) -> str:
     from cryptography import x509
 
-    from pliant.tls import identity_from_pem
+    from pliant.security.identity import identity_from_pem
 
     rows = []
     for cert_path in sorted(Path(args.certs_dir).rglob("*.crt")):

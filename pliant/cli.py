@@ -15,10 +15,9 @@ from pathlib import Path
 
 from pliant import __version__, settings
 from pliant.errors import ConfigError, PliantError
-from pliant.flags import Parser, typed
+from pliant.flags import Parser, add_tls_flags, tls_from_flags, typed
 from pliant.logsetup import setup_logging
 from pliant.metrics import add_metrics_port_flag
-from pliant.tls import add_tls_flags, tls_from_flags
 
 __all__ = ["build_parser", "main"]
 
@@ -230,8 +229,9 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pliant.certs import load_ca
     from pliant.coordinator.server import CoordinatorConfig, CoordinatorServer
     from pliant.coordinator.signer import Signer
-    from pliant.seal import load_or_create_root
-    from pliant.tls import TlsConfig, ca_fingerprint
+    from pliant.security.identity import ca_fingerprint
+    from pliant.security.seal import load_or_create_root
+    from pliant.security.tlsdir import TlsConfig
 
     if not args.etcd:
         raise SystemExit(

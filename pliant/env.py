@@ -101,9 +101,9 @@ class WorkerEnv:
         incarnation: the job's incarnation, a UUID the control plane wrote when it created the job ("" outside a
             pliant agent); with ``generation`` it fences the checkpoint directory (:mod:`pliant.fence`).
         checkpoint_key: the job's checkpoint key, hex ("" outside a pliant agent: records are not sealed); the
-            checkpoint commit markers are sealed and checked with it (:mod:`pliant.seal`).
+            checkpoint commit markers are sealed and checked with it (:mod:`pliant.security.seal`).
         control_key: the job's control public key, hex ("" outside a pliant agent): the checkpoint directory's fence
-            counts only where the control plane's warrants it carries hold under it (:mod:`pliant.warrant`).
+            counts only where the control plane's warrants it carries hold under it (:mod:`pliant.security.warrant`).
         warrant: the control plane's warrant of this generation, hex (what the fence records of this world).
         published_at: when the control plane published this generation (seconds since the epoch; 0 outside an
             agent).

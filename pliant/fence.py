@@ -7,7 +7,8 @@
      "superseded": [{"incarnation": ..., "generation": ..., "published_at": ..., "warrant": ...}, ...]}
 
 Each world in it carries its **warrant**, the control plane's signature of (job, incarnation, generation,
-published_at) (:mod:`pliant.warrant`): nothing a member or a worker holds can make one, so nobody but the control plane
+published_at) (:mod:`pliant.security.warrant`): nothing a member or a worker holds can make one, so nobody but the
+control plane
 decides which worlds the fence stops. The owner is the newest world that opened the directory; ``superseded`` lists
 earlier incarnations' owners, newest last, at most :data:`MAX_SUPERSEDED`, each published before the owner. Rank 0 of
 each world writes it when its checkpoint manager opens the directory (:mod:`pliant.worker.checkpoint`); agents read it
@@ -32,8 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pliant.seal import SealError
-from pliant.warrant import World, verify
+from pliant.security.seal import SealError
+from pliant.security.warrant import World, verify
 
 __all__ = ["FENCE", "MAX_SUPERSEDED", "NOBODY", "Fence", "Warranted", "read_fence"]
 

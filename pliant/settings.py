@@ -14,8 +14,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pliant.flags import EnvValue
-
 __all__ = [
     "BOOTSTRAP_LISTEN",
     "CA_CERT_HASH",
@@ -46,8 +44,16 @@ __all__ = [
     "STOP_GRACE_S",
     "TLS_DIR",
     "WORKER_PRELOAD",
+    "EnvValue",
     "Setting",
 ]
+
+
+class EnvValue(str):
+    """A flag's default as the environment variable :attr:`var` gave it."""
+
+    var: str
+
 
 # -- defaults more than one module needs -------------------------------------------------------------------------------
 

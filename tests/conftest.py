@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The user state directory (``XDG_STATE_HOME``) of every ``pliant run`` the tests start: their sealing secret
-    (pliant.seal) is the session's, not the user's."""
+    (pliant.security.seal) is the session's, not the user's."""
     path = tmp_path_factory.mktemp("state")
     saved = os.environ.get("XDG_STATE_HOME")
     os.environ["XDG_STATE_HOME"] = str(path)
@@ -84,8 +84,9 @@ def prefix() -> str:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> object:
-    """The tests' CA (a :class:`pliant.tls.LocalCA`): coordinator, admin and per-node agent certificates on demand."""
-    from pliant.tls import LocalCA
+    """The tests' CA (a :class:`pliant.security.issuance.LocalCA`): coordinator, admin and per-node agent certificates
+    on demand."""
+    from pliant.security.issuance import LocalCA
 
     return LocalCA(tmp_path_factory.mktemp("pki"))
 

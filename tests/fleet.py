@@ -1,8 +1,8 @@
 """Coordinator clients as a deployment's admin and nodes use them, over mutual TLS, for the tests and the benches.
 
 A :class:`Fleet` holds one admin client and one client per node id, each with its own certificate from a test CA
-(:class:`pliant.tls.LocalCA`), and remembers each job's join token and each node's lease, so a test reads as the API's
-story (create a job, join nodes, heartbeat, report) while every call is authorized the way a real one is.
+(:class:`pliant.security.issuance.LocalCA`), and remembers each job's join token and each node's lease, so a test reads
+as the API's story (create a job, join nodes, heartbeat, report) while every call is authorized the way a real one is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import grpc
 
 from pliant.coordinator.client import CoordinatorClient, JoinGrant
 from pliant.coordinator.contract import CoordinatorError, FailureCause, JobInfo, JobSpec, WatchEvent
-from pliant.tls import LocalCA, Role, TlsConfig, TlsMaterial, channel_credentials
+from pliant.security.credentials import channel_credentials
+from pliant.security.identity import Role
+from pliant.security.issuance import LocalCA
+from pliant.security.tlsdir import TlsConfig, TlsMaterial
 
 __all__ = ["COORDINATOR_HOSTS", "Fleet", "Heartbeats", "admin_tls", "agent_tls", "coordinator_tls", "secure_channel"]
 

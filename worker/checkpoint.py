@@ -2,8 +2,8 @@
 
 Layout: ``DIR/step-<step:012d>/`` holds DCP's files (plain ``torch.distributed.checkpoint`` can read them) and, last,
 pliant's commit marker ``pliant-commit.json`` (job, step, generation, world size, model fingerprint, the SHA-256 of
-DCP's ``.metadata``), sealed with the job's key (:mod:`pliant.seal`) and written by rank 0 through a temporary file,
-fsync and rename once every rank's shards and DCP's ``.metadata`` are on disk. A directory without the marker is
+DCP's ``.metadata``), sealed with the job's key (:mod:`pliant.security.seal`) and written by rank 0 through a temporary
+file, fsync and rename once every rank's shards and DCP's ``.metadata`` are on disk. A directory without the marker is
 partial: never loaded, and removed once a newer checkpoint is committed. The last ``keep`` committed checkpoints are
 kept; nothing is deleted that a committed checkpoint has not superseded. Files are 0640, directories 0750.
 
@@ -55,7 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pliant.fence import FENCE, NOBODY, Fence, Warranted, read_fence
-from pliant.seal import SealError, seal, unseal
+from pliant.security.seal import SealError, seal, unseal
 from pliant.worker.contract import LOCAL, Engine, Runner, WorkerError, WorldPart
 from pliant.worker.directio import DIR_MODE, FILE_MODE, DirectWriter
 from pliant.worker.metrics import WorkerMetrics, tensor_bytes

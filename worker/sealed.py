@@ -6,7 +6,7 @@ Torch's distributed checkpoint (DCP) keeps its ``.metadata`` as a pickle, loads 
 ``scatter_object_list``, ``broadcast_object_list``). pliant reads them all through an allowlist:
 
 - :class:`SealedReader` reads ``.metadata`` only when its SHA-256 is the one the commit marker sealed
-  (:mod:`pliant.seal`), and unpickles it with :class:`DataUnpickler`;
+  (:mod:`pliant.security.seal`), and unpickles it with :class:`DataUnpickler`;
 - :class:`DataLoadPlanner` loads non-tensor items with ``torch.load(weights_only=True)`` (tensors, numbers, strings,
   and lists, tuples and dicts of them); tensor shards are DCP's own ``weights_only`` loads;
 - :func:`restrict_objects` makes every object a rank receives over a checkpoint manager's process group go through

@@ -112,7 +112,7 @@ def k8s_main(args: argparse.Namespace) -> int:
     from pliant.coordinator.contract import parse_node_range
     from pliant.k8s.job import JobUnit, render_job
     from pliant.k8s.secrets import ControlPlanePki, render_secrets
-    from pliant.tls import ca_fingerprint
+    from pliant.security.identity import ca_fingerprint
 
     if args.k8s_command == "secrets":
         pki = ControlPlanePki.ensure(args.dir, args.namespace, args.san)

@@ -29,7 +29,9 @@ from typing import Any
 from pliant.certs import CA_KEY, create_ca_files, load_ca
 from pliant.k8s import names
 from pliant.k8s.names import labels
-from pliant.tls import CA_CERT, TLS_CERT, TLS_KEY, IssuedCert, Role, issue_cert, write_tls_dir
+from pliant.security.identity import Role
+from pliant.security.issuance import IssuedCert, issue_cert, write_tls_dir
+from pliant.security.tlsdir import CA_CERT, TLS_CERT, TLS_KEY
 
 __all__ = ["ETCD_MEMBERS", "ControlPlanePki", "render_secrets"]
 

@@ -17,7 +17,8 @@ from pliant.bootstrap import BootstrapError, pinned_ca, request_certificate
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, PermissionDenied
 from pliant.coordinator.signer import Signer
-from pliant.tls import LocalCA, Role, ca_fingerprint, new_csr
+from pliant.security.identity import Role, ca_fingerprint
+from pliant.security.issuance import LocalCA, new_csr
 from pliant.v1 import bootstrap_pb2, bootstrap_pb2_grpc
 from pliant.v1 import coordinator_pb2 as pb
 from tests.fleet import COORDINATOR_HOSTS, coordinator_tls

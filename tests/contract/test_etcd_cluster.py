@@ -96,7 +96,8 @@ def test_a_peer_port_takes_members_only_not_another_certificate_of_etcds_ca(tmp_
     names a server needs) does not join the cluster as a peer: a learner started with it never starts, and the
     cluster serves on."""
     from pliant.coordinator.etcd_server import MEMBER_CN, EtcdServerError
-    from pliant.tls import LocalCA, Role
+    from pliant.security.identity import Role
+    from pliant.security.issuance import LocalCA
 
     ca = LocalCA(tmp_path / "pki", lifetime_days=1)
     server_tls = ca.issue("server", Role.COORDINATOR, MEMBER_CN, ["127.0.0.1"])

@@ -19,7 +19,7 @@ from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, ResourceExhausted
 from pliant.coordinator.signer import WRONG_TOKENS_PER_ADDRESS, Signer
 from pliant.coordinator.store import EtcdStore
-from pliant.tls import Role, ca_fingerprint
+from pliant.security.identity import Role, ca_fingerprint
 from pliant.v1 import bootstrap_pb2 as bpb
 from pliant.v1 import coordinator_pb2 as pb
 from tests.conftest import wait_for

@@ -17,7 +17,10 @@ import pytest
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import JobSpec, JobState, Unavailable
 from pliant.coordinator.store import EtcdStore
-from pliant.tls import LocalCA, Role, TlsConfig, channel_credentials, issue_cert, write_tls_dir
+from pliant.security.credentials import channel_credentials
+from pliant.security.identity import Role
+from pliant.security.issuance import LocalCA, issue_cert, write_tls_dir
+from pliant.security.tlsdir import TlsConfig
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import health_serving, wait_for
@@ -401,7 +404,7 @@ def test_connections_without_a_valid_certificate_are_refused(make_coordinator, p
     files = TlsConfig.from_dir(expired_dir)
     with pytest.raises(Exception, match="expired on"):
         files.load()  # our own clients refuse to use it, naming the file
-    from pliant.tls import TlsMaterial
+    from pliant.security.tlsdir import TlsMaterial
 
     material = TlsMaterial(
         Path(files.ca).read_bytes(), Path(files.cert).read_bytes(), Path(files.key).read_bytes(), None
@@ -563,8 +566,8 @@ def test_a_member_gets_what_checks_worlds_and_nothing_that_makes_them(probe: Pro
     """A join gives a member the key its workers seal checkpoint markers with, the agent key its agent seals store
     records with, and the public half of the control key; every published world carries the control plane's warrant,
     which that public key checks and neither secret key can make."""
-    from pliant import warrant
-    from pliant.seal import tag
+    from pliant.security import warrant
+    from pliant.security.seal import tag
 
     grant, gen = probe.a, probe.gen
     assert len(grant.checkpoint_key) == len(grant.agent_key) == len(grant.control_key) == 32

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from pliant.bootstrap import bootstrap_address, pinned_ca, request_certificate
-from pliant.tls import channel_credentials
+from pliant.security.credentials import channel_credentials
 from pliant.v1 import bootstrap_pb2, coordinator_pb2
 
 

@@ -27,7 +27,7 @@ import torch
 import pliant.worker as pw
 from pliant.env import WorkerEnv
 from pliant.net import free_port
-from pliant.seal import job_key
+from pliant.security.seal import job_key
 from pliant.worker.checkpoint import CheckpointManager
 
 directory, mode, incarnation, action = sys.argv[1:5]
@@ -144,7 +144,7 @@ def test_an_altered_metadata_file_is_never_unpickled(tmp_path: Path) -> None:
 def test_a_forged_fence_does_not_stop_training(spawn, state_home: Path, tmp_path: Path) -> None:
     """A fence forged with every key a member and its workers hold (the checkpoint key, the agent key: this test
     derives both from the run's sealing root) is ignored: only the control plane's warrant makes a fence."""
-    from pliant.seal import agent_key, job_key, load_or_create_root, seal, tag
+    from pliant.security.seal import agent_key, job_key, load_or_create_root, seal, tag
 
     events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
     run = spawn(

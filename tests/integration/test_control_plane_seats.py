@@ -19,7 +19,7 @@ import torch
 
 from bench.netns import unavailable
 from pliant.coordinator.etcd_cluster import EtcdMembers
-from pliant.tls import TlsConfig
+from pliant.security.tlsdir import TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import GLOBAL_BATCH, SAMPLES, TOLERANCE, batches_counted, max_param_diff, static_params
 from tests.integration.machines import Machine, fabric_fixture, first_step_at, ranks_at

@@ -32,7 +32,8 @@ from bench.common import end_soon, read_jsonl
 from pliant.agent.contract import ExitCode, left_on
 from pliant.certs import load_ca
 from pliant.net import free_port
-from pliant.tls import Role, issue_cert, write_tls_dir
+from pliant.security.identity import Role
+from pliant.security.issuance import issue_cert, write_tls_dir
 from tests.conftest import Spawned, health_serving, wait_for
 from tests.integration.kubelet import (
     DEPLOY,

@@ -25,7 +25,7 @@ from pliant.coordinator.policy import BACKOFF_BASE_S
 from pliant.env import GUARD_EXIT_CODE
 from pliant.net import free_port
 from pliant.progress import Directive, write_directive
-from pliant.tls import Role
+from pliant.security.identity import Role
 from tests.conftest import wait_for
 from tests.fleet import COORDINATOR_HOSTS
 from tests.integration.harness import (

@@ -16,7 +16,7 @@ from pliant.bootstrap import bootstrap_address, request_certificate
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import PermissionDenied
 from pliant.coordinator.etcd_cluster import EtcdMembers
-from pliant.tls import TlsConfig
+from pliant.security.tlsdir import TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import first_node, read_steps
 

@@ -25,7 +25,8 @@ import pytest
 
 from bench.netns import Fabric, unavailable
 from pliant.coordinator.client import CoordinatorClient
-from pliant.tls import Role, TlsConfig
+from pliant.security.identity import Role
+from pliant.security.tlsdir import TlsConfig
 from tests.conftest import wait_for
 from tests.integration.harness import SAMPLES
 from tests.integration.machines import Machine, fabric_fixture, first_step_at, ranks_at

@@ -114,7 +114,7 @@ class FakeStore:
 
     def warrant(self, generation: Generation) -> str:
         """The warrant the real store's sealing root would sign (a fixed root here)."""
-        from pliant import warrant
+        from pliant.security import warrant
 
         world = warrant.World(generation.job_id, generation.incarnation, generation.number, generation.created_at)
         return warrant.sign(b"f" * 32, world)

@@ -7,7 +7,8 @@ import pytest
 
 from pliant.bootstrap import CertificateLifetime, bootstrap_address, parse_pin, renewal_due
 from pliant.errors import ConfigError
-from pliant.tls import Identity, Role, ca_fingerprint, csr_identity, new_ca, new_csr, sign_csr
+from pliant.security.identity import Identity, Role, ca_fingerprint
+from pliant.security.issuance import csr_identity, new_ca, new_csr, sign_csr
 
 
 def test_a_pin_is_sha256_and_64_hex_digits() -> None:

@@ -25,7 +25,7 @@ from pliant.k8s import names
 from pliant.k8s.cli import _dump
 from pliant.k8s.job import JobUnit, render_job
 from pliant.k8s.secrets import ControlPlanePki, render_secrets
-from pliant.tls import ca_fingerprint
+from pliant.security.identity import ca_fingerprint
 from tests.integration.kubelet import DEPLOY, ROOT, Cluster, load_manifests, of_kind, selects
 
 CONTROL_PLANE = sorted(p for p in DEPLOY.glob("*.yaml") if p.name not in ("kustomization.yaml", "monitoring.yaml"))

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from pliant import warrant
 from pliant.fence import NOBODY, Fence, Warranted, read_fence
-from pliant.seal import SealError, job_key, seal
+from pliant.security import warrant
+from pliant.security.seal import SealError, job_key, seal
 
 ROOT = b"r" * 32
 KEY = warrant.public_key(ROOT, "job")

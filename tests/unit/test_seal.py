@@ -1,4 +1,4 @@
-"""Sealed records (pliant.seal): what a seal proves, the job's key, and the sealing root's file."""
+"""Sealed records (pliant.security.seal): what a seal proves, the job's key, and the sealing root's file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from pliant.seal import SealError, job_key, load_or_create_root, seal, unseal
+from pliant.security.seal import SealError, job_key, load_or_create_root, seal, unseal
 
 KEY = job_key(b"r" * 32, "job")
 

@@ -18,7 +18,11 @@ from pliant.coordinator.contract import (
     validate_id,
 )
 from pliant.errors import ConfigError
-from pliant.tls import Identity, LocalCA, Role, TlsConfig, read_token_file, tls_from_flags
+from pliant.flags import tls_from_flags
+from pliant.security.identity import Identity, Role
+from pliant.security.issuance import LocalCA
+from pliant.security.tlsdir import TlsConfig
+from pliant.security.tokens import read_token_file
 
 
 def test_pliant_certs_creates_a_ca_and_every_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,7 +119,8 @@ def test_authorization_rules() -> None:
 
 
 def test_a_signed_agent_certificate_names_its_job_and_one_job_only(tmp_path) -> None:
-    from pliant.tls import identity_from_pem, new_csr, sign_csr
+    from pliant.security.identity import identity_from_pem
+    from pliant.security.issuance import new_csr, sign_csr
 
     ca = LocalCA(tmp_path)
     _key, csr = new_csr(Role.AGENT, "n1")

@@ -22,7 +22,7 @@ they are.
 each other: commit markers. What stops or steers a job is sealed with keys no worker holds: an agent's store records
 carry a short seal, :func:`tag`, under the job's **agent key** (:func:`agent_key`, given to agents at join, never to
 workers; :mod:`pliant.agent.stores`), and the checkpoint directory's fence carries the control plane's signatures
-(:mod:`pliant.warrant`, :mod:`pliant.fence`), which only seats and coordinator replicas can make.
+(:mod:`pliant.security.warrant`, :mod:`pliant.fence`), which only seats and coordinator replicas can make.
 """
 
 from __future__ import annotations

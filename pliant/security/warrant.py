@@ -7,8 +7,8 @@ each generation it publishes with a key that only it holds, and whoever reads su
 the public half, which is no secret.
 
 **The job's control key** is an Ed25519 key whose 32-byte seed is ``HMAC-SHA256(root, b"pliant control key v1\\0" +
-job_id)``, ``root`` being the control plane's sealing secret (:mod:`pliant.seal`; only coordinator replicas and the
-seats of an embedded control plane hold it). Its public key (32 raw bytes) reaches members in
+job_id)``, ``root`` being the control plane's sealing secret (:mod:`pliant.security.seal`; only coordinator replicas
+and the seats of an embedded control plane hold it). Its public key (32 raw bytes) reaches members in
 ``JoinResponse.control_key`` and workers in ``PLIANT_CONTROL_KEY`` (hex).
 
 **A warrant** is the hex Ed25519 signature, by the job's control key, of::
