@@ -72,7 +72,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
-from pliant.coordinator.contract import FailureReport, Generation, JobSnapshot, JobStatus, Member, Strike
+from pliant.coordinator.contract import (
+    FailureReport,
+    Generation,
+    InvalidArgument,
+    JobSnapshot,
+    JobStatus,
+    Member,
+    PermissionDenied,
+    Strike,
+    quote,
+)
 
 __all__ = [
     "AGE_RESOLUTION_S",
@@ -302,6 +312,65 @@ def struck(generation: Generation, reporter: str, evicted: Sequence[str], arrive
     if arrived or not since.get(reporter, generation.number) < generation.number:
         return ()
     return tuple(n for n in evicted if since.get(n) == generation.number)
+
+
+def check_report(job: str, generation: Generation, report: FailureReport) -> None:
+    """A failure report of ``generation`` may be recorded: its reporter is a member, and it names no node that is
+    not one.
+
+    Raises:
+        PermissionDenied: the reporter is not a member of ``generation``.
+        InvalidArgument: the report names a node that is not a member.
+    """
+    if report.node_id not in generation.node_ids:
+        raise PermissionDenied(
+            f"node {report.node_id!r} is not a member of job {job!r}'s generation {generation.number}; only its "
+            f"members report its failures"
+        )
+    strangers = [n for n in report.unreachable if n not in generation.node_ids]
+    if strangers:
+        raise InvalidArgument(
+            f"unreachable_nodes names {quote(strangers)}, not members of job {job!r}'s generation "
+            f"{generation.number}; name only nodes of the generation reported"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """What recording a failure report does at once (:func:`judge_report`).
+
+    Attributes:
+        reported: what the generation's reports evict now (:func:`reported_evictions`, on no leader's clock).
+        reporters: the reporters whose word evicts: they must still be members when the eviction is written.
+        struck: the evicted nodes that earn a strike (:func:`struck`), in order.
+    """
+
+    reported: Reported
+    reporters: tuple[str, ...]
+    struck: tuple[str, ...]
+
+    @property
+    def evicted(self) -> tuple[str, ...]:
+        return self.reported.nodes
+
+
+def judge_report(
+    generation: Generation, reports: Sequence[FailureReport], live: Sequence[str], silent: Collection[str], ttl_s: float
+) -> Judgement:
+    """What the reports of ``generation``, the one being recorded last, evict as it is recorded, whose word evicts,
+    and who earns a strike (see the module docstring)."""
+    reported = reported_evictions(generation, reports, live, silent, ttl_s)
+    to_strike = [n for r, nodes in reported.evicted for n in struck(generation, r.node_id, nodes, r.arrived)]
+    reporters = tuple(dict.fromkeys(r.node_id for r, _nodes in reported.evicted))
+    return Judgement(reported, reporters, tuple(dict.fromkeys(to_strike)))
+
+
+def next_strike(count: int, address: str, lifts: int, now_at: str) -> tuple[int, int]:
+    """A node's strike count and lifted holds after one more strike at address ``now_at``, its record holding
+    ``count`` strikes (and ``lifts``) at ``address``: counted on at the same address, from one (and no lifts) at
+    another."""
+    same = address == now_at
+    return (count + 1, lifts) if same else (1, 0)
 
 
 def backoff_s(count: int) -> float:

@@ -33,7 +33,6 @@ from pliant.coordinator.contract import (
     PermissionDenied,
     Unauthenticated,
     Unavailable,
-    quote,
 )
 from pliant.coordinator.policy import (
     BACKOFF_MAX_S,
@@ -42,9 +41,10 @@ from pliant.coordinator.policy import (
     STRIKE_WINDOW_S,
     Reported,
     backoff_s,
-    reported_evictions,
+    check_report,
+    judge_report,
+    next_strike,
     silent_members,
-    struck,
 )
 from pliant.coordinator.store_base import EtcdBase, StrikeRecord, decode, etcd_call, read_strike, token_digest
 
@@ -401,13 +401,10 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def report_failure(self, job: str, report: FailureReport) -> tuple[bool, int]:
-        """Record a worker failure of the current generation, and evict in the same txn the nodes that the
-        generation's reports, this one last, evict at once (:func:`pliant.coordinator.policy.reported_evictions`:
-        none on one member's word alone, nor while the reporter's side is the smaller or a newcomer's word stands
-        against older members; the leader may evict them later), with a strike for each of them that
-        :func:`pliant.coordinator.policy.struck` names (on a lease of :data:`STRIKE_WINDOW_S`; the count goes on only
-        at the address of the last strike). A report may thus evict on an earlier one's behalf: the second side of a
-        cut to report corroborates the first.
+        """Record a worker failure of the current generation (:func:`pliant.coordinator.policy.check_report` says
+        whether it may be), and evict in the same txn the nodes that the generation's reports, this one last, evict at
+        once, with a strike (on a lease of :data:`STRIKE_WINDOW_S`) for each of them that earns one: the policy
+        decides both (:func:`pliant.coordinator.policy.judge_report`, :func:`pliant.coordinator.policy.next_strike`).
 
         Eviction deletes the nodes' member keys (so the planner sees their loss together with the failure) and then
         revokes their leases (so a node that was only partitioned learns at its next heartbeat and joins again).
@@ -419,17 +416,7 @@ class MemberStore(EtcdBase):
             current, mod_revision = self._current(job)
             if current is None or report.generation != current.number:
                 return False, current.number if current else 0
-            if report.node_id not in current.node_ids:
-                raise PermissionDenied(
-                    f"node {report.node_id!r} is not a member of job {job!r}'s generation "
-                    f"{current.number}; only its members report its failures"
-                )
-            strangers = [n for n in report.unreachable if n not in current.node_ids]
-            if strangers:
-                raise InvalidArgument(
-                    f"unreachable_nodes names {quote(strangers)}, not members of job {job!r}'s generation "
-                    f"{current.number}; name only nodes of the generation reported"
-                )
+            check_report(job, current, report)
             prefix = self.job_key(job, "members") + "/"
             live = {
                 meta.key.decode()[len(prefix) :]: dataclasses.replace(
@@ -447,25 +434,22 @@ class MemberStore(EtcdBase):
             named = {n for f in reports for n in f.unreachable if n in live}
             ttl = self._spec(job)[0].heartbeat_ttl_s
             silent = silent_members(self.lease_ages(job, [live[n] for n in sorted(named)]), ttl) if named else ()
-            reported = reported_evictions(current, reports, list(live), silent, ttl)
-            evicted = reported.nodes
+            judgement = judge_report(current, reports, list(live), silent, ttl)
+            evicted, reported = judgement.evicted, judgement.reported
             compare = [self.tx.mod(self.job_key(job, "generation")) == mod_revision]
             ops = [self.tx.put(key, report.to_json())]
             if evicted:  # only while the reporters are still members (their keys exist), and they are too: two
                 # reports at once would otherwise both evict them, and both count a strike
-                reporters = {r.node_id for r, _nodes in reported.evicted}
-                compare += [self.tx.version(prefix + node) > 0 for node in sorted(reporters) + list(evicted)]
+                compare += [self.tx.version(prefix + node) > 0 for node in sorted(judgement.reporters) + list(evicted)]
                 ops += [self.tx.delete(prefix + node) for node in evicted]
-            to_strike = [n for r, nodes in reported.evicted for n in struck(current, r.node_id, nodes, r.arrived)]
-            lease = self.client.lease(STRIKE_WINDOW_S) if to_strike else None
+            lease = self.client.lease(STRIKE_WINDOW_S) if judgement.struck else None
             strikes = {}
-            for node in dict.fromkeys(to_strike):
+            for node in judgement.struck:
                 strike_key, address = self.job_key(job, "strikes", node), live[node].address
                 value, _ = self.client.get(strike_key)
                 old = read_strike(strike_key, value) if value else StrikeRecord(0, address)
-                same = old.address == address  # another address: counted again from one
-                strikes[node] = old.count + 1 if same else 1
-                record = StrikeRecord(strikes[node], address, lifts=old.lifts if same else 0)
+                strikes[node], lifts = next_strike(old.count, old.address, old.lifts, address)
+                record = StrikeRecord(strikes[node], address, lifts=lifts)
                 ops.append(self.tx.put(strike_key, record.to_json(), lease=lease.id))  # type: ignore[union-attr]
             ok, _ = self._txn(compare, ops)
             if not ok:

@@ -18,7 +18,7 @@ import os
 import socket
 import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pliant.errors import ConfigError
@@ -32,6 +32,24 @@ MAX_VIEW_BYTES = 64 << 20  # what a reader takes of one view (a job of 10,000 me
 
 def _root() -> Path:
     return state_home() / "status"
+
+
+_SUN_PATH_MAX = 107  # what a Unix socket's address holds (sockaddr_un's 108 bytes, with its NUL)
+
+
+@contextlib.contextmanager
+def _addressable(path: Path) -> Iterator[str]:
+    """An address ``path`` can be bound or connected at: itself, or, when it is longer than a Unix socket's address
+    holds (a deep state directory), the same file reached through a descriptor of its folder (``/proc/self/fd/N``),
+    valid while the context lasts."""
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        yield str(path)
+        return
+    folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)
 
 
 class ViewServer:
@@ -56,7 +74,8 @@ class ViewServer:
 
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # an agent of this node killed before it could remove it
-        self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+        with _addressable(path) as address:
+            self._server = socketserver.ThreadingUnixStreamServer(address, Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="status-view", daemon=True)
         self._thread.start()
@@ -112,7 +131,8 @@ def read_view(path: Path, timeout_s: float = 30.0) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
         try:
-            conn.connect(str(path))
+            with _addressable(path) as address:
+                conn.connect(address)
             chunks, size = [], 0
             while size <= MAX_VIEW_BYTES:
                 chunk = conn.recv(1 << 16)

@@ -7,15 +7,14 @@ import itertools
 
 import pytest
 
+from pliant.rescale_vote import VOTE_WITHIN_S, votes_apart
 from pliant.worker.inplace.cadence import (
     FIRST_SNAPSHOT_EVERY,
     MAX_SNAPSHOT_EVERY,
     MIN_SNAPSHOT_EVERY,
     SNAPSHOT_BUDGET,
-    VOTE_WITHIN_S,
     Cadence,
     snapshots_apart,
-    votes_apart,
 )
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,18 +1,19 @@
-"""The framework integrations' rescale request (pliant.integration): the ranks vote at the same step boundaries,
-about every VOTE_EVERY_S at the slowest rank's pace, and a request is seen at the next vote. One process, no group:
-the vote is this rank's alone, its schedule the same."""
+"""The framework integrations' rescale request (pliant.integration): the ranks vote at the same step boundaries, on
+pliant.worker's schedule (pliant.rescale_vote: about every VOTE_WITHIN_S at the slowest rank's pace), and a request is
+seen at the next vote. One process, no group: the vote is this rank's alone, its schedule the same."""
 
 from __future__ import annotations
 
 import pytest
 
-from pliant.integration import MAX_STEPS_BETWEEN, RescaleRequest, steps_between
+from pliant.integration import RescaleRequest
+from pliant.rescale_vote import MAX_VOTE_EVERY, votes_apart
 
 
 def test_the_steps_between_votes_take_about_a_tenth_of_a_second() -> None:
-    assert steps_between(0.0) == 1, "an unknown pace votes at the next step"
-    assert steps_between(0.5) == 1 and steps_between(0.01) == 10
-    assert steps_between(1e-6) == MAX_STEPS_BETWEEN
+    assert votes_apart(0.0) == 1, "an unknown pace votes at the next step"
+    assert votes_apart(0.5) == 1 and votes_apart(0.01) == 10
+    assert votes_apart(1e-6) == MAX_VOTE_EVERY
 
 
 def test_outside_an_agent_nothing_is_asked_and_nothing_votes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,7 @@ nothing else, found by job, gone when the agent stops."""
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,17 @@ def test_a_view_answers_with_the_jobs_status_and_goes_with_its_agent(home) -> No
     assert not a.path.exists() and not (home / "pliant" / "status" / "job").exists()
     with pytest.raises(ConfigError, match="no pliant agent runs on this machine"):
         find_view(None)
+
+
+def test_a_view_in_a_state_directory_deeper_than_a_socket_address_is_served_and_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    monkeypatch.setenv("XDG_STATE_HOME", str(deep))
+    server = serve_view("job", "node-with-a-long-name", lambda: b"the view")
+    assert server is not None and len(str(server.path)) > 108
+    try:
+        name, sockets = find_view(None)
+        assert name == "job" and read_view(sockets[0]) == b"the view"
+    finally:
+        server.close()

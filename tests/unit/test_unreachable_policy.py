@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from pliant.coordinator.contract import (
     FailureCause,
     FailureReport,
     Generation,
     GenerationMember,
+    InvalidArgument,
     JobSnapshot,
     JobSpec,
     JobState,
@@ -19,6 +22,7 @@ from pliant.coordinator.contract import (
     Keep,
     Member,
     NewGeneration,
+    PermissionDenied,
     Strike,
     WaitUntil,
 )
@@ -30,9 +34,12 @@ from pliant.coordinator.policy import (
     SILENCE_POLL_S,
     LeaderClock,
     backoff_s,
+    check_report,
     corroboration_s,
     evictions,
     held_back,
+    judge_report,
+    next_strike,
     reported_evictions,
     side,
     silent_members,
@@ -165,6 +172,27 @@ def test_only_a_failed_readmission_earns_a_strike() -> None:
     assert struck(gen(4, {"a": 1, "b": 2}), "a", ["b"]) == ()
     assert struck(gen(4, {"a": 4, "b": 4}), "a", ["b"]) == ()
     assert struck(g, "a", ["b"], arrived=True) == ()  # generation 4 trained a step: b arrived, a cut dropped it
+
+
+def test_recording_a_report_evicts_and_strikes_as_the_policy_judges() -> None:
+    """What the store writes with a report is the policy's: b (admitted by generation 4, never arrived) named by a,
+    an older member, is evicted at once on a's word, which must still be a member's, and earns a strike."""
+    g = gen(4, {"a": 1, "c": 2, "b": 4})
+    report = FailureReport("a", 4, 1, reported_at=T0, unreachable=("b",))
+    judged = judge_report(g, [report], ["a", "b", "c"], (), TTL)
+    assert judged.evicted == ("b",) and judged.reporters == ("a",) and judged.struck == ("b",)
+    assert judge_report(g, [report], ["b", "c"], (), TTL).evicted == (), "a's word is gone with a"
+    check_report("job", g, report)
+    with pytest.raises(PermissionDenied, match="not a member"):
+        check_report("job", g, dataclasses.replace(report, node_id="z"))
+    with pytest.raises(InvalidArgument, match="'y'"):
+        check_report("job", g, dataclasses.replace(report, unreachable=("b", "y")))
+
+
+def test_strikes_count_on_at_one_address_and_start_again_at_another() -> None:
+    assert next_strike(0, "b:1", 0, "b:1") == (1, 0)
+    assert next_strike(2, "b:1", 1, "b:1") == (3, 1)
+    assert next_strike(2, "b:1", 1, "b:2") == (1, 0)
 
 
 def test_the_backoff_starts_at_the_first_strike_and_doubles_to_a_cap() -> None:

@@ -3,8 +3,8 @@
 Nothing here does I/O or reads a clock: :class:`Cadence` is given each committed step's duration and the commit
 vote's all-reduced integers, and every rank derives the same steps from the same integers.
 
-**Votes** (:func:`votes_apart`). The commit vote that carries "my agent asked for a rescale" comes about every
-:data:`VOTE_WITHIN_S` (every step for long steps, at most every :data:`MAX_VOTE_EVERY` steps), from the slowest
+**Votes** (:mod:`pliant.rescale_vote`, the schedule the framework integrations vote on too). The commit vote that
+carries "my agent asked for a rescale" comes about every :data:`~pliant.rescale_vote.VOTE_WITHIN_S`, from the slowest
 rank's last step time, which the vote itself carries. The first step of a job or of a new world votes.
 
 **Buddy snapshots** (:mod:`pliant.worker.inplace.buddy`; ``pliant run --snapshot-every auto``, the default). A snapshot
@@ -47,22 +47,19 @@ import math
 import statistics
 from collections import deque
 
+from pliant.rescale_vote import VoteSchedule, ballot_us
+
 __all__ = [
     "FIRST_SNAPSHOT_EVERY",
     "MAX_SNAPSHOT_EVERY",
-    "MAX_VOTE_EVERY",
     "MIN_SNAPSHOT_EVERY",
     "SNAPSHOT_BUDGET",
-    "VOTE_WITHIN_S",
     "Cadence",
     "snapshots_apart",
-    "votes_apart",
 ]
 
 logger = logging.getLogger(__name__)
 
-VOTE_WITHIN_S = 0.1  # a vote carrying the rescale flag about this often, or every step (see the module docstring) ...
-MAX_VOTE_EVERY = 32  # ... but at least every this many steps
 SNAPSHOT_BUDGET = 0.015  # automatic K: the snapshots may take this fraction of the training's time ...
 MIN_SNAPSHOT_EVERY = 4  # ... with K at least this (the steps between snapshots give the cost's base) ...
 MAX_SNAPSHOT_EVERY = 64  # ... and at most this many steps (run again, at most, after a peer's death) ...
@@ -72,12 +69,6 @@ _MIN_BASE = 4  # ... once it has at least this many
 _KEEP_WITHIN = 1.5  # K stays while it is at least what the cost needs and at most this many times it
 _SAMPLES = 5  # a rank's snapshot cost: the median of its last this many snapshots' ...
 _MIN_SAMPLES = 3  # ... once it has measured this many (one held-up step among them is then outvoted)
-_MAX_INT = 2**31 - 1  # the vote's integers are int32
-
-
-def votes_apart(slowest_s: float) -> int:
-    """Steps from one vote to the next when the slowest rank's last step took ``slowest_s`` (0: none yet)."""
-    return min(MAX_VOTE_EVERY, max(1, int(VOTE_WITHIN_S / slowest_s))) if slowest_s > 0 else 1
 
 
 def snapshots_apart(cost: float | None, budget: float = SNAPSHOT_BUDGET) -> int:
@@ -104,7 +95,7 @@ class Cadence:
     def __init__(self, snapshot_every: int | None = None) -> None:
         self.fixed = snapshot_every
         self.every = snapshot_every or FIRST_SNAPSHOT_EVERY
-        self.next_vote = 0
+        self.votes = VoteSchedule()
         self.last_snapshot: int | None = None
         self.last_step_s = 0.0
         self._measured = False  # the last snapshot was taken by a step (not at a re-formation)
@@ -112,6 +103,11 @@ class Cadence:
         self._excess = (0.0, 0.0)  # the affected steps' (wall, CPU) seconds over the base, since the last snapshot
         self._costs: deque[tuple[float, float]] = deque(maxlen=_SAMPLES)  # the last snapshots' (wall, CPU) costs
         self._tick: tuple[int, float, float] | None = None  # the last step's start: (step, wall, CPU)
+
+    @property
+    def next_vote(self) -> int:
+        """The step of the next vote (the same on every rank)."""
+        return self.votes.next_vote
 
     @property
     def cost(self) -> float | None:
@@ -135,7 +131,8 @@ class Cadence:
 
     def reformed(self, steps_done: int) -> None:
         """A new world starts at ``steps_done``: it votes in its first step, and its steps have a new base."""
-        self.next_vote, self._measured, self._tick = steps_done, False, None
+        self.votes.restart(steps_done)
+        self._measured, self._tick = False, None
         self._base.clear()
 
     def tick(self, step: int, wall_s: float, cpu_s: float) -> None:
@@ -173,12 +170,12 @@ class Cadence:
 
     def ballot(self) -> tuple[int, int]:
         """This rank's two integers for the vote: its last step time (µs) and the K it asks for (:meth:`wanted`)."""
-        return min(int(self.last_step_s * 1e6), _MAX_INT), self.wanted()
+        return ballot_us(self.last_step_s), self.wanted()
 
     def agreed(self, step: int, slowest_us: int, every: int) -> None:
         """The vote of ``step`` gave the slowest rank's last step time and the largest K asked for (0: no rank has
         measured): set the next vote's step and K."""
-        self.next_vote = step + votes_apart(slowest_us / 1e6)
+        self.votes.agreed(step, slowest_us)
         every = every or FIRST_SNAPSHOT_EVERY
         if every != self.every:
             cost = self.cost

@@ -19,7 +19,7 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step` (the e
    for a rescale" in one more all-reduce of three integers, issued before the forward and waited for before the
    optimizer step. Its other integers are the rank's last step time and the interval between buddy snapshots that their
    measured cost asks for: from the largest, every rank computes the same step for the next vote (about every
-   :data:`~pliant.worker.inplace.cadence.VOTE_WITHIN_S`, and in the first step of a job or of a new world) and the
+   :data:`~pliant.rescale_vote.VOTE_WITHIN_S`, and in the first step of a job or of a new world) and the
    same number of steps between snapshots (:mod:`pliant.worker.inplace.cadence`). A rescale starts within about that
    time or two steps.
 3. **Commit**: the optimizer step.
