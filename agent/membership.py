@@ -38,7 +38,6 @@ from pliant.coordinator.convert import job_info_to_pb
 from pliant.logsetup import CONSOLE
 from pliant.security.identity import Role
 from pliant.statusview import ViewServer, serve_view
-from pliant.v1.coordinator_pb2 import HeartbeatRequest
 
 __all__ = ["JoinRefused", "Membership"]
 
@@ -302,15 +301,15 @@ class Membership:
                 return
             try:
                 step, (reaches, misses) = self.metrics.latest_step(), self._probe(grant.heartbeat_interval_s / 2)
-                request = HeartbeatRequest(
-                    job_id=self.config.spec.job_id,
-                    node_id=self.config.node_id,
-                    lease_id=grant.lease_id,
-                    step=step,
+                beat = self.client.beat(
+                    self.config.spec.job_id,
+                    self.config.node_id,
+                    grant.lease_id,
+                    step,
+                    timeout_s=max(0.5, grant.heartbeat_ttl_s / 3),
                     reaches_generation=reaches,
                     misses_generation=misses,
                 )
-                beat = self.client.beat(request, timeout_s=max(0.5, grant.heartbeat_ttl_s / 3))
                 self._events.put(events.HeartbeatOk())
                 self.reachable = True
                 self._follow_coordinators(beat.coordinators)

@@ -53,12 +53,12 @@ from pliant.coordinator.contract import CoordinatorError, FailedPrecondition, Pe
 from pliant.coordinator.embedded import EmbeddedSeat, SeatPlan
 from pliant.coordinator.etcd_server import MEMBER_CN, EtcdServer
 from pliant.coordinator.seat_keeper import SeatKit
+from pliant.coordinator.seats import SeatAnswer
 from pliant.coordinator.server import CoordinatorServer
 from pliant.net import free_port, parse_host_port
 from pliant.ports import SeatPorts, free_api_port
 from pliant.security.identity import Role
 from pliant.security.issuance import IssuedCert, LocalCA
-from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = ["SeatHolder", "seat_ports"]
 
@@ -293,7 +293,7 @@ class SeatHolder:
             out.write(proof)
         fresh.replace(path)
 
-    def _take(self, answer: pb.ClaimSeatResponse, ports: tuple[int, int, int]) -> None:
+    def _take(self, answer: SeatAnswer, ports: tuple[int, int, int]) -> None:
         """Save what the seat needs in its home, then start its etcd member (joining the cluster) and replica."""
         home = self._homes / f"{self._prefix}{ports[2]}"
         shutil.rmtree(home, ignore_errors=True)

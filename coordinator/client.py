@@ -34,9 +34,11 @@ from pliant.coordinator.convert import (
     generation_from_pb,
     job_info_from_pb,
     outcome_from_pb,
+    seat_answer_from_pb,
     spec_to_pb,
     state_from_pb,
 )
+from pliant.coordinator.seats import SeatAnswer
 from pliant.net import parse_host_port
 from pliant.security.credentials import channel_credentials
 from pliant.security.identity import Role
@@ -301,7 +303,20 @@ class CoordinatorClient:
         off from etcd) costs less than the TTL. ``reaches_generation``: a spare reached every member of that
         generation (its hold is lifted); ``misses_generation``: it could not reach one (its hold lasts). Raises
         NotFound once the lease is gone (Join again)."""
-        req = pb.HeartbeatRequest(
+        return self.beat(job_id, node_id, lease_id, step, timeout_s, reaches_generation, misses_generation).ttl_s
+
+    def beat(
+        self,
+        job_id: str,
+        node_id: str,
+        lease_id: int,
+        step: int = 0,
+        timeout_s: float | None = None,
+        reaches_generation: int = 0,
+        misses_generation: int = 0,
+    ) -> Beat:
+        """:meth:`heartbeat` with its whole answer: the lease's TTL and the control plane's coordinators."""
+        request = pb.HeartbeatRequest(
             job_id=job_id,
             node_id=node_id,
             lease_id=lease_id,
@@ -309,10 +324,6 @@ class CoordinatorClient:
             reaches_generation=reaches_generation,
             misses_generation=misses_generation,
         )
-        return self.beat(req, timeout_s).ttl_s
-
-    def beat(self, request: pb.HeartbeatRequest, timeout_s: float | None = None) -> Beat:
-        """:meth:`heartbeat` with its whole answer: the lease's TTL and the control plane's coordinators."""
         resp = self._call("Heartbeat", request, timeout_s)
         return Beat(resp.ttl_s, tuple(resp.coordinators), tuple(resp.control_plane_nodes), resp.seat_handed)
 
@@ -324,7 +335,7 @@ class CoordinatorClient:
         ports: tuple[int, int, int],
         seat_key: str = "",
         seat_proof: bytes = b"",
-    ) -> pb.ClaimSeatResponse:
+    ) -> SeatAnswer:
         """Ask for a seat in an embedded control plane (:mod:`pliant.coordinator.seats`) for this node, listening at
         ``host`` on ``ports`` (coordinator, etcd client, etcd peer), with a seat key (a new seat) or the proof of the
         seat it held. Raises FailedPrecondition when the control plane has no seats, PermissionDenied when the key or
@@ -339,7 +350,7 @@ class CoordinatorClient:
             seat_key=seat_key,
             seat_proof=seat_proof,
         )
-        return self._call("ClaimSeat", req, 30.0)
+        return seat_answer_from_pb(self._call("ClaimSeat", req, 30.0))
 
     def create_seat_key(self, ttl_s: float = 0.0) -> tuple[str, float]:
         """A new seat key of an embedded control plane (admin): (the key, when it expires, seconds since the epoch)."""

@@ -14,6 +14,7 @@ from pliant.coordinator.contract import (
     MemberProgress,
     Outcome,
 )
+from pliant.coordinator.seats import SeatAnswer
 from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = [
@@ -200,3 +201,37 @@ def without_addresses(msg: pb.JobStatus) -> pb.JobStatus:
             member.address = ""
         out.generation.store_address = ""
     return out
+
+
+def seat_answer_to_pb(answer: SeatAnswer) -> pb.ClaimSeatResponse:
+    return pb.ClaimSeatResponse(
+        granted=answer.granted,
+        reason=answer.reason,
+        initial_cluster=answer.initial_cluster,
+        member_name=answer.member_name,
+        etcd_endpoints=list(answer.etcd_endpoints),
+        ca_cert_pem=answer.ca_cert_pem,
+        ca_key_pem=answer.ca_key_pem,
+        etcd_ca_cert_pem=answer.etcd_ca_cert_pem,
+        etcd_ca_key_pem=answer.etcd_ca_key_pem,
+        seal_root=answer.seal_root,
+        leader_ttl_s=answer.leader_ttl_s,
+        seat_proof=answer.seat_proof,
+    )
+
+
+def seat_answer_from_pb(msg: pb.ClaimSeatResponse) -> SeatAnswer:
+    return SeatAnswer(
+        granted=msg.granted,
+        reason=msg.reason,
+        initial_cluster=msg.initial_cluster,
+        member_name=msg.member_name,
+        etcd_endpoints=tuple(msg.etcd_endpoints),
+        ca_cert_pem=msg.ca_cert_pem,
+        ca_key_pem=msg.ca_key_pem,
+        etcd_ca_cert_pem=msg.etcd_ca_cert_pem,
+        etcd_ca_key_pem=msg.etcd_ca_key_pem,
+        seal_root=msg.seal_root,
+        leader_ttl_s=msg.leader_ttl_s,
+        seat_proof=msg.seat_proof,
+    )

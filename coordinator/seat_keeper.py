@@ -28,6 +28,7 @@ from pliant.coordinator.seats import (
     Refuse,
     Remove,
     Seat,
+    SeatAnswer,
     SeatKey,
     Seats,
     Sightings,
@@ -38,7 +39,6 @@ from pliant.coordinator.seats import (
 )
 from pliant.coordinator.store import EtcdStore
 from pliant.security.issuance import IssuedCert
-from pliant.v1 import coordinator_pb2 as pb
 
 __all__ = ["SeatKeeper", "SeatKit"]
 
@@ -195,7 +195,7 @@ class SeatKeeper:
         """
         return self._store.read_seats()[0]
 
-    def claim(self, seat: Seat, key: str, proof: bytes) -> pb.ClaimSeatResponse:
+    def claim(self, seat: Seat, key: str, proof: bytes) -> SeatAnswer:
         """Answer a node's claim for a seat (``seat``: its node and where it would listen; ``key``: the seat key it
         gave, ``proof``: the proof of the seat it held, each empty when not given).
 
@@ -206,30 +206,30 @@ class SeatKeeper:
         with self._lock:
             seats, rev = self._store.read_seats()
             if seats is None:
-                return pb.ClaimSeatResponse(reason="this control plane has no seats record; it has one seat")
+                return SeatAnswer(reason="this control plane has no seats record; it has one seat")
             members = self._members.list()
             decision = decide_claim(seats, members, seat, key, proof, self._wall())
             if isinstance(decision, Deny):
                 logger.warning("control plane: seat refused to node %s: %s", seat.node, decision.reason)
                 raise PermissionDenied(f"seat refused to node {seat.node}: {decision.reason}")
             if isinstance(decision, Refuse):
-                return pb.ClaimSeatResponse(reason=decision.reason)
+                return SeatAnswer(reason=decision.reason)
             if isinstance(decision, StandBy):
                 if seat.node not in seats.standby and self._store.write_seats(seats.standing_by(seat.node), rev):
                     logger.warning("control plane: %s stands by to take a seat handed over", seat.node)
-                return pb.ClaimSeatResponse(reason=decision.reason)
+                return SeatAnswer(reason=decision.reason)
             if isinstance(decision, Promote):
-                return pb.ClaimSeatResponse(reason=self._promote(decision) + "; ask again shortly")
+                return SeatAnswer(reason=self._promote(decision) + "; ask again shortly")
             secret = secrets.token_bytes(32)  # the proof of a seat granted by the key: a new holder, a new proof
             if isinstance(decision, AddLearner):
                 taken = replace(decision.seat, since=self._wall(), proof=digest(secret))
                 try:
                     members = self._members.add_learner(taken.node, taken.etcd_peer)
                 except EtcdClusterError as exc:
-                    return pb.ClaimSeatResponse(reason=f"etcd cannot add a member now ({exc}); ask again shortly")
+                    return SeatAnswer(reason=f"etcd cannot add a member now ({exc}); ask again shortly")
                 if not self._store.write_seats(seats.with_seat(taken).seated(taken.node), rev):
                     self._remove_quietly(members, taken)
-                    return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+                    return SeatAnswer(reason="the seats changed meanwhile; ask again")
                 logger.warning("control plane: seat granted to %s (etcd learner %s)", taken.node, taken.etcd_peer)
                 self._forget_coordinators()
                 return self._granted(taken, members, secret)
@@ -239,7 +239,7 @@ class SeatKeeper:
             granted = replace(decision.seat, proof=digest(secret))
             if granted not in seats.seats:
                 if not self._store.write_seats(seats.back(granted), rev):
-                    return pb.ClaimSeatResponse(reason="the seats changed meanwhile; ask again")
+                    return SeatAnswer(reason="the seats changed meanwhile; ask again")
                 self._forget_coordinators()
             if granted.node not in {s.node for s in seats.seats}:  # its node is back under a new node id
                 logger.warning("control plane: %s is back in its seat (%s)", granted.node, granted.etcd_peer)
@@ -317,14 +317,14 @@ class SeatKeeper:
                 except EtcdClusterError as exc:
                     logger.warning("control plane: an unrecorded learner stays until the upkeep removes it: %s", exc)
 
-    def _granted(self, seat: Seat, members: list[EtcdMember], proof: bytes) -> pb.ClaimSeatResponse:
+    def _granted(self, seat: Seat, members: list[EtcdMember], proof: bytes) -> SeatAnswer:
         kit = self.kit
         voters = [url for m in members if m.started and not m.learner for url in m.client_urls]
-        return pb.ClaimSeatResponse(
+        return SeatAnswer(
             granted=True,
             initial_cluster=initial_cluster(members, seat.node, seat.etcd_peer),
             member_name=seat.node,
-            etcd_endpoints=voters,
+            etcd_endpoints=tuple(voters),
             ca_cert_pem=kit.ca.cert_pem,
             ca_key_pem=kit.ca.key_pem,
             etcd_ca_cert_pem=kit.etcd_ca.cert_pem,

@@ -45,7 +45,7 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from pliant.coordinator.etcd_cluster import EtcdMember
 
@@ -62,6 +62,7 @@ __all__ = [
     "Refuse",
     "Remove",
     "Seat",
+    "SeatAnswer",
     "SeatKey",
     "Seats",
     "Sightings",
@@ -90,6 +91,39 @@ def wanted_seats(max_nodes: int, asked: int = 0) -> int:
     if asked:
         return asked
     return 3 if max_nodes >= 3 else 1
+
+
+@dataclass(frozen=True)
+class SeatAnswer:
+    """The answer to a node's claim of a seat (:func:`decide_claim` decides it; the seat keeper performs it).
+
+    Attributes:
+        granted: the seat is this node's: it starts its etcd member (joining the cluster) and its replica.
+        reason: why not, when not granted (the seats are full and the node stands by, or busy: ask again).
+        initial_cluster: etcd's ``--initial-cluster`` for the new member.
+        member_name: the new member's name.
+        etcd_endpoints: the voting members' client URLs.
+        ca_cert_pem: the control plane's CA, with its key ``ca_key_pem``: the seat's replica signs with it.
+        ca_key_pem: see ``ca_cert_pem``.
+        etcd_ca_cert_pem: etcd's CA, with its key ``etcd_ca_key_pem``: the seat issues its member's certificates.
+        etcd_ca_key_pem: see ``etcd_ca_cert_pem``.
+        seal_root: the control plane's sealing root.
+        leader_ttl_s: the control plane's leader lease.
+        seat_proof: the proof of this grant, with which the node comes back to its seat.
+    """
+
+    granted: bool = False
+    reason: str = ""
+    initial_cluster: str = ""
+    member_name: str = ""
+    etcd_endpoints: tuple[str, ...] = ()
+    ca_cert_pem: bytes = field(default=b"", repr=False)
+    ca_key_pem: bytes = field(default=b"", repr=False)
+    etcd_ca_cert_pem: bytes = field(default=b"", repr=False)
+    etcd_ca_key_pem: bytes = field(default=b"", repr=False)
+    seal_root: bytes = field(default=b"", repr=False)
+    leader_ttl_s: float = 0.0
+    seat_proof: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

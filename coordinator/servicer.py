@@ -47,12 +47,14 @@ from pliant.coordinator.convert import (
     generation_to_pb,
     job_info_to_pb,
     outcome_to_pb,
+    seat_answer_to_pb,
     spec_from_pb,
     state_to_pb,
     without_addresses,
 )
 from pliant.coordinator.limits import RateLimit
 from pliant.coordinator.revocation import RENEWAL_OVERLAP_S, Denylist, replaced_certificate, revocation_of
+from pliant.coordinator.rpc import serve_unary
 from pliant.coordinator.seat_keeper import SeatKeeper
 from pliant.coordinator.seats import MAX_SEAT_KEY_TTL_S, SEAT_KEY_TTL_S, Seat
 from pliant.coordinator.signer import Signer
@@ -86,20 +88,12 @@ def _rpc(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def handler(self: CoordinatorServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
-            caller = self._authorize(fn.__name__, request, context)
-            return fn(self, request, caller)
-        except CoordinatorError as exc:
-            code = status_for_error(exc)
-            logger.debug("%s -> %s: %s", fn.__name__, code.name, exc)
-            _abort(context, exc)
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            logger.exception("%s failed unexpectedly", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the coordinator; see its log")
-        finally:
-            self.observe(fn.__name__, code, time.perf_counter() - started)
+        return serve_unary(
+            fn.__name__,
+            context,
+            self.observe,
+            lambda: fn(self, request, self._authorize(fn.__name__, request, context)),
+        )
 
     return handler  # type: ignore[return-value]
 
@@ -428,7 +422,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 f"ClaimSeat: a seat key or proof of more than {MAX_SECRET_CHARS} characters is none this control "
                 f"plane made; pass the PLIANT_SEAT_KEY printed with the seat line"
             )
-        return self._seats.claim(seat, request.seat_key, request.seat_proof)
+        return seat_answer_to_pb(self._seats.claim(seat, request.seat_key, request.seat_proof))
 
     @_rpc
     def CreateSeatKey(self, request: pb.CreateSeatKeyRequest, caller: Caller) -> pb.CreateSeatKeyResponse:

@@ -26,16 +26,15 @@ import grpc
 
 from pliant.coordinator.contract import (
     AlreadyExists,
-    CoordinatorError,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
-    status_for_error,
     validate_id,
 )
 from pliant.coordinator.limits import RateLimit, address_key
 from pliant.coordinator.revocation import Denylist, replaced_certificate
+from pliant.coordinator.rpc import serve_unary
 from pliant.coordinator.store import EtcdStore
 from pliant.errors import ConfigError
 from pliant.security.identity import Role, not_after
@@ -143,43 +142,36 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
     def IssueAgentCertificate(
         self, request: bpb.IssueAgentCertificateRequest, context: grpc.ServicerContext
     ) -> bpb.AgentCertificate:
-        started, code = time.perf_counter(), grpc.StatusCode.OK
+        return serve_unary(
+            "IssueAgentCertificate", context, self._observe, lambda: self._issue(request, context), logging.INFO
+        )
+
+    def _issue(self, request: bpb.IssueAgentCertificateRequest, context: grpc.ServicerContext) -> bpb.AgentCertificate:
+        """Sign the node's certificate once the caller's address is within its budget and its join token is the
+        job's."""
+        source = address_key(context)
+        wait = max(self._calls.take(source), self._wrong.peek(source))
+        if wait:
+            raise ResourceExhausted(
+                f"too many bootstrap calls, or wrong join tokens, from {source}; retry in {wait:.0f}s"
+            )
+        job = validate_id(request.job_id, "job_id")
+        node = validate_id(request.node_id, "node_id")
         try:
-            source = address_key(context)
-            wait = max(self._calls.take(source), self._wrong.peek(source))
-            if wait:
-                raise ResourceExhausted(
-                    f"too many bootstrap calls, or wrong join tokens, from {source}; retry in {wait:.0f}s"
-                )
-            job = validate_id(request.job_id, "job_id")
-            node = validate_id(request.node_id, "node_id")
-            try:
-                self._store.check_token(job, request.join_token)
-            except Unauthenticated:
-                self._wrong.take(source)
-                raise
-            _held_by_live_member(self._store, job, node)
-            issued = self._signer.sign(request.csr_pem, node, job)
-            # The node id's earlier agent in this job is gone (no live member holds the id): its certificate goes at
-            # once. A node id whose certificate of another job is still valid is refused (AlreadyExists), unsigned.
-            replaced_certificate(
-                self._store, self._denylist, job, node, issued.cert_pem, "signed again", 0.0, time.time()
-            )
-            logger.info(
-                "bootstrap: agent certificate for node %s of job %s signed (valid %.0fs)",
-                node,
-                job,
-                self._signer.lifetime_s,
-            )
-            return issued
-        except CoordinatorError as exc:
-            code = status_for_error(exc)
-            logger.info("bootstrap refused (%s): %s", code.name, exc)
-            context.abort(code, str(exc))
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            logger.exception("IssueAgentCertificate failed unexpectedly")
-            context.abort(code, "IssueAgentCertificate failed inside the coordinator; see its log")
-        finally:
-            self._observe("IssueAgentCertificate", code, time.perf_counter() - started)
+            self._store.check_token(job, request.join_token)
+        except Unauthenticated:
+            self._wrong.take(source)
+            raise
+        _held_by_live_member(self._store, job, node)
+        issued = self._signer.sign(request.csr_pem, node, job)
+        # The node id's earlier agent in this job is gone (no live member holds the id): its certificate goes at
+        # once. A node id whose certificate of another job is still valid is refused (AlreadyExists), unsigned.
+        replaced_certificate(self._store, self._denylist, job, node, issued.cert_pem, "signed again", 0.0, time.time())
+        logger.info(
+            "bootstrap: agent certificate for node %s of job %s signed (valid %.0fs)",
+            node,
+            job,
+            self._signer.lifetime_s,
+        )
+        return issued
         raise AssertionError("unreachable")  # context.abort raises
