@@ -75,6 +75,8 @@ from pathlib import Path
 
 import psutil
 import torch
+from common import ELASTIC, PLIANT, elastic_args
+from common import static_params as common_static_params
 
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.net import free_port
@@ -89,7 +91,7 @@ else:  # python bench/chaos.py
     from netns import Fabric, Node, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "train_elastic.py"
+SCRIPT = ELASTIC
 KINDS = (
     "kill-worker",
     "kill-agent",
@@ -165,9 +167,7 @@ class Soak:
         ]
         subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "pliant",
+                *PLIANT,
                 "job",
                 "create",
                 "chaos",
@@ -197,9 +197,7 @@ class Soak:
         serves (raises with its log if it does not)."""
         address, _ = self.replicas[name]
         argv = [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "coordinator",
             "--etcd",
             self.etcd.endpoint,
@@ -236,9 +234,7 @@ class Soak:
 
     def start_agent(self, node: Node) -> None:
         argv = [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "agent",
             "--coordinator",
             self.coordinator,
@@ -262,27 +258,16 @@ class Soak:
             "--log-dir",
             str(self.work / "logs"),
             str(SCRIPT),
-            "--steps",
-            str(self.steps),
-            "--samples",
-            str(SAMPLES),
-            "--global-batch",
-            str(GLOBAL_BATCH),
-            "--micro-batch",
-            "8",
-            "--step-time",
-            str(STEP_S),
-            "--save-every",
-            "50",
-            "--float64",
-            "--engine",
-            self.engine,
-            "--events",
-            str(self.events),
-            "--params-out",
-            str(self.work / "final.pt"),
-            "--stop-file",
-            str(self.work / "stop"),
+            *elastic_args(
+                self.steps,
+                SAMPLES,
+                GLOBAL_BATCH,
+                step_time=STEP_S,
+                engine=self.engine,
+                events=self.events,
+                params_out=self.work / "final.pt",
+                extra=("--save-every", "50", "--float64", "--stop-file", str(self.work / "stop")),
+            ),
         ]
         self.agents[node.name] = node.spawn(argv, self.work / f"agent-{node.name}.log")
 
@@ -472,30 +457,7 @@ class Soak:
 
 
 def static_params(work: Path, steps: int, engine: str = "ddp") -> dict:
-    out = work / "static.pt"
-    subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--steps",
-            str(steps),
-            "--samples",
-            str(SAMPLES),
-            "--global-batch",
-            str(GLOBAL_BATCH),
-            "--micro-batch",
-            "8",
-            "--float64",
-            "--engine",
-            engine,
-            "--params-out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=1800,
-    )
-    return torch.load(out)
+    return common_static_params(work / "static.pt", steps, SAMPLES, GLOBAL_BATCH, engine)
 
 
 def partial_loads(work: Path) -> tuple[int, int]:

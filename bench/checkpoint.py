@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import join_flags, read_jsonl
+from common import PLIANT, join_flags, read_jsonl
 from torch.utils.data import TensorDataset
 
 import pliant.worker as pw
@@ -225,9 +225,7 @@ def rescale_pause(workdir: Path) -> float:
         time.sleep(2)
         b = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "pliant",
+                *PLIANT,
                 "run",
                 "--coordinator",
                 f"127.0.0.1:{port}",

@@ -12,6 +12,7 @@ import shlex
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,10 +23,13 @@ import psutil
 os.environ.setdefault("PLIANT_LOG_LEVEL", "INFO")
 
 __all__ = [
+    "ELASTIC",
+    "PLIANT",
     "ask_for_stacks",
     "batches_counted",
     "change_gap",
     "counted_samples",
+    "elastic_args",
     "end_soon",
     "in_run_cost",
     "join_flags",
@@ -33,7 +37,13 @@ __all__ = [
     "max_param_diff",
     "read_jsonl",
     "scrape",
+    "static_params",
 ]
+
+PLIANT = (sys.executable, "-m", "pliant")
+"""How the benchmarks and the tests run the ``pliant`` command: this interpreter's."""
+ELASTIC = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
+"""The elastic training script the benchmarks and the tests run."""
 
 
 _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes parsed, items): see read_jsonl
@@ -267,3 +277,44 @@ def snapshot_steps(changes: list[tuple[int, int]], until: int, first_every: int)
             cadence.took(step + 1)
             taken.append(step + 1)
     return taken
+
+
+def elastic_args(
+    steps: int,
+    samples: int,
+    global_batch: int,
+    micro_batch: int = 8,
+    step_time: float | None = None,
+    engine: str = "",
+    events: Path | str | None = None,
+    params_out: Path | str | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The arguments of :data:`ELASTIC` (after its path): ``steps`` steps over ``samples`` samples in global batches of
+    ``global_batch`` (micro-batches of ``micro_batch``), each ``step_time`` s at least (None: as fast as it goes), on
+    ``engine`` ("": the script's default), its events and final parameters where given, then ``extra``."""
+    args = ["--steps", str(steps), "--samples", str(samples), "--global-batch", str(global_batch)]
+    args += ["--micro-batch", str(micro_batch)]
+    args += ["--step-time", str(step_time)] if step_time is not None else []
+    args += ["--engine", engine] if engine else []
+    args += ["--events", str(events)] if events is not None else []
+    args += ["--params-out", str(params_out)] if params_out is not None else []
+    return [*args, *extra]
+
+
+def static_params(
+    out: Path, steps: int, samples: int, global_batch: int, engine: str = "ddp", timeout_s: float = 1800.0
+) -> dict:
+    """The final parameters of :data:`ELASTIC` run as one plain process on the same global batches, in float64 (the
+    exactness checks' precision), written to ``out``.
+
+    Raises:
+        RuntimeError: the run failed (its output's tail says why).
+    """
+    import torch
+
+    args = elastic_args(steps, samples, global_batch, engine=engine, params_out=out, extra=("--float64",))
+    result = subprocess.run([sys.executable, str(ELASTIC), *args], capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    return torch.load(out)

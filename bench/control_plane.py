@@ -24,7 +24,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+from common import PLIANT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pliant.coordinator.client import CoordinatorClient
@@ -97,9 +97,7 @@ def start_replica(
     with open(log_dir / f"coordinator-{name}.log", "wb") as log:
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "pliant",
+                *PLIANT,
                 "coordinator",
                 "--etcd",
                 etcd,

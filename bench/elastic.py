@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from common import join_flags, longest_pause, read_jsonl, stop_tree
+from common import PLIANT, join_flags, longest_pause, read_jsonl, stop_tree
 
 from pliant.net import free_port
 
@@ -126,9 +126,7 @@ class Launcher:
                 script += ["--save-every", str(SAVE_EVERY)]
             if node == "a":
                 return [
-                    sys.executable,
-                    "-m",
-                    "pliant",
+                    *PLIANT,
                     "run",
                     "--listen",
                     f"127.0.0.1:{self.port}",
@@ -136,9 +134,7 @@ class Launcher:
                     *script,
                 ], env
             return [
-                sys.executable,
-                "-m",
-                "pliant",
+                *PLIANT,
                 "run",
                 "--coordinator",
                 f"127.0.0.1:{self.port}",

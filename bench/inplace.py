@@ -44,7 +44,9 @@ from pathlib import Path
 
 import psutil
 from common import (
+    PLIANT,
     change_gap,
+    elastic_args,
     in_run_cost,
     join_flags,
     longest_pause,
@@ -76,21 +78,7 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"bench-inplace-{mode}-"))
     events = work / "events.jsonl"
     port = free_port()
-    script = [
-        str(SCRIPT),
-        "--width",
-        str(width),
-        "--samples",
-        "4096",
-        "--global-batch",
-        "8",
-        "--micro-batch",
-        "4",
-        "--steps",
-        "1000000",
-        "--events",
-        str(events),
-    ]
+    script = [str(SCRIPT), *elastic_args(1000000, 4096, 8, micro_batch=4, events=events, extra=("--width", str(width)))]
     common = [
         "--nnodes",
         "1:2",
@@ -128,9 +116,7 @@ def measure(mode: str, width: int, timeout_s: float) -> dict[str, float]:
             procs.append(
                 subprocess.Popen(
                     [
-                        sys.executable,
-                        "-m",
-                        "pliant",
+                        *PLIANT,
                         "run",
                         "--coordinator",
                         f"127.0.0.1:{port}",
@@ -184,25 +170,10 @@ def steady(
     warm, window = WARM, WINDOW
     script = [
         str(SCRIPT),
-        "--engine",
-        "zero",
-        "--width",
-        str(width),
-        "--samples",
-        "4096",
-        "--global-batch",
-        "8",
-        "--micro-batch",
-        "4",
-        "--steps",
-        "1000000",
-        "--events",
-        str(events),
+        *elastic_args(1000000, 4096, 8, micro_batch=4, engine="zero", events=events, extra=("--width", str(width))),
     ]
     cmd = [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "run",
         "--nproc-per-node",
         "2",

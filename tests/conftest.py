@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,6 +18,8 @@ import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.common import PLIANT
 
 ROOT = Path(__file__).resolve().parent.parent
 # The processes the tests start log their components' INFO records (quiet is the default): tests read them for what
@@ -288,9 +289,7 @@ def spawn_coordinator(
     ) -> tuple[Spawned, str]:
         address = address or f"127.0.0.1:{free_port()}"
         args = [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "coordinator",
             "--etcd",
             etcd_url or etcd.endpoint,  # type: ignore[attr-defined]

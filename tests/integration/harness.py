@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,11 @@ import pytest
 
 from bench import common
 from bench.common import (
+    ELASTIC,
+    PLIANT,
     batches_counted,
     counted_samples,
+    elastic_args,
     longest_pause,
     max_param_diff,
     read_jsonl,
@@ -67,9 +69,7 @@ def first_node(nnodes: str, certs: Path, events: Path) -> list[str]:
     """``pliant run``'s command for the first node of a job of ``nnodes`` nodes (its embedded control plane, its
     certificates in ``certs``), training the DDP example for good, one worker, logging steps to ``events``."""
     return [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "run",
         "--nnodes",
         nnodes,
@@ -101,9 +101,7 @@ def pliant_agent(
     """``python -m pliant agent`` joining ``coordinator`` as ``node`` with the tests' short timings (heartbeat TTL
     3 s, join grace 0.5 s, stop grace 2 s), then ``flags``: more flags, the script and its arguments."""
     return [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "agent",
         "--coordinator",
         coordinator,
@@ -192,7 +190,6 @@ def assert_all_gone(pids: list[int], timeout_s: float = 10) -> None:
     pytest.fail(f"processes left behind: {alive}")
 
 
-ELASTIC = ROOT / "examples" / "train_elastic.py"
 SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch of examples/train_elastic.py (15 of 64, a tail of 40)
 # The exactness checks train in float64. In float32, a world of another size sums gradients in another order, and
 # the parameters differ from a static run's by rounding (about 1e-7); where a sample's ReLU input is as close to 0,
@@ -235,26 +232,9 @@ def elastic_agent(
 def elastic_script(tmp: Path, steps: int, step_time: float = 0.1) -> list[str]:
     """examples/train_elastic.py and its arguments: ``steps`` steps of ``step_time`` s, events, final parameters and
     the stop file under ``tmp`` (what :func:`static_params` runs statically)."""
-    return [
-        str(ELASTIC),
-        "--steps",
-        str(steps),
-        "--samples",
-        str(SAMPLES),
-        "--global-batch",
-        str(GLOBAL_BATCH),
-        "--micro-batch",
-        "8",
-        "--step-time",
-        str(step_time),
-        "--events",
-        str(tmp / "events.jsonl"),
-        "--params-out",
-        str(tmp / "final.pt"),
-        "--stop-file",
-        str(tmp / "stop"),
-        *EXACT,
-    ]
+    events, final, stop = tmp / "events.jsonl", tmp / "final.pt", str(tmp / "stop")
+    args = elastic_args(steps, SAMPLES, GLOBAL_BATCH, step_time=step_time, events=events, params_out=final)
+    return [str(ELASTIC), *args, "--stop-file", stop, *EXACT]
 
 
 def end_soon(tmp: Path, steps: int, margin: int = 10) -> int:
@@ -265,29 +245,4 @@ def end_soon(tmp: Path, steps: int, margin: int = 10) -> int:
 
 def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
     """The final parameters of examples/train_elastic.py run as one plain process on the same global batches."""
-    import subprocess
-
-    import torch
-
-    out = tmp / f"static-{engine}.pt"
-    argv = [
-        sys.executable,
-        str(ELASTIC),
-        "--steps",
-        str(steps),
-        "--samples",
-        str(SAMPLES),
-        "--global-batch",
-        str(GLOBAL_BATCH),
-        "--micro-batch",
-        "8",
-        "--engine",
-        engine,
-        "--params-out",
-        str(out),
-        *EXACT,
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr[-3000:])
-    return torch.load(out)
+    return common.static_params(tmp / f"static-{engine}.pt", steps, SAMPLES, GLOBAL_BATCH, engine, timeout_s=120)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import elastic_args
 from tests.conftest import wait_for
 from tests.integration.harness import (
     ELASTIC,
@@ -242,19 +243,7 @@ def test_a_sharded_job_in_place_writes_its_checkpoints_from_the_buddy_snapshots(
         [
             sys.executable,
             str(ELASTIC),
-            "--steps",
-            str(resumed_steps),
-            "--samples",
-            str(SAMPLES),
-            "--global-batch",
-            str(GLOBAL_BATCH),
-            "--micro-batch",
-            "8",
-            "--engine",
-            engine,
-            "--params-out",
-            str(out),
-            *EXACT,
+            *elastic_args(resumed_steps, SAMPLES, GLOBAL_BATCH, engine=engine, params_out=out, extra=EXACT),
         ],
         capture_output=True,
         text=True,

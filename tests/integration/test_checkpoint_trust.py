@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import PLIANT
 from tests.conftest import wait_for
 from tests.integration.harness import elastic_script, read_jsonl
 
@@ -149,9 +150,7 @@ def test_a_forged_fence_does_not_stop_training(spawn, state_home: Path, tmp_path
     events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
     run = spawn(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "run",
             "--nproc-per-node",
             "1",

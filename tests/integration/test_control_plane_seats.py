@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from bench.common import elastic_args
 from bench.netns import unavailable
 from pliant.coordinator.etcd_cluster import EtcdMembers
 from pliant.security.tlsdir import TlsConfig
@@ -30,20 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420), pyte
 PORT = 29400
 SCRIPT = [
     "train.py",
-    "--steps",
-    "100000",
-    "--samples",
-    str(SAMPLES),
-    "--global-batch",
-    str(GLOBAL_BATCH),
-    "--micro-batch",
-    "8",
-    "--step-time",
-    "0.05",
-    "--events",
-    "events.jsonl",
-    "--params-out",
-    "final.pt",
+    *elastic_args(100000, SAMPLES, GLOBAL_BATCH, step_time=0.05, events="events.jsonl", params_out="final.pt"),
     "--stop-file",
     "stop",
     "--float64",

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.common import end_soon, read_jsonl
+from bench.common import PLIANT, end_soon, read_jsonl
 from pliant.agent.contract import ExitCode, left_on
 from pliant.certs import load_ca
 from pliant.net import free_port
@@ -453,9 +453,7 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(
     )
     finish = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "job",
             "finish",
             "alpha",

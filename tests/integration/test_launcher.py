@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from bench.common import PLIANT
 from pliant.agent.contract import ExitCode
 from tests.conftest import wait_for
 from tests.integration.harness import ELASTIC, SCRIPT, read_steps
@@ -219,9 +220,7 @@ def test_a_lightning_ddp_script_runs_unchanged(tmp_path) -> None:
     script = SCRIPT.parent / "train_lightning.py"
     result = _run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "run",
             "--nproc-per-node",
             "2",
@@ -269,9 +268,7 @@ def test_a_missing_script_is_a_clear_error(tmp_path) -> None:
 def test_an_unreachable_coordinator_is_a_clear_error() -> None:
     result = _run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "agent",
             "--coordinator",
             "127.0.0.1:1",

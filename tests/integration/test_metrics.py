@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
+from bench.common import PLIANT
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
 from tests.integration.harness import sample, scrape, worker_processes
@@ -35,9 +35,7 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(
     agent = spawn_agent(
         server,
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "agent",
             "--coordinator",
             server.address,

@@ -8,13 +8,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.common import PLIANT
 from pliant.agent.contract import left_on
 from tests.conftest import wait_for
 from tests.integration.harness import (
@@ -112,9 +112,7 @@ def test_kill_9_of_a_node_resumes_from_the_last_periodic_checkpoint(
 
 def test_a_checkpoint_of_another_job_is_refused(tmp_path: Path) -> None:
     base = [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "run",
         "--nproc-per-node",
         "1",
@@ -139,9 +137,7 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path) ->
     ckpt = tmp_path / "ckpt"
     events = tmp_path / "events.jsonl"
     cmd = [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "run",
         "--nproc-per-node",
         "2",

@@ -11,13 +11,13 @@ import os
 import re
 import shlex
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.common import PLIANT
 from pliant.coordinator.contract import JobSpec
 from tests.conftest import TEST_JOIN_TOKEN, wait_for
 from tests.integration.harness import (
@@ -75,9 +75,7 @@ def _same_as_static(tmp: Path) -> None:
 def test_pliant_run_started_again_after_every_node_died_resumes(spawn, tmp_path: Path, rescaled: bool) -> None:
     ckpt = tmp_path / "ckpt"
     run = [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "run",
         "--job",
         "job",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import PLIANT
 from pliant.agent.contract import ExitCode, left_on
 from tests.conftest import TEST_JOIN_TOKEN, wait_for
 from tests.fleet import admin_tls, agent_tls
@@ -47,9 +48,7 @@ def test_the_printed_join_command_works_when_pasted(spawn, tmp_path: Path) -> No
     wait_for(lambda: {s.rank for s in read_steps(events) if s.world == 2} == {0, 1}, 90, "world 2 stepping")
     status = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "status",
             "--coordinator",
             re.search(r"--coordinator (\S+)", join).group(1),
@@ -81,9 +80,7 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
     admin = str(Path(admin_tls(pki).cert).parent)
     created = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "job",
             "create",
             "j1",
@@ -108,9 +105,7 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
     events = tmp_path / "events.jsonl"
     agent = spawn(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "agent",
             "--coordinator",
             server.address,
@@ -138,9 +133,7 @@ def test_an_admin_creates_the_job_and_agents_join_with_its_token(make_coordinato
     # The agent's certificate may not create jobs: a job that does not exist says who creates it.
     missing = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "agent",
             "--coordinator",
             server.address,

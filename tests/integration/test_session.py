@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import PLIANT
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_elastic.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -87,9 +89,7 @@ def test_a_collective_of_the_scripts_own_before_its_loop_is_refused_with_the_fix
     hooks = Path(__file__).with_name("train_hooks.py")
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "run",
             "--nproc-per-node",
             "2",
@@ -118,9 +118,7 @@ def test_nccl_on_the_gpus_there_are(engine: str, tmp_path: Path) -> None:
     nproc = str(torch.cuda.device_count())
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pliant",
+            *PLIANT,
             "run",
             "--nproc-per-node",
             nproc,

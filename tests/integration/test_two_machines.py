@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import PLIANT
 from bench.netns import Fabric, unavailable
 from pliant.coordinator.client import CoordinatorClient
 from pliant.security.identity import Role
@@ -67,9 +68,7 @@ def _recipe(
     machines = [Machine(fabric, name, tmp_path) for name in "abc"[:nodes]]
     first = machines[0]
     argv = [
-        sys.executable,
-        "-m",
-        "pliant",
+        *PLIANT,
         "run",
         "--listen",
         f"0.0.0.0:{PORT}",
