@@ -6,7 +6,8 @@ as soon as it has imported ``torch.distributed``; an agent without a zygote (``-
 pliant.agent.storehost FD``. The agent's joining and its heartbeats never wait for torch; its stores are up when the
 zygote could fork the first worker anyway.
 
-The agent talks to its store host over a SOCK_SEQPACKET Unix socket; messages are JSON, one request or reply each:
+The agent talks to its store host over a socket pair (:mod:`pliant.agent.ipc`'s framing), one request or reply a
+message:
 
 - ``{"id": N, "op": "serve", "host": H, "port": P}`` starts a TCPStore server listening on ``H:P`` only (P 0: a free
   port); reply ``{"id": N, "value": PORT}``. A listening socket sent with the request (SCM_RIGHTS) is served
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -39,6 +39,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+from pliant.agent import ipc
 from pliant.agent.contract import AgentError
 from pliant.env import STACKS_SIGNAL
 from pliant.net import parse_host_port
@@ -50,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # a first request waits for the host's torch import (seconds on a loaded node)
 REPLY_MARGIN_S = 5.0  # beyond a request's own timeout
-_MAX_MESSAGE = 1 << 20
 _KEPT_CLIENTS = 4  # clients kept for polling (one per generation store a hand-over polls)
 PROCESS_NAME = "pliant-stores"  # the store host's process name (at most 15 characters)
 _PR_SET_NAME = 15
@@ -58,16 +58,6 @@ _PR_SET_NAME = 15
 
 class StoreHostError(AgentError):
     """The store host failed a request, did not answer in time, or is gone."""
-
-
-def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
-    """The next message on ``sock`` and the descriptors sent with it; empty once the other end closed (or the socket
-    failed)."""
-    try:
-        data, fds, _flags, _address = socket.recv_fds(sock, _MAX_MESSAGE, 1)
-        return data, fds
-    except OSError:
-        return b"", []
 
 
 # -- the host ----------------------------------------------------------------------------------------------------------
@@ -101,10 +91,10 @@ class _Host:
 
     def run(self) -> None:
         while True:
-            data, fds = _receive(self._sock)
-            if not data:  # the agent is gone
+            request, fds = ipc.receive(self._sock)
+            if request is None:  # the agent is gone
                 return
-            threading.Thread(target=self._answer, args=(json.loads(data), fds), daemon=True).start()
+            threading.Thread(target=self._answer, args=(request, fds), daemon=True).start()
 
     def _answer(self, request: dict[str, Any], fds: list[int]) -> None:
         try:
@@ -117,7 +107,7 @@ class _Host:
                     os.close(fd)
         reply["id"] = request.get("id")
         with self._send_lock, contextlib.suppress(OSError):
-            self._sock.send(json.dumps(reply).encode())
+            ipc.send(self._sock, reply)
 
     def _do(self, request: dict[str, Any], fds: list[int]) -> Any:
         op = request.get("op")
@@ -234,7 +224,7 @@ class StoreHost:
     @staticmethod
     def pair() -> tuple[socket.socket, socket.socket]:
         """(the agent's end, the host's end) of a new socket pair."""
-        return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        return ipc.pair()
 
     @classmethod
     def standalone(cls, env: dict[str, str] | None = None) -> StoreHost:
@@ -252,13 +242,12 @@ class StoreHost:
 
     def _read(self) -> None:
         while True:
-            data, _fds = _receive(self._sock)
+            reply, _fds = ipc.receive(self._sock)
             with self._changed:
-                if not data:
+                if reply is None:
                     self._closed = True
                     self._changed.notify_all()
                     return
-                reply = json.loads(data)
                 if reply.get("id") in self._replies:  # a caller that gave up on it is not waiting any more
                     self._replies[reply["id"]] = reply
                     self._changed.notify_all()
@@ -281,11 +270,7 @@ class StoreHost:
             self._replies[ident] = None
         try:
             try:
-                message = json.dumps({"id": ident, "op": op, **fields}).encode()
-                if fds:
-                    socket.send_fds(self._sock, [message], list(fds))
-                else:
-                    self._sock.send(message)
+                ipc.send(self._sock, {"id": ident, "op": op, **fields}, fds)
             except OSError as exc:
                 raise StoreHostError(f"the store host is gone ({exc})") from exc
             with self._changed:

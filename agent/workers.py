@@ -12,11 +12,9 @@ directory, written to one file per worker.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
+from pliant.agent import ipc
 from pliant.agent.contract import AgentError, GroupResult
 from pliant.agent.hints import Hints
 from pliant.agent.preload import Preload
@@ -130,7 +129,7 @@ class Zygote:
     def __init__(self, base_env: Mapping[str, str], preload: Preload | None = None) -> None:
         self.base_env = dict(base_env)
         self._started = time.monotonic()
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock, theirs = ipc.pair()
         stores, host_end = StoreHost.pair()
         fds = [theirs.fileno(), host_end.fileno()]
         argv = [sys.executable, "-u", "-m", "pliant.agent.zygote", *map(str, fds)]
@@ -156,15 +155,11 @@ class Zygote:
 
     def _read(self) -> None:
         while True:
-            try:
-                data = self._sock.recv(1 << 16)
-            except OSError:
-                data = b""
+            message, _fds = ipc.receive(self._sock)
             with self._changed:
-                if not data:
+                if message is None:
                     self._changed.notify_all()
                     return
-                message = json.loads(data)
                 if "exit" in message:
                     self._exits[message["exit"]] = message["code"]
                 elif "stores" in message:
@@ -213,7 +208,7 @@ class Zygote:
             ident = self._next_id
         message = {"op": "spawn", "id": ident, "env": dict(env), "argv": list(command.argv), "module": command.module}
         try:
-            socket.send_fds(self._sock, [json.dumps(message).encode()], [write_fd])
+            ipc.send(self._sock, message, [write_fd])
         except OSError as exc:
             os.close(read_fd)
             raise AgentError(f"the worker zygote (pid {self.proc.pid}) is gone: {exc}") from exc

@@ -4,14 +4,14 @@ A worker forked from here starts in milliseconds instead of paying an interprete
 training script as ``python SCRIPT`` / ``python -m MODULE`` would (``__main__``, ``sys.argv``, ``sys.path[0]``),
 exiting through the normal interpreter shutdown (atexit handlers run).
 
-Run as ``python -m pliant.agent.zygote FD [STORE_FD] [--preload JSON] [--skip MODULE,...]`` where FD is a
-SOCK_SEQPACKET Unix socket to the agent. The zygote stays single-threaded (forking is safe) and imports only the
-standard library and the preloaded modules: torch (:data:`PRELOAD`), then what the training script imports
-(:mod:`pliant.agent.preload`'s JSON). With STORE_FD (the store host's end of another socket pair), it forks the node's
-store host (:mod:`pliant.agent.storehost`) as soon as ``torch.distributed`` is imported, before the rest of the
-preload. A script's module that fails to import is skipped; one that starts a thread or initialises CUDA cannot be
-unloaded, so the zygote executes itself again (same pid, same sockets, the store host kept) with that module in
-``--skip``. Messages are JSON:
+Run as ``python -m pliant.agent.zygote FD [STORE_FD] [--preload JSON] [--skip MODULE,...]`` where FD is a socket to the
+agent (:mod:`pliant.agent.ipc`'s framing). The zygote stays single-threaded (forking is safe) and imports only the
+standard library, pliant's few modules of its own and the preloaded modules: torch (:data:`PRELOAD`), then what the
+training script imports (:mod:`pliant.agent.preload`'s JSON). With STORE_FD (the store host's end of another socket
+pair), it forks the node's store host (:mod:`pliant.agent.storehost`) as soon as ``torch.distributed`` is imported,
+before the rest of the preload. A script's module that fails to import is skipped; one that starts a thread or
+initialises CUDA cannot be unloaded, so the zygote executes itself again (same pid, same sockets, the store host kept)
+with that module in ``--skip``. The messages:
 
 - agent -> zygote ``{"op": "spawn", "id": N, "env": {...}, "argv": [...], "module": bool}`` with one fd attached:
   the write end of the worker's output pipe. Reply ``{"id": N, "pid": PID}``.
@@ -46,6 +46,7 @@ from types import TracebackType
 from typing import Any
 
 from pliant import settings
+from pliant.agent import ipc
 from pliant.env import STACKS_SIGNAL, error_file, install
 from pliant.errorfile import write_error
 
@@ -56,7 +57,7 @@ _PR_SET_PDEATHSIG = 1
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):  # the agent is gone: we are about to be killed anyway
-        sock.send(json.dumps(message).encode())
+        ipc.send(sock, message)
 
 
 def _reap(sock: socket.socket) -> None:
@@ -150,13 +151,11 @@ def serve(sock: socket.socket, preloaded: list[str]) -> dict[str, Any] | None:
         _reap(sock)
         if not readable:
             continue
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
-        except OSError:
-            data, fds = b"", []
-        if not data:  # the agent closed the socket
+        message, fds = ipc.receive(sock)
+        if message is None:  # the agent closed the socket
+            for fd in fds:
+                os.close(fd)
             return None
-        message = json.loads(data)
         if message.get("op") != "spawn" or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
