@@ -1,6 +1,6 @@
 """The node's store host: the process that runs this node's TCPStores, so that the agent itself never imports torch.
 
-TCPStore (servers and clients) lives in torch, and importing torch costs an agent start about 2 s of CPU. A node
+TCPStore (servers and clients) lives in torch, and importing torch costs an agent start seconds of CPU. A node
 start pays it once already, in its worker zygote (:mod:`pliant.agent.zygote`), so the zygote forks the store host
 as soon as it has imported ``torch.distributed``; an agent without a zygote (``--no-python``) starts it as ``python -m
 pliant.agent.storehost FD``. The agent's joining and its heartbeats never wait for torch; its stores are up when the

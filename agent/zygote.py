@@ -50,7 +50,7 @@ from pliant.agent import ipc
 from pliant.env import STACKS_SIGNAL, error_file, install
 from pliant.errorfile import write_error
 
-# torch._dynamo is what DDP's constructor imports lazily (1.4 s on this machine): paid once here, not per worker.
+# torch._dynamo is what DDP's constructor imports lazily, at a cost of seconds: paid once here, not per worker.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 _PR_SET_PDEATHSIG = 1
 

@@ -121,8 +121,8 @@ class CoordinatorClient:
         # second at most.
         # HTTP/2 keepalive pings (every KEEPALIVE_TIME_MS, also on a watch stream that carries no data): a replica
         # that went silent (its host lost power, or a cut that resets nothing) breaks the call within
-        # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS and the watch resumes on the next replica. Without them the watch
-        # waited for TCP, until the cut healed: a node deaf to new generations for 44 s in the lone-cut soak.
+        # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS and the watch resumes on the next replica; without them a watch
+        # waits for TCP, which gives up only when the cut heals.
         options = [
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.min_reconnect_backoff_ms", 200),

@@ -358,8 +358,8 @@ class MemberStore(EtcdBase):
         """Seconds since each member's last heartbeat, on etcd's clock: its lease's granted TTL less the TTL left
         (rounded up to whole seconds; -1 when the lease is gone or unknown). ``job`` is part of the store interface.
 
-        One lookup at a time, without the keys etcd would list: a thousand members take about 0.2 s, and heartbeats
-        (whose keepalives take the same lock in etcd's lessor) never queue behind a burst of lookups. The leader calls
+        One lookup at a time, without the keys etcd would list, so that heartbeats (whose keepalives take the same lock
+        in etcd's lessor) never queue behind a burst of lookups. The leader calls
         this only when a member could be overdue (see the reconciler's sweep).
         """
         out = {m.node_id: -1.0 for m in members}

@@ -1,9 +1,8 @@
 """Checkpoint files written around the page cache (``O_DIRECT``), for DCP's file writer.
 
-Why: a buffered write copies every byte into the page cache, whose pages the kernel must find (fresh ones are costly
-on this project's virtual machine), and the kernel's writeback then walks them again, on threads of its own. On this
-2-core machine 256 MB written buffered cost 0.05-0.22 s of the writer's CPU (0.59 s for ``torch.save`` into a new
-file), against 0.01-0.02 s with ``O_DIRECT`` from memory the writer already touched: the device reads it itself.
+Why: a buffered write copies every byte into the page cache, whose pages the kernel must find (fresh ones are
+costly), and the kernel's writeback then walks them again, on threads of its own; with ``O_DIRECT`` from memory the
+writer already touched, the device reads it itself, for a fraction of that CPU (docs/benchmarks.md has the figures).
 An async save runs beside the training, so that CPU is taken from the steps; a sync save waits for it.
 
 How: :class:`DirectStream` gathers what DCP (``torch.save`` of each item) writes into one reused, page-aligned buffer

@@ -120,8 +120,8 @@ class DDPEngine(Engine):
         optimizer_kwargs: dict[str, Any],
         device: torch.device,
     ) -> torch.optim.Optimizer | None:
-        """A replicated optimizer needs no process group: built and its state created before the meeting (about
-        0.4 s for 540 MB of momentum on a 2-core host, which the survivors no longer wait for)."""
+        """A replicated optimizer needs no process group: built and its state created before the meeting, which the
+        survivors then do not wait for."""
         optimizer = optimizer_class(model.to(device).parameters(), **optimizer_kwargs)
         try:
             _materialize(optimizer)

@@ -25,8 +25,8 @@ busy CPU cores, a memcpy and loopback TCP take the cores from the step. So K, th
    wall-clock time then swings by tens of percent from step to step), and the wall-clock time is the truer one where
    the copies use cores that would be idle (a GPU's host). Snapshots at a
    re-formation are not measured (the new world's first step has other costs), nor those that allocate their
-   buffers (the first two of a world: with a 1 GB model, the first touch of fresh pages made one cost 104 % of a
-   step, against 17-23 % for a copy into a reused buffer);
+   buffers (the first two of a world: the first touch of fresh pages costs several times a copy into a reused
+   buffer);
 2. from it, the rank asks for a K (:meth:`Cadence.wanted`): the smallest in [:data:`MIN_SNAPSHOT_EVERY`,
    :data:`MAX_SNAPSHOT_EVERY`] with cost / K <= :data:`SNAPSHOT_BUDGET` (:func:`snapshots_apart`), or K as it is
    while that is enough and at most half again as many steps; 0 before it has measured;

@@ -83,7 +83,7 @@ def socket_fds() -> set[tuple[int, int]]:
     A socket is known by both: a process group's sockets are found as those opened since a snapshot, while the old
     groups' sockets close in gloo's own threads, and the kernel gives a new socket the lowest free descriptor. By
     number alone a new group's socket that reuses a number closed after the snapshot would be missed, and never
-    severed, shut down or given keepalive (a step blocked on it waited out the 30 s rescale grace in the chaos soak)."""
+    severed, shut down or given keepalive, and a step blocked on it would wait out the rescale grace."""
     out = set()
     try:
         for name in os.listdir("/proc/self/fd"):
@@ -262,8 +262,8 @@ class RendezvousWatch:
 
     A meeting still blocked :data:`MEET_GIVE_UP_S` after that ends the process (:func:`give_up`): gloo's listening
     side of a pair whose peer never connects (cut off, or dead, before it did) waits past the group's timeout, and
-    shutting down sockets does not wake it (reproduced on network namespaces: still blocked after 100 s with a 20 s
-    timeout; pytorch/gloo #520). A fresh worker then takes this rank, as after any worker's death.
+    shutting down sockets does not wake it (pytorch/gloo #520). A fresh worker then takes this rank, as after any
+    worker's death.
 
     Args:
         newer: the world's directive reader (:meth:`pliant.worker.inplace.world.World.newer`): the directive of a

@@ -65,9 +65,8 @@ class GuardError(WorkerError):
 def stalled(started: float | None, last_step_s: float, now: float, peers: bool = True) -> bool:
     """Whether a step that began at ``started`` (monotonic; None: no step running) has run long enough, at ``now``, to
     be broken if a newer generation waits: :data:`STALL_S` or three times the last step's time, whichever is longer.
-    Never without ``peers`` (a world of one rank): no peer can block that step, so it is only slow, and a lone
-    survivor's step slowed by a newcomer starting on its machine was broken and redone (a join's pause of 3.3 s
-    instead of 1 s with 1 GB of state)."""
+    Never without ``peers`` (a world of one rank): no peer can block that step, so it is only slow (a newcomer
+    starting on its machine), and breaking it would only make it run again."""
     return peers and started is not None and now - started > max(STALL_S, 3 * last_step_s)
 
 
