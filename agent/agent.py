@@ -99,6 +99,7 @@ logger = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)  # the job's own lines (pliant.logsetup)
 
 TICK_S = 0.25
+QUICK_TICK_S = 0.02  # while a hand-over waits or a group stops (core.ticks_quickly)
 JOIN_WAIT_SHOWN_AFTER_S = 1.0  # a join that waits longer (no coordinator answers yet) says what it waits for
 HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
@@ -108,6 +109,22 @@ class Agent:
     """One node's supervisor. ``run()`` returns the process exit code (:class:`ExitCode`): 0 when the job succeeded, 1
     when it failed (never because the coordinator was away), 2 when this agent could not take part, 128 + N when it
     left gracefully on signal N.
+
+    What it holds, besides ``state`` (the core's: every decision is :func:`pliant.agent.core.decide`'s) and its
+    configuration; the main (loop) thread owns every field unless said otherwise:
+
+    - processes: ``zygote`` (the worker fork server), ``_stores`` (the store host) and ``store`` (this node's agent
+      store in it), ``group`` (the running workers), ``_stopping`` (the workers being stopped), ``_tracked`` (groups
+      whose exits are still counted);
+    - threads and servers: ``membership`` (join, heartbeat, watch, reports: threads of its own), ``_seat`` (this
+      node's control-plane seat: a thread of its own), ``metrics_server``, and the short-lived readers and probes of
+      :meth:`_in_background`;
+    - queues and events: ``_events`` (every thread puts, the loop takes), ``_stop`` (set once, at exit);
+    - what it read, for the events it makes: ``_generations`` (the newest generations seen; the membership's threads
+      read it), ``_fence`` (the checkpoint directory's fence, read every :data:`FENCE_READ_S`), ``_renewing`` (what
+      it last told its peers);
+    - what it says: ``_summary`` and ``_wait`` (the console's lines), ``_job`` and ``_outcome`` (the job's state as
+      last watched), ``_ticked_at`` (the loop's last tick; the metrics thread reads it for ``/healthz``).
 
     Args:
         config: the agent's configuration.
@@ -315,8 +332,7 @@ class Agent:
             event = self._next_event(next_tick)
             if isinstance(event, Tick):
                 self._ticked_at = time.monotonic()
-                quick = self.state.handing is not None or self.state.stopping is not None
-                next_tick = time.monotonic() + (0.02 if quick else TICK_S)
+                next_tick = time.monotonic() + (QUICK_TICK_S if core.ticks_quickly(self.state) else TICK_S)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
                     self.membership.leave()
                     raise AgentError(

@@ -135,6 +135,7 @@ __all__ = [
     "hang_timeout",
     "left_out",
     "renewal_streak",
+    "ticks_quickly",
     "wants_port",
 ]
 
@@ -414,6 +415,12 @@ def renewal_streak(state: CoreState, now: float) -> float:
     if state.renewing_since is None or now - state.renewed_at > state.ttl_s:
         return -1.0
     return now - state.renewing_since
+
+
+def ticks_quickly(state: CoreState) -> bool:
+    """Whether the agent wants its ticks often: a hand-over waits for its newcomers, or a group stops (each tick may
+    hand over, or enter the next stage)."""
+    return state.handing is not None or state.stopping is not None
 
 
 def wants_port(state: CoreState, generation: int) -> bool:
