@@ -110,8 +110,9 @@ class Agent:
     when it failed (never because the coordinator was away), 2 when this agent could not take part, 128 + N when it
     left gracefully on signal N.
 
-    What it holds, besides ``state`` (the core's: every decision is :func:`pliant.agent.core.decide`'s) and its
-    configuration; the main (loop) thread owns every field unless said otherwise:
+    What it holds, besides ``state`` (the core's: every decision is :func:`pliant.agent.core.decide`'s; the loop thread
+    replaces it, a store port's reader reads it) and its configuration; the main (loop) thread owns every field unless
+    said otherwise:
 
     - processes: ``zygote`` (the worker fork server), ``_stores`` (the store host) and ``store`` (this node's agent
       store in it), ``group`` (the running workers), ``_stopping`` (the workers being stopped), ``_tracked`` (groups

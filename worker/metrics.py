@@ -13,13 +13,12 @@ or take a gauge with ``session.metrics.gauge("loss")``.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
-from pliant.env import WorkerEnv
+from pliant.env import WorkerEnv, install
 from pliant.metrics import SLOW_BUCKETS_S
 from pliant.progress import ProgressFile
 from pliant.worker.contract import WorkerError
@@ -40,8 +39,7 @@ def _use_multiprocess_dir(directory: str) -> None:
     prometheus_client picks its value class when it is first imported, from PROMETHEUS_MULTIPROC_DIR. A worker forked
     from the agent's zygote, or a script that imported it before the env was set, may have picked the in-memory one.
     """
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") != directory:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    install({"PROMETHEUS_MULTIPROC_DIR": directory})  # the env contract's value (pliant.env), for prometheus_client
     if values.ValueClass.__name__ == "MutexValue":
         values.ValueClass = values.get_value_class()
 

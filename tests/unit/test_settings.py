@@ -17,7 +17,6 @@ PACKAGE = ("agent", "coordinator", "pliant", "worker")
 OWNERS = {"pliant/settings.py", "pliant/env.py"}
 # Variables of other libraries, set for them where they read them: not pliant's settings.
 SETS_FOR_OTHERS = {
-    "worker/metrics.py": "PROMETHEUS_MULTIPROC_DIR, read by prometheus_client",
     "worker/inplace/nccl.py": "NCCL's error handling, read by torch when a group forms",
     "agent/workers.py": "the agent's environment, passed on to its workers (its credentials taken out)",
 }
