@@ -287,23 +287,9 @@ class CoordinatorClient:
         req = pb.JoinRequest(job_id=job_id, node_id=node_id, address=address, slots=slots, join_token=join_token)
         return JoinGrant(self._call("Join", req))
 
-    def heartbeat(
-        self,
-        job_id: str,
-        node_id: str,
-        lease_id: int,
-        step: int = 0,
-        timeout_s: float | None = None,
-        reaches_generation: int = 0,
-        misses_generation: int = 0,
-    ) -> float:
-        """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns its TTL.
-        ``timeout_s``: the deadline of each attempt (default: the client's), after which the next replica is tried:
-        an agent passes a fraction of the heartbeat TTL, so a replica that accepts calls but cannot answer them (cut
-        off from etcd) costs less than the TTL. ``reaches_generation``: a spare reached every member of that
-        generation (its hold is lifted); ``misses_generation``: it could not reach one (its hold lasts). Raises
-        NotFound once the lease is gone (Join again)."""
-        return self.beat(job_id, node_id, lease_id, step, timeout_s, reaches_generation, misses_generation).ttl_s
+    def heartbeat(self, job_id: str, node_id: str, lease_id: int, **options: Any) -> float:
+        """Refresh the membership lease; returns its TTL (:meth:`beat`'s answer, and its ``options``)."""
+        return self.beat(job_id, node_id, lease_id, **options).ttl_s
 
     def beat(
         self,
@@ -315,7 +301,13 @@ class CoordinatorClient:
         reaches_generation: int = 0,
         misses_generation: int = 0,
     ) -> Beat:
-        """:meth:`heartbeat` with its whole answer: the lease's TTL and the control plane's coordinators."""
+        """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns the lease's
+        TTL, the control plane's coordinators and seats, and whether a seat is handed to this node. ``timeout_s``: the
+        deadline of each attempt (default: the client's), after which the next replica is tried: an agent passes a
+        fraction of the heartbeat TTL, so a replica that accepts calls but cannot answer them (cut off from etcd) costs
+        less than the TTL. ``reaches_generation``: a spare reached every member of that generation (its hold is
+        lifted); ``misses_generation``: it could not reach one (its hold lasts). Raises NotFound once the lease is gone
+        (Join again)."""
         request = pb.HeartbeatRequest(
             job_id=job_id,
             node_id=node_id,

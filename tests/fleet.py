@@ -114,18 +114,8 @@ class Fleet:
         self.leases[(job_id, node_id)] = grant.lease_id
         return grant
 
-    def heartbeat(
-        self,
-        job_id: str,
-        node_id: str,
-        lease_id: int,
-        step: int = 0,
-        reaches_generation: int = 0,
-        misses_generation: int = 0,
-    ) -> float:
-        return self.node(node_id).heartbeat(
-            job_id, node_id, lease_id, step, reaches_generation=reaches_generation, misses_generation=misses_generation
-        )
+    def heartbeat(self, job_id: str, node_id: str, lease_id: int, **options: Any) -> float:
+        return self.node(node_id).heartbeat(job_id, node_id, lease_id, **options)
 
     def leave(self, job_id: str, node_id: str, lease_id: int) -> None:
         self.node(node_id).leave(job_id, node_id, lease_id)
