@@ -75,8 +75,6 @@ from pathlib import Path
 
 import psutil
 import torch
-from common import ELASTIC, PLIANT, elastic_args
-from common import static_params as common_static_params
 
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.net import free_port
@@ -84,14 +82,14 @@ from pliant.security.identity import Role
 from pliant.security.issuance import LocalCA
 
 if __package__:  # imported as bench.chaos (the suite's short soak, tests/integration/test_chaos.py)
-    from bench.common import ask_for_stacks, batches_counted, end_soon, max_param_diff, read_jsonl
+    from bench import common
     from bench.netns import Fabric, Node, unavailable
 else:  # python bench/chaos.py
-    from common import ask_for_stacks, batches_counted, end_soon, max_param_diff, read_jsonl
+    import common  # type: ignore[no-redef]
     from netns import Fabric, Node, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ELASTIC
+SCRIPT = common.ELASTIC
 KINDS = (
     "kill-worker",
     "kill-agent",
@@ -167,7 +165,7 @@ class Soak:
         ]
         subprocess.run(
             [
-                *PLIANT,
+                *common.PLIANT,
                 "job",
                 "create",
                 "chaos",
@@ -197,7 +195,7 @@ class Soak:
         serves (raises with its log if it does not)."""
         address, _ = self.replicas[name]
         argv = [
-            *PLIANT,
+            *common.PLIANT,
             "coordinator",
             "--etcd",
             self.etcd.endpoint,
@@ -234,7 +232,7 @@ class Soak:
 
     def start_agent(self, node: Node) -> None:
         argv = [
-            *PLIANT,
+            *common.PLIANT,
             "agent",
             "--coordinator",
             self.coordinator,
@@ -258,7 +256,7 @@ class Soak:
             "--log-dir",
             str(self.work / "logs"),
             str(SCRIPT),
-            *elastic_args(
+            *common.elastic_args(
                 self.steps,
                 SAMPLES,
                 GLOBAL_BATCH,
@@ -277,7 +275,7 @@ class Soak:
         """When every rank of a world of ``ranks`` had stepped in one generation after ``since`` (wall time), or
         None if none has yet."""
         first: dict[int, dict[int, float]] = defaultdict(dict)
-        for e in read_jsonl(self.events):
+        for e in common.read_jsonl(self.events):
             if e["time"] > since and e["world"] == ranks:
                 first[e["generation"]].setdefault(e["rank"], e["time"])
         done = [max(times.values()) for times in first.values() if len(times) == ranks]
@@ -287,11 +285,11 @@ class Soak:
         return self.recovered_at(since, ranks) is not None
 
     def last_step(self) -> int:
-        return max((e["step"] for e in read_jsonl(self.events)), default=-1)
+        return max((e["step"] for e in common.read_jsonl(self.events)), default=-1)
 
     def workers(self) -> dict[str, list[int]]:
         """node -> the pids of its workers that stepped in the last seconds (the agent's descendants among them)."""
-        recent = {e["pid"] for e in read_jsonl(self.events) if e["time"] > time.time() - 3}
+        recent = {e["pid"] for e in common.read_jsonl(self.events) if e["time"] > time.time() - 3}
         out: dict[str, list[int]] = {}
         for name, agent in self.agents.items():
             try:
@@ -308,7 +306,7 @@ class Soak:
         """Ask every worker for its Python stacks (into its agent's log), as an agent does before it stops a hung
         one: the workers are the processes its zygote forked (or that it started itself, other than the zygote)."""
         for agent in self.agents.values():
-            ask_for_stacks(agent.pid)  # the store host writes its stacks too
+            common.ask_for_stacks(agent.pid)  # the store host writes its stacks too
 
     # -- faults ------------------------------------------------------------------------------------------------------
 
@@ -457,7 +455,7 @@ class Soak:
 
 
 def static_params(work: Path, steps: int, engine: str = "ddp") -> dict:
-    return common_static_params(work / "static.pt", steps, SAMPLES, GLOBAL_BATCH, engine)
+    return common.static_params(work / "static.pt", steps, SAMPLES, GLOBAL_BATCH, engine)
 
 
 def partial_loads(work: Path) -> tuple[int, int]:
@@ -605,7 +603,7 @@ def run(
                     + (f" (etcd exited with code {code} on its own: see etcd.log)" if code is not None else "")
                 )
             time.sleep(rng.uniform(0.5, 2.0))
-        steps = end_soon(soak.events, work / "stop", steps, margin=30)  # the schedule is done: so is the job
+        steps = common.end_soon(soak.events, work / "stop", steps, margin=30)  # the schedule is done: so is the job
         log(f"the schedule is done: the job ends at step {steps}")
         while not soak.finished():
             time.sleep(0.5)
@@ -625,8 +623,8 @@ def run(
 
 def measure(work: Path, report: Report) -> None:
     """Fill ``report`` from the job's per-step events, the agents' logs and a static run."""
-    events = read_jsonl(work / "events.jsonl")
-    steps_run, per_epoch, report.wrong, report.unlogged = batches_counted(events, SAMPLES, GLOBAL_BATCH)
+    events = common.read_jsonl(work / "events.jsonl")
+    steps_run, per_epoch, report.wrong, report.unlogged = common.batches_counted(events, SAMPLES, GLOBAL_BATCH)
     complete = [ep for ep in per_epoch if ep < max(per_epoch)]
     report.steps_run, report.complete_epochs = len(steps_run), len(complete)
     report.duplicated = sum(len(per_epoch[ep]) - len(set(per_epoch[ep])) for ep in complete)
@@ -636,7 +634,9 @@ def measure(work: Path, report: Report) -> None:
     report.restored, report.partial = partial_loads(work)
     times = sorted(e["time"] for e in events if e["rank"] == 0)
     report.step_s = statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
-    report.param_diff = max_param_diff(torch.load(work / "final.pt"), static_params(work, report.steps, report.engine))
+    report.param_diff = common.max_param_diff(
+        torch.load(work / "final.pt"), static_params(work, report.steps, report.engine)
+    )
 
 
 def main() -> None:
