@@ -474,10 +474,8 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
         newcomers = tuple(node for node in ids if node not in known)
         needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
         if needed:  # handed over once the newcomers counted themselves in (the survivors train on meanwhile)
-            pending = HandOver(newcomers, needed, now + state.config.graces.rescale_s)
-            return _enter(
-                state, HandingOver(group, gen, None, pending), f"{why}, once {', '.join(newcomers)} arrive"
-            ), (actions)
+            handing = HandingOver(group, gen, None, HandOver(newcomers, needed, now + state.config.graces.rescale_s))
+            return _enter(state, handing, f"{why}, once {', '.join(newcomers)} arrive"), actions
         return _enter(state, HandingOver(replace(group, members=ids), gen), why), actions
     stranded = False
     if group is not None:
