@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -183,6 +184,26 @@ async def _stubs(
     return channels, [pb_grpc.CoordinatorStub(c) for c in channels]
 
 
+class Failures:
+    """The calls that failed in a scenario, by status code, with the first one's details: the benchmark reports them
+    and goes on instead of dying with the first."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def record(self, exc: grpc.aio.AioRpcError) -> None:
+        code = exc.code().name
+        self.counts[code] = self.counts.get(code, 0) + 1
+        self.first.setdefault(code, (exc.details() or "")[:160])
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+    def __str__(self) -> str:
+        return "; ".join(f"{code} x{n} ({self.first[code]})" for code, n in sorted(self.counts.items())) or "none"
+
+
 def _retire(store: EtcdStore, admin: CoordinatorClient, job: str, leases: list[int]) -> None:
     """End a scenario's job and revoke its simulated agents' leases now, so that they do not expire in the middle of
     the next scenario's measurement."""
@@ -206,15 +227,16 @@ def replica_cpu_s(pids: list[int]) -> float:
 
 def join_burst(
     addresses: list[str], store: EtcdStore, n: int, metrics: list[str], security: Security, pids: list[int]
-) -> tuple[float, int, list[str], float, float]:
-    """N agents join at once (one asyncio task each). Returns (seconds to the generation, generations published,
-    a timeline of where the time went, seconds the N connections took to open (TLS handshakes included), the
-    replicas' CPU milliseconds per Join)."""
+) -> tuple[float | None, int, list[str], float, float, Failures]:
+    """N agents join at once (one asyncio task each). Returns (seconds to the generation, None when not every agent
+    joined; generations published; a timeline of where the time went; seconds the N connections took to open (TLS
+    handshakes included); the replicas' CPU milliseconds per Join; the Joins that failed)."""
     job = f"burst{n}"
     with security.client(addresses) as admin:
         _info, _created, token = admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
         server_before = _scrape(metrics)
         leases: list[int] = []
+        failures = Failures()
 
         async def burst() -> tuple[float, float, float, float, float]:
             opened = time.monotonic()
@@ -224,7 +246,11 @@ def join_burst(
 
             async def join(i: int) -> None:
                 req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{10000 + i}", join_token=token)
-                leases.append((await stubs[i].Join(req, timeout=60)).lease_id)
+                try:
+                    leases.append((await stubs[i].Join(req, timeout=60)).lease_id)
+                except grpc.aio.AioRpcError as exc:
+                    failures.record(exc)
+                    return
                 done.append(time.monotonic())
 
             wall, start, cpu = time.time(), time.monotonic(), replica_cpu_s(pids)
@@ -232,9 +258,14 @@ def join_burst(
             cpu = replica_cpu_s(pids) - cpu
             for c in channels:
                 await c.close()
-            return wall, start, min(done), max(done), connect, cpu
+            return wall, start, min(done, default=start), max(done, default=start), connect, cpu
 
         wall0, start, first, last, connect, cpu = asyncio.run(burst())
+        if failures:  # the job needs all n: no generation comes
+            server = _delta(_scrape(metrics), server_before)
+            _retire(store, admin, job, leases)
+            timeline = [f"  {len(leases)} of {n} Joins returned, by +{last - start:.3f} s; failed: {failures}"]
+            return None, 0, timeline, connect, 1e3 * cpu / n, failures
         gen = wait_generation(admin, job, 1)
         seen = time.monotonic()
         time.sleep(1.0)  # anything else published would show up now
@@ -251,7 +282,7 @@ def join_burst(
         f"mean {server.get('plan_read_ms', 0.0):.1f} ms etcd read per pass)",
         f"  watch delivered it    +{seen - start:.3f} s",
     ]
-    return seen - start, published, timeline, connect, 1e3 * cpu / n
+    return seen - start, published, timeline, connect, 1e3 * cpu / n, failures
 
 
 def _scrape(urls: list[str]) -> dict[str, float]:
@@ -292,7 +323,7 @@ def heartbeats(
     metrics: list[str],
     security: Security,
     pids: list[int],
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
     one; latencies are measured in a window of ``seconds`` once every agent has joined."""
     job, ttl = f"hb{agents}", 10.0
@@ -301,30 +332,38 @@ def heartbeats(
         _info, _created, token = admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
 
     cpu_us: list[float] = []
+    join_failures, beat_failures = Failures(), Failures()
 
     async def run() -> tuple[list[float], float, dict[str, float], float, list[int]]:
         channels, stubs = await _stubs(addresses, agents, security)
         calls: list[tuple[float, float]] = []
         stop = asyncio.Event()
         started = time.perf_counter()
-        grants = await asyncio.gather(
-            *(
-                stubs[i].Join(
-                    pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}", join_token=token),
-                    timeout=120,
-                )
-                for i in range(agents)
-            )
-        )
+
+        async def join(i: int) -> pb.JoinResponse | None:
+            req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}", join_token=token)
+            try:
+                return await stubs[i].Join(req, timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                join_failures.record(exc)
+                return None
+
+        grants = await asyncio.gather(*(join(i) for i in range(agents)))
         join_seconds = time.perf_counter() - started
 
         async def agent(i: int) -> None:
+            grant = grants[i]
+            if grant is None:
+                return
             await asyncio.sleep(interval * i / agents)  # agents drift apart over the interval
-            req = pb.HeartbeatRequest(job_id=job, node_id=f"a{i}", lease_id=grants[i].lease_id)
+            req = pb.HeartbeatRequest(job_id=job, node_id=f"a{i}", lease_id=grant.lease_id)
             while not stop.is_set():
                 t0 = time.perf_counter()
-                await stubs[i].Heartbeat(req, timeout=30)
-                calls.append((t0, time.perf_counter() - t0))
+                try:
+                    await stubs[i].Heartbeat(req, timeout=30)
+                    calls.append((t0, time.perf_counter() - t0))
+                except grpc.aio.AioRpcError as exc:
+                    beat_failures.record(exc)
                 await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
 
         tasks = [asyncio.create_task(agent(i)) for i in range(agents)]
@@ -342,13 +381,16 @@ def heartbeats(
         for c in channels:
             await c.close()
         latencies = [dt for t0, dt in calls if window <= t0 < end]
-        return latencies, writes / max(1, len(latencies)), server, join_seconds, [g.lease_id for g in grants]
+        return latencies, writes / max(1, len(latencies)), server, join_seconds, [g.lease_id for g in grants if g]
 
     latencies, per, server, join_seconds, leases = asyncio.run(run())
     with security.client(addresses) as admin:
         _retire(store, admin, job, leases)
-    q = statistics.quantiles(latencies, n=100)
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
     return {
+        "joined": len(leases),
+        "join_failures": join_failures,
+        "beat_failures": beat_failures,
         "calls": len(latencies),
         "p50": q[49],
         "p99": q[98],
@@ -384,19 +426,19 @@ def run_suite(
                 # Simulated agents spread over both replicas; the leader (A, elected first) also reconciles. Joins
                 # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
-                    took, published, timeline, connect, cpu_ms = join_burst(
+                    took, published, timeline, connect, cpu_ms, failures = join_burst(
                         addresses, store, n, metrics, security, pids
                     )
-                    rows.append(
-                        (
-                            f"{n} agents join -> one generation",
-                            f"{took:.3f} s ({published} published, replicas' CPU {cpu_ms:.2f} ms per Join)",
-                        )
+                    outcome = (
+                        f"{took:.3f} s ({published} published, replicas' CPU {cpu_ms:.2f} ms per Join)"
+                        if took is not None
+                        else f"no generation: Joins failed: {failures}"
                     )
+                    rows.append((f"{n} agents join -> one generation", outcome))
                     figures[f"cpujoin{n}"] = cpu_ms
                     rows.append((f"{n} agents open their connections", f"{connect:.3f} s"))
                     timelines.append(f"[{mode}] {n} agents joining at once:\n" + "\n".join(timeline))
-                    figures[f"join{n}"], figures[f"connect{n}"] = took, connect
+                    figures[f"join{n}"], figures[f"connect{n}"] = took if took is not None else float("nan"), connect
                 for n in args.heartbeat_agents:
                     hb = heartbeats(addresses, store, n, args.seconds, metrics, security, pids)
                     rows.append(
@@ -409,7 +451,12 @@ def run_suite(
                     rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{hb['writes']:.2f}"))
                     rows.append((f"replicas' CPU per heartbeat, {n} agents", f"{hb['cpu_us']:.0f} us"))
                     figures[f"cpuhb{n}"] = hb["cpu_us"] / 1e3
-                    rows.append((f"{n} agents all joined (concurrent Joins)", f"{hb['join_s']:.2f} s"))
+                    joined = f"{hb['join_s']:.2f} s" + (
+                        f" ({hb['joined']} of {n}; failed: {hb['join_failures']})" if hb["join_failures"] else ""
+                    )
+                    rows.append((f"{n} agents all joined (concurrent Joins)", joined))
+                    if hb["beat_failures"]:
+                        rows.append((f"heartbeats that failed, {n} agents", str(hb["beat_failures"])))
                     figures[f"p50_{n}"], figures[f"p99_{n}"] = hb["p50"], hb["p99"]
                 took, killed = leader_kill(client, store, procs)
                 rows.append(
