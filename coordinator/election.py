@@ -215,7 +215,7 @@ class LeaderElection:
             if self._fault or self._fence is not fence:
                 return
             try:
-                self._store.refresh_lease(self._lease_id)
+                self._store.refresh_lease(self._lease_id, own=True)
                 if self._store.leader()[1] != fence.revision:
                     logger.warning("replica %s: leader key was taken over; stepping down", self.replica_id)
                     break

@@ -217,7 +217,10 @@ class EtcdBase:
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
         self._token_digests: dict[str, str] = {}  # job -> join token digest last read (Join's txn re-checks it)
         self.timeout_s = timeout_s
-        self._keepalive = KeepAliveStream(lambda: self.client.leasestub)
+        self._keepalive = KeepAliveStream(lambda: self.client.leasestub)  # the members' heartbeats
+        # The replica's own leases (its leadership) on a stream of their own: a keepalive queued behind thousands of
+        # members' would let the leader's lease expire under load, and every replica would step down in turn.
+        self._own_keepalive = KeepAliveStream(lambda: self.client.leasestub)
         if not endpoints:
             raise InvalidArgument("no etcd endpoint given; pass --etcd http://HOST:PORT[,...]")
         self.endpoints = tuple(endpoints)
@@ -237,6 +240,7 @@ class EtcdBase:
 
     def close(self) -> None:
         self._keepalive.close()
+        self._own_keepalive.close()
         self.client.close()
 
     # -- keys ----------------------------------------------------------------------------------------------------------
@@ -309,13 +313,14 @@ class EtcdBase:
         return self.tx.get(prefix, range_end(prefix))
 
     @etcd_call
-    def refresh_lease(self, lease_id: int) -> float:
-        """Refresh a lease over the shared keep-alive stream and return its TTL.
+    def refresh_lease(self, lease_id: int, own: bool = False) -> float:
+        """Refresh a lease over a shared keep-alive stream and return its TTL: the members' stream, or with ``own``
+        the one of this replica's own leases (its leadership), which no member's heartbeat ever queues behind.
 
         Raises:
             NotFound: the lease expired or was revoked.
         """
-        ttl = self._keepalive.refresh(lease_id, self.timeout_s)
+        ttl = (self._own_keepalive if own else self._keepalive).refresh(lease_id, self.timeout_s)
         if ttl <= 0:
             raise NotFound("the lease expired or was revoked")
         return float(ttl)
