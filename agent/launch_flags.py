@@ -37,7 +37,18 @@ def _names(*names: str) -> list[str]:
 
 
 def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
-    """Add the launch flags of ``pliant run`` (``mode="run"``) or ``pliant agent`` (``mode="agent"``)."""
+    """Add the launch flags of ``pliant run`` (``mode="run"``) or ``pliant agent`` (``mode="agent"``), in the order
+    ``--help`` shows them."""
+    _job_flags(parser, mode)
+    _trust_flags(parser, mode)
+    _node_flags(parser)
+    _lifecycle_flags(parser)
+    _script_flags(parser)
+
+
+def _job_flags(parser: argparse.ArgumentParser, mode: str) -> None:
+    """The job: its size, its restarts, its id and its control plane (with ``pliant run``: the embedded one's address
+    and seats)."""
     parser.add_argument(*_names("--nnodes"), default="1:1", help="N or MIN:MAX nodes (default 1:1)")
     parser.add_argument(*_names("--nproc-per-node"), default="1", help="workers per node: N, 'cpu' or 'auto'")
     parser.add_argument(
@@ -90,6 +101,11 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
             "coordinator replica, with the control plane's CA keys); without it a node is a worker node only "
             "(kubeadm join's --certificate-key)",
         )
+
+
+def _trust_flags(parser: argparse.ArgumentParser, mode: str) -> None:
+    """How the node proves who it is: TLS files, or a bootstrap join (the CA's pin and the job's token); with ``pliant
+    run``, where the embedded control plane keeps its certificates and its sealing secret."""
     add_tls_flags(parser, "agent")
     parser.add_argument(
         "--ca-cert-hash",
@@ -127,6 +143,10 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
             "copy it to start the first node elsewhere (env PLIANT_SEAL_ROOT_FILE; default "
             "$XDG_STATE_HOME/pliant/seal-root, else ~/.local/state/pliant/seal-root)",
         )
+
+
+def _node_flags(parser: argparse.ArgumentParser) -> None:
+    """This node: its checkpoint and log directories, its id, its address and its ports."""
     parser.add_argument(
         "--checkpoint-dir",
         default=settings.CHECKPOINT_DIR.flag_default(),
@@ -153,6 +173,10 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     add_metrics_port_flag(
         parser, "the agent's and its workers', with the embedded control plane also the coordinator's, on --host"
     )
+
+
+def _lifecycle_flags(parser: argparse.ArgumentParser) -> None:
+    """How the job's worlds change and how workers stop: TTLs, graces, the rescale path, buddy copies, hangs."""
     parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
     parser.add_argument("--join-grace", type=float, default=1.0, help="join batching window, s (default 1)")
     parser.add_argument(
@@ -228,6 +252,11 @@ def add_launch_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         default=10.0,
         help="how long calls to an unreachable coordinator are retried, s (default 10)",
     )
+
+
+def _script_flags(parser: argparse.ArgumentParser) -> None:
+    """The training script: what the zygote preloads, how the script runs, and torchrun's flags (accepted, or refused
+    with the pliant way)."""
     preload = parser.add_mutually_exclusive_group()
     preload.add_argument(
         "--preload",
