@@ -19,7 +19,7 @@ Usage: ``.venv/bin/python bench/control_plane.py [--join-agents 100 500 1000] [-
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import os
 import signal
 import statistics
@@ -35,6 +35,7 @@ import grpc
 import psutil
 from common import PLIANT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loadgen import Failures, Swarms
 
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import Generation, JobSpec
@@ -43,10 +44,8 @@ from pliant.coordinator.store import EtcdStore
 from pliant.net import free_port
 from pliant.security.credentials import channel_credentials
 from pliant.security.identity import Role
-from pliant.security.issuance import LocalCA
+from pliant.security.issuance import IssuedCert, LocalCA
 from pliant.security.tlsdir import TlsMaterial
-from pliant.v1 import coordinator_pb2 as pb
-from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 class Security:
@@ -65,6 +64,11 @@ class Security:
             return ["--insecure"]
         tls = self.ca.issue("coordinator", Role.COORDINATOR, "bench", ["127.0.0.1"])
         return ["--tls-dir", str(Path(tls.cert).parent)]
+
+    @property
+    def issuer(self) -> IssuedCert | None:
+        """The CA the simulated agents' certificates are issued from (None: plaintext)."""
+        return None if self.ca is None else self.ca.ca
 
     def material(self, who: str) -> TlsMaterial | None:
         """``who``: "admin" or a node id."""
@@ -173,43 +177,13 @@ def leader_kill(client: CoordinatorClient, store: EtcdStore, procs: dict[str, su
     return time.monotonic() - killed, leader
 
 
-async def _stubs(
-    addresses: list[str], n: int, security: Security
-) -> tuple[list[grpc.aio.Channel], list[pb_grpc.CoordinatorStub]]:
-    """``n`` simulated agents ``a0``.., each with its own connection (like real agents) and, with TLS, its own agent
-    certificate, all connected; agent i talks to replica ``i % len(addresses)``, as agents behind a Kubernetes Service
-    spread over its replicas."""
-    channels = [security.aio_channel(addresses[i % len(addresses)], f"a{i}") for i in range(n)]
-    await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 60) for c in channels))
-    return channels, [pb_grpc.CoordinatorStub(c) for c in channels]
-
-
-class Failures:
-    """The calls that failed in a scenario, by status code, with the first one's details: the benchmark reports them
-    and goes on instead of dying with the first."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self.first: dict[str, str] = {}
-
-    def record(self, exc: grpc.aio.AioRpcError) -> None:
-        code = exc.code().name
-        self.counts[code] = self.counts.get(code, 0) + 1
-        self.first.setdefault(code, (exc.details() or "")[:160])
-
-    def __bool__(self) -> bool:
-        return bool(self.counts)
-
-    def __str__(self) -> str:
-        return "; ".join(f"{code} x{n} ({self.first[code]})" for code, n in sorted(self.counts.items())) or "none"
-
-
 def _retire(store: EtcdStore, admin: CoordinatorClient, job: str, leases: list[int]) -> None:
     """End a scenario's job and revoke its simulated agents' leases now, so that they do not expire in the middle of
     the next scenario's measurement."""
     admin.finish_job(job, True, "benchmark scenario done")
     for lease_id in leases:
-        store.client.revoke_lease(lease_id)
+        with contextlib.suppress(grpc.RpcError):  # gone with the finished job already
+            store.client.revoke_lease(lease_id)
 
 
 def replica_cpu_s(pids: list[int]) -> float:
@@ -226,52 +200,33 @@ def replica_cpu_s(pids: list[int]) -> float:
 
 
 def join_burst(
-    addresses: list[str], store: EtcdStore, n: int, metrics: list[str], security: Security, pids: list[int]
+    addresses: list[str], store: EtcdStore, n: int, metrics: list[str], security: Security, pids: list[int], args
 ) -> tuple[float | None, int, list[str], float, float, Failures]:
-    """N agents join at once (one asyncio task each). Returns (seconds to the generation, None when not every agent
-    joined; generations published; a timeline of where the time went; seconds the N connections took to open (TLS
-    handshakes included); the replicas' CPU milliseconds per Join; the Joins that failed)."""
+    """N agents join at once (spread over ``--load-processes`` processes). Returns (seconds to the generation, None
+    when not every agent joined; generations published; a timeline of where the time went; seconds the N connections
+    took to open (TLS handshakes included); the replicas' CPU milliseconds per Join; the Joins that failed)."""
     job = f"burst{n}"
     with security.client(addresses) as admin:
         _info, _created, token = admin.create_job(JobSpec(job, n, n, heartbeat_ttl_s=30, join_grace_s=0.5))
-        server_before = _scrape(metrics)
-        leases: list[int] = []
-        failures = Failures()
-
-        async def burst() -> tuple[float, float, float, float, float]:
-            opened = time.monotonic()
-            channels, stubs = await _stubs(addresses, n, security)
-            connect = time.monotonic() - opened
-            done: list[float] = []
-
-            async def join(i: int) -> None:
-                req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{10000 + i}", join_token=token)
-                try:
-                    leases.append((await stubs[i].Join(req, timeout=60)).lease_id)
-                except grpc.aio.AioRpcError as exc:
-                    failures.record(exc)
-                    return
-                done.append(time.monotonic())
-
-            wall, start, cpu = time.time(), time.monotonic(), replica_cpu_s(pids)
-            await asyncio.gather(*(join(i) for i in range(n)))
+        with Swarms(addresses, n, args.load_processes, security.issuer, address_base=10000) as swarms:
+            connect = swarms.connect()
+            server_before, cpu = _scrape(metrics), replica_cpu_s(pids)
+            start = time.monotonic() + 0.2
+            wall0 = time.time() + (start - time.monotonic())
+            leases, returned, failures = swarms.join(job, token, start)
             cpu = replica_cpu_s(pids) - cpu
-            for c in channels:
-                await c.close()
-            return wall, start, min(done, default=start), max(done, default=start), connect, cpu
-
-        wall0, start, first, last, connect, cpu = asyncio.run(burst())
-        if failures:  # the job needs all n: no generation comes
+            joined = [lease for lease in leases if lease]
+            first, last = min(returned, default=start), max(returned, default=start)
+            if failures:  # the job needs all n: no generation comes
+                _retire(store, admin, job, joined)
+                timeline = [f"  {len(joined)} of {n} Joins returned, by +{last - start:.3f} s; failed: {failures}"]
+                return None, 0, timeline, connect, 1e3 * cpu / n, failures
+            gen = wait_generation(admin, job, 1)
+            seen = time.monotonic()
+            time.sleep(1.0)  # anything else published would show up now
+            published = admin.get_job(job).generation.number
             server = _delta(_scrape(metrics), server_before)
-            _retire(store, admin, job, leases)
-            timeline = [f"  {len(leases)} of {n} Joins returned, by +{last - start:.3f} s; failed: {failures}"]
-            return None, 0, timeline, connect, 1e3 * cpu / n, failures
-        gen = wait_generation(admin, job, 1)
-        seen = time.monotonic()
-        time.sleep(1.0)  # anything else published would show up now
-        published = admin.get_job(job).generation.number
-        server = _delta(_scrape(metrics), server_before)
-        _retire(store, admin, job, leases)
+            _retire(store, admin, job, joined)
     assert gen.world_size == n
     created = gen.created_at - wall0  # the reconciler's clock (wall) relative to the start
     timeline = [
@@ -319,86 +274,52 @@ def heartbeats(
     addresses: list[str],
     store: EtcdStore,
     agents: int,
-    seconds: float,
     metrics: list[str],
     security: Security,
     pids: list[int],
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Each simulated agent (an asyncio task with its own connection) joins, then heartbeats every TTL/4 like a real
-    one; latencies are measured in a window of ``seconds`` once every agent has joined."""
-    job, ttl = f"hb{agents}", 10.0
+    """Each simulated agent joins, then heartbeats every TTL/4 with an advancing step, as a training agent does;
+    latencies are measured in a window of ``--seconds`` once every agent has joined and is in its rhythm."""
+    job, ttl = f"hb{agents}", args.heartbeat_ttl
     interval = ttl / 4
     with security.client(addresses) as admin:
         _info, _created, token = admin.create_job(JobSpec(job, 1, agents, heartbeat_ttl_s=ttl, join_grace_s=1))
-
-    cpu_us: list[float] = []
-    join_failures, beat_failures = Failures(), Failures()
-
-    async def run() -> tuple[list[float], float, dict[str, float], float, list[int]]:
-        channels, stubs = await _stubs(addresses, agents, security)
-        calls: list[tuple[float, float]] = []
-        stop = asyncio.Event()
-        started = time.perf_counter()
-
-        async def join(i: int) -> pb.JoinResponse | None:
-            req = pb.JoinRequest(job_id=job, node_id=f"a{i}", address=f"127.0.0.1:{20000 + i}", join_token=token)
-            try:
-                return await stubs[i].Join(req, timeout=120)
-            except grpc.aio.AioRpcError as exc:
-                join_failures.record(exc)
-                return None
-
-        grants = await asyncio.gather(*(join(i) for i in range(agents)))
-        join_seconds = time.perf_counter() - started
-
-        async def agent(i: int) -> None:
-            grant = grants[i]
-            if grant is None:
-                return
-            await asyncio.sleep(interval * i / agents)  # agents drift apart over the interval
-            req = pb.HeartbeatRequest(job_id=job, node_id=f"a{i}", lease_id=grant.lease_id)
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                try:
-                    await stubs[i].Heartbeat(req, timeout=30)
-                    calls.append((t0, time.perf_counter() - t0))
-                except grpc.aio.AioRpcError as exc:
-                    beat_failures.record(exc)
-                await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
-
-        tasks = [asyncio.create_task(agent(i)) for i in range(agents)]
-        await asyncio.sleep(interval * 1.5)  # every agent is in its rhythm
-        window, cpu = time.perf_counter(), replica_cpu_s(pids)
+    with Swarms(addresses, agents, args.load_processes, security.issuer) as swarms:
+        swarms.connect()
+        start = time.monotonic() + 0.2
+        leases, returned, join_failures = swarms.join(job, token, start)
+        join_seconds = max(returned, default=start) - start
+        window = (time.monotonic() + interval * 1.5, 0.0)  # every agent is in its rhythm by then
+        window = (window[0], window[0] + args.seconds)
+        swarms.begin_beats(job, interval, window, window[1] + 0.2)
+        time.sleep(max(0.0, window[0] - time.monotonic()))
+        cpu, load_cpu = replica_cpu_s(pids), replica_cpu_s(swarms.pids)
         rev_before = store.client.status().raft_index
         server_before = _scrape(metrics)
-        await asyncio.sleep(seconds)
-        end = time.perf_counter()
-        cpu_us.append(1e6 * (replica_cpu_s(pids) - cpu))
+        time.sleep(max(0.0, window[1] - time.monotonic()))
+        cpu, load_cpu = replica_cpu_s(pids) - cpu, replica_cpu_s(swarms.pids) - load_cpu
         server = _delta(_scrape(metrics), server_before)
         writes = store.client.status().raft_index - rev_before
-        stop.set()
-        await asyncio.gather(*tasks)
-        for c in channels:
-            await c.close()
-        latencies = [dt for t0, dt in calls if window <= t0 < end]
-        return latencies, writes / max(1, len(latencies)), server, join_seconds, [g.lease_id for g in grants if g]
-
-    latencies, per, server, join_seconds, leases = asyncio.run(run())
+        latencies, beat_failures = swarms.end_beats()
+    joined = [lease for lease in leases if lease]
     with security.client(addresses) as admin:
-        _retire(store, admin, job, leases)
+        _retire(store, admin, job, joined)
     q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
+    calls = max(1, len(latencies))
     return {
-        "joined": len(leases),
+        "joined": len(joined),
         "join_failures": join_failures,
         "beat_failures": beat_failures,
         "calls": len(latencies),
         "p50": q[49],
         "p99": q[98],
-        "writes": per,
+        "writes": writes / calls,
         "join_s": join_seconds,
         "server_mean_ms": _mean(server, "Heartbeat"),
-        "cpu_us": cpu_us[0] / max(1, len(latencies)),
-        "etcd_mean_ms": _mean(server, "heartbeat", "etcd"),
+        "cpu_us": 1e6 * cpu / calls,
+        "load_cpu_us": 1e6 * load_cpu / calls,
+        "cpu_cores": cpu / args.seconds,
     }
 
 
@@ -427,7 +348,7 @@ def run_suite(
                 # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
                     took, published, timeline, connect, cpu_ms, failures = join_burst(
-                        addresses, store, n, metrics, security, pids
+                        addresses, store, n, metrics, security, pids, args
                     )
                     outcome = (
                         f"{took:.3f} s ({published} published, replicas' CPU {cpu_ms:.2f} ms per Join)"
@@ -440,16 +361,22 @@ def run_suite(
                     timelines.append(f"[{mode}] {n} agents joining at once:\n" + "\n".join(timeline))
                     figures[f"join{n}"], figures[f"connect{n}"] = took if took is not None else float("nan"), connect
                 for n in args.heartbeat_agents:
-                    hb = heartbeats(addresses, store, n, args.seconds, metrics, security, pids)
+                    hb = heartbeats(addresses, store, n, metrics, security, pids, args)
                     rows.append(
                         (
                             f"heartbeat RPC, {n} agents ({hb['calls']:.0f} calls in {args.seconds:g}s)",
-                            f"p50 {hb['p50'] * 1e3:.1f} ms, p99 {hb['p99'] * 1e3:.1f} ms (server mean "
-                            f"{hb['server_mean_ms']:.1f} ms, etcd keepalive mean {hb['etcd_mean_ms']:.1f} ms)",
+                            f"p50 {hb['p50'] * 1e3:.1f} ms, p99 {hb['p99'] * 1e3:.1f} ms (server-side mean "
+                            f"{hb['server_mean_ms']:.2f} ms)",
                         )
                     )
-                    rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{hb['writes']:.2f}"))
-                    rows.append((f"replicas' CPU per heartbeat, {n} agents", f"{hb['cpu_us']:.0f} us"))
+                    rows.append((f"etcd raft entries per heartbeat, {n} agents", f"{hb['writes']:.3f}"))
+                    rows.append(
+                        (
+                            f"CPU per heartbeat, {n} agents",
+                            f"replicas {hb['cpu_us']:.0f} us ({hb['cpu_cores']:.2f} cores), simulated agents "
+                            f"{hb['load_cpu_us']:.0f} us",
+                        )
+                    )
                     figures[f"cpuhb{n}"] = hb["cpu_us"] / 1e3
                     joined = f"{hb['join_s']:.2f} s" + (
                         f" ({hb['joined']} of {n}; failed: {hb['join_failures']})" if hb["join_failures"] else ""
@@ -481,6 +408,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat measurement window")
     parser.add_argument("--ttl", type=float, default=2.0, help="heartbeat TTL of the expiry scenario")
     parser.add_argument("--leader-ttl", type=float, default=2.0)
+    parser.add_argument(
+        "--heartbeat-ttl",
+        type=float,
+        default=10.0,
+        help="heartbeat TTL of the heartbeat scenarios' jobs; agents beat every quarter of it (default 10)",
+    )
+    parser.add_argument(
+        "--load-processes",
+        type=int,
+        default=4,
+        help="processes the simulated agents are spread over (default 4)",
+    )
     parser.add_argument(
         "--tls",
         choices=["both", "on", "off"],

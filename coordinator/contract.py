@@ -734,11 +734,13 @@ class NewGeneration:
 @dataclass(frozen=True)
 class WaitUntil:
     """Re-plan at ``deadline`` (the planner's clock: the leader's) unless something changes first; record ``state``
-    if it changed."""
+    if it changed. ``replan_at_members``: while the job has fewer member keys than this, a member's arrival alone
+    changes nothing before the deadline (0: any change may), so the reconciler need not read the job for it."""
 
     deadline: float
     why: str
     state: JobState
+    replan_at_members: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from etcd3.etcdrpc import rpc_pb2
+
 from pliant.backoff import Backoff
 from pliant.coordinator.store import EtcdStore
 
@@ -27,6 +29,7 @@ class PrefixWatch:
         key_filter: if given, only changes of keys for which it returns True poke the owner.
         on_keys: if given, called (from the watch thread, before ``on_change``) with the keys each response changed.
         on_rearm: if given, called (before ``on_change``) after each re-arm: anything may have changed meanwhile.
+        deletes_only: etcd sends deletions only (a watch filter), not the puts.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class PrefixWatch:
         key_filter: Callable[[str], bool] | None = None,
         on_keys: Callable[[list[str]], None] | None = None,
         on_rearm: Callable[[], None] | None = None,
+        deletes_only: bool = False,
     ) -> None:
         self._store = store
         self._prefix = prefix
@@ -44,6 +48,7 @@ class PrefixWatch:
         self._key_filter = key_filter
         self._on_keys = on_keys
         self._on_rearm = on_rearm
+        self._filters = [rpc_pb2.WatchCreateRequest.NOPUT] if deletes_only else None
         self._stop = threading.Event()
         self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch {prefix}", daemon=True)
@@ -76,7 +81,9 @@ class PrefixWatch:
             self._broken.clear()
             watch_id = None
             try:
-                watch_id = self._store.client.add_watch_prefix_callback(self._prefix, self._callback)
+                watch_id = self._store.client.add_watch_prefix_callback(
+                    self._prefix, self._callback, filters=self._filters
+                )
                 if backoff.failing:
                     logger.info("watch on %s re-armed", self._prefix)
                 backoff.reset()

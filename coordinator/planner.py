@@ -192,7 +192,9 @@ def _waiting_or_fail(snap: JobSnapshot, have: Sequence[Member], now: float) -> D
             f"nodes it needs{why} (live: {names}); start more agents, or lower the minimum (--nnodes MIN:MAX) or "
             f"raise min_nodes_timeout_s"
         )
-    return WaitUntil(deadline, f"{len(have)} of min {spec.min_nodes} nodes{why}", JobState.WAITING)
+    return WaitUntil(
+        deadline, f"{len(have)} of min {spec.min_nodes} nodes{why}", JobState.WAITING, replan_at_members=spec.min_nodes
+    )
 
 
 def _held(decision: Decision, held: dict[str, float]) -> Decision:
@@ -317,4 +319,8 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     if len(target) >= spec.max_nodes or now >= deadline:
         return _publish(snap, target, "join" if gen else "start", restarts, now)
     state = JobState.RUNNING if running else JobState.WAITING
-    return _held(WaitUntil(deadline, f"batching joins of {', '.join(m.node_id for m in fresh)}", state), held)
+    # Another arrival only moves the deadline later, until the job is full.
+    batching = WaitUntil(
+        deadline, f"batching joins of {', '.join(m.node_id for m in fresh)}", state, replan_at_members=spec.max_nodes
+    )
+    return _held(batching, held)

@@ -4,8 +4,10 @@ It wakes on any change under the jobs prefix (a prefix watch that survives etcd 
 planner or the liveness sweep asked for, and every ``resync_s`` regardless. A pass reads only the jobs that changed
 (the keys the watch saw, the jobs an API call poked) and those whose deadline came; every ``resync_s``, after a new
 term, a re-armed watch or a pass that etcd broke, it reads them all. So a leader of many jobs that wait and change
-nothing reads none of them between those full passes. It is the only writer of generations, of evictions, and of job
-state transitions that are not API calls.
+nothing reads none of them between those full passes. Member keys that arrive while a job's plan waits for more
+members than it can have yet (its minimum, or its maximum while it batches joins) are counted, not read
+(:func:`needs_read`): a burst of thousands of Joins is read once it could fill the job, or at the plan's deadline.
+It is the only writer of generations, of evictions, and of job state transitions that are not API calls.
 
 Each job is reconciled on its own: a job whose records cannot be read (or whose pass raises anything) is logged,
 counted (``pliant_coordinator_unreadable_jobs``) and skipped, and every other job goes on. etcd not answering ends the
@@ -54,13 +56,25 @@ from pliant.coordinator.policy import (
 )
 from pliant.coordinator.store_base import Fence
 
-__all__ = ["Reconciler"]
+__all__ = ["Reconciler", "needs_read"]
 
 logger = logging.getLogger(__name__)
 
 PACING_FACTOR = 2.0  # after a pass that took t seconds, the next one starts no sooner than PACING_FACTOR * t later
 PACING_MAX_S = 0.25
 SWEEP_MIN_S = 0.5  # lease ages of one job are read at most this often
+
+
+def needs_read(quiet: tuple[int, int] | None, arrivals: int) -> bool:
+    """Whether a job whose only changes since its last read are ``arrivals`` member keys must be read again now.
+
+    Args:
+        quiet: from that read, when its plan waited for members: (member keys it had, how many it needs before an
+            arrival alone can change the plan: its min nodes while it waits for them, its max while it batches joins).
+            None: the plan waits for nothing of the kind, so any change is read.
+        arrivals: member keys changed since (an upper bound of the members that came: a key may also have gone).
+    """
+    return quiet is None or quiet[0] + arrivals >= quiet[1]
 
 
 class Reconciler:
@@ -105,7 +119,11 @@ class Reconciler:
         # What the next pass reads: the watch thread and API calls add, the loop takes (under _lock).
         self._lock = threading.Lock()
         self._changed: set[str] = set()  # jobs whose keys changed
+        self._arrivals: dict[str, int] = {}  # job -> member keys changed since it was last read, and nothing else
         self._full = True  # every job
+        # job -> (member keys it had, how many it needs before an arrival alone can change its plan), from the job's
+        # last read whose decision was such a wait (loop thread writes, the pass reads under _lock)
+        self._quiet: dict[str, tuple[int, int]] = {}
         self._due: dict[str, float] = {}  # job -> leader-clock time its next look is due (loop thread only)
         self._full_at = 0.0  # leader-clock time of the next full pass (loop thread only)
         self._jobs_prefix = jobs_prefix
@@ -140,15 +158,25 @@ class Reconciler:
         self._dirty.set()
 
     def _keys_changed(self, keys: list[str]) -> None:
-        """The watch saw ``keys`` change: the jobs they belong to are read at the next pass."""
-        jobs = {k[len(self._jobs_prefix) :].split("/", 1)[0] for k in keys if k.startswith(self._jobs_prefix)}
+        """The watch saw ``keys`` change: the jobs they belong to are read at the next pass, except a job whose only
+        changes are member keys (arrivals) while its plan waits for more members than it can have yet
+        (:func:`needs_read`)."""
         with self._lock:
-            self._changed |= jobs
+            for key in keys:
+                if not key.startswith(self._jobs_prefix):
+                    continue
+                job, _, rest = key[len(self._jobs_prefix) :].partition("/")
+                if rest.startswith("members/"):
+                    self._arrivals[job] = self._arrivals.get(job, 0) + 1
+                else:
+                    self._changed.add(job)
 
     def lead(self) -> None:
         """A new term: forget the last term's clocks, and give every member a full TTL before any eviction."""
         self._times.reset()
         self._next_sweep.clear()
+        with self._lock:
+            self._quiet.clear()
         self._heard_since = self._clock()
         self.poke()
 
@@ -197,6 +225,9 @@ class Reconciler:
         with self._lock:
             full, self._full = self._full or now >= self._full_at, False
             changed, self._changed = self._changed, set()
+            for job, count in list(self._arrivals.items()):
+                if needs_read(self._quiet.get(job), count):
+                    changed.add(job)
         if full:
             return self.pass_once(fence)
         jobs = changed | {job for job, due in self._due.items() if due <= now}
@@ -227,6 +258,9 @@ class Reconciler:
         """
         for job in jobs:
             self._due.pop(job, None)
+            with self._lock:  # what it is read for now; arrivals from here on count toward the next read
+                self._arrivals.pop(job, None)
+                self._quiet.pop(job, None)
             try:
                 deadline = self.reconcile(job, fence)
             except Unavailable:
@@ -285,6 +319,9 @@ class Reconciler:
         decision = plan(view, now)
         if self._metrics:
             self._metrics.observe_plan(snap, time.perf_counter() - started)
+        if isinstance(decision, WaitUntil) and decision.replan_at_members:
+            with self._lock:
+                self._quiet[job] = (len(snap.members), decision.replan_at_members)
         deadline = self._execute(snap, decision, fence)
         return sweep if deadline is None else min(deadline, sweep)
 

@@ -25,6 +25,7 @@ from pliant.bootstrap import bootstrap_address
 from pliant.coordinator.contract import CoordinatorError
 from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_cluster import EtcdMembers
+from pliant.coordinator.etcd_watch import PrefixWatch
 from pliant.coordinator.limits import CallerLimits, address_key, certificate_key
 from pliant.coordinator.metrics import CoordinatorMetrics
 from pliant.coordinator.reconciler import Reconciler
@@ -81,8 +82,9 @@ class CoordinatorConfig:
         finished_job_ttl_s: finished jobs are deleted this long after they finished (0: kept until DeleteJob).
         max_watch_streams: WatchGenerations streams served at once (0: ``max_workers`` less a tenth, at least 4
             threads, kept for unary calls).
-        max_concurrent_rpcs: calls in flight at once, streams included; past it a call is RESOURCE_EXHAUSTED (0: twice
-            ``max_workers``).
+        max_concurrent_rpcs: calls in flight at once, streams included; past it a call is RESOURCE_EXHAUSTED (0: ten
+            times ``max_workers``: a burst of Joins from thousands of agents waits for the threads instead of being
+            refused).
         calls_per_caller: calls one caller (one client certificate's identity) may have in flight on this replica,
             streams included; past it its calls are RESOURCE_EXHAUSTED at once (:mod:`pliant.coordinator.limits`); 0:
             16, or half of ``max_workers`` when that is fewer.
@@ -168,7 +170,7 @@ class CoordinatorConfig:
                 f"({self.max_workers - 4}): streams must leave threads for heartbeats"
             )
         if not self.max_concurrent_rpcs:
-            object.__setattr__(self, "max_concurrent_rpcs", 2 * self.max_workers)
+            object.__setattr__(self, "max_concurrent_rpcs", 10 * self.max_workers)
         if not self.calls_per_caller:
             object.__setattr__(self, "calls_per_caller", max(2, min(16, self.max_workers // 2)))
         if not 2 <= self.calls_per_caller < self.max_workers:
@@ -217,6 +219,16 @@ class CoordinatorServer:
             jobs_prefix=self.store.jobs_prefix,
         )
         self.hub = WatchHub(self.store)
+        # A member key deleted anywhere (a leave, an eviction) ends the node's heartbeats answered from memory here.
+        self.member_watch = PrefixWatch(
+            self.store,
+            self.store.jobs_prefix,
+            lambda: None,
+            key_filter=self.store.is_member_key,
+            on_keys=self.store.members_deleted,
+            on_rearm=self.store.forget_heartbeats,
+            deletes_only=True,
+        )
         self.denylist = Denylist(self.store)
         self.seats: SeatKeeper | None = None
         if config.seats is not None:
@@ -242,6 +254,10 @@ class CoordinatorServer:
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", 1 << 20),
+                # calls gRPC has taken in but no thread has asked for yet: its default (1,000) cancels the rest of a
+                # burst of Joins; max_concurrent_rpcs bounds them instead
+                ("grpc.server.max_pending_requests", 1 << 20),
+                ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 1000),
                 # a connection that has not finished its TLS handshake is dropped after this (gRPC: 120 s), so
@@ -315,6 +331,7 @@ class CoordinatorServer:
             self.metrics_server = serve_metrics(self.registry, self.config.metrics_listen)
         self._set_health(True)
         self.denylist.start()
+        self.member_watch.start()
         self.server.start()
         self.election.start()
         self.reconciler.start()
@@ -402,6 +419,7 @@ class CoordinatorServer:
             self.bootstrap_server.stop(0)
         self.reconciler.stop()
         self.denylist.stop()
+        self.member_watch.stop()
         self.hub.close()
         self.election.stop(resign=True)
         self.store.close()

@@ -282,8 +282,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         node = validate_id(request.node_id, "node_id")
         slots = validate_slots(request.slots)
         member = Member(node, validate_address(request.address), slots, self._clock())
-        admitted = self._store.join(job, member, request.join_token)
-        self._poke(job)
+        admitted = self._store.join(job, member, request.join_token)  # the leader's watch sees the member key
         ttl = admitted.heartbeat_ttl_s
         return pb.JoinResponse(
             lease_id=admitted.lease_id,

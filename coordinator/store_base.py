@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import secrets
+import threading
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from pliant.coordinator.contract import (
     Unavailable,
 )
 from pliant.coordinator.keepalive import KeepAliveStream
+from pliant.coordinator.liveness import WRITES_PER_TXN, HeartbeatPump, ProgressWrite
 from pliant.net import parse_host_port
 from pliant.security import warrant
 from pliant.security.seal import KEY_BYTES, agent_key, job_key, parse_root
@@ -71,6 +73,10 @@ class Fence:
     key: str
     revision: int
 
+
+JOINS_AT_ONCE = 128
+"""Joins a replica has in etcd at once; the rest of a burst waits its turn in the replica. Thousands of Joins sent to
+etcd at once queue there past their deadline, and the client then marks etcd failed for every call."""
 
 EtcdObserver = Callable[[str, float, bool], None]
 """Called with (store operation, seconds, failed) after each store operation; used by metrics."""
@@ -217,10 +223,12 @@ class EtcdBase:
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
         self._token_digests: dict[str, str] = {}  # job -> join token digest last read (Join's txn re-checks it)
         self.timeout_s = timeout_s
-        self._keepalive = KeepAliveStream(lambda: self.client.leasestub)  # the members' heartbeats
+        self._keepalive = KeepAliveStream(self._keepalive_target)  # the members' heartbeats
         # The replica's own leases (its leadership) on a stream of their own: a keepalive queued behind thousands of
         # members' would let the leader's lease expire under load, and every replica would step down in turn.
-        self._own_keepalive = KeepAliveStream(lambda: self.client.leasestub)
+        self._own_keepalive = KeepAliveStream(self._keepalive_target)
+        self._joining = threading.BoundedSemaphore(JOINS_AT_ONCE)  # Joins with their etcd calls in flight
+        self._pump = HeartbeatPump(self._keepalive, self.write_progress, self._leases_lost, timeout_s=timeout_s)
         if not endpoints:
             raise InvalidArgument("no etcd endpoint given; pass --etcd http://HOST:PORT[,...]")
         self.endpoints = tuple(endpoints)
@@ -239,6 +247,7 @@ class EtcdBase:
         self.tx = self.client.transactions
 
     def close(self) -> None:
+        self._pump.close()
         self._keepalive.close()
         self._own_keepalive.close()
         self.client.close()
@@ -312,6 +321,16 @@ class EtcdBase:
     def _prefix_get(self, prefix: str) -> Any:
         return self.tx.get(prefix, range_end(prefix))
 
+    def _keepalive_target(self) -> tuple[str, grpc.ChannelCredentials | None]:
+        """The etcd endpoint the client uses now (the first one not failed), for a keepalive stream.
+
+        Raises:
+            etcd3.exceptions.NoServerAvailableError: every endpoint failed lately.
+        """
+        self.client.channel  # noqa: B018 (picks an endpoint not failed)
+        endpoint = self.client.endpoint_in_use
+        return endpoint.netloc, endpoint.credentials if endpoint.secure else None
+
     @etcd_call
     def refresh_lease(self, lease_id: int, own: bool = False) -> float:
         """Refresh a lease over a shared keep-alive stream and return its TTL: the members' stream, or with ``own``
@@ -324,6 +343,49 @@ class EtcdBase:
         if ttl <= 0:
             raise NotFound("the lease expired or was revoked")
         return float(ttl)
+
+    @etcd_call
+    def write_progress(self, writes: Sequence[ProgressWrite]) -> None:
+        """Write a batch of progress keys, one transaction per :data:`~pliant.coordinator.liveness.WRITES_PER_TXN`.
+        A transaction etcd refuses (one of its leases is gone) is retried key by key, and a key whose lease is gone is
+        dropped with it."""
+        for start in range(0, len(writes), WRITES_PER_TXN):
+            chunk = writes[start : start + WRITES_PER_TXN]
+            try:
+                self._txn([], [self.tx.put(w.key, w.value, lease=w.lease_id) for w in chunk])
+            except grpc.RpcError as exc:
+                if exc.code() is not grpc.StatusCode.NOT_FOUND:  # etcd: "requested lease not found"
+                    raise
+                for w in chunk:
+                    try:
+                        self.client.put(w.key, w.value, lease=w.lease_id)
+                    except grpc.RpcError as one:
+                        if one.code() is not grpc.StatusCode.NOT_FOUND:
+                            raise
+
+    def _leases_lost(self, lease_ids: list[int]) -> None:
+        """The heartbeat pump found these leases gone: the next heartbeat of each is checked against etcd."""
+        for lease_id in lease_ids:
+            self._bound.pop(lease_id, None)
+
+    def members_deleted(self, keys: list[str]) -> None:
+        """The member keys ``keys`` were deleted (a leave, an eviction, a lapsed lease, the job's deletion): the next
+        heartbeat of each of their nodes is checked against etcd, and fails NotFound."""
+        gone = set()
+        for key in keys:
+            job, _, node = key[len(self.jobs_prefix) :].partition("/members/")
+            gone.add((job, node))
+        leases = [lease for lease, owner in list(self._bound.items()) if owner in gone]
+        for lease_id in leases:
+            self._bound.pop(lease_id, None)
+        self._pump.forget(leases)
+
+    def forget_heartbeats(self) -> None:
+        """Check every member's next heartbeat against etcd (the member watch re-armed: it may have missed deletes)."""
+        self._pump.forget()
+
+    def is_member_key(self, key: str) -> bool:
+        return key.startswith(self.jobs_prefix) and "/members/" in key
 
     def _revoke_quietly(self, lease_id: int) -> None:
         try:

@@ -34,6 +34,7 @@ from pliant.coordinator.contract import (
     Unauthenticated,
     Unavailable,
 )
+from pliant.coordinator.liveness import ProgressWrite
 from pliant.coordinator.policy import (
     BACKOFF_MAX_S,
     CHURN_WINDOW_S,
@@ -51,6 +52,9 @@ from pliant.coordinator.store_base import EtcdBase, StrikeRecord, decode, etcd_c
 __all__ = ["MemberStore"]
 
 logger = logging.getLogger(__name__)
+
+LOOKUPS_IN_FLIGHT = 128
+"""Lease lookups a sweep keeps in flight at once."""
 
 
 class MemberStore(EtcdBase):
@@ -77,6 +81,16 @@ class MemberStore(EtcdBase):
                 f"slots={member.slots} exceeds job {job!r}'s nproc_per_node={spec.nproc_per_node}: a node runs at most "
                 f"that many workers; pass --nproc-per-node {spec.nproc_per_node} or less"
             )
+        with self._joining:
+            admitted = self._join(job, spec, spec_revision, member, token)
+        if admitted is not None:
+            return admitted
+        if _retry:  # the spec changed under the cached one: read it again, once
+            return self.join(job, member, token, _retry=False)
+        raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
+
+    def _join(self, job: str, spec: JobSpec, spec_revision: int, member: Member, token: str) -> Admission | None:
+        """:meth:`join` with the spec read; None when the job's spec is no longer the one read."""
         member_key = self.job_key(job, "members", member.node_id)
         token_key = self.job_key(job, "token")
         digest = self._check_token(job, token)
@@ -117,9 +131,7 @@ class MemberStore(EtcdBase):
                     f"joined; ask the job's admin for the new token"
                 )
             self._specs.pop(job, None)  # deleted, or re-created with another spec: read it again
-            if _retry:
-                return self.join(job, member, token, _retry=False)
-            raise NotFound(f"job {job!r} was deleted while node {member.node_id!r} joined it")
+            return None
         state_kv, gen_kv = responses[2], responses[3]
         status = JobStatus(JobState.WAITING, 0.0)
         if state_kv:
@@ -221,21 +233,26 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def heartbeat(self, job: str, node_id: str, lease_id: int) -> float:
-        """Refresh ``node_id``'s membership lease and return the job's heartbeat TTL. The caller proved the lease is
+        """Keep ``node_id``'s membership lease alive and return the job's heartbeat TTL. The caller proved the lease is
         the node's own with :meth:`check_member` (the servicer's ``_authorize``); ``job`` and ``node_id`` name it in
-        errors.
+        errors. A lease etcd confirmed lately is answered from memory and refreshed with the next batch; any other is
+        refreshed now (:mod:`pliant.coordinator.liveness`).
 
         Raises:
             NotFound: the lease expired or was revoked; the node must Join again.
         """
+        ttl = self._spec(job)[0].heartbeat_ttl_s
+        if self._pump.beat(lease_id, ttl):
+            return ttl
         try:
             self.refresh_lease(lease_id)
-            return self._spec(job)[0].heartbeat_ttl_s
         except NotFound:
             self._bound.pop(lease_id, None)
             raise NotFound(
                 f"node {node_id!r}'s membership lease in job {job!r} expired or was revoked; Join again"
             ) from None
+        self._pump.confirmed(lease_id)
+        return ttl
 
     @etcd_call
     def leave(self, job: str, node_id: str, lease_id: int) -> bool:
@@ -348,33 +365,39 @@ class MemberStore(EtcdBase):
             )
         return ok
 
-    @etcd_call
     def record_progress(self, job: str, node_id: str, lease_id: int, progress: MemberProgress) -> None:
-        """Store ``node_id``'s latest step on its membership lease (gone with the membership)."""
-        self.client.put(self.progress_key(job, node_id), progress.to_json(), lease=lease_id)
+        """Store ``node_id``'s latest step on its membership lease (gone with the membership), with the heartbeat
+        pump's next batch."""
+        self._pump.write(ProgressWrite(self.progress_key(job, node_id), progress.to_json(), lease_id))
 
     @etcd_call
     def lease_ages(self, job: str, members: Sequence[Member]) -> dict[str, float]:
         """Seconds since each member's last heartbeat, on etcd's clock: its lease's granted TTL less the TTL left
         (rounded up to whole seconds; -1 when the lease is gone or unknown). ``job`` is part of the store interface.
 
-        One lookup at a time, without the keys etcd would list, so that heartbeats (whose keepalives take the same lock
-        in etcd's lessor) never queue behind a burst of lookups. The leader calls
-        this only when a member could be overdue (see the reconciler's sweep).
+        The lookups are pipelined, :data:`LOOKUPS_IN_FLIGHT` at a time (etcd has no lookup of many leases at once):
+        heartbeats no longer wait on etcd (:mod:`pliant.coordinator.liveness`), so a sweep over thousands of members
+        takes a few round trips, not thousands. The leader calls this only when a member could be overdue (see the
+        reconciler's sweep).
         """
         out = {m.node_id: -1.0 for m in members}
         stub, client = self.client.leasestub, self.client
-        for member in members:
-            if not member.lease_id:
-                continue
-            info = stub.LeaseTimeToLive(
-                etcdrpc.LeaseTimeToLiveRequest(ID=member.lease_id),
-                self.timeout_s,
-                credentials=client.call_credentials,
-                metadata=client.metadata,
-            )
-            if info.TTL > 0:
-                out[member.node_id] = float(max(0, info.grantedTTL - info.TTL))
+        leased = [m for m in members if m.lease_id]
+        for start in range(0, len(leased), LOOKUPS_IN_FLIGHT):
+            window = leased[start : start + LOOKUPS_IN_FLIGHT]
+            lookups = [
+                stub.LeaseTimeToLive.future(
+                    etcdrpc.LeaseTimeToLiveRequest(ID=member.lease_id),
+                    self.timeout_s,
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
+                for member in window
+            ]
+            for member, lookup in zip(window, lookups, strict=True):
+                info = lookup.result()
+                if info.TTL > 0:
+                    out[member.node_id] = float(max(0, info.grantedTTL - info.TTL))
         return out
 
     @etcd_call

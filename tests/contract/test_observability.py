@@ -1,11 +1,12 @@
 """Status and metrics on a real etcd and a real coordinator: heartbeats carry the step (written to etcd at most every
-progress interval, on the member's lease), GetJob reports heartbeat age and step, and the replica's metrics count RPCs,
-etcd operations and generations on its HTTP endpoint.
+progress interval, on the member's lease, with the heartbeat pump's next batch), GetJob reports heartbeat age and
+step, and the replica's metrics count RPCs, etcd operations and generations on its HTTP endpoint.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def test_heartbeat_steps_reach_status_throttled_and_leave_with_the_lease(make_co
 
         client.heartbeat("job", "a", grant.lease_id, step=42)
         client.heartbeat("job", "a", grant.lease_id, step=43)  # within the interval: not written
+        # written with the heartbeat pump's next batch (pliant.coordinator.liveness), a moment later
+        wait_for(lambda: client.get_job("job", progress=True).progress["a"].step == 42, 2, "step 42 in etcd")
+        time.sleep(0.3)  # batches come every 50 ms: 43 would be there by now
         progress = client.get_job("job", progress=True).progress["a"]
         assert progress.step == 42 and progress.step_at > 0
         assert client.get_job("job").progress["a"].heartbeat_age_s == -1  # not asked for: no lease lookups

@@ -15,7 +15,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.planner import plan
 from pliant.coordinator.policy import REPORT_GRACE_S, SILENCE_POLL_S, LeaderClock, overdue_members
-from pliant.coordinator.reconciler import Reconciler
+from pliant.coordinator.reconciler import Reconciler, needs_read
 from tests.unit.fake_store import FakeStore
 
 pytestmark = pytest.mark.timeout(10)
@@ -257,3 +257,67 @@ def test_a_pass_reads_only_the_jobs_that_changed_or_came_due_and_all_of_them_eve
     clock.now += 30  # the full resync
     rec._pass(store.fence)
     assert len(reads) == 51
+
+
+def test_arrivals_below_what_the_plan_waits_for_are_counted_not_read() -> None:
+    """A burst of Joins into a job that waits for its minimum (or batches joins up to its maximum) is read once the
+    members that came could change the plan, or at the plan's deadline: not once per arrival."""
+    store, clock = FakeStore(), Clock()
+    store.add_job(JobSpec("burst", 4, 4, join_grace_s=0.0, heartbeat_ttl_s=10.0, min_nodes_timeout_s=600.0))
+    rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9, resync_s=30.0)
+    rec.lead()
+    reads: list[str] = []
+    read_job = store.read_job
+    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    rec._pass(store.fence)
+    assert reads == ["burst"]
+    for node in ("a", "b", "c"):
+        reads.clear()
+        store.join("burst", node)
+        rec._keys_changed([f"burst/members/{node}"])
+        rec._pass(store.fence)
+        assert reads == [], f"{node}: fewer than the 4 the job waits for: nothing to plan"
+    store.join("burst", "d")
+    rec._keys_changed(["burst/members/d"])
+    rec._pass(store.fence)
+    assert reads == ["burst"] and store.published[-1].node_ids == ("a", "b", "c", "d")
+
+
+def test_arrivals_while_joins_are_batched_are_read_at_the_deadline_or_when_the_job_is_full() -> None:
+    store, clock, rec = _setup(_spec("grow", join_grace_s=5.0))
+    reads: list[str] = []
+    read_job = store.read_job
+    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    store.join("grow", "a")
+    rec.poke("grow")
+    rec._pass(store.fence)  # batching a's join until +5 s
+    reads.clear()
+    clock.now += 1
+    store.join("grow", "b")
+    rec._keys_changed(["grow/members/b"])
+    rec._pass(store.fence)
+    assert reads == [] and not store.published, "b only moves the deadline later: read at the old one"
+    clock.now += 4
+    rec._pass(store.fence)
+    assert reads == ["grow"] and not store.published, "at a's deadline, b's (+6 s) is the one that counts"
+    reads.clear()
+    for node in ("c", "d"):
+        store.join("grow", node)
+        rec._keys_changed([f"grow/members/{node}"])
+    rec._pass(store.fence)
+    assert reads == ["grow"] and store.published[-1].node_ids == ("a", "b", "c", "d"), "full: published at once"
+
+
+def test_any_other_change_is_read_at_once() -> None:
+    store, clock = FakeStore(), Clock()
+    store.add_job(JobSpec("w", 4, 4, heartbeat_ttl_s=10.0, min_nodes_timeout_s=600.0))
+    rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9)
+    rec.lead()
+    rec._pass(store.fence)
+    reads: list[str] = []
+    read_job = store.read_job
+    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    rec._keys_changed(["w/members/a", "w/state"])
+    rec._pass(store.fence)
+    assert reads == ["w"]
+    assert needs_read(None, 1) and needs_read((3, 4), 1) and not needs_read((2, 4), 1)
