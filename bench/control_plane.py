@@ -35,10 +35,10 @@ import grpc
 import psutil
 from common import PLIANT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from loadgen import Failures, Swarms
+from loadgen import Failures, SwarmError, Swarms
 
 from pliant.coordinator.client import CoordinatorClient
-from pliant.coordinator.contract import Generation, JobSpec
+from pliant.coordinator.contract import CoordinatorError, Generation, JobSpec
 from pliant.coordinator.etcd_server import EtcdServer
 from pliant.coordinator.store import EtcdStore
 from pliant.net import free_port
@@ -134,22 +134,53 @@ def start_replica(
     raise SystemExit(f"replica {name} did not become healthy; see {log_dir}")
 
 
-def wait_generation(client: CoordinatorClient, job: str, number: int, timeout_s: float = 30) -> Generation:
-    """Follow the job's watch until generation ``number`` arrives."""
-    deadline = time.monotonic() + timeout_s
-    for event in client.watch(job, number):
-        if event.generation is not None and event.generation.number >= number:
-            return event.generation
-        if time.monotonic() > deadline:
-            break
-    raise SystemExit(f"generation {number} of {job} never came")
+def wait_generation(client: CoordinatorClient, job: str, number: int, timeout_s: float = 30) -> Generation | None:
+    """Follow the job's watch until generation ``number`` arrives; None when it has not within ``timeout_s`` (the
+    watch runs in a thread of its own, so a stream that brings nothing never holds the benchmark)."""
+    found: list[Generation] = []
+    done = threading.Event()
+
+    def follow() -> None:
+        try:
+            for event in client.watch(job, number):
+                if event.generation is not None and event.generation.number >= number:
+                    found.append(event.generation)
+                    return
+        except CoordinatorError:
+            return
+        finally:
+            done.set()
+
+    threading.Thread(target=follow, name=f"watch {job}", daemon=True).start()
+    done.wait(timeout_s)
+    return found[0] if found else None
+
+
+def _generation(client: CoordinatorClient, job: str, number: int) -> Generation:
+    """:func:`wait_generation` for the small scenarios, whose generations come within seconds or never."""
+    gen = wait_generation(client, job, number)
+    if gen is None:
+        raise ScenarioFailed(f"generation {number} of job {job} did not come within 30 s")
+    return gen
+
+
+class ScenarioFailed(Exception):
+    """A scenario could not measure what it measures; the benchmark reports why and goes on."""
+
+
+def _scenario(run: Any, *args: Any) -> Any:
+    """``run(*args)``, or the :class:`ScenarioFailed` that says why it could not measure."""
+    try:
+        return run(*args)
+    except SwarmError as exc:
+        raise ScenarioFailed(str(exc)) from exc
 
 
 def lease_expiry(client: CoordinatorClient, ttl_s: float) -> float:
     _info, _created, token = client.create_job(JobSpec("expiry", 1, 2, heartbeat_ttl_s=ttl_s, join_grace_s=0.1))
     keep = client.join("expiry", "keeper", "127.0.0.1:1", join_token=token)
     lost = client.join("expiry", "lost", "127.0.0.1:2", join_token=token)
-    wait_generation(client, "expiry", 1)
+    _generation(client, "expiry", 1)
     stop = threading.Event()
 
     def keepalive() -> None:
@@ -159,7 +190,7 @@ def lease_expiry(client: CoordinatorClient, ttl_s: float) -> float:
     threading.Thread(target=keepalive, daemon=True).start()
     client.heartbeat("expiry", "lost", lost.lease_id)
     last = time.monotonic()
-    wait_generation(client, "expiry", 2)
+    _generation(client, "expiry", 2)
     took = time.monotonic() - last
     stop.set()
     return took
@@ -168,12 +199,12 @@ def lease_expiry(client: CoordinatorClient, ttl_s: float) -> float:
 def leader_kill(client: CoordinatorClient, store: EtcdStore, procs: dict[str, subprocess.Popen]) -> tuple[float, str]:
     _info, _created, token = client.create_job(JobSpec("failover", 1, 4, heartbeat_ttl_s=30, join_grace_s=0))
     client.join("failover", "n1", "127.0.0.1:1", join_token=token)
-    wait_generation(client, "failover", 1)
+    _generation(client, "failover", 1)
     leader = store.leader()[0]
     os.killpg(procs[leader].pid, signal.SIGKILL)
     killed = time.monotonic()
     client.join("failover", "n2", "127.0.0.1:2", join_token=token)
-    wait_generation(client, "failover", 2)
+    _generation(client, "failover", 2)
     return time.monotonic() - killed, leader
 
 
@@ -221,8 +252,12 @@ def join_burst(
                 _retire(store, admin, job, joined)
                 timeline = [f"  {len(joined)} of {n} Joins returned, by +{last - start:.3f} s; failed: {failures}"]
                 return None, 0, timeline, connect, 1e3 * cpu / n, failures
-            gen = wait_generation(admin, job, 1)
+            gen = wait_generation(admin, job, 1, timeout_s=120)
             seen = time.monotonic()
+            if gen is None:
+                _retire(store, admin, job, joined)
+                timeline = [f"  every Join returned by +{last - start:.3f} s; no generation within 120 s (see logs)"]
+                return None, 0, timeline, connect, 1e3 * cpu / n, failures
             time.sleep(1.0)  # anything else published would show up now
             published = admin.get_job(job).generation.number
             server = _delta(_scrape(metrics), server_before)
@@ -342,18 +377,25 @@ def run_suite(
         pids = [proc.pid for proc in procs.values()]
         try:
             with security.client(addresses, retry_for_s=30) as client:
-                took = lease_expiry(client, args.ttl)
-                rows.append((f"lease expiry -> new generation (TTL {args.ttl:g}s)", f"{took:.2f} s"))
+                try:
+                    took = lease_expiry(client, args.ttl)
+                    rows.append((f"lease expiry -> new generation (TTL {args.ttl:g}s)", f"{took:.2f} s"))
+                except ScenarioFailed as exc:
+                    rows.append((f"lease expiry -> new generation (TTL {args.ttl:g}s)", f"failed: {exc}"))
                 # Simulated agents spread over both replicas; the leader (A, elected first) also reconciles. Joins
                 # and plans are timed by the replicas' own metrics.
                 for n in args.join_agents:
-                    took, published, timeline, connect, cpu_ms, failures = join_burst(
-                        addresses, store, n, metrics, security, pids, args
-                    )
+                    try:
+                        took, published, timeline, connect, cpu_ms, _failures = _scenario(
+                            join_burst, addresses, store, n, metrics, security, pids, args
+                        )
+                    except ScenarioFailed as exc:
+                        rows.append((f"{n} agents join -> one generation", f"failed: {exc}"))
+                        continue
                     outcome = (
                         f"{took:.3f} s ({published} published, replicas' CPU {cpu_ms:.2f} ms per Join)"
                         if took is not None
-                        else f"no generation: Joins failed: {failures}"
+                        else f"no generation: {timeline[-1].strip()}"
                     )
                     rows.append((f"{n} agents join -> one generation", outcome))
                     figures[f"cpujoin{n}"] = cpu_ms
@@ -361,7 +403,11 @@ def run_suite(
                     timelines.append(f"[{mode}] {n} agents joining at once:\n" + "\n".join(timeline))
                     figures[f"join{n}"], figures[f"connect{n}"] = took if took is not None else float("nan"), connect
                 for n in args.heartbeat_agents:
-                    hb = heartbeats(addresses, store, n, metrics, security, pids, args)
+                    try:
+                        hb = _scenario(heartbeats, addresses, store, n, metrics, security, pids, args)
+                    except ScenarioFailed as exc:
+                        rows.append((f"heartbeat RPC, {n} agents", f"failed: {exc}"))
+                        continue
                     rows.append(
                         (
                             f"heartbeat RPC, {n} agents ({hb['calls']:.0f} calls in {args.seconds:g}s)",
@@ -385,13 +431,12 @@ def run_suite(
                     if hb["beat_failures"]:
                         rows.append((f"heartbeats that failed, {n} agents", str(hb["beat_failures"])))
                     figures[f"p50_{n}"], figures[f"p99_{n}"] = hb["p50"], hb["p99"]
-                took, killed = leader_kill(client, store, procs)
-                rows.append(
-                    (
-                        f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)",
-                        f"{took:.2f} s (killed {killed})",
-                    )
-                )
+                try:
+                    took, killed = leader_kill(client, store, procs)
+                    outcome = f"{took:.2f} s (killed {killed})"
+                except ScenarioFailed as exc:
+                    outcome = f"failed: {exc}"
+                rows.append((f"leader kill -9 -> next generation (leader TTL {args.leader_ttl:g}s)", outcome))
         finally:
             store.close()
             for proc in procs.values():

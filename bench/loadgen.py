@@ -35,7 +35,7 @@ from pliant.security.issuance import IssuedCert, issue_cert
 from pliant.v1 import coordinator_pb2 as pb
 from pliant.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["JOIN_RETRY_S", "Failures", "Swarm", "Swarms"]
+__all__ = ["JOIN_RETRY_S", "Failures", "Swarm", "SwarmError", "Swarms"]
 
 JOIN_RETRY_S = 10.0
 """How long a simulated agent retries an UNAVAILABLE Join (the coordinator client's default ``retry_for_s``)."""
@@ -180,9 +180,22 @@ def _serve(swarm: Swarm, conn: multiprocessing.connection.Connection) -> None:
                 await agents.close()
                 conn.send(None)
                 return
-            conn.send(await getattr(agents, step)(*args))
+            try:
+                conn.send(await getattr(agents, step)(*args))
+            except Exception as exc:  # told to the parent, which reports it: a step never hangs the benchmark
+                conn.send(SwarmError(f"{step} in swarm a{swarm.first}..: {type(exc).__name__}: {exc}"))
 
     asyncio.run(main())
+
+
+class SwarmError(Exception):
+    """A swarm's step failed (its agents could not connect, say); the scenario reports it and the benchmark goes on."""
+
+
+def _answer(answer: Any) -> Any:
+    if isinstance(answer, SwarmError):
+        raise answer
+    return answer
 
 
 class Swarms:
@@ -224,7 +237,7 @@ class Swarms:
     def _ask(self, step: str, *args: object) -> list[Any]:
         for pipe in self.pipes:
             pipe.send((step, *args))
-        return [pipe.recv() for pipe in self.pipes]
+        return [_answer(pipe.recv()) for pipe in self.pipes]
 
     def connect(self) -> float:
         """Open every connection; returns the seconds the slowest swarm took."""
@@ -253,7 +266,7 @@ class Swarms:
         latencies: list[float] = []
         failures = Failures()
         for pipe in self.pipes:
-            swarm_latencies, swarm_failures = pipe.recv()
+            swarm_latencies, swarm_failures = _answer(pipe.recv())
             latencies.extend(swarm_latencies)
             failures.merge(swarm_failures)
         return latencies, failures

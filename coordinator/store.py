@@ -90,6 +90,10 @@ def _strike(value: bytes, meta: Any) -> Strike:
     )
 
 
+EVICTIONS_PER_TXN = 120
+"""Members evicted in one etcd transaction (etcd's --max-txn-ops is 128 by default, compares and operations each)."""
+
+
 class EtcdStore(MemberStore):
     """All of the coordinator's reads and writes of etcd: leadership, jobs and generations here, members in
     :class:`MemberStore`, the client and keys in :class:`EtcdBase`.
@@ -457,13 +461,20 @@ class EtcdStore(MemberStore):
         was only cut off learns it at its next heartbeat and joins again."""
         job = snap.spec.job_id
         gone = [m for m in snap.members if m.node_id in nodes]
-        keys = [self.job_key(job, "members", m.node_id) for m in gone]
         held = [(self.job_key(job, "members", m.node_id), m) for m in snap.members if m.node_id in keep]
-        compare = [self.tx.create(k) == m.order for k, m in [*zip(keys, gone, strict=True), *held]]
-        self._fenced(fence, compare, [self.tx.delete(k) for k in keys])
-        for member in gone:
-            self._revoke_quietly(member.lease_id)
-            self._bound.pop(member.lease_id, None)
+        held = held[:EVICTIONS_PER_TXN]  # etcd takes at most 128 compares in one transaction
+        # In transactions of at most EVICTIONS_PER_TXN members, the first one also checking the kept members: a job
+        # of thousands whose nodes all went silent at once is evicted in a few.
+        first = max(1, EVICTIONS_PER_TXN - len(held))
+        chunks = [gone[:first]] + [gone[i : i + EVICTIONS_PER_TXN] for i in range(first, len(gone), EVICTIONS_PER_TXN)]
+        for chunk in chunks:
+            keys = [self.job_key(job, "members", m.node_id) for m in chunk]
+            compare = [self.tx.create(k) == m.order for k, m in [*zip(keys, chunk, strict=True), *held]]
+            self._fenced(fence, compare, [self.tx.delete(k) for k in keys])
+            held = []
+            for member in chunk:
+                self._revoke_quietly(member.lease_id)
+                self._bound.pop(member.lease_id, None)
 
     @staticmethod
     def _guard(snap: JobSnapshot) -> None:

@@ -371,7 +371,7 @@ class EtcdBase:
     def members_deleted(self, keys: list[str]) -> None:
         """The member keys ``keys`` were deleted (a leave, an eviction, a lapsed lease, the job's deletion): the next
         heartbeat of each of their nodes is checked against etcd, and fails NotFound."""
-        gone = set()
+        gone: set[tuple[str, str]] = set()
         for key in keys:
             job, _, node = key[len(self.jobs_prefix) :].partition("/members/")
             gone.add((job, node))
@@ -385,6 +385,7 @@ class EtcdBase:
         self._pump.forget()
 
     def is_member_key(self, key: str) -> bool:
+        """Whether ``key`` is a job's member key (``jobs/<job>/members/<node>``)."""
         return key.startswith(self.jobs_prefix) and "/members/" in key
 
     def _revoke_quietly(self, lease_id: int) -> None:

@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         "shorter outages evict nobody who keeps trying (default 3600)",
     )
     coord.add_argument(
+        "--max-workers",
+        type=int,
+        default=1100,
+        help="gRPC worker threads of a replica; each agent's WatchGenerations stream holds one, so this bounds the "
+        "agents one replica serves (default 1100; see docs/operations.md, Scale)",
+    )
+    coord.add_argument(
         "--max-watch-streams",
         type=int,
         default=0,
@@ -254,6 +261,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         health_listen="" if args.health_port is None else f"{host}:{args.health_port}",
         max_jobs=args.max_jobs,
         finished_job_ttl_s=args.finished_job_ttl,
+        max_workers=args.max_workers,
         max_watch_streams=args.max_watch_streams,
         calls_per_caller=args.calls_per_caller,
         outage_tolerance_s=args.outage_tolerance,

@@ -100,6 +100,17 @@ class JobStoreContract:
             backend.store.evict(before, ("c",), backend.fence, keep=("b",))
         assert sorted(m.node_id for m in backend.store.read_job("job").members) == ["a", "c"]
 
+    def test_hundreds_of_members_evicted_at_once_all_go(self, backend: Backend) -> None:
+        """More members than one etcd transaction takes (128 operations) go in one eviction: a job of hundreds of
+        nodes that all went silent at once."""
+        backend.add_job(JobSpec("big", 1, 400, join_grace_s=0))
+        nodes = tuple(f"n{i}" for i in range(300))
+        for node in nodes:
+            backend.join("big", node)
+        snap = backend.store.read_job("big")
+        backend.store.evict(snap, nodes[1:], backend.fence, keep=nodes[:1])
+        assert [m.node_id for m in backend.store.read_job("big").members] == ["n0"]
+
     def test_lease_ages_are_given_for_live_members(self, backend: Backend) -> None:
         self._publish_first(backend, nodes=("a", "b"))
         snap = backend.store.read_job("job")
