@@ -140,7 +140,10 @@ class CoordinatorConfig:
         if not 2 <= self.leader_ttl_s <= 300:
             raise ConfigError(f"--leader-ttl {self.leader_ttl_s!r} must be between 2 and 300 seconds")
         if self.max_workers < 4:
-            raise ConfigError(f"max_workers={self.max_workers} must be at least 4")
+            raise ConfigError(
+                f"--max-workers {self.max_workers} must be at least 4: a replica needs threads for its calls, and each "
+                f"agent's watch stream holds one (default 1100)"
+            )
         if (self.tls is None) == (not self.insecure):
             raise ConfigError(
                 "the coordinator needs --tls-dir DIR (ca.crt, tls.crt, tls.key of a coordinator certificate; create "

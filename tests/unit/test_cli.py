@@ -25,6 +25,14 @@ def test_bad_listen_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None
     assert "--listen 'nowhere' is not HOST:PORT" in err
 
 
+def test_max_workers_reaches_the_replica_and_bounds_its_watch_streams(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["coordinator", "--etcd", "http://127.0.0.1:2379", "--insecure", "--max-workers", "3"])
+    assert code == 2
+    assert "--max-workers 3 must be at least 4" in capsys.readouterr().err
+    config = CoordinatorConfig(etcd_endpoints=("http://127.0.0.1:2379",), insecure=True, max_workers=5500)
+    assert (config.max_watch_streams, config.max_concurrent_rpcs) == (4950, 55000)
+
+
 def test_unknown_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["coordinator", "--bogus"])
@@ -39,6 +47,7 @@ def test_unknown_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> No
         ({"etcd_endpoints": ("http://h:x",)}, "--etcd endpoint 'http://h:x'"),
         ({"prefix": "pliant"}, "--prefix 'pliant' must start with '/'"),
         ({"leader_ttl_s": 1}, "--leader-ttl 1"),
+        ({"max_workers": 2}, "--max-workers 2 must be at least 4"),
     ],
 )
 def test_config_validation(kwargs: dict, needle: str) -> None:
