@@ -38,6 +38,14 @@ def _setup(*jobs: JobSpec) -> tuple[FakeStore, Clock, Reconciler]:
     return store, clock, rec
 
 
+def _count_reads(store: FakeStore) -> list[str]:
+    """The jobs the store is asked to read from now on, in order."""
+    reads: list[str] = []
+    read_job = store.read_job
+    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    return reads
+
+
 def _spec(job: str = "job", **kw: object) -> JobSpec:
     kw.setdefault("join_grace_s", 0.0)
     kw.setdefault("heartbeat_ttl_s", 10.0)
@@ -236,9 +244,7 @@ def test_a_pass_reads_only_the_jobs_that_changed_or_came_due_and_all_of_them_eve
     store.add_job(_spec("busy", join_grace_s=2.0))
     rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9, resync_s=30.0)
     rec.lead()
-    reads: list[str] = []
-    read_job = store.read_job
-    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    reads = _count_reads(store)
     rec._pass(store.fence)
     assert len(reads) == 51, "a new term reads every job"
     reads.clear()
@@ -266,9 +272,7 @@ def test_arrivals_below_what_the_plan_waits_for_are_counted_not_read() -> None:
     store.add_job(JobSpec("burst", 4, 4, join_grace_s=0.0, heartbeat_ttl_s=10.0, min_nodes_timeout_s=600.0))
     rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9, resync_s=30.0)
     rec.lead()
-    reads: list[str] = []
-    read_job = store.read_job
-    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    reads = _count_reads(store)
     rec._pass(store.fence)
     assert reads == ["burst"]
     for node in ("a", "b", "c"):
@@ -285,9 +289,7 @@ def test_arrivals_below_what_the_plan_waits_for_are_counted_not_read() -> None:
 
 def test_arrivals_while_joins_are_batched_are_read_at_the_deadline_or_when_the_job_is_full() -> None:
     store, clock, rec = _setup(_spec("grow", join_grace_s=5.0))
-    reads: list[str] = []
-    read_job = store.read_job
-    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    reads = _count_reads(store)
     store.join("grow", "a")
     rec.poke("grow")
     rec._pass(store.fence)  # batching a's join until +5 s
@@ -314,9 +316,7 @@ def test_any_other_change_is_read_at_once() -> None:
     rec = Reconciler(store, None, clock=clock, wall=lambda: 1.7e9)
     rec.lead()
     rec._pass(store.fence)
-    reads: list[str] = []
-    read_job = store.read_job
-    store.read_job = lambda job: reads.append(job) or read_job(job)  # type: ignore[method-assign]
+    reads = _count_reads(store)
     rec._keys_changed(["w/members/a", "w/state"])
     rec._pass(store.fence)
     assert reads == ["w"]
