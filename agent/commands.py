@@ -127,17 +127,20 @@ def run_main(args: argparse.Namespace) -> int:
     draft = config_from_args(args, ["127.0.0.1:1"], embedded=True)
     listen_host, ports = embedded_ports(args)
     args.host = draft.host
-    certs = None
-    if not args.insecure:  # secure by default: an ephemeral CA for this run
-        args.node_id = draft.node_id
-        certs = make_run_certs(args.certs_dir, args.node_id, [listen_host, draft.host])
-    token = draft.join_token or secrets.token_urlsafe(32)
-    args.join_token, args.join_token_file = token, None
-    # The worker zygote imports torch while etcd and the coordinator start; the agent owns and closes it.
+    # The worker zygote's import of torch and the script's modules is the start's critical path: it begins first, and
+    # the certificates, etcd and the coordinator are made while it runs. The agent owns and closes it.
     zygote = None if draft.no_python else Zygote(worker_base_env(draft.nproc_per_node), plan_preload(draft))
+    certs = None
     try:
+        if not args.insecure:  # secure by default: an ephemeral CA for this run
+            args.node_id = draft.node_id
+            certs = make_run_certs(args.certs_dir, args.node_id, [listen_host, draft.host])
+        token = draft.join_token or secrets.token_urlsafe(32)
+        args.join_token, args.join_token_file = token, None
         return _run_embedded(args, zygote, certs, token, ports)
     finally:
+        if zygote is not None:  # the agent closed it, unless the control plane failed to start
+            zygote.close()
         if certs and not args.certs_dir:  # a temporary directory: the CA died with the run
             shutil.rmtree(certs.directory, ignore_errors=True)
 

@@ -29,6 +29,13 @@ __all__ = ["EtcdServer", "EtcdServerError", "etcd_pki", "find_etcd_binary"]
 
 logger = logging.getLogger(__name__)
 
+# The readiness probe's channel: gRPC's default reconnect backoff (a second, growing) would keep it refusing calls for
+# that long after a first connection refused while etcd was still starting.
+_PROBE_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
 PICK_ATTEMPTS = 3  # starts on freshly picked ports when etcd exits at once on the ones picked before
 
 
@@ -224,25 +231,36 @@ class EtcdServer:
         if out is not subprocess.DEVNULL:
             out.close()
         deadline = time.monotonic() + timeout_s
-        endpoint = etcd3.Endpoint(self.host, self.client_port, secure=creds is not None, creds=creds, time_retry=0.1)
+        endpoint = etcd3.Endpoint(
+            self.host, self.client_port, secure=creds is not None, creds=creds, time_retry=0.1, opts=_PROBE_OPTIONS
+        )
         client = etcd3.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=1, failover=True)
         try:
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise _Exited(
-                        f"etcd ({self.binary}) exited with code {self.proc.returncode} on {self.endpoint}; "
-                        f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
-                    )
+                self._check_running()
                 try:
                     client.get("/", serializable=True)  # what a learner answers too (it refuses a status request)
                     logger.info("etcd %s serving %s (data %s)", self.binary, self.endpoint, self.data_dir)
                     return
                 except Exception:
-                    time.sleep(0.05)
+                    time.sleep(0.02)
         finally:
             client.close()
         self.kill()
         raise EtcdServerError(f"etcd did not answer on {self.endpoint} within {timeout_s:g}s")
+
+    def _check_running(self) -> None:
+        """Fail fast when the etcd process ``_start`` started has exited.
+
+        Raises:
+            _Exited: it has; the message says where to look.
+        """
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise _Exited(
+                f"etcd ({self.binary}) exited with code {self.proc.returncode} on {self.endpoint}; "
+                f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
+            )
 
     def kill(self) -> None:
         """SIGKILL etcd (a crash); the data directory stays for a restart."""
