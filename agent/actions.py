@@ -77,13 +77,15 @@ class Stop:
     """Begin stopping the running group (:mod:`pliant.agent.stopping`): ``rescale`` asks the workers to checkpoint and
     exit (``leave``: to hand over and exit, the others re-forming in place); ``finish`` lets them end by themselves;
     neither: SIGTERM. ``hung``: the workers' stacks are being dumped (:class:`Dump`), SIGTERM follows once they had
-    time to reach the logs. The executor answers :class:`pliant.agent.events.GroupStopped` once no worker is left (at
-    once when it has no group)."""
+    time to reach the logs. ``failed``: the group's world failed; SIGTERM, and SIGKILL after the abort grace. The
+    executor answers :class:`pliant.agent.events.GroupStopped` once no worker is left (at once when it has no
+    group)."""
 
     rescale: bool = False
     finish: bool = False
     leave: bool = False
     hung: bool = False
+    failed: bool = False
 
 
 @dataclass(frozen=True)

@@ -471,6 +471,13 @@ class Agent:
                 group.generation,
                 self._why_restart(),
             )
+        elif action.failed:
+            logger.info(
+                "agent %s: generation %d failed: its workers get SIGTERM, then SIGKILL after %gs (--abort-grace)",
+                self.config.node_id,
+                group.generation,
+                self.config.abort_grace_s,
+            )
         awaited = group.begin_stop(rescale=action.rescale, leave=action.leave, finish=action.finish, hung=action.hung)
         if action.rescale and not awaited:  # no worker takes the request: SIGTERM went at once
             self._events.put(StopStarted(StopStage.TERM))

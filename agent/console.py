@@ -54,7 +54,7 @@ class Summary:
     def _world(self, gen: Generation) -> tuple[int, str]:
         """Record ``gen``'s world; returns the size before (0: none) and which nodes joined and left since."""
         if self.groups + self.in_place > 1:  # not this node's first world: a change, by its cause
-            if gen.reason in ("restart", "failure"):
+            if gen.after_failure:
                 self.recoveries += 1
             else:
                 self.rescales += 1

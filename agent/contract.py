@@ -114,6 +114,7 @@ class AgentConfig:
         log_dir: per-worker log files go under it ("" : console only).
         checkpoint_dir: exported to workers as PLIANT_CHECKPOINT_DIR.
         stop_grace_s: SIGTERM -> SIGKILL grace when stopping workers.
+        abort_grace_s: SIGTERM -> SIGKILL grace when stopping the workers of a world that failed.
         rescale_grace_s: how long workers may take to checkpoint and exit when a new generation comes (or the agent
             leaves) before they are stopped; 0 stops them at once.
         finish_grace_s: how long workers may take to exit after the job succeeded elsewhere.
@@ -162,6 +163,7 @@ class AgentConfig:
     log_dir: str = ""
     checkpoint_dir: str = ""
     stop_grace_s: float = settings.STOP_GRACE_S
+    abort_grace_s: float = settings.ABORT_GRACE_S
     rescale_grace_s: float = settings.RESCALE_GRACE_S
     finish_grace_s: float = settings.FINISH_GRACE_S
     hang_timeout_s: float | None = None
@@ -186,7 +188,12 @@ class AgentConfig:
     @property
     def graces(self) -> Graces:
         """How long each stage of stopping a worker group may last."""
-        return Graces(finish_s=self.finish_grace_s, rescale_s=self.rescale_grace_s, stop_s=self.stop_grace_s)
+        return Graces(
+            finish_s=self.finish_grace_s,
+            rescale_s=self.rescale_grace_s,
+            stop_s=self.stop_grace_s,
+            abort_s=self.abort_grace_s,
+        )
 
     @property
     def held_membership_wait_s(self) -> float:
@@ -207,8 +214,11 @@ class AgentConfig:
             raise ConfigError(f"store port {self.store_port} must be in 0..65535")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port} must be in 0..65535 (0: a free port)")
-        if self.stop_grace_s < 0 or self.finish_grace_s < 0:
-            raise ConfigError("grace periods must be >= 0 seconds")
+        graces = {"--stop-grace": self.stop_grace_s, "--abort-grace": self.abort_grace_s}
+        graces["--finish-grace"] = self.finish_grace_s
+        for flag, seconds in graces.items():
+            if seconds < 0:
+                raise ConfigError(f"{flag} {seconds:g} must be >= 0 seconds")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
             raise ConfigError(
                 f"--hang-timeout {self.hang_timeout_s:g} must be > 0 seconds (omit it for the automatic timeout)"

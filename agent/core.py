@@ -353,7 +353,7 @@ def decide(state: CoreState, event: Event, now: float) -> tuple[CoreState, list[
         return state, actions
     stop = actions[at]
     assert isinstance(stop, Stop)
-    stage = first_stage(stop.rescale, stop.finish, stop.hung)
+    stage = first_stage(stop.rescale, stop.finish, stop.hung, stop.failed)
     # What follows the stop waits for the group to be gone (:mod:`pliant.agent.stopping`).
     stopping = begin(stage, state.config.graces, now, tuple(actions[at + 1 :]), after=state.phase)
     return replace(state, phase=stopping), actions[: at + 1]
@@ -483,9 +483,16 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
         # the step boundary, as in a graceful leave, so the others re-form without a restart. Workers that all wait
         # after a failed step have no boundary left to hand over at (their world broke; the next goes on without
         # them), and may sit in a meeting with a peer they cannot reach: they are stopped at once.
+        # A world the job replaced because it failed (a worker died, a node was lost) can save nothing: its workers
+        # are aborted, and the next world restores from the last checkpoint.
         leave = mine is None and bool(gen.members) and _moves_in_place(state)
         stranded = leave and bool(group.progress) and all(p.phase == "wait" for _, p in group.progress)
-        actions.append(Stop() if stranded else Stop(rescale=True, leave=leave))
+        if stranded:
+            actions.append(Stop())
+        elif not leave and gen.after_failure:
+            actions.append(Stop(failed=True))
+        else:
+            actions.append(Stop(rescale=True, leave=leave))
     if mine is None:
         why = left_out(state, gen)
         why += "; workers that waited after a failed step stopped" if stranded else ""
@@ -577,7 +584,7 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     code = failure[1] if failure else 1
     message = event.message or f"a worker exited with code {code}"
     report = _failure(state, result.generation, FailureCause.EXITED, message, code, event.error)
-    return _enter(state, Waiting(), "worker failure reported"), [Stop(), Send(report)]
+    return _enter(state, Waiting(), "worker failure reported"), [Stop(failed=True), Send(report)]
 
 
 def _fenced_by(state: CoreState, fence: Fence | None) -> str:

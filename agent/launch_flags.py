@@ -192,6 +192,13 @@ def _lifecycle_flags(parser: argparse.ArgumentParser) -> None:
         help=f"SIGTERM -> SIGKILL grace for workers, s (default {settings.STOP_GRACE_S:g})",
     )
     parser.add_argument(
+        "--abort-grace",
+        type=float,
+        default=settings.ABORT_GRACE_S,
+        help="SIGTERM -> SIGKILL grace for the workers of a world that failed (a worker died, a node was lost): their "
+        f"collectives cannot complete, so they can save nothing, s (default {settings.ABORT_GRACE_S:g})",
+    )
+    parser.add_argument(
         "--rescale-grace",
         type=float,
         default=settings.RESCALE_GRACE_S,

@@ -181,6 +181,7 @@ def config_from_args(
         log_dir=args.log_dir,
         checkpoint_dir=args.checkpoint_dir,
         stop_grace_s=args.stop_grace,
+        abort_grace_s=args.abort_grace,
         rescale_grace_s=args.rescale_grace,
         finish_grace_s=args.finish_grace,
         hang_timeout_s=args.hang_timeout,

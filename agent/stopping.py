@@ -13,6 +13,10 @@ which first stage it could enter (``StopStarted``), and reports the group gone o
   are dumped to their logs, for :data:`DUMP_S`, so they are there before the workers are stopped.
 - ``TERM``: SIGTERM to every worker's process group (a script's own handler runs: save on preemption), within the
   stop grace.
+- ``ABORT``, first when the group's world failed (one of its workers died, or the job restarted without this world):
+  SIGTERM, within the abort grace. Its collectives can never complete, so a script that waits in one never runs its
+  handler, and a handler that runs can save nothing its peers agree on: the world's state is lost either way, and the
+  next world restores from the last checkpoint as soon as these workers are gone.
 - ``KILL``: SIGKILL, within :data:`KILL_REAP_S`.
 - ``GONE``: a worker that outlived SIGKILL (a process stuck in the kernel) is given up on, with an error.
 
@@ -45,6 +49,7 @@ class StopStage(enum.Enum):
     RESCALE = "rescale"
     DUMP = "dump"
     TERM = "term"
+    ABORT = "abort"
     KILL = "kill"
     GONE = "gone"
 
@@ -56,6 +61,7 @@ class Graces:
     finish_s: float = settings.FINISH_GRACE_S
     rescale_s: float = settings.RESCALE_GRACE_S
     stop_s: float = settings.STOP_GRACE_S
+    abort_s: float = settings.ABORT_GRACE_S
 
     def of(self, stage: StopStage) -> float:
         return {
@@ -63,6 +69,7 @@ class Graces:
             StopStage.RESCALE: self.rescale_s,
             StopStage.DUMP: DUMP_S,
             StopStage.TERM: self.stop_s,
+            StopStage.ABORT: self.abort_s,
             StopStage.KILL: KILL_REAP_S,
             StopStage.GONE: 0.0,
         }[stage]
@@ -91,13 +98,15 @@ class Stopping:
         return self.after.lifecycle
 
 
-def first_stage(rescale: bool, finish: bool, hung: bool = False) -> StopStage:
+def first_stage(rescale: bool, finish: bool, hung: bool = False, failed: bool = False) -> StopStage:
     """The stage a stop begins with: the job's end lets the workers finish; a rescale asks them to save or hand over;
-    hung workers' stacks are dumped first; anything else is SIGTERM."""
+    hung workers' stacks are dumped first; a world that failed is aborted; anything else is SIGTERM."""
     if finish:
         return StopStage.FINISH
     if hung:
         return StopStage.DUMP
+    if failed:
+        return StopStage.ABORT
     return StopStage.RESCALE if rescale else StopStage.TERM
 
 
@@ -115,6 +124,7 @@ def escalated(stopping: Stopping, graces: Graces, now: float) -> Stopping | None
         StopStage.RESCALE: StopStage.DUMP,
         StopStage.DUMP: StopStage.TERM,
         StopStage.TERM: StopStage.KILL,
+        StopStage.ABORT: StopStage.KILL,
         StopStage.KILL: StopStage.GONE,
         StopStage.GONE: StopStage.GONE,
     }[stopping.stage]

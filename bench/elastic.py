@@ -1,24 +1,36 @@
-"""Elasticity benchmark: the same script (examples/train_elastic.py, DDP on pliant.worker) under pliant's in-place
-rescale, pliant's restart path and torchrun, two nodes x 2 workers on this machine, in one run. Prints one table with
-every column and the ratios to torchrun.
+"""Elasticity benchmark: the same scripts under pliant and torchrun, two nodes x 2 workers on this machine, in one run.
+Prints one table with every column and the ratios to torchrun.
 
-Scenarios, in order, per launcher: start (node a, --nnodes 1:2) -> first step of every rank; node b joins -> all 4
+Scenarios, in order, per column: start (node a, --nnodes 1:2) -> first step of every rank; node b joins -> all 4
 ranks stepping, and the survivors' longest pause between two steps around it; kill -9 of one worker -> all ranks
 stepping again; kill -9 of node b (launcher and workers) -> the survivors stepping; committed steps redone per failure;
-steady-state throughput at world 4.
+steady-state throughput at world 4. Before the table: the plain script's imports in a fresh process (torch,
+``torch._dynamo`` that DDP's constructor imports, ``pliant.worker``), the floor under any start.
 
-Columns: ``in-place`` (``pliant run --rescale in-place``, no checkpoint directory: the survivors keep their processes
-and state), ``restart`` (``--rescale restart`` with checkpoints every 5 steps: every change checkpoints and starts new
-processes), ``torchrun`` (c10d rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, needed for its scale-up to work;
-the script saves every 5 steps into PLIANT_CHECKPOINT_DIR) and ``torchrun-default`` (its default configuration, where a
-scale-up that never completes is reported as a deadlock); ``in-place+imports`` and ``torchrun+imports`` run the same
-script behind a framework's imports (bench/heavy_imports.py: transformers' Trainer, Accelerate, Lightning; their
-import time is measured and printed), which pliant's zygote preloads from the script's text and torchrun's fresh
-workers import each time. A new world is recognised by every rank stepping as a new
-(process, generation) pair: in place the processes stay and the generation moves; torchrun starts new processes.
+Columns (``--launchers``), each a launcher and a script:
 
-Usage: ``.venv/bin/python bench/elastic.py [--launchers in-place restart torchrun torchrun-default in-place+imports
-torchrun+imports] [--timeout 120]``
+- ``in-place``, ``restart``, ``torchrun``, ``torchrun-default``: examples/train_elastic.py (DDP on pliant.worker) under
+  ``pliant run --rescale in-place`` (no checkpoint directory: the survivors keep their processes and state),
+  ``--rescale restart`` (checkpoints every 5 steps: every change checkpoints and starts new processes), torchrun (c10d
+  rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, needed for its scale-up to work; the script saves every 5
+  steps into PLIANT_CHECKPOINT_DIR) and torchrun in its default configuration, where a scale-up that never completes
+  is reported as a deadlock.
+- ``in-place+imports``, ``torchrun+imports``: the same script behind a framework's imports (bench/heavy_imports.py:
+  transformers' Trainer, Accelerate, Lightning), which pliant's zygote preloads from the script's text and torchrun's
+  fresh workers import each time.
+- ``trainer``, ``torchrun+trainer``: examples/train_hf_trainer.py (a Hugging Face Trainer with pliant's one-line
+  callback, Trainer checkpoints every 5 steps) under ``pliant run`` (its defaults: the restart path) and under torchrun
+  (the script resumes from its newest checkpoint itself, ``--resume``).
+- ``lightning``, ``torchrun+lightning``: examples/train_lightning_elastic.py (pliant's one-line strategy, the script's
+  own ``last.ckpt`` every 5 steps) under ``pliant run`` and under torchrun (devices and num_nodes from torchrun's
+  environment and ``ckpt_path="last"``, ``--world-from-env``: what a Lightning script sets itself to change size
+  under torchrun).
+
+A new world is recognised by every rank stepping as a new (process, generation) pair: in place the processes stay and
+the generation moves; the restart path and torchrun start new processes.
+
+Usage: ``.venv/bin/python bench/elastic.py [--launchers COLUMN ...] [--timeout 120]`` (default: every column, about
+20 minutes)
 """
 
 from __future__ import annotations
@@ -40,11 +52,28 @@ from common import PLIANT, join_flags, longest_pause, read_jsonl, stop_tree
 from pliant.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "train_elastic.py"
-HEAVY = ROOT / "bench" / "heavy_imports.py"  # SCRIPT behind a framework's imports
-LAUNCHERS = ("in-place", "restart", "torchrun", "torchrun-default", "in-place+imports", "torchrun+imports")
+SCRIPTS = {
+    "plain": ROOT / "examples" / "train_elastic.py",
+    "imports": ROOT / "bench" / "heavy_imports.py",  # the plain script behind a framework's imports
+    "trainer": ROOT / "examples" / "train_hf_trainer.py",
+    "lightning": ROOT / "examples" / "train_lightning_elastic.py",
+}
+# column -> (launcher, script): pliant's in-place or restart path, or its default (a framework script's workers
+# announce no in-place support, so it takes the restart path), torchrun with or without its rendezvous fix.
+LAUNCHERS = {
+    "in-place": ("in-place", "plain"),
+    "restart": ("restart", "plain"),
+    "torchrun": ("torchrun", "plain"),
+    "torchrun-default": ("torchrun-default", "plain"),
+    "in-place+imports": ("in-place", "imports"),
+    "torchrun+imports": ("torchrun", "imports"),
+    "trainer": ("pliant", "trainer"),
+    "torchrun+trainer": ("torchrun", "trainer"),
+    "lightning": ("pliant", "lightning"),
+    "torchrun+lightning": ("torchrun", "lightning"),
+}
 STEP_TIME = 0.05
-SAVE_EVERY = 5  # the restart and torchrun columns checkpoint this often
+SAVE_EVERY = 5  # the restart, framework and torchrun columns checkpoint this often
 
 
 @dataclass
@@ -91,79 +120,53 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 class Launcher:
-    """How to start node a and node b under one launcher."""
+    """How to start node a and node b for one column."""
 
     def __init__(self, name: str, workdir: Path) -> None:
-        self.name, _, heavy = name.partition("+")
-        self.script = HEAVY if heavy else SCRIPT
+        self.launcher, self.kind = LAUNCHERS[name]
+        self.script = SCRIPTS[self.kind]
         self.workdir = workdir
         self.port = free_port()
         self.events = workdir / "events.jsonl"
 
+    def script_args(self) -> list[str]:
+        """The script and its arguments: steps without end, each at least STEP_TIME, checkpoints every SAVE_EVERY
+        steps where the column restarts workers (the framework scripts in their own formats)."""
+        events = ["--step-time", str(STEP_TIME), "--events", str(self.events)]
+        ckpt = str(self.workdir / "ckpt")
+        torchrun = self.launcher.startswith("torchrun")
+        if (
+            self.kind == "trainer"
+        ):  # resumes from its own checkpoints (the callback under pliant, --resume under torchrun)
+            args = ["--output-dir", ckpt, "--max-steps", "1000000", "--save-steps", str(SAVE_EVERY), *events]
+            return [str(self.script), *args, *(["--resume"] if torchrun else [])]
+        if self.kind == "lightning":  # the strategy under pliant; what a torchrun script sets itself under torchrun
+            args = ["--max-steps", "1000000", "--save-every", str(SAVE_EVERY), "--save-dir", ckpt, *events]
+            return [str(self.script), *args, *(["--world-from-env"] if torchrun else [])]
+        args = [str(self.script), "--steps", "1000000", *events]
+        return args + (["--save-every", str(SAVE_EVERY)] if self.launcher != "in-place" else [])
+
     def command(self, node: str) -> tuple[list[str], dict[str, str]]:
-        script = [str(self.script), "--steps", "1000000", "--step-time", str(STEP_TIME), "--events", str(self.events)]
+        script = self.script_args()
         ckpt = str(self.workdir / "ckpt")
         env = dict(os.environ)
-        if self.name in ("in-place", "restart"):
-            common = [
-                "--nnodes",
-                "1:2",
-                "--nproc-per-node",
-                "2",
-                "--job",
-                "bench",
-                "--heartbeat-ttl",
-                "3",
-                "--join-grace",
-                "1",
-                "--max-restarts",
-                "3",
-                "--rescale",
-                self.name,
-            ]
-            if self.name == "restart":
+        if not self.launcher.startswith("torchrun"):
+            common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--job", "bench", "--heartbeat-ttl", "3"]
+            common += ["--join-grace", "1", "--max-restarts", "3"]
+            if self.launcher != "pliant":
+                common += ["--rescale", self.launcher]
+            if self.launcher != "in-place":
                 common += ["--checkpoint-dir", ckpt]
-                script += ["--save-every", str(SAVE_EVERY)]
             if node == "a":
-                return [
-                    *PLIANT,
-                    "run",
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                    *common,
-                    *script,
-                ], env
-            return [
-                *PLIANT,
-                "run",
-                "--coordinator",
-                f"127.0.0.1:{self.port}",
-                *join_flags(self.workdir / "a.log"),
-                *common,
-                *script,
-            ], env
-        if self.name == "torchrun":
+                return [*PLIANT, "run", "--listen", f"127.0.0.1:{self.port}", *common, *script], env
+            coordinator = ["--coordinator", f"127.0.0.1:{self.port}", *join_flags(self.workdir / "a.log")]
+            return [*PLIANT, "run", *coordinator, *common, *script], env
+        if self.launcher == "torchrun":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        env["PLIANT_CHECKPOINT_DIR"] = ckpt  # the script checkpoints and resumes under torchrun too
-        script += ["--save-every", str(SAVE_EVERY)]
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{self.port}",
-            "--rdzv-id",
-            "bench",
-            "--max-restarts",
-            "3",
-            *script,
-        ], env
+        env["PLIANT_CHECKPOINT_DIR"] = ckpt  # the plain script checkpoints and resumes under torchrun too
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2", *rdzv]
+        return [*torchrun, "--max-restarts", "3", *script], env
 
     def start(self, node: str) -> subprocess.Popen:
         cmd, env = self.command(node)
@@ -236,17 +239,30 @@ def measure(name: str, timeout_s: float) -> Result:
     return result
 
 
-RATIOS = (("in-place", "torchrun"), ("restart", "torchrun"), ("in-place+imports", "torchrun+imports"))
+RATIOS = (
+    ("in-place", "torchrun"),
+    ("restart", "torchrun"),
+    ("in-place+imports", "torchrun+imports"),
+    ("trainer", "torchrun+trainer"),
+    ("lightning", "torchrun+lightning"),
+)
 
 
-def heavy_import_s() -> float:
-    """Seconds the +imports script's own imports take beyond torch's in a fresh interpreter (what a torchrun worker
-    pays at every start)."""
-    code = (
-        "import time, torch, torch.distributed, pliant.worker; t = time.perf_counter(); "
-        "import accelerate, lightning; from transformers import GPT2Config, GPT2LMHeadModel, Trainer, "
-        "TrainingArguments; print(time.perf_counter() - t)"
-    )
+IMPORTS = {
+    "plain": "import torch, torch.distributed, torch._dynamo, pliant.worker",
+    "framework": "import accelerate, lightning; from transformers import GPT2Config, GPT2LMHeadModel, Trainer",
+}
+
+
+def import_s(what: str) -> float:
+    """Seconds a fresh interpreter takes for the plain script's imports (torch, ``torch._dynamo`` that DDP's constructor
+    imports, ``pliant.worker``: the floor of any start), or for a framework's beyond them (what a torchrun worker pays
+    at every start)."""
+    code = "import time; t = time.perf_counter(); " + IMPORTS["plain"] + "; u = time.perf_counter(); "
+    if what == "framework":
+        code += IMPORTS["framework"] + "; print(time.perf_counter() - u)"
+    else:
+        code += "print(u - t)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     return float(out.stdout.split()[-1])
 
@@ -259,11 +275,12 @@ def _fmt(value: float | int | None, unit: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS))
+    parser.add_argument("--launchers", nargs="+", choices=list(LAUNCHERS), default=list(LAUNCHERS))
     parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for one scenario, s")
     args = parser.parse_args()
-    if any(name.endswith("+imports") for name in args.launchers):
-        print(f"the +imports script's imports beyond torch, in a fresh process: {heavy_import_s():.2f} s", flush=True)
+    print(f"the plain script's imports in a fresh process (the floor of a start): {import_s('plain'):.2f} s")
+    if any(LAUNCHERS[name][1] != "plain" for name in args.launchers):
+        print(f"a framework's imports beyond them, in a fresh process: {import_s('framework'):.2f} s", flush=True)
     results = {}
     for name in args.launchers:
         print(f"measuring {name} ...", flush=True)

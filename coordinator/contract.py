@@ -537,6 +537,12 @@ class Generation:
     def node_ids(self) -> tuple[str, ...]:
         return tuple(m.node_id for m in self.members)
 
+    @property
+    def after_failure(self) -> bool:
+        """Whether this world replaces one that failed: a worker died (``restart``) or a node was lost
+        (``failure``). The world before can complete no collective, so its workers can save nothing."""
+        return self.reason in ("restart", "failure")
+
     def to_json(self) -> str:
         data = asdict(self)
         data["members"] = [asdict(m) for m in self.members]

@@ -18,6 +18,7 @@ import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 import pliant.transformers
 
@@ -64,6 +65,12 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
     parser.add_argument("--events", default="")
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from the newest checkpoint in --output-dir, as a script under torchrun does itself (under pliant "
+        "the callback does it)",
+    )
     args = parser.parse_args()
 
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
@@ -86,7 +93,7 @@ def main() -> None:
         train_dataset=Tokens(4096, 16, config.vocab_size),
         callbacks=[Events(args.events, args.step_time), pliant.transformers.Elastic()],  # pliant: the one line
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir) if args.resume else None)
     if args.out and trainer.is_world_process_zero():
         with open(args.out, "w") as out:
             json.dump({"global_step": trainer.state.global_step, "world_size": training.world_size}, out)

@@ -58,6 +58,10 @@ class Events(L.Callback):
         time.sleep(self.step_time)
 
 
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=200)
@@ -68,6 +72,12 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", help="Lightning's accelerator (fsdp needs a GPU)")
     parser.add_argument("--save-every", type=int, default=0, help="the script's own checkpoint every N steps")
     parser.add_argument("--save-dir", default="checkpoints", help="where the script's own checkpoints go")
+    parser.add_argument(
+        "--world-from-env",
+        action="store_true",
+        help="devices and num_nodes from torchrun's environment and ckpt_path='last': what a script under torchrun "
+        "sets itself to run at each world size and resume (under pliant the strategy does it)",
+    )
     args = parser.parse_args()
     callbacks: list[L.Callback] = [Events(args.events, args.step_time)]
     if args.save_every:
@@ -80,8 +90,8 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=pliant.lightning.DDP() if args.strategy == "ddp" else pliant.lightning.FSDP(),  # pliant: the one line
         accelerator=args.accelerator,
-        devices=1,
-        num_nodes=1,
+        devices=_local_world() if args.world_from_env else 1,
+        num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // _local_world() if args.world_from_env else 1,
         max_steps=args.max_steps,
         callbacks=callbacks,
         logger=False,
@@ -89,7 +99,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(), data)
+    trainer.fit(Regression(), data, ckpt_path="last" if args.world_from_env and args.save_every else None)
     if args.out and trainer.is_global_zero:
         with open(args.out, "w") as out:
             json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, out)

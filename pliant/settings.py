@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "ABORT_GRACE_S",
     "BOOTSTRAP_LISTEN",
     "CA_CERT_HASH",
     "CHECKPOINT_DIR",
@@ -59,6 +60,9 @@ class EnvValue(str):
 
 STOP_GRACE_S = 5.0
 """``--stop-grace``: how long workers have between SIGTERM and SIGKILL."""
+ABORT_GRACE_S = 0.5
+"""``--abort-grace``: how long the workers of a world that failed (a worker died, a node was lost) have between
+SIGTERM and SIGKILL: their collectives can never complete, so only a handler that needs no peer can still run."""
 RESCALE_GRACE_S = 30.0
 """``--rescale-grace``: how long workers may take to save (or hand over) and exit for a rescale, and how long a
 hand-over in place waits for its newcomers."""

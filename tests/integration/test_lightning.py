@@ -48,6 +48,8 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     assert "saved for the rescale" in output and "resuming from the rescale checkpoint" in output
     assert "resuming from the script's checkpoint " + str(tmp_path / "own") in output
     assert "workers stopped for the rescale" in output
+    # The world the kill broke is aborted (its collectives cannot complete), not asked to save.
+    assert f"generation {killed_in} failed: its workers get SIGTERM, then SIGKILL after 0.5s" in output
     print(
         f"lightning {strategy} with the plugin: {len(twice)} steps trained twice, all after the kill -9 (generation "
         f"{killed_in}), resumed from the script's own checkpoint; join at generation {joined}; {STEPS} steps in all"

@@ -33,7 +33,9 @@ class Agent:
 
     def __init__(self, node: str = "a", instant_stops: bool = True, instant_ports: bool = True, **config: object):
         graces = {
-            name: config.pop(f"{name}_grace_s") for name in ("rescale", "stop", "finish") if f"{name}_grace_s" in config
+            name: config.pop(f"{name}_grace_s")
+            for name in ("rescale", "stop", "finish", "abort")
+            if f"{name}_grace_s" in config
         }
         config["graces"] = stopping.Graces(**{f"{name}_s": value for name, value in graces.items()})
         self.state = core.CoreState(node, config=core.CoreConfig(**config))  # type: ignore[arg-type]
@@ -95,7 +97,7 @@ def test_outcomes_of_a_group() -> None:
     agent.on(events.GenerationSeen(_gen(3, "a", "b")))
     why = "local rank 1 (rank 1) exited with code -9"
     failed = agent.on(events.GroupExited(GroupResult(3, {0: 0, 1: -9}), why))
-    assert failed == [act.Stop(), act.Send(act.Report("failure", 3, -9, why))]
+    assert failed == [act.Stop(failed=True), act.Send(act.Report("failure", 3, -9, why))]
     assert agent.on(events.GroupExited(GroupResult(3, {0: 1}))) == [act.Stop()]  # not the running group: reap only
 
 
@@ -447,7 +449,7 @@ def test_a_group_that_dies_before_a_pending_hand_over_reports_the_handed_generat
     agent.on(events.GenerationSeen(_gen(2, "a", "b", "c")), after=0.5)
     why = "local rank 0 (rank 0) exited with code 1"
     actions = agent.on(events.GroupExited(GroupResult(1, {0: 1}), why, alive=0))
-    assert actions == [act.Stop(), act.Send(act.Report("failure", 2, 1, why))]
+    assert actions == [act.Stop(failed=True), act.Send(act.Report("failure", 2, 1, why))]
     assert agent.state.group is None and agent.state.lifecycle is AgentState.WAITING
     # A group of an earlier generation, replaced by a fresh start (not handed in place), is only reaped.
     fresh = Agent(rescale_in_place=False)
@@ -631,6 +633,40 @@ def test_a_rescale_no_worker_takes_is_sigterm_at_once_and_sigkill_after_the_stop
     agent.on(events.GenerationSeen(_gen(2, "b", "a")))
     assert agent.on(events.StopStarted(core.StopStage.TERM), after=0.01) == []  # a plain script: torchrun's SIGTERM
     assert _tick(agent, 5.0) == [act.Escalate(core.StopStage.KILL)]
+
+
+def test_a_worker_failure_aborts_the_rest_of_the_group_sigkill_after_the_abort_grace() -> None:
+    """The other workers of a world whose worker died wait in collectives that never complete: they get SIGTERM at
+    once and SIGKILL after the abort grace, not the stop grace, and the failure report waits until they are gone."""
+    agent = Agent(instant_stops=False, stop_grace_s=5.0, abort_grace_s=0.5)
+    agent.on(events.GenerationSeen(_gen(1, "a")))
+    failed = agent.on(events.GroupExited(GroupResult(1, {0: -9}), "killed", alive=1))
+    assert failed == [act.Stop(failed=True)] and _stopping(agent) is core.StopStage.ABORT
+    assert _tick(agent, 0.4) == []
+    assert _tick(agent, 0.1) == [act.Escalate(core.StopStage.KILL)]
+    assert agent.kinds(agent.on(events.GroupStopped(1), after=0.05)) == ["Send"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "stop"),
+    [
+        ("restart", act.Stop(failed=True)),
+        ("failure", act.Stop(failed=True)),
+        ("join", act.Stop(rescale=True)),
+        ("leave", act.Stop(rescale=True)),
+    ],
+)
+def test_a_world_replaced_after_a_failure_is_aborted_and_one_replaced_by_a_rescale_saves(
+    reason: str, stop: act.Stop
+) -> None:
+    """A generation published because the world before it failed (a worker died elsewhere, a node was lost) aborts
+    this node's workers of that world, whose collectives cannot complete; a join or a leave asks them to save."""
+    agent = Agent(instant_stops=False)
+    agent.on(events.GenerationSeen(_gen(1, "a", "b")))
+    gen = _gen(2, "a", "b", reason=reason) if reason != "leave" else _gen(2, "a", reason=reason)
+    actions = agent.on(events.GenerationSeen(gen))
+    assert [a for a in actions if isinstance(a, act.Stop)] == [stop]
+    assert _stopping(agent) is (core.StopStage.ABORT if stop.failed else core.StopStage.RESCALE)
 
 
 def test_the_jobs_end_lets_workers_finish_then_sigterms_and_exits_once_they_are_gone() -> None:
