@@ -108,10 +108,12 @@ class Reconfigure:
 @dataclass(frozen=True)
 class ReadArrivals:
     """Count the workers that counted themselves in at ``generation``'s store (on ``port``); answered with
-    :class:`pliant.agent.events.ArrivalsRead`."""
+    :class:`pliant.agent.events.ArrivalsRead`. ``warm``: count instead the workers the newcomers' agents forked
+    (:data:`pliant.agent.stores.WARM_KEY`), for a change by the restart path."""
 
     generation: Generation
     port: int
+    warm: bool = False
 
 
 @dataclass(frozen=True)

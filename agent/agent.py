@@ -65,8 +65,8 @@ from pliant.agent.membership import JoinRefused, Membership
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
 from pliant.agent.stopping import StopStage
-from pliant.agent.storehost import StoreHost
-from pliant.agent.stores import NodeStore, reachable, reserve
+from pliant.agent.storehost import StoreHost, StoreHostError
+from pliant.agent.stores import ARRIVED_KEY, RESTARTING_KEY, WARM_KEY, NodeStore, reachable, reserve
 from pliant.agent.workers import WorkerCommand, WorkerGroup, Zygote, worker_base_env
 from pliant.bootstrap import BootstrapError
 from pliant.coordinator.contract import (
@@ -100,6 +100,8 @@ console = logging.getLogger(CONSOLE)  # the job's own lines (pliant.logsetup)
 
 TICK_S = 0.25
 QUICK_TICK_S = 0.02  # while a hand-over waits or a group stops (core.ticks_quickly)
+ZYGOTE_READY_S = 120.0  # the longest a start waits for the zygote's imports (its spawn's own limit)
+WARM_POLL_S = 0.02  # a newcomer waiting for the others to restart into its generation reads their count this often
 JOIN_WAIT_SHOWN_AFTER_S = 1.0  # a join that waits longer (no coordinator answers yet) says what it waits for
 HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
@@ -123,7 +125,8 @@ class Agent:
     - queues and events: ``_events`` (every thread puts, the loop takes), ``_stop`` (set once, at exit);
     - what it read, for the events it makes: ``_generations`` (the newest generations seen; the membership's threads
       read it), ``_fence`` (the checkpoint directory's fence, read every :data:`FENCE_READ_S`), ``_renewing`` (what
-      it last told its peers);
+      it last told its peers), ``_restarting`` (the generations this node restarts into once their newcomers warmed
+      up, as it told their stores);
     - what it says: ``_summary`` and ``_wait`` (the console's lines), ``_job`` and ``_outcome`` (the job's state as
       last watched), ``_ticked_at`` (the loop's last tick; the metrics thread reads it for ``/healthz``).
 
@@ -156,6 +159,7 @@ class Agent:
         )
         self.group: WorkerGroup | None = None
         self._stopping: WorkerGroup | None = None  # the group being stopped (the core's Stopping phase has its stage)
+        self._restarting: set[int] = set()  # generations this node restarts into once their newcomers warmed up
         self.store: NodeStore | None = None
         self._stores: StoreHost | None = None
         self._generations: dict[int, Generation] = {}
@@ -401,7 +405,7 @@ class Agent:
         elif isinstance(action, Reconfigure):
             self._reconfigure(action.generation, action.port)
         elif isinstance(action, ReadArrivals):
-            self._read_arrivals(action.generation, action.port)
+            self._read_arrivals(action.generation, action.port, WARM_KEY if action.warm else ARRIVED_KEY)
         elif isinstance(action, ProbeNewcomers):
             self._in_background(lambda: self._probe_newcomers(action), "probe-newcomers")
         elif isinstance(action, Start):
@@ -505,14 +509,17 @@ class Agent:
             "move in place, or a worker still starting)"
         )
 
-    def _read_arrivals(self, gen: Generation, port: int) -> None:
-        """How many workers counted themselves in at ``gen``'s store on ``port``, for the waiting hand-over (0 while
-        the store is not reachable yet: the next tick reads again)."""
+    def _read_arrivals(self, gen: Generation, port: int, key: str) -> None:
+        """How many workers counted themselves in at ``gen``'s store on ``port`` (``key``), for the waiting hand-over
+        (0 while the store is not reachable yet: the next tick reads again)."""
         master_addr = gen.store_address.rsplit(":", 1)[0]
         arrived = 0
         try:
             assert self.store is not None
-            arrived = self.store.arrivals(master_addr, port)
+            if key == WARM_KEY and gen.number not in self._restarting:  # the newcomers wait for this node to restart
+                self.store.count_in(master_addr, port, RESTARTING_KEY, 1)
+                self._restarting.add(gen.number)
+            arrived = self.store.arrivals(master_addr, port, key)
         except Exception as exc:
             logger.debug("arrivals of generation %d not readable yet: %s", gen.number, exc)
         self._events.put(ArrivalsRead(gen.number, arrived))
@@ -556,11 +563,52 @@ class Agent:
         if self.config.log_dir:
             log_dir = Path(self.config.log_dir) / self.config.spec.job_id / f"gen-{gen.number}"
         envs = self._envs(gen, master_port)
+        self._warm_up(gen, master_port, len(envs))
         self.group = WorkerGroup(gen.number, envs, self.command, log_dir, self.base_env, self.zygote)
         self.group.start()
         self._tracked.append(self.group)
         self.metrics.group_started(gen.number)
         console.info("%s", self._summary.started(gen, self._me(gen), time.monotonic()))
+
+    def _warm_up(self, gen: Generation, port: int, workers: int) -> None:
+        """Before this node's ``workers`` for ``gen`` fork: wait for the zygote's imports (the warm-up), count them in
+        at ``gen``'s store (:data:`pliant.agent.stores.WARM_KEY`), and when the other nodes wait for this one to
+        restart into ``gen`` (a join by the restart path, :data:`pliant.agent.stores.RESTARTING_KEY`), wait until
+        every node counted in: the others saved and restarted, so these workers read no checkpoint older than the
+        rescale's. A store that does not answer, or nodes that do not count in within the rescale grace, only end
+        the wait."""
+        started = time.monotonic()
+        if self.zygote is not None:
+            self.zygote.wait_ready(ZYGOTE_READY_S)
+        assert self.store is not None
+        host, waits = gen.store_address.rsplit(":", 1)[0], gen.number not in self._restarting
+        try:
+            counted = self.store.count_in(host, port, WARM_KEY, workers)
+            waits = waits and self.store.arrivals(host, port, RESTARTING_KEY) > 0
+        except StoreHostError as exc:
+            logger.warning("agent %s: generation %d's store: %s", self.config.node_id, gen.number, exc)
+            return
+        if not waits:
+            return
+        warm = time.monotonic()
+        console.info(
+            "generation %d: warmed up in %.1fs; the other nodes save and restart into it (a join by the restart path)",
+            gen.number,
+            warm - started,
+        )
+        deadline = warm + self.config.rescale_grace_s + self.config.stop_grace_s
+        while counted < gen.world_size and time.monotonic() < deadline:
+            time.sleep(WARM_POLL_S)
+            with contextlib.suppress(StoreHostError):
+                counted = self.store.arrivals(host, port, WARM_KEY)
+        logger.info(
+            "agent %s: generation %d: %d of %d workers counted in after %.1fs",
+            self.config.node_id,
+            gen.number,
+            counted,
+            gen.world_size,
+            time.monotonic() - warm,
+        )
 
     def _steps_recorded(self) -> int:
         """The highest step any of this node's workers recorded in its progress file (a finished one's too)."""

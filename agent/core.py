@@ -244,12 +244,18 @@ class Running:
 class HandingOver:
     """The running ``group`` is handed ``generation`` in place once its store ``port`` is known and, when it admits
     newcomers, once they counted themselves in (``handover``: their wait, its deadline and probes; None: no
-    newcomers). The workers train on in their generation meanwhile."""
+    newcomers). The workers train on in their generation meanwhile.
+
+    ``restart``: a join by the restart path. The group runs its own generation (``group.number``) until the
+    newcomers' workers were forked (their agents count them in once their imports are done, the warm-up), then is
+    stopped for the rescale and ``generation``'s group started: the survivors pause for the save and the restart
+    only, not for the newcomers' imports."""
 
     group: Group
     generation: Generation
     port: int | None = None
     handover: HandOver | None = None
+    restart: bool = False
     lifecycle: ClassVar[AgentState] = AgentState.RUNNING
 
 
@@ -477,6 +483,15 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
             handing = HandingOver(group, gen, None, HandOver(newcomers, needed, now + state.config.graces.rescale_s))
             return _enter(state, handing, f"{why}, once {', '.join(newcomers)} arrive"), actions
         return _enter(state, HandingOver(replace(group, members=ids), gen), why), actions
+    if mine is not None and isinstance(state.current, Running) and gen.reason == "join":
+        newcomers = tuple(node for node in ids if node not in set(state.current.group.members))
+        needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
+        if needed and state.current.group.members:
+            # A join by the restart path: the workers train on until the newcomers are warm.
+            wait = HandOver(newcomers, needed, now + state.config.graces.rescale_s)
+            handing = HandingOver(state.current.group, gen, None, wait, restart=True)
+            why = f"generation {gen.number} by the restart path once {', '.join(newcomers)} warmed up"
+            return _enter(state, handing, why), actions
     stranded = False
     if group is not None:
         # Dropped from a world that goes on in place (evicted, or a spare again): the workers hand over and leave at
@@ -526,9 +541,13 @@ def _on_port(state: CoreState, event: StorePortRead, now: float) -> tuple[CoreSt
     """A generation's store port: the group that waited for it starts, or is handed the generation in place."""
     if not wants_port(state, event.generation):
         return state, []
+    phase = state.current
+    if not event.port and isinstance(phase, HandingOver) and phase.restart:  # the old world trains: saved first
+        report = _failure(state, event.generation, FailureCause.START_FAILED, event.error or "no store port")
+        why = f"cannot start generation {event.generation}: {event.error or 'no store port'}"
+        return _enter(state, Waiting(), why), [Stop(rescale=True), Send(report)]
     if not event.port:
         return _on_start_failed(state, StartFailed(event.generation, event.error or "no store port"), now)
-    phase = state.current
     if isinstance(phase, Starting):
         return _enter(state, Running(phase.group)), [Start(phase.generation, event.port)]
     assert isinstance(phase, HandingOver)
@@ -550,6 +569,9 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     group = state.group
     if group is None or result.stopped:
         return state, [Stop()]  # not the group this state runs: just reap it
+    handing = state.handing
+    if handing is not None and handing.restart and result.generation == group.number:
+        return _exit_while_warming(state, handing, event)
     if result.generation != group.number:
         if group.handed != group.number:
             return state, [Stop()]  # a group of an earlier generation: just reap it
@@ -584,6 +606,23 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     code = failure[1] if failure else 1
     message = event.message or f"a worker exited with code {code}"
     report = _failure(state, result.generation, FailureCause.EXITED, message, code, event.error)
+    return _enter(state, Waiting(), "worker failure reported"), [Stop(failed=True), Send(report)]
+
+
+def _exit_while_warming(state: CoreState, handing: HandingOver, event: GroupExited) -> tuple[CoreState, list[Action]]:
+    """The running group ended while a join by the restart path waited for its newcomers: saved for a rescale (another
+    node's request reached every rank), the change goes ahead; its end or its failure is the new generation's, the
+    one the coordinator runs (the newcomers never trained in it)."""
+    result, gen = event.result, handing.generation
+    if result.saved_for_rescale:
+        return _restart_into(state, handing, f"the workers of generation {result.generation} saved for a rescale")
+    if result.succeeded:
+        report = Report("success", gen.number, untrained=True)
+        return _enter(state, Waiting(done=True), "workers done; waiting for the job to finish"), [Stop(), Send(report)]
+    failure = result.first_failure
+    code = failure[1] if failure else 1
+    message = event.message or f"a worker exited with code {code}"
+    report = _failure(state, gen.number, FailureCause.EXITED, message, code, event.error)
     return _enter(state, Waiting(), "worker failure reported"), [Stop(failed=True), Send(report)]
 
 
@@ -702,7 +741,7 @@ def _on_tick(state: CoreState, event: Tick, now: float) -> tuple[CoreState, list
             state, probe = _on_arrivals(state, ArrivalsRead(handing.generation.number, 0), now)
             actions = [*actions, *probe]
         else:
-            actions = [*actions, ReadArrivals(handing.generation, handing.port)]
+            actions = [*actions, ReadArrivals(handing.generation, handing.port, warm=handing.restart)]
     return state, actions
 
 
@@ -730,11 +769,24 @@ def _on_probed(state: CoreState, event: NewcomersProbed, now: float) -> tuple[Co
         report = _failure(state, gen.number, FailureCause.NOT_ARRIVED, verdict.message)
         why = f"generation {gen.number} not handed over: {verdict.message}"
         return _enter(state, Running(handing.group), why), [Send(report)]
+    if verdict.hand and handing.restart:
+        return _restart_into(state, handing, "the newcomers warmed up")
     if verdict.hand and handing.port is not None:
         group = replace(handing.group, members=tuple(m.node_id for m in gen.members))
         why = f"generation {gen.number} handed over in place"
         return _enter(state, Running(group), why), [Reconfigure(gen, handing.port)]
     return _enter(state, replace(handing, handover=pending)), []
+
+
+def _restart_into(state: CoreState, handing: HandingOver, why: str) -> tuple[CoreState, list[Action]]:
+    """A join by the restart path goes ahead: the running group saves and exits, then ``handing.generation``'s group
+    starts (once its store port is read, if it is not yet)."""
+    gen = handing.generation
+    group = Group(gen.number, tuple(m.node_id for m in gen.members))
+    why = f"generation {gen.number} by the restart path: {why}"
+    if handing.port is None:
+        return _enter(state, Starting(gen, group), why), [Stop(rescale=True)]
+    return _enter(state, Running(group), why), [Stop(rescale=True), Start(gen, handing.port)]
 
 
 def _on_job(state: CoreState, event: JobFinished, now: float) -> tuple[CoreState, list[Action]]:

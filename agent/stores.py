@@ -33,7 +33,7 @@ from pliant.net import parse_host_port
 from pliant.ports import GENERATION_PORTS, generation_port
 from pliant.security.seal import tag
 
-__all__ = ["ARRIVED_KEY", "NodeStore", "reachable", "reserve"]
+__all__ = ["ARRIVED_KEY", "RESTARTING_KEY", "WARM_KEY", "NodeStore", "reachable", "reserve"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,14 @@ PORT_ATTEMPT_S = 2.0  # one attempt to read a generation's store port; see NodeS
 
 _RENEWING_KEY = "/pliant/agent/renewing"  # "<seconds of unbroken renewals (-1: none)> <newest generation seen>"
 ARRIVED_KEY = "/pliant/arrived"  # a generation store's count of fresh workers about to join it
+# A generation store's count of the workers its nodes' agents forked for it: a join by the restart path waits for its
+# newcomers' (their warm-up) before the survivors stop. Any worker of the job can add to it, and gains nothing by it:
+# the survivors then restart sooner, as they would without the wait.
+WARM_KEY = "/pliant/warm"
+# How many nodes of a generation wait for its newcomers before they restart into it (a join by the restart path): a
+# newcomer's workers then start only once every node counted in at WARM_KEY, after the others saved and restarted, so
+# that no worker reads a checkpoint older than the one the rescale saves.
+RESTARTING_KEY = "/pliant/restarting"
 
 
 def _port_key(generation: int) -> str:
@@ -214,17 +222,26 @@ class NodeStore:
             )
         return int(port)
 
-    def arrivals(self, host: str, port: int) -> int:
+    def arrivals(self, host: str, port: int, key: str = ARRIVED_KEY) -> int:
         """How many fresh workers announced that they are about to join the generation whose store is at
-        ``host:port`` (see :func:`pliant.worker.inplace.groups.announce_arrival`). The host keeps the client for the
-        next poll.
+        ``host:port`` (see :func:`pliant.worker.inplace.groups.announce_arrival`), or with ``key`` :data:`WARM_KEY`
+        how many workers the nodes' agents forked for it (:meth:`count_in`). The host keeps the client for the next
+        poll.
+
+        Raises:
+            StoreHostError: that store is not reachable (yet).
+        """
+        return self.count_in(host, port, key, 0)
+
+    def count_in(self, host: str, port: int, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key`` of the generation store at ``host:port``; returns its new value.
 
         Raises:
             StoreHostError: that store is not reachable (yet).
         """
         return int(
             self.stores.request(
-                "add", 1.0 + REPLY_MARGIN_S, address=f"{host}:{port}", key=ARRIVED_KEY, amount=0, timeout=1.0, keep=True
+                "add", 1.0 + REPLY_MARGIN_S, address=f"{host}:{port}", key=key, amount=amount, timeout=1.0, keep=True
             )
         )
 

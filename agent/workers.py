@@ -145,6 +145,7 @@ class Zygote:
         host_end.close()
         self.stores = StoreHost(stores)  # the node's store host, which the zygote forks once torch is imported
         self.stores_pid: int | None = None
+        self.ready = False  # its preload imported: it forks at once (set by the reader thread)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pids: dict[int, int] = {}
@@ -166,6 +167,7 @@ class Zygote:
                     self.stores_pid = message["stores"]
                     self._log_import("torch.distributed imported and the store host forked")
                 elif "ready" in message:
+                    self.ready = True
                     modules = message.get("preloaded") or []
                     script = f" and {len(modules)} of the script's modules ({', '.join(modules)})" if modules else ""
                     self._log_import(f"torch{script} imported: ready to fork workers")
@@ -195,6 +197,12 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the zygote imported its preload (or exited, or ``timeout_s`` passed); returns whether it did."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.ready or not self.alive, timeout_s)
+            return self.ready
 
     def spawn(self, env: Mapping[str, str], command: WorkerCommand, timeout_s: float = 120.0) -> ForkedProc:
         """Fork a worker running ``command`` with ``env`` (the full environment).

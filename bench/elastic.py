@@ -2,10 +2,12 @@
 Prints one table with every column and the ratios to torchrun.
 
 Scenarios, in order, per column: start (node a, --nnodes 1:2) -> first step of every rank; node b joins -> all 4
-ranks stepping, and the survivors' longest pause between two steps around it; kill -9 of one worker -> all ranks
-stepping again; kill -9 of node b (launcher and workers) -> the survivors stepping; committed steps redone per failure;
-steady-state throughput at world 4. Before the table: the plain script's imports in a fresh process (torch,
-``torch._dynamo`` that DDP's constructor imports, ``pliant.worker``), the floor under any start.
+ranks stepping, of which node b's warm-up (its start to its zygote's imports done, from its log: what no launcher
+can skip for a node that never ran the script), and the survivors' longest pause between two steps around it; kill
+-9 of one worker -> all ranks stepping again; kill -9 of node b (launcher and workers) -> the survivors stepping;
+committed steps redone per failure; steady-state throughput at world 4. Before the table: the plain script's imports
+in a fresh process (torch, ``torch._dynamo`` that DDP's constructor imports, ``pliant.worker``), the floor under any
+start.
 
 Columns (``--launchers``), each a launcher and a script:
 
@@ -38,12 +40,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -80,6 +84,7 @@ SAVE_EVERY = 5  # the restart, framework and torchrun columns checkpoint this of
 class Result:
     start: float | None = None
     join: float | None = None
+    warm_up: float | None = None
     join_pause: float | None = None
     worker_kill: float | None = None
     node_kill: float | None = None
@@ -174,6 +179,18 @@ class Launcher:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+_ZYGOTE_READY = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*worker zygote .*ready to fork workers", re.M)
+
+
+def warmed_up(log: Path, started: float) -> float | None:
+    """Seconds from a pliant node's start (wall time ``started``) to its zygote's imports done (its log's line), the
+    warm-up a join cannot skip; None for torchrun, whose workers import after the rendezvous."""
+    found = _ZYGOTE_READY.search(log.read_text(errors="replace")) if log.exists() else None
+    if found is None:
+        return None
+    return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
+
+
 def lost_steps(before: list[dict], after: list[dict]) -> int:
     """Steps done before the event that the new world did again."""
     last = max(s["step"] for s in before if s["rank"] == 0)
@@ -203,6 +220,7 @@ def measure(name: str, timeout_s: float) -> Result:
             result.notes.append(f"scale-up deadlocked: {exc}")
             return result
         result.join = t - t0
+        result.warm_up = warmed_up(workdir / "b.log", wall0)
         time.sleep(1.0)
         result.join_pause = longest_pause(read_jsonl(launcher.events), wall0)
 
@@ -288,6 +306,7 @@ def main() -> None:
     rows = [
         ("start -> first step", "start", "s"),
         ("node joins -> all ranks stepping", "join", "s"),
+        ("  of which its warm-up (imports)", "warm_up", "s"),
         ("survivors' longest pause (join)", "join_pause", "s"),
         ("kill -9 worker -> resumed", "worker_kill", "s"),
         ("kill -9 node -> survivors stepping", "node_kill", "s"),

@@ -70,11 +70,12 @@ def trained_twice(tmp: Path, steps: int) -> dict[int, list[int]]:
 @dataclass(frozen=True)
 class Run:
     """What :func:`join_kill_join_leave` went through: node a's agent (running until the job ends), the generation
-    of the first join, and the generation the kill -9 ended."""
+    of the first join, the generation the kill -9 ended, and node b's second agent (the one that left)."""
 
     agent: Any
     joined: int
     killed_in: int
+    rejoined: Any
 
 
 def join_kill_join_leave(
@@ -103,4 +104,4 @@ def join_kill_join_leave(
     wait_for(lambda: stepping(tmp, 1, 3, after=left_after), wait_s, "node a stepping alone (leave)")
     wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-4000:]
-    return Run(a, joined, killed_in)
+    return Run(a, joined, killed_in, b2)

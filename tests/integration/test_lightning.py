@@ -48,6 +48,12 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     assert "saved for the rescale" in output and "resuming from the rescale checkpoint" in output
     assert "resuming from the script's checkpoint " + str(tmp_path / "own") in output
     assert "workers stopped for the rescale" in output
+    # The joins take the restart path: node a trains on until node b's workers are ready to fork (its warm-up), and
+    # node b forks them once node a restarted (every step trained once: the assertions above).
+    assert "by the restart path: the newcomers warmed up" in output
+    assert (
+        "warmed up in" in run.rejoined.output() and "the other nodes save and restart into it" in run.rejoined.output()
+    )
     # The world the kill broke is aborted (its collectives cannot complete), not asked to save.
     assert f"generation {killed_in} failed: its workers get SIGTERM, then SIGKILL after 0.5s" in output
     print(

@@ -38,6 +38,12 @@ def test_a_trainer_script_with_the_callback_follows_joins_kills_and_leaves(
     output = a.output()
     assert "saved for the rescale" in output and "resuming from the last complete checkpoint" in output
     assert "workers stopped for the rescale" in output
+    # The joins take the restart path: node a trains on until node b's workers are ready to fork (its warm-up), and
+    # node b forks them once node a restarted (every step trained once: the assertions above).
+    assert "by the restart path: the newcomers warmed up" in output
+    assert (
+        "warmed up in" in run.rejoined.output() and "the other nodes save and restart into it" in run.rejoined.output()
+    )
     print(
         f"transformers Trainer with the callback: {len(twice)} steps trained twice, all after the kill -9 "
         f"(generation {killed_in}); join at generation {joined}; {STEPS} steps in all"

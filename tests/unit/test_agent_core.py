@@ -29,9 +29,18 @@ class Agent:
     """Drives decide() like the executor does, recording the actions. With ``instant_stops`` (the default) its
     groups stop at once: a :class:`act.Stop` is answered with :class:`events.GroupStopped` in the same call, and
     what waited for it follows in the returned actions. With ``instant_ports`` (the default) a store port's open or
-    read is answered with :data:`PORT` in the same call."""
+    read is answered with :data:`PORT` in the same call. With ``instant_warmups`` (the default) a join by the restart
+    path finds its newcomers warm at once: its count and its probe are answered in the same call, and the probe is
+    not among the returned actions."""
 
-    def __init__(self, node: str = "a", instant_stops: bool = True, instant_ports: bool = True, **config: object):
+    def __init__(
+        self,
+        node: str = "a",
+        instant_stops: bool = True,
+        instant_ports: bool = True,
+        instant_warmups: bool = True,
+        **config: object,
+    ):
         graces = {
             name: config.pop(f"{name}_grace_s")
             for name in ("rescale", "stop", "finish", "abort")
@@ -43,12 +52,26 @@ class Agent:
         self.actions: list[act.Action] = []
         self.instant_stops = instant_stops
         self.instant_ports = instant_ports
+        self.instant_warmups = instant_warmups
 
     def on(self, event: events.Event, after: float = 0.0) -> list[act.Action]:
         self.now += after
         self.state, done = core.decide(self.state, event, self.now)
         answers = list(done)
-        while answers:
+        while answers or self._warming():
+            if not answers:  # a join by the restart path: its newcomers are warm, and answer the probe
+                handing = self.state.handing
+                assert handing is not None and handing.handover is not None
+                count = handing.handover.needed
+                self.state, probe = core.decide(
+                    self.state, events.ArrivalsRead(handing.generation.number, count), self.now
+                )
+                assert [type(a) for a in probe] == [act.ProbeNewcomers], probe
+                self.state, more = core.decide(
+                    self.state, events.NewcomersProbed(handing.generation.number, count), self.now
+                )
+                done, answers = [*done, *more], [*answers, *more]
+                continue
             action = answers.pop(0)
             if self.instant_stops and isinstance(action, act.Stop):
                 reply: events.Event | None = events.GroupStopped(0)
@@ -61,6 +84,10 @@ class Agent:
                 done, answers = [*done, *more], [*answers, *more]
         self.actions += done
         return done
+
+    def _warming(self) -> bool:
+        handing = self.state.handing
+        return self.instant_warmups and handing is not None and handing.restart and handing.port is not None
 
     def kinds(self, actions: list[act.Action]) -> list[str]:
         return [type(a).__name__ for a in actions]
@@ -667,6 +694,60 @@ def test_a_world_replaced_after_a_failure_is_aborted_and_one_replaced_by_a_resca
     actions = agent.on(events.GenerationSeen(gen))
     assert [a for a in actions if isinstance(a, act.Stop)] == [stop]
     assert _stopping(agent) is (core.StopStage.ABORT if stop.failed else core.StopStage.RESCALE)
+
+
+def _warming_join(**config: object) -> tuple[Agent, Generation]:
+    """An agent on the restart path whose world of one (node a) is joined by node b (2 workers): waiting for b's
+    warm-up, its group still running generation 1."""
+    agent = Agent(instant_warmups=False, rescale_in_place=False, **config)
+    agent.on(events.GenerationSeen(_gen(1, "a")))
+    gen = _gen(2, "a", "b")
+    assert agent.on(events.GenerationSeen(gen)) == [act.Prepare(gen)]  # the store opens; the workers train on
+    handing = agent.state.handing
+    assert handing is not None and handing.restart and agent.state.group.number == 1
+    assert agent.state.lifecycle is AgentState.RUNNING
+    return agent, gen
+
+
+def test_a_join_by_the_restart_path_stops_the_survivors_once_the_newcomers_workers_are_forked() -> None:
+    """The survivors pause for the save and the restart only: their workers train on while the newcomer imports and
+    forks its workers (its agent counts them in at the new generation's store), then save and restart."""
+    agent, gen = _warming_join()
+    assert act.ReadArrivals(gen, PORT, warm=True) in agent.on(events.Tick())
+    assert agent.on(events.ArrivalsRead(2, 0)) == [act.ProbeNewcomers(gen, ("b",), 0)]  # the first probe at once
+    assert agent.on(events.NewcomersProbed(2, 0)) == []  # b answers, and has forked nothing yet: wait
+    assert agent.on(events.ArrivalsRead(2, 2), after=0.1) == [act.ProbeNewcomers(gen, ("b",), 2)]
+    assert agent.on(events.NewcomersProbed(2, 2)) == [act.Stop(rescale=True), act.Start(gen, PORT)]
+    assert agent.state.group.number == 2 and agent.state.handing is None
+
+
+def test_a_join_by_the_restart_path_goes_ahead_after_the_rescale_grace_without_its_newcomers() -> None:
+    agent, gen = _warming_join(rescale_grace_s=30.0)
+    agent.on(events.ArrivalsRead(2, 0))
+    agent.on(events.NewcomersProbed(2, 0))
+    assert agent.on(events.ArrivalsRead(2, 0), after=30.0) == [act.ProbeNewcomers(gen, ("b",), 0)]
+    assert agent.on(events.NewcomersProbed(2, 0)) == [act.Stop(rescale=True), act.Start(gen, PORT)]
+
+
+def test_a_group_that_ends_while_its_join_waits_ends_as_the_new_generation() -> None:
+    """Saved for a rescale (another node went ahead and its request reached every rank), the join goes ahead; a
+    failure or the job's last step is the generation the coordinator runs now, the newcomers untrained in it."""
+    saved, gen = _warming_join()
+    assert saved.on(events.GroupExited(GroupResult(1, {0: RESCALE_EXIT_CODE, 1: RESCALE_EXIT_CODE}))) == [
+        act.Stop(rescale=True),
+        act.Start(gen, PORT),
+    ]
+    failed, _ = _warming_join()
+    why = "local rank 0 (rank 0) exited with code 1"
+    assert failed.on(events.GroupExited(GroupResult(1, {0: 1}), why, alive=1)) == [
+        act.Stop(failed=True),
+        act.Send(act.Report("failure", 2, 1, why)),
+    ]
+    done, _ = _warming_join()
+    assert done.on(events.GroupExited(GroupResult(1, {0: 0, 1: 0}))) == [
+        act.Stop(),
+        act.Send(act.Report("success", 2, untrained=True)),
+    ]
 
 
 def test_the_jobs_end_lets_workers_finish_then_sigterms_and_exits_once_they_are_gone() -> None:
