@@ -575,8 +575,8 @@ class Agent:
         at ``gen``'s store (:data:`pliant.agent.stores.WARM_KEY`), and when the other nodes wait for this one to
         restart into ``gen`` (a join by the restart path, :data:`pliant.agent.stores.RESTARTING_KEY`), wait until
         every node counted in: the others saved and restarted, so these workers read no checkpoint older than the
-        rescale's. A store that does not answer, or nodes that do not count in within the rescale grace, only end
-        the wait."""
+        rescale's. A store that does not answer, nodes that do not count in within the rescale and stop graces, or a
+        newer generation (the workers then start only to be stopped) end the wait."""
         started = time.monotonic()
         if self.zygote is not None:
             self.zygote.wait_ready(ZYGOTE_READY_S)
@@ -597,7 +597,7 @@ class Agent:
             warm - started,
         )
         deadline = warm + self.config.rescale_grace_s + self.config.stop_grace_s
-        while counted < gen.world_size and time.monotonic() < deadline:
+        while counted < gen.world_size and time.monotonic() < deadline and self.membership.newest_seen <= gen.number:
             time.sleep(WARM_POLL_S)
             with contextlib.suppress(StoreHostError):
                 counted = self.store.arrivals(host, port, WARM_KEY)
