@@ -606,7 +606,8 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
     code = failure[1] if failure else 1
     message = event.message or f"a worker exited with code {code}"
     report = _failure(state, result.generation, FailureCause.EXITED, message, code, event.error)
-    return _enter(state, Waiting(), "worker failure reported"), [Stop(failed=True), Send(report)]
+    # Reported before the abort ends: the other nodes abort their workers of the lost world meanwhile.
+    return _enter(state, Waiting(), "worker failure reported"), [Send(report), Stop(failed=True)]
 
 
 def _exit_while_warming(state: CoreState, handing: HandingOver, event: GroupExited) -> tuple[CoreState, list[Action]]:
@@ -623,7 +624,8 @@ def _exit_while_warming(state: CoreState, handing: HandingOver, event: GroupExit
     code = failure[1] if failure else 1
     message = event.message or f"a worker exited with code {code}"
     report = _failure(state, gen.number, FailureCause.EXITED, message, code, event.error)
-    return _enter(state, Waiting(), "worker failure reported"), [Stop(failed=True), Send(report)]
+    # Reported before the abort ends: the other nodes abort their workers of the lost world meanwhile.
+    return _enter(state, Waiting(), "worker failure reported"), [Send(report), Stop(failed=True)]
 
 
 def _fenced_by(state: CoreState, fence: Fence | None) -> str:

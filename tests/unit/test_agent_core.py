@@ -124,7 +124,7 @@ def test_outcomes_of_a_group() -> None:
     agent.on(events.GenerationSeen(_gen(3, "a", "b")))
     why = "local rank 1 (rank 1) exited with code -9"
     failed = agent.on(events.GroupExited(GroupResult(3, {0: 0, 1: -9}), why))
-    assert failed == [act.Stop(failed=True), act.Send(act.Report("failure", 3, -9, why))]
+    assert failed == [act.Send(act.Report("failure", 3, -9, why)), act.Stop(failed=True)]
     assert agent.on(events.GroupExited(GroupResult(3, {0: 1}))) == [act.Stop()]  # not the running group: reap only
 
 
@@ -463,7 +463,7 @@ def test_a_dead_worker_in_place_is_reported_and_the_others_wait() -> None:
     lost = Agent(rescale_in_place=True)
     lost.on(events.GenerationSeen(_gen(1, "a")))
     _ready(lost)
-    assert lost.kinds(lost.on(events.GroupExited(GroupResult(1, {0: -9, 1: -9}), "", alive=0))) == ["Stop", "Send"]
+    assert lost.kinds(lost.on(events.GroupExited(GroupResult(1, {0: -9, 1: -9}), "", alive=0))) == ["Send", "Stop"]
 
 
 def test_a_group_that_dies_before_a_pending_hand_over_reports_the_handed_generation() -> None:
@@ -476,7 +476,7 @@ def test_a_group_that_dies_before_a_pending_hand_over_reports_the_handed_generat
     agent.on(events.GenerationSeen(_gen(2, "a", "b", "c")), after=0.5)
     why = "local rank 0 (rank 0) exited with code 1"
     actions = agent.on(events.GroupExited(GroupResult(1, {0: 1}), why, alive=0))
-    assert actions == [act.Stop(failed=True), act.Send(act.Report("failure", 2, 1, why))]
+    assert actions == [act.Send(act.Report("failure", 2, 1, why)), act.Stop(failed=True)]
     assert agent.state.group is None and agent.state.lifecycle is AgentState.WAITING
     # A group of an earlier generation, replaced by a fresh start (not handed in place), is only reaped.
     fresh = Agent(rescale_in_place=False)
@@ -664,14 +664,16 @@ def test_a_rescale_no_worker_takes_is_sigterm_at_once_and_sigkill_after_the_stop
 
 def test_a_worker_failure_aborts_the_rest_of_the_group_sigkill_after_the_abort_grace() -> None:
     """The other workers of a world whose worker died wait in collectives that never complete: they get SIGTERM at
-    once and SIGKILL after the abort grace, not the stop grace, and the failure report waits until they are gone."""
+    once and SIGKILL after the abort grace, not the stop grace; the failure is reported at once, so that the other
+    nodes abort their workers of that world meanwhile."""
     agent = Agent(instant_stops=False, stop_grace_s=5.0, abort_grace_s=0.5)
     agent.on(events.GenerationSeen(_gen(1, "a")))
     failed = agent.on(events.GroupExited(GroupResult(1, {0: -9}), "killed", alive=1))
-    assert failed == [act.Stop(failed=True)] and _stopping(agent) is core.StopStage.ABORT
+    assert agent.kinds(failed) == ["Send", "Stop"] and failed[1] == act.Stop(failed=True)
+    assert _stopping(agent) is core.StopStage.ABORT
     assert _tick(agent, 0.4) == []
     assert _tick(agent, 0.1) == [act.Escalate(core.StopStage.KILL)]
-    assert agent.kinds(agent.on(events.GroupStopped(1), after=0.05)) == ["Send"]
+    assert agent.on(events.GroupStopped(1), after=0.05) == []
 
 
 @pytest.mark.parametrize(
@@ -740,8 +742,8 @@ def test_a_group_that_ends_while_its_join_waits_ends_as_the_new_generation() -> 
     failed, _ = _warming_join()
     why = "local rank 0 (rank 0) exited with code 1"
     assert failed.on(events.GroupExited(GroupResult(1, {0: 1}), why, alive=1)) == [
-        act.Stop(failed=True),
         act.Send(act.Report("failure", 2, 1, why)),
+        act.Stop(failed=True),
     ]
     done, _ = _warming_join()
     assert done.on(events.GroupExited(GroupResult(1, {0: 0, 1: 0}))) == [
