@@ -483,13 +483,18 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
             handing = HandingOver(group, gen, None, HandOver(newcomers, needed, now + state.config.graces.rescale_s))
             return _enter(state, handing, f"{why}, once {', '.join(newcomers)} arrive"), actions
         return _enter(state, HandingOver(replace(group, members=ids), gen), why), actions
-    if mine is not None and isinstance(state.current, Running) and gen.reason == "join":
-        newcomers = tuple(node for node in ids if node not in set(state.current.group.members))
+    current = state.current
+    training = (
+        current if isinstance(current, Running) or (isinstance(current, HandingOver) and current.restart) else None
+    )
+    if mine is not None and training is not None and gen.reason == "join" and training.group.members:
+        # A join by the restart path (or another while one waits): the workers train on until the newcomers to their
+        # world are warm.
+        newcomers = tuple(node for node in ids if node not in set(training.group.members))
         needed = sum(m.nproc for m in gen.members if m.node_id in newcomers)
-        if needed and state.current.group.members:
-            # A join by the restart path: the workers train on until the newcomers are warm.
+        if needed:
             wait = HandOver(newcomers, needed, now + state.config.graces.rescale_s)
-            handing = HandingOver(state.current.group, gen, None, wait, restart=True)
+            handing = HandingOver(training.group, gen, None, wait, restart=True)
             why = f"generation {gen.number} by the restart path once {', '.join(newcomers)} warmed up"
             return _enter(state, handing, why), actions
     stranded = False

@@ -731,6 +731,15 @@ def test_a_join_by_the_restart_path_goes_ahead_after_the_rescale_grace_without_i
     assert agent.on(events.NewcomersProbed(2, 0)) == [act.Stop(rescale=True), act.Start(gen, PORT)]
 
 
+def test_a_join_that_comes_while_one_waits_waits_for_every_newcomer_to_the_running_world() -> None:
+    agent, _ = _warming_join()
+    gen = _gen(3, "a", "b", "c")
+    assert agent.on(events.GenerationSeen(gen)) == [act.Prepare(gen)]  # still no stop: the workers train on
+    handing = agent.state.handing
+    assert handing is not None and handing.restart and handing.generation == gen and agent.state.group.number == 1
+    assert handing.handover is not None and handing.handover.newcomers == ("b", "c") and handing.handover.needed == 4
+
+
 def test_a_group_that_ends_while_its_join_waits_ends_as_the_new_generation() -> None:
     """Saved for a rescale (another node went ahead and its request reached every rank), the join goes ahead; a
     failure or the job's last step is the generation the coordinator runs now, the newcomers untrained in it."""
