@@ -70,7 +70,8 @@ def _join_command(args: argparse.Namespace, address: str, pin: str, token: str) 
 
 def agent_main(args: argparse.Namespace) -> int:
     """``pliant agent``: one node's agent joining an existing coordinator."""
-    from pliant.agent.agent import Agent
+    from pliant.agent.preload import plan_preload
+    from pliant.agent.workers import Zygote, worker_base_env
 
     ignored_notes(args)
     coordinator = [c.strip() for c in args.coordinator.split(",") if c.strip()]
@@ -91,7 +92,15 @@ def agent_main(args: argparse.Namespace) -> int:
         line = _join_command(args, COORDINATORS, config.ca_cert_hash, config.join_token)
         config = dataclasses.replace(config, seat=True, seat_key=args.seat_key, join_line=line)
         _quiet_control_plane()  # a seat this node may take or be handed
-    return Agent(config).run()
+    # The zygote's imports are a joining node's critical path (its warm-up): they begin before the agent's own.
+    zygote = None if config.no_python else Zygote(worker_base_env(config.nproc_per_node), plan_preload(config))
+    try:
+        from pliant.agent.agent import Agent
+
+        return Agent(config, zygote=zygote).run()
+    finally:
+        if zygote is not None:  # the agent closed it, unless it failed to start
+            zygote.close()
 
 
 def _quiet_control_plane() -> None:
