@@ -49,7 +49,8 @@ ARRIVED_KEY = "/pliant/arrived"  # a generation store's count of fresh workers a
 WARM_KEY = "/pliant/warm"
 # How many nodes of a generation wait for its newcomers before they restart into it (a join by the restart path): a
 # newcomer's workers then start only once every node counted in at WARM_KEY, after the others saved and restarted, so
-# that no worker reads a checkpoint older than the one the rescale saves.
+# that no worker reads a checkpoint older than the one the rescale saves. A worker that adds to it delays its own
+# job's newcomers by the rescale and stop graces at most.
 RESTARTING_KEY = "/pliant/restarting"
 
 
