@@ -108,8 +108,8 @@ class Reconfigure:
 @dataclass(frozen=True)
 class ReadArrivals:
     """Count the workers that counted themselves in at ``generation``'s store (on ``port``); answered with
-    :class:`pliant.agent.events.ArrivalsRead`. ``warm``: count instead the workers the newcomers' agents forked
-    (:data:`pliant.agent.stores.WARM_KEY`), for a change by the restart path."""
+    :class:`pliant.agent.events.ArrivalsRead`. ``warm``: count instead the workers the nodes' agents are about to
+    fork, their imports done (:data:`pliant.agent.stores.WARM_KEY`), for a join by the restart path."""
 
     generation: Generation
     port: int

@@ -247,9 +247,9 @@ class HandingOver:
     newcomers). The workers train on in their generation meanwhile.
 
     ``restart``: a join by the restart path. The group runs its own generation (``group.number``) until the
-    newcomers' workers were forked (their agents count them in once their imports are done, the warm-up), then is
-    stopped for the rescale and ``generation``'s group started: the survivors pause for the save and the restart
-    only, not for the newcomers' imports."""
+    newcomers are warm (their agents count their workers in once their zygote's imports are done), then is stopped
+    for the rescale and ``generation``'s group started: the survivors pause for the save and the restart only, not
+    for the newcomers' imports."""
 
     group: Group
     generation: Generation

@@ -43,9 +43,9 @@ PORT_ATTEMPT_S = 2.0  # one attempt to read a generation's store port; see NodeS
 
 _RENEWING_KEY = "/pliant/agent/renewing"  # "<seconds of unbroken renewals (-1: none)> <newest generation seen>"
 ARRIVED_KEY = "/pliant/arrived"  # a generation store's count of fresh workers about to join it
-# A generation store's count of the workers its nodes' agents forked for it: a join by the restart path waits for its
-# newcomers' (their warm-up) before the survivors stop. Any worker of the job can add to it, and gains nothing by it:
-# the survivors then restart sooner, as they would without the wait.
+# A generation store's count of the workers its nodes' agents are about to fork for it (their zygote's imports done):
+# a join by the restart path waits for its newcomers' (their warm-up) before the survivors stop. Any worker of the job
+# can add to it, and gains nothing by it: the survivors then restart sooner, as they would without the wait.
 WARM_KEY = "/pliant/warm"
 # How many nodes of a generation wait for its newcomers before they restart into it (a join by the restart path): a
 # newcomer's workers then start only once every node counted in at WARM_KEY, after the others saved and restarted, so
@@ -226,8 +226,8 @@ class NodeStore:
     def arrivals(self, host: str, port: int, key: str = ARRIVED_KEY) -> int:
         """How many fresh workers announced that they are about to join the generation whose store is at
         ``host:port`` (see :func:`pliant.worker.inplace.groups.announce_arrival`), or with ``key`` :data:`WARM_KEY`
-        how many workers the nodes' agents forked for it (:meth:`count_in`). The host keeps the client for the next
-        poll.
+        how many workers the nodes' agents are about to fork for it (:meth:`count_in`). The host keeps the client for
+        the next poll.
 
         Raises:
             StoreHostError: that store is not reachable (yet).
