@@ -504,12 +504,14 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
         # after a failed step have no boundary left to hand over at (their world broke; the next goes on without
         # them), and may sit in a meeting with a peer they cannot reach: they are stopped at once.
         # A world the job replaced because it failed (a worker died, a node was lost) can save nothing: its workers
-        # are aborted, and the next world restores from the last checkpoint.
+        # are aborted, and the next world restores from the last checkpoint. A node lost that was not in this
+        # group's world (a newcomer that never arrived while it waited) broke nothing: it saves.
         leave = mine is None and bool(gen.members) and _moves_in_place(state)
         stranded = leave and bool(group.progress) and all(p.phase == "wait" for _, p in group.progress)
+        intact = gen.reason == "failure" and bool(group.members) and set(group.members) <= set(ids)
         if stranded:
             actions.append(Stop())
-        elif not leave and gen.after_failure:
+        elif not leave and gen.after_failure and not intact:
             actions.append(Stop(failed=True))
         else:
             actions.append(Stop(rescale=True, leave=leave))

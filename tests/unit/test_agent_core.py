@@ -692,7 +692,7 @@ def test_a_world_replaced_after_a_failure_is_aborted_and_one_replaced_by_a_resca
     this node's workers of that world, whose collectives cannot complete; a join or a leave asks them to save."""
     agent = Agent(instant_stops=False)
     agent.on(events.GenerationSeen(_gen(1, "a", "b")))
-    gen = _gen(2, "a", "b", reason=reason) if reason != "leave" else _gen(2, "a", reason=reason)
+    gen = _gen(2, "a", "b", reason=reason) if reason in ("restart", "join") else _gen(2, "a", reason=reason)
     actions = agent.on(events.GenerationSeen(gen))
     assert [a for a in actions if isinstance(a, act.Stop)] == [stop]
     assert _stopping(agent) is (core.StopStage.ABORT if stop.failed else core.StopStage.RESCALE)
@@ -738,6 +738,19 @@ def test_a_join_that_comes_while_one_waits_waits_for_every_newcomer_to_the_runni
     handing = agent.state.handing
     assert handing is not None and handing.restart and handing.generation == gen and agent.state.group.number == 1
     assert handing.handover is not None and handing.handover.newcomers == ("b", "c") and handing.handover.needed == 4
+
+
+def test_a_newcomer_that_never_arrived_breaks_nothing_the_survivors_save() -> None:
+    """A restart-path join whose newcomer cannot be reached is reported; the generation that drops the newcomer has
+    reason ``failure``, but the running world never had it: its workers save for the rescale, not aborted."""
+    agent, _ = _warming_join()
+    agent.on(events.ArrivalsRead(2, 0))
+    agent.on(events.NewcomersProbed(2, 0, frozenset({"b"})))
+    agent.on(events.ArrivalsRead(2, 0), after=1.0)
+    assert agent.kinds(agent.on(events.NewcomersProbed(2, 0, frozenset({"b"})))) == ["Send"]  # b: not arrived
+    assert agent.state.group.number == 1 and agent.state.handing is None
+    dropped = _gen(3, "a", reason="failure")
+    assert act.Stop(rescale=True) in agent.on(events.GenerationSeen(dropped))
 
 
 def test_a_group_that_ends_while_its_join_waits_ends_as_the_new_generation() -> None:
