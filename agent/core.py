@@ -464,7 +464,8 @@ def _on_joined(state: CoreState, event: Joined, now: float) -> tuple[CoreState, 
 
 def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple[CoreState, list[Action]]:
     gen = event.generation
-    if state.generation is not None and gen.number <= state.generation.number:
+    prior = state.generation
+    if prior is not None and gen.number <= prior.number:
         return state, []
     state = replace(state, generation=gen)
     mine = next((m for m in gen.members if m.node_id == state.node_id), None)
@@ -504,11 +505,12 @@ def _on_generation(state: CoreState, event: GenerationSeen, now: float) -> tuple
         # after a failed step have no boundary left to hand over at (their world broke; the next goes on without
         # them), and may sit in a meeting with a peer they cannot reach: they are stopped at once.
         # A world the job replaced because it failed (a worker died, a node was lost) can save nothing: its workers
-        # are aborted, and the next world restores from the last checkpoint. A node lost that was not in this
-        # group's world (a newcomer that never arrived while it waited) broke nothing: it saves.
+        # are aborted, and the next world restores from the last checkpoint. A node lost from a world this group
+        # never ran (a newcomer that never arrived while the group waited for it) broke nothing of its own: it saves.
         leave = mine is None and bool(gen.members) and _moves_in_place(state)
         stranded = leave and bool(group.progress) and all(p.phase == "wait" for _, p in group.progress)
-        intact = gen.reason == "failure" and bool(group.members) and set(group.members) <= set(ids)
+        unjoined = prior is not None and group.number < prior.number and bool(group.members)
+        intact = gen.reason == "failure" and unjoined and set(group.members) <= set(ids)
         if stranded:
             actions.append(Stop())
         elif not leave and gen.after_failure and not intact:
