@@ -511,7 +511,9 @@ class Agent:
 
     def _read_arrivals(self, gen: Generation, port: int, key: str) -> None:
         """How many workers counted themselves in at ``gen``'s store on ``port`` (``key``), for the waiting hand-over
-        (0 while the store is not reachable yet: the next tick reads again)."""
+        (0 while the store is not reachable yet: the next tick reads again). A restart-path join's first read
+        (``key`` :data:`WARM_KEY`) also tells the store that this node restarts into ``gen`` once its newcomers are
+        warm (:data:`RESTARTING_KEY`), so that they fork only after it did."""
         master_addr = gen.store_address.rsplit(":", 1)[0]
         arrived = 0
         try:

@@ -612,11 +612,7 @@ def _on_exit(state: CoreState, event: GroupExited, now: float) -> tuple[CoreStat
             why = f"generation {gen.number} restarted from the checkpoint"
             return _enter(state, restarted, why), [_port_of(gen, mine), Stop()]
         return _enter(state, Waiting(), f"workers of generation {result.generation} saved for a rescale"), [Stop()]
-    code = failure[1] if failure else 1
-    message = event.message or f"a worker exited with code {code}"
-    report = _failure(state, result.generation, FailureCause.EXITED, message, code, event.error)
-    # Reported before the abort ends: the other nodes abort their workers of the lost world meanwhile.
-    return _enter(state, Waiting(), "worker failure reported"), [Send(report), Stop(failed=True)]
+    return _group_failed(state, result.generation, event)
 
 
 def _exit_while_warming(state: CoreState, handing: HandingOver, event: GroupExited) -> tuple[CoreState, list[Action]]:
@@ -629,10 +625,15 @@ def _exit_while_warming(state: CoreState, handing: HandingOver, event: GroupExit
     if result.succeeded:
         report = Report("success", gen.number, untrained=True)
         return _enter(state, Waiting(done=True), "workers done; waiting for the job to finish"), [Stop(), Send(report)]
-    failure = result.first_failure
+    return _group_failed(state, gen.number, event)
+
+
+def _group_failed(state: CoreState, generation: int, event: GroupExited) -> tuple[CoreState, list[Action]]:
+    """A worker of the group failed: ``generation``'s failure is reported, and the group's world aborted."""
+    failure = event.result.first_failure
     code = failure[1] if failure else 1
     message = event.message or f"a worker exited with code {code}"
-    report = _failure(state, gen.number, FailureCause.EXITED, message, code, event.error)
+    report = _failure(state, generation, FailureCause.EXITED, message, code, event.error)
     # Reported before the abort ends: the other nodes abort their workers of the lost world meanwhile.
     return _enter(state, Waiting(), "worker failure reported"), [Send(report), Stop(failed=True)]
 

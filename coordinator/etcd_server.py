@@ -237,7 +237,11 @@ class EtcdServer:
         client = etcd3.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=1, failover=True)
         try:
             while time.monotonic() < deadline:
-                self._check_running()
+                if self.proc.poll() is not None:
+                    raise _Exited(
+                        f"etcd ({self.binary}) exited with code {self.proc.returncode} on {self.endpoint}; "
+                        f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
+                    )
                 try:
                     client.get("/", serializable=True)  # what a learner answers too (it refuses a status request)
                     logger.info("etcd %s serving %s (data %s)", self.binary, self.endpoint, self.data_dir)
@@ -248,19 +252,6 @@ class EtcdServer:
             client.close()
         self.kill()
         raise EtcdServerError(f"etcd did not answer on {self.endpoint} within {timeout_s:g}s")
-
-    def _check_running(self) -> None:
-        """Fail fast when the etcd process ``_start`` started has exited.
-
-        Raises:
-            _Exited: it has; the message says where to look.
-        """
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise _Exited(
-                f"etcd ({self.binary}) exited with code {self.proc.returncode} on {self.endpoint}; "
-                f"see {self.log_path or 'its output'} (port taken? data dir {self.data_dir} unusable?)"
-            )
 
     def kill(self) -> None:
         """SIGKILL etcd (a crash); the data directory stays for a restart."""
