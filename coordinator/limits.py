@@ -16,7 +16,11 @@ identities: it limits nothing per caller.
 :class:`RateLimit` is a token bucket per key (the bootstrap port's source addresses, a node's renewals), holding at most
 ``max_keys`` keys: the least recently seen are forgotten first, so its state stays bounded whoever calls.
 
-Threads: every method runs on gRPC's worker threads; ``_held`` and the buckets are guarded by their ``_lock``.
+Each served method's wrapped handler is built once, on its first call, and reused: a call costs its slot and nothing
+more.
+
+Threads: every method runs on gRPC's worker threads; ``_held``, the writes of ``_wrapped`` (read without it: one dict
+lookup) and the buckets are guarded by their ``_lock``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import grpc
 from pliant.security.identity import identity_from_pem
 
 __all__ = ["CallerLimits", "RateLimit", "address_key", "certificate_key"]
+
+MAX_METHODS = 256
+"""Wrapped handlers kept, one per served method (a server's services have far fewer)."""
 
 Key = Callable[[grpc.ServicerContext], str]
 Observer = Callable[[str, grpc.StatusCode, float], None]
@@ -83,14 +90,27 @@ class CallerLimits(grpc.ServerInterceptor):
         self._observe = observe or (lambda method, code, seconds: None)
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}
+        # method path -> the handler wrapped in a slot, built on the method's first call
+        self._wrapped: dict[str, Any] = {}
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
     ) -> Any:
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is not None:
+            return wrapped
         handler = continuation(details)
         if handler is None or handler.request_streaming:
             return handler
-        method = _method(details)
+        wrapped = self._wrap(handler, _method(details))
+        with self._lock:
+            if len(self._wrapped) < MAX_METHODS:  # only served methods get here: the services' methods
+                self._wrapped[details.method] = wrapped
+        return wrapped
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        """``handler`` as a request-streaming handler that takes one of the caller's slots before it reads the
+        request."""
         if handler.response_streaming:
             stream = handler.unary_stream
 

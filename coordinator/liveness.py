@@ -13,16 +13,21 @@ etcd last confirmed a keepalive this replica sent for it, and decides with :func
   gap, after its member key was deleted, or while etcd answers no batch) makes its keepalive in the call, so that an
   expired or revoked lease fails it with NotFound and an etcd that does not answer fails it with UNAVAILABLE.
 
+A confirmation is dated when its keepalive was sent, so ``now`` less that date is never less than the lease's age in
+etcd (a later keepalive from another replica only makes the lease younger). The leader uses that bound, for leases its
+own replica confirmed within half a TTL, in place of a lookup of their age (:func:`age_bound`).
+
 What holds:
 
 - a lease's age in etcd lags the node's last heartbeat by at most ``period_s`` and etcd's answer;
-- a heartbeat is never answered from memory more than half a TTL after etcd last confirmed its lease;
+- a heartbeat is never answered from memory more than half a TTL after its lease's last confirmed keepalive was sent;
+- an age bound is at least the lease's age in etcd, and is given only within half a TTL of that keepalive;
 - a lease a batch finds gone (expired, revoked) is forgotten, and so is the lease of a member key the replica's watch
   sees deleted (a leave, an eviction, the job's deletion): that node's next heartbeat goes to etcd and fails NotFound.
 
-Threads: :meth:`HeartbeatPump.beat`, :meth:`~HeartbeatPump.confirmed`, :meth:`~HeartbeatPump.write` and
-:meth:`~HeartbeatPump.forget` run on RPC threads and the member watch's; the pump thread (started by the first queued
-heartbeat) sends the batches.
+Threads: :meth:`HeartbeatPump.beat`, :meth:`~HeartbeatPump.refresh_now`, :meth:`~HeartbeatPump.write` and
+:meth:`~HeartbeatPump.forget` run on RPC threads and the member watch's, :meth:`~HeartbeatPump.age_bounds` on the
+reconciler's; the pump thread (started by the first queued heartbeat) sends the batches.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import NamedTuple
 
 from pliant.coordinator.keepalive import KeepAliveStream
 
-__all__ = ["WRITES_PER_TXN", "HeartbeatPump", "ProgressWrite", "answers_from_memory"]
+__all__ = ["WRITES_PER_TXN", "HeartbeatPump", "ProgressWrite", "age_bound", "answers_from_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +60,19 @@ class ProgressWrite(NamedTuple):
 
 
 def answers_from_memory(confirmed_at: float | None, ttl_s: float, now: float) -> bool:
-    """Whether a heartbeat of a lease etcd last confirmed at ``confirmed_at`` (None: never, here) may be answered
-    without asking etcd: only within half the job's heartbeat TTL of that confirmation."""
+    """Whether a heartbeat of a lease whose last keepalive etcd confirmed was sent at ``confirmed_at`` (None: none,
+    here) may be answered without asking etcd: only within half the job's heartbeat TTL of that keepalive."""
     return confirmed_at is not None and now - confirmed_at < ttl_s / 2
+
+
+def age_bound(confirmed_at: float | None, ttl_s: float, now: float) -> float | None:
+    """An upper bound of the age of a lease whose last keepalive etcd confirmed was sent at ``confirmed_at`` (None:
+    none, here), or None when it is unknown or half the job's heartbeat TTL or more: a bound that large could name a
+    live node silent (its agent may beat on another replica now), so its age is looked up instead."""
+    if confirmed_at is None:
+        return None
+    age = max(0.0, now - confirmed_at)
+    return age if age < ttl_s / 2 else None
 
 
 class HeartbeatPump:
@@ -91,7 +106,7 @@ class HeartbeatPump:
         self.timeout_s = timeout_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._confirmed: dict[int, float] = {}  # lease id -> when etcd last confirmed a keepalive sent from here
+        self._confirmed: dict[int, float] = {}  # lease id -> when its last keepalive etcd confirmed was sent from here
         self._due: set[int] = set()  # leases whose heartbeats since the last batch await its keepalive
         self._writes: dict[str, ProgressWrite] = {}  # progress key -> the latest write awaiting the next batch
         self._thread: threading.Thread | None = None
@@ -102,7 +117,7 @@ class HeartbeatPump:
 
     def beat(self, lease_id: int, ttl_s: float) -> bool:
         """Queue ``lease_id``'s keepalive for the next batch when the heartbeat may be answered from memory; False
-        when it may not (the caller refreshes the lease itself, then calls :meth:`confirmed`)."""
+        when it may not (the caller refreshes the lease itself, with :meth:`refresh_now`)."""
         with self._lock:
             if not answers_from_memory(self._confirmed.get(lease_id), ttl_s, self._clock()):
                 return False
@@ -111,10 +126,29 @@ class HeartbeatPump:
         self._wake.set()
         return True
 
-    def confirmed(self, lease_id: int) -> None:
-        """etcd has just confirmed a keepalive of ``lease_id`` made in a call."""
+    def refresh_now(self, lease_id: int, refresh: Callable[[], object]) -> None:
+        """Refresh ``lease_id`` in the caller's thread with ``refresh`` (which raises when etcd does not confirm it);
+        once it returns, its keepalive counts as confirmed."""
+        sent = self._clock()
+        refresh()
+        self._confirm({lease_id: sent})
+
+    def age_bounds(self, lease_ids: Collection[int], ttl_s: float) -> dict[int, float]:
+        """Upper bounds of the ages of those of ``lease_ids`` whose keepalives this replica sent lately (see
+        :func:`age_bound`); the others are left out."""
+        now, bounds = self._clock(), {}
         with self._lock:
-            self._confirmed[lease_id] = self._clock()
+            for lease_id in lease_ids:
+                bound = age_bound(self._confirmed.get(lease_id), ttl_s, now)
+                if bound is not None:
+                    bounds[lease_id] = bound
+        return bounds
+
+    def _confirm(self, sent: dict[int, float]) -> None:
+        """etcd confirmed the keepalives of these leases, sent at these times."""
+        with self._lock:
+            for lease_id, at in sent.items():
+                self._confirmed[lease_id] = max(at, self._confirmed.get(lease_id, at))
 
     def write(self, progress: ProgressWrite) -> None:
         """Write ``progress`` with the next batch (a later write of the same key replaces it)."""
@@ -169,8 +203,9 @@ class HeartbeatPump:
                 return
 
     def _refresh(self, due: set[int]) -> None:
+        sent = self._clock()
         answers = self._stream.refresh_many(due, self.timeout_s)
-        now, lost, errors = self._clock(), [], []
+        lost, errors = [], []
         with self._lock:
             for lease_id, answer in answers.items():
                 if isinstance(answer, Exception):
@@ -179,7 +214,7 @@ class HeartbeatPump:
                     lost.append(lease_id)
                     self._confirmed.pop(lease_id, None)
                 elif lease_id in self._confirmed:  # not forgotten meanwhile
-                    self._confirmed[lease_id] = now
+                    self._confirmed[lease_id] = max(sent, self._confirmed[lease_id])
         if errors and not self._failing:
             logger.warning(
                 "etcd answered no keepalive for %d of %d heartbeats (%s); until it does, heartbeats go to etcd "

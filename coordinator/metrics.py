@@ -158,16 +158,29 @@ class CoordinatorMetrics:
             "Unexpected errors in the reconciler or election that made this replica resign.",
             registry=registry,
         )
+        # Labelled series by their labels, looked up once: a heartbeat observes three (any thread writes a missing
+        # entry; two writing one at once store the same series).
+        self._rpc_children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
+        self._etcd_children: dict[str, Histogram] = {}
         self.leader.set_function(lambda: float(is_leader()))
         self._jobs = _JobCollector(is_leader)
         registry.register(self._jobs)
 
     def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        self.rpcs.labels(method, code.name).inc()
-        self.rpc_seconds.labels(method).observe(seconds)
+        children = self._rpc_children.get((method, code))
+        if children is None:  # a method's or code's first call (a bounded set: the served methods, the codes)
+            children = self._rpc_children[(method, code)] = (
+                self.rpcs.labels(method, code.name),
+                self.rpc_seconds.labels(method),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_etcd(self, operation: str, seconds: float, failed: bool) -> None:
-        self.etcd_seconds.labels(operation).observe(seconds)
+        child = self._etcd_children.get(operation)
+        if child is None:  # a store operation's first call (a bounded set: the store's methods)
+            child = self._etcd_children[operation] = self.etcd_seconds.labels(operation)
+        child.observe(seconds)
         if failed:
             self.etcd_errors.labels(operation).inc()
 

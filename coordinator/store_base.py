@@ -47,6 +47,7 @@ __all__ = [
     "EtcdBase",
     "EtcdObserver",
     "Fence",
+    "JobKeys",
     "StrikeRecord",
     "decode",
     "etcd_call",
@@ -127,6 +128,16 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
                 self.observer(fn.__name__, time.perf_counter() - started, failed)
 
     return wrapper
+
+
+class JobKeys(NamedTuple):
+    """A job's keys, as a Join hands them to a member: the checkpoint key (:func:`pliant.security.seal.job_key`), the
+    agent key (:func:`pliant.security.seal.agent_key`) and the public half of the control key
+    (:func:`pliant.security.warrant.public_key`)."""
+
+    checkpoint: bytes
+    agent: bytes
+    control: bytes
 
 
 class StrikeRecord(NamedTuple):
@@ -222,6 +233,7 @@ class EtcdBase:
         self._specs: dict[str, tuple[JobSpec, int]] = {}  # job -> (spec, create revision of its key)
         self._bound: dict[int, tuple[str, str]] = {}  # lease id -> (job, node) whose member key it was seen holding
         self._token_digests: dict[str, str] = {}  # job -> join token digest last read (Join's txn re-checks it)
+        self._job_keys: dict[str, JobKeys] = {}  # job -> its keys (any RPC thread may write one: the same value)
         self.timeout_s = timeout_s
         self._keepalive = KeepAliveStream(self._keepalive_target)  # the members' heartbeats
         # The replica's own leases (its leadership) on a stream of their own: a keepalive queued behind thousands of
@@ -298,17 +310,16 @@ class EtcdBase:
             self._seal_root = root
         return self._seal_root
 
-    def checkpoint_key(self, job: str) -> bytes:
-        """``job``'s checkpoint key (:func:`pliant.security.seal.job_key`)."""
-        return job_key(self.seal_root(), job)
-
-    def agent_key(self, job: str) -> bytes:
-        """``job``'s agent key (:func:`pliant.security.seal.agent_key`)."""
-        return agent_key(self.seal_root(), job)
-
-    def control_key(self, job: str) -> bytes:
-        """The public half of ``job``'s control key (:func:`pliant.security.warrant.public_key`)."""
-        return warrant.public_key(self.seal_root(), job)
+    def job_keys(self, job: str) -> JobKeys:
+        """``job``'s keys, derived from the sealing root once per job and kept (they depend on nothing else)."""
+        keys = self._job_keys.get(job)
+        if keys is None:
+            root = self.seal_root()
+            keys = JobKeys(job_key(root, job), agent_key(root, job), warrant.public_key(root, job))
+            if len(self._job_keys) > 10_000:  # jobs come and go: forget them all now and then
+                self._job_keys.clear()
+            self._job_keys[job] = keys
+        return keys
 
     def warrant(self, generation: Generation) -> str:
         """The control plane's warrant of ``generation`` (:func:`pliant.security.warrant.sign`)."""

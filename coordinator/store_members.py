@@ -144,9 +144,8 @@ class MemberStore(EtcdBase):
         generation = decode(self.job_key(job, "generation"), Generation.from_json, gen_kv[0][0]).number if gen_kv else 0
         self._bound[lease.id] = (job, member.node_id)
         logger.info("node %s joined job %s (address %s)", member.node_id, job, member.address)
-        return Admission(
-            lease.id, generation, ttl_s, self.checkpoint_key(job), self.agent_key(job), self.control_key(job)
-        )
+        keys = self.job_keys(job)
+        return Admission(lease.id, generation, ttl_s, keys.checkpoint, keys.agent, keys.control)
 
     def _spec(self, job: str) -> tuple[JobSpec, int]:
         """The job's spec and its key's create revision; cached, since a job's spec never changes.
@@ -245,13 +244,12 @@ class MemberStore(EtcdBase):
         if self._pump.beat(lease_id, ttl):
             return ttl
         try:
-            self.refresh_lease(lease_id)
+            self._pump.refresh_now(lease_id, lambda: self.refresh_lease(lease_id))
         except NotFound:
             self._bound.pop(lease_id, None)
             raise NotFound(
                 f"node {node_id!r}'s membership lease in job {job!r} expired or was revoked; Join again"
             ) from None
-        self._pump.confirmed(lease_id)
         return ttl
 
     @etcd_call
@@ -373,16 +371,23 @@ class MemberStore(EtcdBase):
     @etcd_call
     def lease_ages(self, job: str, members: Sequence[Member]) -> dict[str, float]:
         """Seconds since each member's last heartbeat, on etcd's clock: its lease's granted TTL less the TTL left
-        (rounded up to whole seconds; -1 when the lease is gone or unknown). ``job`` is part of the store interface.
+        (rounded up to whole seconds; -1 when the lease is gone or unknown).
 
-        The lookups are pipelined, :data:`LOOKUPS_IN_FLIGHT` at a time (etcd has no lookup of many leases at once):
-        heartbeats no longer wait on etcd (:mod:`pliant.coordinator.liveness`), so a sweep over thousands of members
-        takes a few round trips, not thousands. The leader calls this only when a member could be overdue (see the
-        reconciler's sweep).
+        A lease whose keepalive this replica sent within half the job's heartbeat TTL, and etcd confirmed, is not
+        looked up: its age is at most the time since that keepalive (:func:`pliant.coordinator.liveness.age_bound`),
+        which is reported instead; it is neither overdue nor silent. The other leases are looked up, pipelined,
+        :data:`LOOKUPS_IN_FLIGHT` at a time (etcd has no lookup of many leases at once), so a sweep over thousands of
+        members takes a few round trips, not thousands. The leader calls this only when a member could be overdue
+        (see the reconciler's sweep).
         """
         out = {m.node_id: -1.0 for m in members}
         stub, client = self.client.leasestub, self.client
         leased = [m for m in members if m.lease_id]
+        bounds = self._pump.age_bounds([m.lease_id for m in leased], self._spec(job)[0].heartbeat_ttl_s)
+        for member in leased:
+            if member.lease_id in bounds:
+                out[member.node_id] = bounds[member.lease_id]
+        leased = [m for m in leased if m.lease_id not in bounds]
         for start in range(0, len(leased), LOOKUPS_IN_FLIGHT):
             window = leased[start : start + LOOKUPS_IN_FLIGHT]
             lookups = [

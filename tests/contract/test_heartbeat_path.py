@@ -112,3 +112,30 @@ def test_a_membership_deleted_elsewhere_fails_the_next_heartbeats_from_memory(
             with pytest.raises(NotFound, match=r"expired or was revoked|no live membership"):
                 b.heartbeat("job", node, grants[node].lease_id)
         assert b.heartbeat("job", "z", grants["z"].lease_id) == 10
+
+
+def test_the_leader_bounds_the_ages_of_leases_it_confirmed_and_looks_up_the_rest(own_etcd, make_coordinator, fleet):
+    """The ages of leases whose keepalives this replica sent lately come from its memory, each at least the age etcd
+    would give: with etcd paused they are known at once. A lease this replica has not confirmed within half a TTL (its
+    node beats on another replica, or not at all) is looked up: etcd's own age, which grows while the node is
+    silent."""
+    server = make_coordinator(endpoints=(own_etcd.endpoint,))
+    with fleet(server.address) as client:
+        client.create_job(JobSpec("job", 1, 4, heartbeat_ttl_s=4))
+        grants = {n: client.join("job", n, f"127.0.0.1:{i + 1}") for i, n in enumerate(("a", "b"))}
+        client.heartbeat("job", "a", grants["a"].lease_id)  # confirmed here; b never beats
+        store = server.store
+        members = store.read_job("job").members  # with their lease ids
+        time.sleep(1.2)
+        client.heartbeat("job", "a", grants["a"].lease_id)
+        time.sleep(0.3)  # the batch's keepalive is confirmed
+        with Paused(own_etcd):
+            started = time.monotonic()
+            ages = store.lease_ages("job", [m for m in members if m.node_id == "a"])
+            assert time.monotonic() - started < 0.5, "no lookup: etcd answers nothing"
+            assert 0.1 <= ages["a"] < 1.0, "since the batch's keepalive, sent within 0.3 s"
+        ages = store.lease_ages("job", members)
+        assert 0.1 <= ages["a"] < 1.0
+        assert ages["b"] >= 1.0, "b's age is etcd's (whole seconds, rounded up): never confirmed here"
+        time.sleep(2.0)  # half the TTL since a's last keepalive: a is looked up too
+        assert store.lease_ages("job", members)["a"] >= 2.0

@@ -51,3 +51,34 @@ def test_a_caller_without_a_certificate_is_its_address() -> None:
     assert address_key(_Context("ipv4:10.0.0.5:41234")) == "10.0.0.5"
     assert address_key(_Context("ipv6:[::1]:5")) == "::1"
     assert address_key(_Context("unix:/tmp/s")) == "unix:/tmp/s"
+
+
+class _Details:
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.invocation_metadata = ()
+
+
+def test_a_methods_handler_is_wrapped_once_and_unknown_methods_are_not_kept() -> None:
+    """The wrapped handler of a served method is built on its first call and reused; a path no service serves is
+    passed through (gRPC answers UNIMPLEMENTED) and never kept, whatever a caller sends."""
+    import grpc
+
+    from pliant.coordinator.limits import CallerLimits
+
+    built: list[str] = []
+
+    def continuation(details: _Details) -> object:
+        built.append(details.method)
+        if details.method.endswith("/Heartbeat"):
+            return grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+        return None
+
+    limits = CallerLimits(2, lambda context: "", "certificate")
+    first = limits.intercept_service(continuation, _Details("/pliant.v1.Coordinator/Heartbeat"))
+    again = limits.intercept_service(continuation, _Details("/pliant.v1.Coordinator/Heartbeat"))
+    assert first is again and first.request_streaming and not first.response_streaming
+    assert first.stream_unary(iter(["ping"]), object()) == "ping"
+    for i in range(1000):
+        assert limits.intercept_service(continuation, _Details(f"/x.Y/Nope{i}")) is None
+    assert built.count("/pliant.v1.Coordinator/Heartbeat") == 1 and len(limits._wrapped) == 1
