@@ -23,6 +23,11 @@ Columns (``--launchers``), each a launcher and a script:
 - ``trainer``, ``torchrun+trainer``: examples/train_hf_trainer.py (a Hugging Face Trainer with pliant's one-line
   callback, Trainer checkpoints every 5 steps) under ``pliant run`` (its defaults: the restart path) and under torchrun
   (the script resumes from its newest checkpoint itself, ``--resume``).
+- ``in-place+fsdp``, ``in-place+hsdp``: the plain script with ``--engine fsdp`` (FSDP2 over the world: a join
+  gathers the whole state and reshards it) and ``--engine hsdp`` (a replica per node: a join sends the newcomer's
+  node one replica's shards, shard for shard), at ``--width 512`` (2.2 MB of parameters and momentum), with two
+  more rows: the state bytes node b's ranks received at the join (their "received from peers" log lines) and the
+  bytes node a's ranks sent or received (their "rescale in place" lines).
 - ``lightning``, ``torchrun+lightning``: examples/train_lightning_elastic.py (pliant's one-line strategy, the script's
   own ``last.ckpt`` every 5 steps) under ``pliant run`` and under torchrun (devices and num_nodes from torchrun's
   environment and ``ckpt_path="last"``, ``--world-from-env``: what a Lightning script sets itself to change size
@@ -75,7 +80,11 @@ LAUNCHERS = {
     "torchrun+trainer": ("torchrun", "trainer"),
     "lightning": ("pliant", "lightning"),
     "torchrun+lightning": ("torchrun", "lightning"),
+    "in-place+fsdp": ("in-place", "plain"),
+    "in-place+hsdp": ("in-place", "plain"),
 }
+ENGINES = {"in-place+fsdp": "fsdp", "in-place+hsdp": "hsdp"}  # columns whose plain script runs another engine than DDP
+WIDTH = {"in-place+fsdp": 512, "in-place+hsdp": 512}  # hidden width of those columns' model (2.2 MB with momentum)
 STEP_TIME = 0.05
 SAVE_EVERY = 5  # the restart, framework and torchrun columns checkpoint this often
 
@@ -91,6 +100,8 @@ class Result:
     lost_worker_kill: int | None = None
     lost_node_kill: int | None = None
     throughput: float | None = None
+    join_received: int | None = None
+    join_survivors: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -128,6 +139,7 @@ class Launcher:
     """How to start node a and node b for one column."""
 
     def __init__(self, name: str, workdir: Path) -> None:
+        self.name = name
         self.launcher, self.kind = LAUNCHERS[name]
         self.script = SCRIPTS[self.kind]
         self.workdir = workdir
@@ -149,6 +161,8 @@ class Launcher:
             args = ["--max-steps", "1000000", "--save-every", str(SAVE_EVERY), "--save-dir", ckpt, *events]
             return [str(self.script), *args, *(["--world-from-env"] if torchrun else [])]
         args = [str(self.script), "--steps", "1000000", *events]
+        if self.name in ENGINES:
+            args += ["--engine", ENGINES[self.name], "--width", str(WIDTH[self.name])]
         return args + (["--save-every", str(SAVE_EVERY)] if self.launcher != "in-place" else [])
 
     def command(self, node: str) -> tuple[list[str], dict[str, str]]:
@@ -191,6 +205,17 @@ def warmed_up(log: Path, started: float) -> float | None:
     return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
 
 
+_RECEIVED = re.compile(r"state of step \d+ received from peers in [\d.]+s \((\d+) bytes\)")
+_RESCALED = re.compile(r"rescale in place \(boundary\): .* (\d+) state bytes sent or received")
+
+
+def moved_bytes(log: Path, pattern: re.Pattern[str]) -> int | None:
+    """The state bytes of the in-place log lines ``pattern`` finds in a node's log (one line per rank), summed; None
+    when it has none (the restart path, torchrun)."""
+    found = pattern.findall(log.read_text(errors="replace")) if log.exists() else []
+    return sum(int(n) for n in found) if found else None
+
+
 def lost_steps(before: list[dict], after: list[dict]) -> int:
     """Steps done before the event that the new world did again."""
     last = max(s["step"] for s in before if s["rank"] == 0)
@@ -223,6 +248,8 @@ def measure(name: str, timeout_s: float) -> Result:
         result.warm_up = warmed_up(workdir / "b.log", wall0)
         time.sleep(1.0)
         result.join_pause = longest_pause(read_jsonl(launcher.events), wall0)
+        result.join_received = moved_bytes(workdir / "b.log", _RECEIVED)  # the newcomer's ranks, from peers
+        result.join_survivors = moved_bytes(workdir / "a.log", _RESCALED)  # node a's ranks, sent or received
 
         time.sleep(3)  # steady state at world 4
         window = 5.0
@@ -258,6 +285,7 @@ def measure(name: str, timeout_s: float) -> Result:
 
 
 RATIOS = (
+    ("in-place+hsdp", "in-place+fsdp"),
     ("in-place", "torchrun"),
     ("restart", "torchrun"),
     ("in-place+imports", "torchrun+imports"),
@@ -313,11 +341,15 @@ def main() -> None:
         ("steps redone after worker kill", "lost_worker_kill", "steps"),
         ("steps redone after node kill", "lost_node_kill", "steps"),
         ("throughput at world 4", "throughput", "steps/s"),
+        ("join: state node b's ranks received", "join_received", "B"),
+        ("join: state node a's ranks moved", "join_survivors", "B"),
     ]
     names = list(results)
     pairs = [(n, base) for n, base in RATIOS if n in results and base in results]
     header = f"{'scenario':<36}" + "".join(f"{n:>18}" for n in names)
-    header += "".join(f"{n + '/' + base.partition('+')[0]:>28}" for n, base in pairs)
+    header += "".join(
+        f"{n + '/' + (base.partition('+')[0] if base.startswith('torchrun') else base):>28}" for n, base in pairs
+    )
     print("\n" + header)
     for label, attr, unit in rows:
         line = f"{label:<36}" + "".join(f"{_fmt(getattr(results[n], attr), unit):>18}" for n in names)

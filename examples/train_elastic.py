@@ -22,7 +22,7 @@ import pliant.worker  # pliant
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", default="ddp", choices=["ddp", "zero", "fsdp"])
+    parser.add_argument("--engine", default="ddp", choices=["ddp", "zero", "fsdp", "hsdp"])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=8)

@@ -79,11 +79,14 @@ class RescaleExit(SystemExit):
 
 
 class EngineKind(enum.Enum):
-    """``ddp``: torch DDP. ``zero``: DDP with ZeroRedundancyOptimizer. ``fsdp``: FSDP2 ``fully_shard``."""
+    """``ddp``: torch DDP. ``zero``: DDP with ZeroRedundancyOptimizer. ``fsdp``: FSDP2 ``fully_shard`` over the world.
+    ``hsdp``: FSDP2 over a (replicas x shard group) mesh, elastic along the replicas
+    (:mod:`pliant.worker.hsdp`)."""
 
     DDP = "ddp"
     ZERO = "zero"
     FSDP = "fsdp"
+    HSDP = "hsdp"
 
 
 LossFn = Callable[["torch.nn.Module", Any], "torch.Tensor"]

@@ -155,6 +155,7 @@ class Session:
         optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
         *,
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        shard_group: int | None = None,
         **optimizer_kwargs: Any,
     ) -> Engine:
         """Wrap ``model`` and build its optimizer (``optimizer(params, **optimizer_kwargs)``).
@@ -164,16 +165,29 @@ class Session:
                 torch.optim.lr_scheduler.StepLR(opt, 100)``. The engine steps it after every committed step (do not
                 step it yourself) and keeps its state with the optimizer's: in checkpoints, for newcomers, and in a
                 sharded engine's roll back (:meth:`Engine.use_scheduler`).
+            shard_group: ``"hsdp"`` only: the ranks each replica's shards are cut over (default: this node's ranks,
+                ``LOCAL_WORLD_SIZE``); every world size of the job must be a multiple of it.
 
         Raises:
-            EngineError: an unknown kind, or a scheduler that steps on a metric.
+            EngineError: an unknown kind, a scheduler that steps on a metric, or a shard group for another kind than
+                ``"hsdp"``.
         """
         try:
             kind = EngineKind(kind)
         except ValueError:
             raise EngineError(f"engine {kind!r} is unknown; use one of {[k.value for k in EngineKind]}") from None
+        if shard_group is not None and kind is not EngineKind.HSDP:
+            raise EngineError(f"shard_group={shard_group} is for the hsdp engine only; drop it for {kind.value!r}")
         engine: Engine
-        if kind is EngineKind.FSDP:
+        if kind is EngineKind.HSDP:
+            from pliant.worker.hsdp import HSDPEngine
+
+            self._meet()
+            group = shard_group if shard_group is not None else self.env.local_world_size
+            engine = HSDPEngine(
+                model, optimizer, optimizer_kwargs, self.device, group, runner=self._runner, track=self.world.tracked
+            )
+        elif kind is EngineKind.FSDP:
             from pliant.worker.fsdp import FSDPEngine
 
             self._meet()

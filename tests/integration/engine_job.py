@@ -54,7 +54,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     session = pw.Session(env=env)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    engine = session.engine(model, args.engine, torch.optim.SGD, lr=0.05, momentum=0.9)
+    grouped = {"shard_group": min(args.shard_group, world)} if args.shard_group else {}
+    engine = session.engine(model, args.engine, torch.optim.SGD, lr=0.05, momentum=0.9, **grouped)
     loader = session.loader(Regression(args.samples), args.global_batch, args.micro_batch, seed=1, max_steps=args.steps)
     ckpt = None
     try:
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--shard-group", type=int, default=0, help="hsdp: ranks per shard group (at most the world)")
     parser.add_argument("--ckpt", default="", help="checkpoint directory")
     parser.add_argument("--stop-after", type=int, default=0, help="checkpoint after this many steps and stop")
     parser.add_argument("--resume", type=int, default=0, help="restore (expecting this step) before training")

@@ -74,6 +74,23 @@ def test_saved_at_world_2_resumed_at_world_3_matches_a_static_run(engine: str, t
     assert sum(len(s) for s in seen) == 37 - 30 + 37, "the resumed run saw the rest of the data, not all of it"
 
 
+def test_an_hsdp_checkpoint_loads_at_another_mesh_and_in_another_engine(tmp_path: Path) -> None:
+    """Saved by hsdp at world 4 (two replicas of 2 ranks; async, while two more steps train), resumed by hsdp at world
+    2 (one replica of 2) and by fsdp at world 3: both end as a static run does."""
+    ckpt, static = tmp_path / "ckpt", tmp_path / "static"
+    static.mkdir()
+    _job("--engine", "hsdp", "--shard-group", "2", "--worlds", "1", "--out", str(static))
+    saved = ("--ckpt", str(ckpt), "--stop-after", "3", "--async-save", "--train-after-save", "2")
+    _job("--engine", "hsdp", "--shard-group", "2", "--worlds", "4", *saved, "--out", str(tmp_path))
+    for engine, world, grouped in (("hsdp", "2", ("--shard-group", "2")), ("fsdp", "3", ())):
+        out = tmp_path / f"resumed-{engine}"
+        out.mkdir()
+        _job("--engine", engine, *grouped, "--worlds", world, "--ckpt", str(ckpt), "--resume", "3", "--out", str(out))
+        diff = _max_diff(static / "world1.pt", out / f"world{world}.pt")
+        print(f"hsdp at world 4 -> {engine} at world {world}: max |param diff| vs static = {diff:.2e}")
+        assert diff <= 1e-5
+
+
 def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     _job("--engine", "ddp", "--worlds", "2", "--ckpt", str(ckpt), "--stop-after", "3", "--out", str(tmp_path))

@@ -60,3 +60,47 @@ def test_same_parameters_at_every_world_size(engine: str, micro_batch: int, tmp_
         assert len(run["seen"]) == world
         counts = Counter(i for rank_seen in run["seen"] for i in rank_seen)
         assert counts == Counter({i: 2 for i in range(SAMPLES)}), "every sample exactly once per epoch"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("micro_batch", [2, 4], ids=["uneven-counts", "idle-ranks"])
+def test_hsdp_reaches_the_same_parameters_at_every_mesh(micro_batch: int, tmp_path: Path) -> None:
+    """The hsdp engine with shard groups of 2 ranks: world 1 (one group of one), 2 (one replica of 2) and 4 (two
+    replicas of 2) reach the same parameters, every sample once per epoch."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(JOB),
+            "--engine",
+            "hsdp",
+            "--shard-group",
+            "2",
+            "--worlds",
+            "1",
+            "2",
+            "4",
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            str(micro_batch),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reference = torch.load(tmp_path / "world1.pt")
+    for world in (2, 4):
+        run = torch.load(tmp_path / f"world{world}.pt")
+        diff = max((run["params"][k] - reference["params"][k]).abs().max().item() for k in reference["params"])
+        print(f"hsdp micro={micro_batch} world={world} (shard group 2): max |param diff| vs world 1 = {diff:.2e}")
+        assert diff <= 1e-5, f"hsdp at world {world} differs from world 1 by {diff}"
+        counts = Counter(i for rank_seen in run["seen"] for i in rank_seen)
+        assert counts == Counter({i: 2 for i in range(SAMPLES)}), "every sample exactly once per epoch"
