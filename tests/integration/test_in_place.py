@@ -139,7 +139,7 @@ def _check_redone(engine: str, events: list[dict], killed_at: float, output: str
     flight, and for the sharded engines the steps since the last snapshot (at most K, the largest K the workers chose
     automatically)."""
     before, resumed = _redone(events, killed_at)
-    if engine == "ddp":
+    if engine in ("ddp", "hsdp"):  # replicas: the survivors hold every committed step
         assert resumed == before + 1, "no committed step is redone; only the one in flight runs again"
     else:  # the survivors roll back to the newest snapshot that the buddies' copies complete
         assert 0 <= before + 1 - resumed <= max(snapshot_intervals(output)) + 1, (before, resumed)

@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
+@pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp", "hsdp"])  # hsdp: one rank per node, a replica each
 def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: Path, engine: str) -> None:
     steps = 300  # a newcomer's CUDA and NCCL start takes seconds: the job must still be running
     server = make_coordinator()
