@@ -52,6 +52,13 @@ def _job_flags(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument(*_names("--nnodes"), default="1:1", help="N or MIN:MAX nodes (default 1:1)")
     parser.add_argument(*_names("--nproc-per-node"), default="1", help="workers per node: N, 'cpu' or 'auto'")
     parser.add_argument(
+        *_names("--node-group"),
+        type=int,
+        default=1,
+        help="nodes that train only together, e.g. an hsdp replica cut over 2 nodes: a world holds whole groups, "
+        "and a node whose group lost a node waits as a spare (default 1)",
+    )
+    parser.add_argument(
         *_names("--max-restarts"),
         type=int,
         default=3,

@@ -136,6 +136,7 @@ def config_from_args(
         join_grace_s=args.join_grace,
         max_restarts=args.max_restarts,
         min_nodes_timeout_s=_min_nodes_timeout(args),
+        node_group=args.node_group,
     )
     script = args.training_script
     if args.module:

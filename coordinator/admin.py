@@ -49,6 +49,7 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     create.add_argument("--max-restarts", type=int, default=3, help="worker failures survived (default 3)")
     create.add_argument("--heartbeat-ttl", type=float, default=5.0, help="membership lease TTL, s (default 5)")
     create.add_argument("--join-grace", type=float, default=1.0, help="join batching window, s (default 1)")
+    create.add_argument("--node-group", type=int, default=1, help="nodes that train only together (default 1)")
     create.add_argument("--min-nodes-timeout", type=float, default=600.0, help="wait below min nodes, s")
     create.add_argument(
         "--join-token-file",
@@ -93,6 +94,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
         args.join_grace,
         args.max_restarts,
         args.min_nodes_timeout,
+        args.node_group,
     )
 
 

@@ -330,6 +330,9 @@ class JobSpec:
         join_grace_s: scale-ups arriving within this window of each other are batched into one generation.
         max_restarts: worker failures the job survives (scaling events never count).
         min_nodes_timeout_s: how long the job may wait below min_nodes before it fails.
+        node_group: nodes that train only together (an hsdp replica cut over several nodes): a world holds whole
+            groups of this many nodes, a group keeps its nodes in order while they live, and a node whose group lost
+            a node waits as a spare until a newcomer completes a group with it.
     """
 
     job_id: str
@@ -340,6 +343,7 @@ class JobSpec:
     join_grace_s: float = 1.0
     max_restarts: int = 3
     min_nodes_timeout_s: float = 600.0
+    node_group: int = 1
 
     def __post_init__(self) -> None:
         validate_id(self.job_id, "job_id")
@@ -370,6 +374,13 @@ class JobSpec:
             raise InvalidArgument(f"join_grace_s={self.join_grace_s!r} must be between 0 and 600 seconds")
         if not 0 < self.min_nodes_timeout_s <= 7 * 24 * 3600:
             raise InvalidArgument(f"min_nodes_timeout_s={self.min_nodes_timeout_s!r} must be > 0 and at most a week")
+        if not isinstance(self.node_group, int) or self.node_group < 1:
+            raise InvalidArgument(f"node_group={quote(self.node_group)} must be an integer >= 1")
+        if self.min_nodes % self.node_group or self.max_nodes % self.node_group:
+            raise InvalidArgument(
+                f"--nnodes {self.min_nodes}:{self.max_nodes} must be multiples of --node-group {self.node_group}: a "
+                f"world holds whole groups of {self.node_group} nodes"
+            )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -81,6 +81,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         join_grace_s=spec.join_grace_s,
         max_restarts=spec.max_restarts,
         min_nodes_timeout_s=spec.min_nodes_timeout_s,
+        node_group=spec.node_group,
     )
 
 
@@ -100,6 +101,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         join_grace_s=msg.join_grace_s if msg.HasField("join_grace_s") else defaults.join_grace_s,
         max_restarts=msg.max_restarts,
         min_nodes_timeout_s=msg.min_nodes_timeout_s or defaults.min_nodes_timeout_s,
+        node_group=msg.node_group or defaults.node_group,
     )
 
 

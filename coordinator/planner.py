@@ -41,6 +41,10 @@ Rules (see docs/architecture.md):
   :data:`pliant.coordinator.policy.REPORT_GRACE_S` for the other nodes' reports while every report so far is the
   same error. A one-node world's failure cannot be told apart from its node's: it is the node's.
 
+- Nodes of a group (``JobSpec.node_group``, an hsdp replica cut over several nodes) train only together: a world holds
+  the previous world's groups that are whole, in their order, then the other nodes cut into new groups
+  (:func:`grouped`); a node whose group lost a node waits as a spare until a newcomer completes a group with it.
+
 Generation reasons: ``start`` (first world), ``join``, ``leave``, ``failure`` (a node lost), ``restart`` (a worker
 failed).
 """
@@ -68,7 +72,7 @@ from pliant.coordinator.contract import (
 )
 from pliant.coordinator.policy import REPORT_GRACE_S, SILENCE_POLL_S, held_back, reported_evictions
 
-__all__ = ["assign_ranks", "plan", "refused_note", "world_error"]
+__all__ = ["assign_ranks", "grouped", "plan", "refused_note", "world_error"]
 
 Refused = tuple[tuple[int, str], ...]  # (world size, error), sorted: the world sizes a job no longer takes
 
@@ -152,12 +156,29 @@ def refused_note(refused: Refused) -> str:
 
 
 def _allowed(spec: JobSpec, nodes: Sequence[Member], refused: Refused) -> list[Member]:
-    """The longest prefix of ``nodes`` (in rank order) whose world size the job does not refuse (empty: none)."""
+    """The longest prefix of ``nodes`` (in rank order) of whole node groups whose world size the job does not refuse
+    (empty: none)."""
     sizes = {size for size, _error in refused}
-    for count in range(len(nodes), 0, -1):
+    for count in range(len(nodes) - len(nodes) % spec.node_group, 0, -spec.node_group):
         if sum(m.slots or spec.nproc_per_node for m in nodes[:count]) not in sizes:
             return list(nodes[:count])
     return []
+
+
+def grouped(nodes: Sequence[Member], previous: Sequence[str], size: int) -> list[Member]:
+    """``nodes`` (in rank order) as whole groups of ``size``: first the groups of the ``previous`` world (its node ids
+    in rank order, cut into groups of ``size``) whose nodes are all in ``nodes``, in their order, then the other nodes
+    of ``nodes`` in their order, cut into new groups; the last new group, if short, is left out (its nodes wait).
+    A group that lost a node is broken up: its other nodes go with the others, so a newcomer completes a group with
+    them."""
+    if size == 1:
+        return list(nodes)
+    by_id = {m.node_id: m for m in nodes}
+    old = [previous[i : i + size] for i in range(0, len(previous) - len(previous) % size, size)]
+    whole = [by_id[n] for group in old if all(n in by_id for n in group) for n in group]
+    kept = {m.node_id for m in whole}
+    rest = [m for m in nodes if m.node_id not in kept]
+    return whole + rest[: len(rest) - len(rest) % size]
 
 
 def world_error(gen: Generation, failures: Sequence[FailureReport]) -> str:
@@ -236,7 +257,9 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
     charged = _charged(snap)
     excluded = {n for n, count in charged.items() if count > spec.max_restarts}  # their own failures: for good
     newcomers = [m for m in live if m.node_id not in kept and m.node_id not in held and m.node_id not in excluded]
-    target = _allowed(spec, survivors + _admit(spec, survivors, newcomers), _refused(snap))
+    target = _allowed(
+        spec, grouped(survivors + _admit(spec, survivors, newcomers), current_ids, spec.node_group), _refused(snap)
+    )
     admitted = [m for m in target if m.node_id not in kept]
     running = bool(gen and gen.members)
     restarts = gen.restarts_used if gen else 0
@@ -295,7 +318,7 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
             charged[node] = charged.get(node, 0) + 1
         errors = {f.node_id: f.error or f.message for f in failures if f.node_id in culprits}
         over = [n for n in culprits if charged[n] > spec.max_restarts]
-        healthy = [m for m in target if m.node_id not in over]
+        healthy = grouped([m for m in target if m.node_id not in over], current_ids, spec.node_group)
         if over and len(healthy) < spec.min_nodes:
             refused = refused_note(_refused(snap))
             return FailJob(

@@ -23,6 +23,7 @@ import pliant.worker  # pliant
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="ddp", choices=["ddp", "zero", "fsdp", "hsdp"])
+    parser.add_argument("--shard-group", type=int, default=0, help="hsdp: ranks per shard group (default: a node's)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -71,7 +72,10 @@ def main() -> None:
         def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
             return torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=args.lr_period)
 
-    engine = session.engine(model, args.engine, torch.optim.SGD, lr=args.lr, momentum=0.9, scheduler=schedule)  # pliant
+    grouped = {"shard_group": args.shard_group} if args.shard_group else {}
+    engine = session.engine(  # pliant
+        model, args.engine, torch.optim.SGD, lr=args.lr, momentum=0.9, scheduler=schedule, **grouped
+    )
     loader = session.loader(data, args.global_batch, args.micro_batch, max_steps=args.steps)  # pliant
     ckpt = None
     if session.env.checkpoint_dir:  # pliant: resume from the newest checkpoint, at any world size

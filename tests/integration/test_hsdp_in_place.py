@@ -179,3 +179,57 @@ def test_a_killed_worker_is_replaced_in_place_with_its_shard_from_the_other_repl
     diff = _check_exact(tmp_path, steps, "hsdp", kills=1)
     print(f"hsdp: kill -9 of a worker -> all 4 ranks stepping {back - killed_at:.2f}s later; diff {diff:.2e}")
     assert diff <= TOLERANCE
+
+
+def test_a_group_spanning_two_nodes_that_loses_one_benches_the_other_until_a_node_joins(
+    make_coordinator, spawn_agent, tmp_path: Path
+) -> None:
+    """One rank per node, shard groups of 2 ranks, so a replica spans two nodes (``--node-group 2``): four nodes are
+    two replicas. kill -9 of the second node of the first group: the other group trains on alone in place, and the
+    first group's other node waits as a spare (its worker leaves); a fifth node joins and completes a group with it,
+    both taking their shards from the surviving replica. The result is a static run's."""
+    steps = 400
+    server = make_coordinator()
+    args = dict(checkpoints=False, script=("--engine", "hsdp", "--shard-group", "2"), step_time=0.05)
+    extra = ("--max-restarts", "3", "--nnodes", "2:4", "--node-group", "2")
+
+    def agent(node: str):
+        return spawn_agent(
+            server, elastic_agent(server.address, node, 1, tmp_path, steps, extra=extra, **args), name=f"agent-{node}"
+        )
+
+    agents = {name: agent(name) for name in ("node-a", "node-b")}
+    wait_for(lambda: len(_pids(_events(tmp_path), 2)) == 2, 120, "world 2 (one replica over two nodes) stepping")
+    agents.update({name: agent(name) for name in ("node-c", "node-d")})
+    wait_for(lambda: len(_pids(_events(tmp_path), 4)) == 4, 120, "world 4 (two replicas) stepping")
+    formed = max(e["generation"] for e in _events(tmp_path) if e["world"] == 4)
+    world4 = _pids([e for e in _events(tmp_path) if e["generation"] == formed], 4)
+    node_of = {pid: name for name, p in agents.items() for pid in descendants(p.pid)}
+    first, partner = node_of[world4[0]], node_of[world4[1]]
+    other = {world4[2], world4[3]}
+    killed_at = time.time()
+    agents[partner].kill(signal.SIGKILL)
+    wait_for(lambda: _stepping(tmp_path, 2, generation=formed + 1), 60, "the other replica stepping alone")
+    back = min(e["time"] for e in _events(tmp_path) if e["world"] == 2 and e["generation"] > formed)
+    assert set(_pids([e for e in _events(tmp_path) if e["generation"] > formed], 2).values()) == other
+    wait_for(lambda: "waiting to be admitted" in agents[first].output(), 30, f"{first} to wait as a spare")
+    assert agents[first].proc.poll() is None, f"{first}'s agent waits as a spare"
+    agents["node-e"] = agent("node-e")
+    wait_for(lambda: len(_pids([e for e in _events(tmp_path) if e["generation"] > formed + 1], 4)) == 4, 120, "world 4")
+    steps = end_soon(tmp_path, steps)
+    live = [agents[n] for n in agents if n != partner]
+    wait_for(lambda: all(p.proc.poll() is not None for p in live), 120, "the job to finish")
+    assert all(p.proc.returncode == 0 for p in live), [p.output()[-2000:] for p in live]
+
+    events = _events(tmp_path)
+    last = _pids([e for e in events if e["generation"] > formed + 1], 4)
+    assert {last[0], last[1]} == other, "the surviving replica kept its processes and its ranks"
+    for name in (first, "node-e"):
+        moved = _received(agents[name].output())
+        assert len(moved) == 1 and moved[0][3] in (0, 1), f"{name} took its shard from the surviving replica: {moved}"
+    diff = _check_exact(tmp_path, steps, "hsdp", kills=1)
+    print(
+        f"hsdp, a replica over two nodes: kill -9 of one -> the other replica stepping {back - killed_at:.2f}s later, "
+        f"{first} waiting until node-e joined; max |param diff| vs static {diff:.2e}"
+    )
+    assert diff <= TOLERANCE

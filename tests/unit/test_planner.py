@@ -11,6 +11,7 @@ from pliant.coordinator.contract import (
     FailureCause,
     FailureReport,
     Generation,
+    InvalidArgument,
     JobSnapshot,
     JobSpec,
     JobState,
@@ -20,7 +21,7 @@ from pliant.coordinator.contract import (
     NewGeneration,
     WaitUntil,
 )
-from pliant.coordinator.planner import assign_ranks, plan
+from pliant.coordinator.planner import assign_ranks, grouped, plan
 
 T0 = 1_000.0
 SPEC = JobSpec(
@@ -519,3 +520,54 @@ def test_a_leave_into_a_refused_size_trains_at_the_next_size_down() -> None:
     decision = plan(JobSnapshot(spec, JobStatus(JobState.RUNNING, T0), (A, C), world6, departed=frozenset("b")), T0)
     assert isinstance(decision, NewGeneration)
     assert decision.generation.node_ids == ("a",) and decision.generation.refused == ((4, ERROR),)
+
+
+# -- node groups (an hsdp replica cut over several nodes) --------------------------------------------------------------
+
+PAIRS = JobSpec("job", min_nodes=2, max_nodes=6, nproc_per_node=1, join_grace_s=1.0, node_group=2)
+
+
+def _members(*names: str) -> list[Member]:
+    return [member(name, order, T0) for order, name in enumerate(names)]
+
+
+def test_a_world_holds_whole_groups_and_a_lone_node_waits() -> None:
+    a, b, c = _members("a", "b", "c")
+    snap = JobSnapshot(spec=PAIRS, status=JobStatus(JobState.WAITING, T0), members=(a, b, c))
+    decision = plan(snap, T0 + 2)
+    assert isinstance(decision, NewGeneration) and decision.generation.node_ids == ("a", "b"), decision
+
+
+def test_a_group_that_lost_a_node_waits_and_a_newcomer_completes_it() -> None:
+    """Groups (a, b), (c, d): b dies, so a waits and (c, d) trains alone, keeping its order; e joins and completes a
+    group with a, after the whole ones."""
+    a, b, c, d = _members("a", "b", "c", "d")
+    world = Generation("job", 1, assign_ranks(PAIRS, [a, b, c, d]), "start", 0, T0)
+    lost = plan(
+        JobSnapshot(spec=PAIRS, status=JobStatus(JobState.RUNNING, T0), members=(a, c, d), generation=world), T0
+    )
+    assert isinstance(lost, NewGeneration) and lost.generation.node_ids == ("c", "d"), lost
+    assert lost.generation.reason == "failure"
+    gen = lost.generation
+    waiting = JobSnapshot(spec=PAIRS, status=JobStatus(JobState.RUNNING, T0), members=(a, c, d), generation=gen)
+    assert isinstance(plan(waiting, T0 + 10), Keep), "a alone makes no group: it waits"
+    e = member("e", 5, T0 + 10)
+    joined = plan(
+        JobSnapshot(spec=PAIRS, status=JobStatus(JobState.RUNNING, T0), members=(a, c, d, e), generation=gen),
+        T0 + 12,
+    )
+    assert isinstance(joined, NewGeneration) and joined.generation.node_ids == ("c", "d", "a", "e"), joined
+
+
+def test_grouped_keeps_the_whole_groups_first_and_drops_a_short_one() -> None:
+    a, b, c, d, e = _members("a", "b", "c", "d", "e")
+    assert [m.node_id for m in grouped([a, c, d, e], ("a", "b", "c", "d"), 2)] == ["c", "d", "a", "e"]
+    assert [m.node_id for m in grouped([a, b, c], ("a", "b", "c", "d"), 2)] == ["a", "b"]
+    assert [m.node_id for m in grouped([b, a, c], (), 1)] == ["b", "a", "c"]
+
+
+def test_a_node_range_that_is_not_whole_groups_is_refused_with_the_fix() -> None:
+    with pytest.raises(InvalidArgument, match=r"--nnodes 1:4 must be multiples of --node-group 2"):
+        JobSpec("job", min_nodes=1, max_nodes=4, node_group=2)
+    with pytest.raises(InvalidArgument, match=r"node_group=0 must be an integer >= 1"):
+        JobSpec("job", node_group=0)
