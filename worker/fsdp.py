@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pliant.worker.contract import LOCAL, Engine, EngineError, GlobalBatch, LossFn, Runner
@@ -159,9 +159,7 @@ class FSDPEngine(Engine):
         same size, in which this process holds another rank (a node before it left), would get DTensors on the
         earlier mesh back, whose coordinate is this process's old rank: loading the state would cut another rank's
         share (and fail on uneven rows), and DCP takes each shard's global offset from it."""
-        mesh = init_device_mesh(
-            self.device.type, (dist.get_world_size(),), mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",)
-        )
+        mesh = self._mesh()
         for module in self._shard(model):
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -172,6 +170,12 @@ class FSDPEngine(Engine):
         cls, kwargs = self._optimizer_args
         self.optimizer = cls(model.parameters(), **kwargs)
         self.joinable = FSDPJoinable(self)
+
+    def _mesh(self) -> DeviceMesh:
+        """The current world's mesh: one dimension, every rank."""
+        return init_device_mesh(
+            self.device.type, (dist.get_world_size(),), mesh_dim_names=(f"pliant-fsdp-{next(_MESHES)}",)
+        )
 
     movable = True  # at a step boundary: the full state is gathered, the model sharded again over the new world
     MEMORY_SHARE = 0.8  # the full model and optimizer state must fit in this share of the free host memory

@@ -43,11 +43,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from pliant.worker.contract import LOCAL, EngineError, Runner
 from pliant.worker.engines import _materialize, broadcast_hyper, broadcast_tree
-from pliant.worker.fsdp import FSDPEngine, FSDPJoinable, _default_shard
+from pliant.worker.fsdp import FSDPEngine, _default_shard
 from pliant.worker.fsdp_release import release
 from pliant.worker.inplace.packing import pack, packed_size, unpack
 
@@ -161,32 +160,28 @@ class HSDPEngine(FSDPEngine):
         """Another replica holds every shard while there are two or more."""
         return self.replicas >= 2
 
-    def _build(self, model: torch.nn.Module) -> None:
-        """Shard ``model`` over the current world's (R, S) mesh and build its optimizer (meshes named anew for every
-        world, as the ``"fsdp"`` engine's are)."""
+    def _mesh(self) -> DeviceMesh:
+        """The current world's (R, S) mesh, named anew for every world (as the ``"fsdp"`` engine's are), its groups
+        opened through ``track``; notes this rank's shard index.
+
+        Raises:
+            HSDPMoveError: the world size is not a multiple of S.
+        """
         world = dist.get_world_size()
         if world % self.shard_size:
             raise HSDPMoveError(
                 f"a world of {world} ranks cannot be cut into shard groups of {self.shard_size}: every node of an "
                 f"hsdp job needs the same --nproc-per-node (or pass shard_group= a divisor of every world size)"
             )
+        self.index = dist.get_rank() % self.shard_size
         n = next(_MESHES)
-        mesh = self._track(
+        return self._track(
             lambda: init_device_mesh(
                 self.device.type,
                 (world // self.shard_size, self.shard_size),
                 mesh_dim_names=(f"pliant-hsdp-replicate-{n}", f"pliant-hsdp-shard-{n}"),
             )
         )
-        for module in self._shard(model):
-            fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
-        self.index = dist.get_rank() % self.shard_size
-        self.world_size = world  # FSDP2 averages over every rank: the loss weight undoes it (see FSDPEngine)
-        cls, kwargs = self._optimizer_args
-        self.optimizer = cls(model.parameters(), **kwargs)
-        self.joinable = FSDPJoinable(self)
 
     def apply_update(self) -> None:
         super().apply_update()

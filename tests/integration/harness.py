@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,3 +246,18 @@ def end_soon(tmp: Path, steps: int, margin: int = 10) -> int:
 def static_params(tmp: Path, steps: int, engine: str = "ddp") -> dict:
     """The final parameters of examples/train_elastic.py run as one plain process on the same global batches."""
     return common.static_params(tmp / f"static-{engine}.pt", steps, SAMPLES, GLOBAL_BATCH, engine, timeout_s=120)
+
+
+HSDP_RECEIVED = re.compile(r"hsdp: rank (\d+) received shard (\d+) of (\d+) \((\d+) bytes\) from rank (\d+)")
+
+
+def hsdp_transfers(output: str) -> list[tuple[int, int, int, int]]:
+    """(rank, shard index, bytes, source rank) of each shard transfer an agent's workers logged."""
+    return [(int(m[1]), int(m[2]), int(m[4]), int(m[5])) for m in HSDP_RECEIVED.finditer(output)]
+
+
+def replica_bytes(width: int = 32) -> int:
+    """The bytes of one replica's shards of examples/train_elastic.py's model (float64, its parameters and SGD's
+    momentum), without the packing's alignment."""
+    params = (16 * width + width) + (width * width + width) + (width + 1)
+    return 2 * params * 8

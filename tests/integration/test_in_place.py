@@ -29,9 +29,11 @@ from tests.integration.harness import (
     descendants,
     elastic_agent,
     end_soon,
+    hsdp_transfers,
     longest_pause,
     max_param_diff,
     read_jsonl,
+    replica_bytes,
     sample,
     scrape,
     static_params,
@@ -77,7 +79,7 @@ def _check_exact(tmp: Path, steps: int, engine: str = "ddp", kills: int = 0) -> 
     return max_param_diff(torch.load(tmp / "final.pt"), static_params(tmp, steps, engine))
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp"])
+@pytest.mark.parametrize("engine", ["ddp", "zero", "fsdp", "hsdp"])
 def test_a_join_and_a_leave_keep_the_survivors_processes(
     make_coordinator, spawn_agent, tmp_path: Path, engine: str
 ) -> None:
@@ -108,6 +110,12 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(
     after = _pids([e for e in events if e["generation"] == 3], 2)
     assert before == after == {0: during[0], 1: during[1]}, "node a's workers kept their processes throughout"
     assert {e["generation"] for e in events} == {1, 2, 3}
+    if engine == "hsdp":  # a replica per node: node b's ranks took one replica's shards from node a's, nothing else
+        assert hsdp_transfers(a.output()) == [], "node a's ranks kept their own shards"
+        moved = hsdp_transfers(b.output())
+        assert sorted((rank, index, source) for rank, index, _n, source in moved) == [(2, 0, 0), (3, 1, 1)], moved
+        shard_bytes = sum(n for _rank, _index, n, _source in moved)
+        assert replica_bytes() <= shard_bytes <= replica_bytes() + 16 * 24, "one replica's shards (and alignment)"
     pause = longest_pause(events, joined_at)
     diff = _check_exact(tmp_path, steps, engine)
     print(
