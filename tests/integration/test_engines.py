@@ -15,7 +15,9 @@ JOB = Path(__file__).with_name("engine_job.py")
 SAMPLES, GLOBAL_BATCH, STEPS = 37, 10, 8  # 2 epochs of 4 steps: 10, 10, 10 and a tail of 7
 
 
-def _equal_at_every_world(engine: str, worlds: tuple[int, ...], micro_batch: int, tmp_path: Path, *extra: str) -> None:
+def _assert_equal_at_every_world(
+    engine: str, worlds: tuple[int, ...], micro_batch: int, tmp_path: Path, *extra: str
+) -> None:
     """Run ``engine`` at each of ``worlds`` (the first is the reference) on the same data and global batch; assert the
     same final parameters and every sample exactly once per epoch."""
     result = subprocess.run(
@@ -63,7 +65,7 @@ def _equal_at_every_world(engine: str, worlds: tuple[int, ...], micro_batch: int
     ids=["uneven-counts", "idle-ranks"],  # 5 micro-batches per step / 3 (and 2 in the tail): some ranks get none
 )
 def test_same_parameters_at_every_world_size(engine: str, micro_batch: int, tmp_path: Path) -> None:
-    _equal_at_every_world(engine, (1, 2, 3, 4), micro_batch, tmp_path)
+    _assert_equal_at_every_world(engine, (1, 2, 3, 4), micro_batch, tmp_path)
 
 
 @pytest.mark.slow
@@ -72,4 +74,4 @@ def test_same_parameters_at_every_world_size(engine: str, micro_batch: int, tmp_
 def test_hsdp_reaches_the_same_parameters_at_every_mesh(micro_batch: int, tmp_path: Path) -> None:
     """The hsdp engine with shard groups of 2 ranks: world 1 (one group of one), 2 (one replica of 2) and 4 (two
     replicas of 2) reach the same parameters."""
-    _equal_at_every_world("hsdp", (1, 2, 4), micro_batch, tmp_path, "--shard-group", "2")
+    _assert_equal_at_every_world("hsdp", (1, 2, 4), micro_batch, tmp_path, "--shard-group", "2")
