@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 from pliant.worker.contract import LOCAL, EngineError, Runner
 from pliant.worker.engines import _materialize, broadcast_hyper, broadcast_tree
@@ -210,6 +211,14 @@ class HSDPEngine(FSDPEngine):
             out += [_local(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
         return out
 
+    def _reshard(self) -> None:
+        """Register every module's sharded parameters again: a step a peer's death broke off mid-forward or
+        mid-backward leaves FSDP2's gathered (full) parameters registered, while the shards themselves are intact (no
+        update ran). Local."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def _mask(self) -> list[int]:
         """Per parameter, 1 when the optimizer holds state for it on this rank."""
         return [int(bool(self.optimizer.state.get(param))) for param in self.model.parameters()]
@@ -228,6 +237,7 @@ class HSDPEngine(FSDPEngine):
         shard it over the new world's mesh (the same objects); the state comes back, or from a peer, in
         :meth:`sync_state`."""
         if self._kept is None:  # not a second try at forming a world (the first's mesh holds nothing yet)
+            self._reshard()
             self._kept = _Kept(self.index, self._mask(), [t.detach().clone() for t in self._shards()])
         release(self.model, self.device)
         self._build(self.model)
