@@ -91,12 +91,14 @@ def test_replicas_survive_a_worker_kill_a_join_a_node_kill_a_join_and_a_leave_in
         assert sorted((rank, index) for rank, index, _n, _source in joined) == [(4, 0), (5, 1)], moved
         shard_bytes = sum(n for _rank, _index, n, _source in joined)
         assert replica_bytes() <= shard_bytes <= replica_bytes() + 16 * 24, moved
-    # After b's death, the ranks of a node that had not committed the step b died in (the others had) are behind:
-    # they take that step's shards from a current holder, once. Nothing else moves.
+    # After b's death, the ranks of a node that had not committed the step b died in (the others had) are behind,
+    # and a worker the step guard gave up on (blocked past its break on a loaded machine) is replaced: each takes its
+    # shard from a current holder, once. Nothing else moves.
     caught_up = {"a": moved["a"], "c": moved["c"][2:], "d": moved["d"][2:]}
     for name, transfers in caught_up.items():
-        assert not transfers or "was committed by peers; taking their state" in outputs[name], moved
-    assert sum(len(t) for t in caught_up.values()) <= 2, moved
+        explained = ("was committed by peers; taking their state", "the agent replaces this worker")
+        assert not transfers or any(why in outputs[name] for why in explained), moved
+        assert len(transfers) <= 2, moved
     diff = _check_exact(tmp_path, steps, "hsdp", kills=3)  # a worker of b, then b's two
     print(
         f"hsdp, replicas: kill -9 of a worker -> all stepping {worker_back - worker_killed:.2f}s later; of node b -> a "
