@@ -1,8 +1,9 @@
 """Fan-out of generations to WatchGenerations streams: one etcd watch per job per replica, however many subscribers.
 
-A subscriber asks for generations from number N. It is registered first and then catches up from etcd's history under
-its own lock, so nothing published meanwhile is lost or sent out of order: every subscriber receives each generation
-number once, ascending, and every change of the job's state.
+A subscriber asks for generations from number N. It is registered first and then catches up from etcd's history. Each
+read of etcd and the offers of what it read happen under the feed's read lock, and a subscriber takes the feed's offers
+only from its catch-up on, so nothing published meanwhile is lost and no older read reaches it after a newer one: every
+subscriber receives each generation number once, ascending, and every change of the job's state, in order.
 """
 
 from __future__ import annotations
@@ -21,18 +22,23 @@ logger = logging.getLogger(__name__)
 
 
 class Subscription:
-    """One stream's view: a queue of :class:`WatchEvent` in order, without duplicates."""
+    """One stream's view: a queue of :class:`WatchEvent` in order, without duplicates.
+
+    Threads: ``first``, ``ready`` and the last generation and status sent are written only under the feed's ``reading``
+    lock (by the subscribing thread's catch-up, then by the feed thread); ``events`` is the queue the stream's thread
+    reads.
+    """
 
     def __init__(self, feed: _Feed, first: int) -> None:
         self._feed = feed
         self.first = first
+        self.ready = False
         self.events: queue.Queue[WatchEvent] = queue.Queue()
-        self.lock = threading.Lock()
         self._last: Generation | None = None
         self._status: JobStatus | None = None
 
     def offer(self, generations: list[Generation], status: JobStatus) -> None:
-        """Queue what this subscriber has not seen yet (call with ``lock`` held)."""
+        """Queue what this subscriber has not seen yet (call with the feed's ``reading`` lock held)."""
         for gen in generations:
             if gen.number >= self.first and (self._last is None or gen.number > self._last.number):
                 self._last = gen
@@ -53,12 +59,18 @@ class Subscription:
 
 
 class _Feed:
-    """The per-job watcher: re-reads new generations on every change and offers them to subscribers."""
+    """The per-job watcher: re-reads new generations on every change and offers them to subscribers.
+
+    Threads: ``subs`` is guarded by ``lock``; ``reading`` is held across each read of etcd and the offers of what it
+    read (the feed thread's and each subscriber's catch-up), so offers reach a subscriber in the order of the reads;
+    ``last_number`` is the feed thread's.
+    """
 
     def __init__(self, hub: WatchHub, store: EtcdStore, job: str) -> None:
         self.hub, self.store, self.job = hub, store, job
         self.subs: set[Subscription] = set()
         self.lock = threading.Lock()
+        self.reading = threading.Lock()
         self.last_number = 0
         self.dirty = threading.Event()
         self.stopped = threading.Event()
@@ -72,12 +84,19 @@ class _Feed:
         self.thread.start()
 
     def catch_up(self, sub: Subscription) -> None:
-        """Send ``sub`` what etcd's history holds from its first number on (registered, its lock held)."""
-        gens, status = self.store.generations_since(self.job, sub.first)
-        if sub.first == 0:
-            gens = gens[-1:]  # 0 means "from the current generation"
-            sub.first = gens[0].number if gens else 0
-        sub.offer(gens, status)
+        """Send ``sub`` (registered) what etcd's history holds from its first number on; from then on the feed's
+        reads reach it too.
+
+        Raises:
+            NotFound: no such job. Unavailable: etcd did not answer.
+        """
+        with self.reading:
+            gens, status = self.store.generations_since(self.job, sub.first)
+            if sub.first == 0:
+                gens = gens[-1:]  # 0 means "from the current generation"
+                sub.first = gens[0].number if gens else 0
+            sub.offer(gens, status)
+            sub.ready = True
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self.lock:
@@ -97,20 +116,23 @@ class _Feed:
             if self.stopped.is_set():
                 return
             self.dirty.clear()
-            try:
-                gens, status = self.store.generations_since(self.job, self.last_number + 1)
-            except CoordinatorError as exc:
-                logger.debug("feed %s: %s", self.job, exc)
-                self.dirty.set()
+            with self.reading:
+                try:
+                    gens, status = self.store.generations_since(self.job, self.last_number + 1)
+                except CoordinatorError as exc:
+                    logger.debug("feed %s: %s", self.job, exc)
+                    self.dirty.set()
+                    failed = True
+                else:
+                    failed = False
+                    if gens:
+                        self.last_number = gens[-1].number
+                    with self.lock:
+                        subs = [sub for sub in self.subs if sub.ready]
+                    for sub in subs:
+                        sub.offer(gens, status)
+            if failed:
                 self.stopped.wait(0.2)
-                continue
-            if gens:
-                self.last_number = gens[-1].number
-            with self.lock:
-                subs = list(self.subs)
-            for sub in subs:
-                with sub.lock:
-                    sub.offer(gens, status)
 
 
 class WatchHub:
@@ -133,16 +155,13 @@ class WatchHub:
                 feed = self._feeds[job] = _Feed(self, self._store, job)
                 feed.start()
             sub = Subscription(feed, first)
-            sub.lock.acquire()  # the feed may offer only after the catch-up below
             with feed.lock:
-                feed.subs.add(sub)
+                feed.subs.add(sub)  # the feed offers to it once its catch-up below is done
         try:
             feed.catch_up(sub)
         except CoordinatorError:
-            sub.lock.release()
             sub.close()
             raise
-        sub.lock.release()
         return sub
 
     def _drop(self, feed: _Feed) -> None:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from pliant.coordinator.contract import JobSpec, JobState
+from pliant.coordinator.contract import JobSpec, JobState, JobStatus, Member
+from pliant.coordinator.election import LeaderElection
 from pliant.coordinator.etcd_server import EtcdServer
+from pliant.coordinator.planner import plan
+from pliant.coordinator.store import EtcdStore
+from pliant.coordinator.watch_hub import WatchHub
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(90)
+
+TOKEN = "test-join-token-0123456789"
 
 
 def _generation(client, number: int):
@@ -101,3 +108,63 @@ def test_a_watch_moves_to_another_replica_and_misses_nothing(make_coordinator, f
                 break
         events.close()
         assert numbers == [2, 3]
+
+
+class _FeedReadsStale(EtcdStore):
+    """A real store whose watch feed, once ``armed``, holds what it read from etcd until ``release`` is set: the
+    feed thread of a loaded replica, descheduled between its read and its offers."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed, self.holding, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def generations_since(self, job, first):
+        answer = super().generations_since(job, first)
+        if threading.current_thread().name.startswith("feed ") and self.armed.is_set():
+            self.armed.clear()
+            self.holding.set()
+            self.release.wait(10)
+        return answer
+
+
+def test_a_subscriber_never_receives_an_older_state_after_a_newer_one(etcd, prefix) -> None:
+    """A stream that subscribes while the feed holds an older read of etcd receives the newer state once, and the
+    older one never after it."""
+    store = _FeedReadsStale([etcd.endpoint], prefix)
+    election = LeaderElection(store, "leader", ttl_s=5).start()
+    hub = WatchHub(store)
+    try:
+        assert election.wait_for(True, 10)
+        store.create_job(JobSpec("job", 1, 1, join_grace_s=0), time.time(), TOKEN)
+        store.join("job", Member("a", "127.0.0.1:1", 0, time.time()), TOKEN)
+        early = hub.subscribe("job", 1)  # the feed exists, serving one stream
+        store.armed.set()
+        assert store.holding.wait(5), "the feed read etcd"  # it read the job before any generation
+        snap = store.read_job("job")
+        store.publish(
+            snap, plan(snap, time.time()).generation, JobStatus(JobState.RUNNING, time.time()), election.fence
+        )
+
+        subscribed: list = []
+        late = threading.Thread(target=lambda: subscribed.append(hub.subscribe("job", 1)), daemon=True)
+        late.start()
+        time.sleep(0.3)  # the late stream subscribes while the feed still holds its older read
+        store.release.set()
+        late.join(10)
+        (sub,) = subscribed
+        store.finish_job("job", True, "trained", time.time())
+
+        def states(s, count: int) -> list[tuple[int | None, JobState]]:
+            got = []
+            while len(got) < count and (event := s.get(5)) is not None:
+                got.append((event.generation and event.generation.number, event.status.state))
+            return got
+
+        assert states(sub, 2) == [(1, JobState.RUNNING), (1, JobState.SUCCEEDED)]
+        assert states(early, 3) == [(None, JobState.WAITING), (1, JobState.RUNNING), (1, JobState.SUCCEEDED)]
+        sub.close()
+        early.close()
+    finally:
+        hub.close()
+        election.stop()
+        store.close()
