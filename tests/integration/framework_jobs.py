@@ -34,10 +34,13 @@ def agent_argv(address: str, node: str, tmp: Path, script: Path, extra: tuple[st
     return pliant_agent(address, node, *flags, str(script), *extra, nproc=1)
 
 
-def script_flags(tmp: Path, steps: int, *flags: str) -> tuple[str, ...]:
+def script_flags(tmp: Path, steps: int, *flags: str, step_time_s: float = 0.03) -> tuple[str, ...]:
     """The flags every example script takes in these tests: ``--max-steps``, a simulated step time, and where its
-    ranks write their steps (``events``) and rank 0 its final state (``final.json``); then ``flags``."""
-    common = ("--max-steps", str(steps), "--step-time", "0.03")
+    ranks write their steps (``events``) and rank 0 its final state (``final.json``); then ``flags``.
+
+    The step time keeps ``steps`` longer than the run's four world changes: a newcomer's warm-up (its imports, and on
+    a GPU host CUDA's start) takes 10-35 s, during which the others train on."""
+    common = ("--max-steps", str(steps), "--step-time", str(step_time_s))
     return (*common, "--events", str(tmp / "events.jsonl"), "--out", str(tmp / "final.json"), *flags)
 
 
