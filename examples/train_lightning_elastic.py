@@ -4,10 +4,13 @@ a rescale saves a Lightning checkpoint at a step boundary and the next world res
 
     pliant run --nnodes 1:4 --nproc-per-node 1 --checkpoint-dir /shared/ckpt examples/train_lightning_elastic.py
 
-With ``--events FILE`` each rank appends one JSON line per trained step (used by the tests); ``--out FILE``: rank 0
-writes the final ``global_step`` and parameters' checksum there. ``--save-every N --save-dir DIR`` adds the script's
-own ``ModelCheckpoint`` (``last.ckpt`` every N steps): after a kill the next world resumes from whichever of it and
-the rescale checkpoint is newer.
+``--global-batch N`` keeps N samples per optimizer step at every world size (``DDP(global_batch=N)``: the strategy
+sets the gradient accumulation); the strategy feeds every sample of an epoch once across world changes either way.
+
+With ``--events FILE`` each rank appends one JSON line per optimizer step (used by the tests: the step, the world and
+the dataset indices of the samples it trained); ``--out FILE``: rank 0 writes the final ``global_step`` and (DDP) the
+parameters there. ``--save-every N --save-dir DIR`` adds the script's own ``ModelCheckpoint`` (``last.ckpt`` every N
+steps): after a kill the next world resumes from whichever of it and the rescale checkpoint is newer.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ class Regression(L.LightningModule):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        x, y, _index = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -38,12 +41,24 @@ class Regression(L.LightningModule):
 
 
 class Events(L.Callback):
-    """One JSON line per rank and trained step: its global step, the world and this process."""
+    """One JSON line per rank and optimizer step: its global step, the world, this process and the dataset indices of
+    the samples this rank trained in it; then the simulated compute time."""
 
     def __init__(self, path: str, step_time: float) -> None:
         self.path, self.step_time = path, step_time
+        self.samples: list[int] = []
+        self.steps = 0
 
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.steps = trainer.global_step  # resumed: the steps done before this world
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: object, batch: tuple, batch_idx: int
+    ) -> None:
+        self.samples += batch[2].tolist()
+        if trainer.global_step == self.steps:  # accumulating: the optimizer has not stepped
+            return
+        self.steps = trainer.global_step
         if self.path:
             line = {
                 "rank": trainer.global_rank,
@@ -52,9 +67,11 @@ class Events(L.Callback):
                 "generation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1,
                 "pid": os.getpid(),
                 "time": time.time(),
+                "samples": self.samples,
             }
             with open(self.path, "a") as out:
                 out.write(json.dumps(line) + "\n")
+        self.samples = []
         time.sleep(self.step_time)
 
 
@@ -65,6 +82,8 @@ def _local_world() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (per rank)")
+    parser.add_argument("--global-batch", type=int, default=None, help="samples per step at every world size")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
     parser.add_argument("--events", default="")
     parser.add_argument("--out", default="")
@@ -86,9 +105,12 @@ def main() -> None:
         )
 
     x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(0))
-    data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
+    data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(len(x))), batch_size=args.batch_size)
+    torch.manual_seed(0)  # the same initial parameters in every run: the tests compare them with a static run
+    model = Regression()
+    elastic = pliant.lightning.DDP if args.strategy == "ddp" else pliant.lightning.FSDP
     trainer = L.Trainer(
-        strategy=pliant.lightning.DDP() if args.strategy == "ddp" else pliant.lightning.FSDP(),  # pliant: the one line
+        strategy=elastic(global_batch=args.global_batch),  # pliant: the one line
         accelerator=args.accelerator,
         devices=_local_world() if args.world_from_env else 1,
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // _local_world() if args.world_from_env else 1,
@@ -99,10 +121,13 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(), data, ckpt_path="last" if args.world_from_env and args.save_every else None)
+    trainer.fit(model, data, ckpt_path="last" if args.world_from_env and args.save_every else None)
     if args.out and trainer.is_global_zero:
+        final = {"global_step": trainer.global_step, "world_size": trainer.world_size}
+        if args.strategy == "ddp":
+            final["params"] = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
         with open(args.out, "w") as out:
-            json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, out)
+            json.dump(final, out)
 
 
 if __name__ == "__main__":

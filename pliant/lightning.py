@@ -26,12 +26,21 @@ strategies with three changes, and nothing else for the script to write:
   the rescale checkpoint is found by its place: a job started on a directory that holds another run's rescale
   checkpoint resumes from it, so give each job its own ``--checkpoint-dir``.
 
-A worker killed (kill -9, a lost node) gets no such save: the next world resumes from the newest of the last rescale
-checkpoint and the script's own checkpoints, and redoes the steps since. Resuming mid-epoch, Lightning iterates a
-plain ``DataLoader`` from the start of the epoch again (its progress counters go on): steps are never trained twice,
-but a sample may be seen twice in that epoch and another not at all.
+- **Every sample once, and the global batch the script chose.** Under an agent the training ``DataLoader`` is
+  replaced by a :class:`pliant.data.GlobalBatchLoader` over the same dataset, batch size, workers and collation: its
+  position in the sample stream is a function of ``trainer.global_step``, saved in the Lightning checkpoint with the
+  fit loop's state, so a world of any size resumes at the next unseen sample (see :mod:`pliant.data`). With
+  ``global_batch=N`` the strategy sets ``accumulate_grad_batches`` so that batch size x accumulation x world = N at
+  every world size, and refuses, naming the numbers, a world that cannot divide N; without it the global batch is
+  batch size x ``accumulate_grad_batches`` x world, as in Lightning. The epoch loop's batch counters are set to the
+  resumed step's place in its epoch, in the new world's batches. The rescale vote and its save happen at the start of
+  an optimizer step (a batch whose index is a multiple of the accumulation).
 
-Outside a pliant agent (torchrun, a plain process) the strategies are Lightning's, unchanged.
+A worker killed (kill -9, a lost node) gets no such save: the next world resumes from the newest of the last rescale
+checkpoint and the script's own checkpoints, and redoes the steps since, on the same samples.
+
+Outside a pliant agent (torchrun, a plain process) the strategies are Lightning's, unchanged, except that with
+``global_batch`` they install the same loader and accumulation (so a static run trains the same steps).
 
 The Lightning checkpoint is a pickle (``torch.save``), the script's own file as with any Lightning run: pliant neither
 seals nor reads it (docs/operations.md, "Checkpoints are data").
@@ -47,7 +56,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from pliant.data import GlobalBatchLoader
 from pliant.env import RESCALE_EXIT_CODE, WorkerEnv
 from pliant.errors import PliantError
 from pliant.integration import RescaleRequest
@@ -82,9 +93,15 @@ class _Elastic:
 
     _rescale: RescaleRequest
     _num_nodes: int
+    _global_batch: int | None
+    _loader: GlobalBatchLoader | None
 
-    def _init_elastic(self) -> None:
+    def _init_elastic(self, global_batch: int | None) -> None:
+        if global_batch is not None and global_batch < 1:
+            raise LightningError(f"global_batch={global_batch} must be >= 1 (or None: batch size x world)")
         self._rescale = RescaleRequest()
+        self._global_batch = global_batch
+        self._loader = None
 
     @property
     def _env(self) -> WorkerEnv:
@@ -129,9 +146,70 @@ class _Elastic:
         if path.exists() or self._env.generation > 1:
             _resume_newest(trainer, path, scripts=self._env.generation > 1)
 
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer.training and (self._under_agent or self._global_batch is not None):
+            dataloader = self._exactly_once(trainer, dataloader)
+        return dataloader
+
+    def _exactly_once(self, trainer: Any, dataloader: object) -> object:
+        """The training loader as a :class:`pliant.data.GlobalBatchLoader` (see the module docstring); a loader it
+        cannot replace (an iterable dataset, a batch sampler of the script's own) is kept, with a warning.
+
+        Raises:
+            pliant.data.DataError: this world cannot divide ``global_batch``.
+        """
+        if isinstance(dataloader, GlobalBatchLoader):
+            loader = dataloader
+            loader.global_batch_sampler.step_fn = lambda: trainer.global_step
+        elif not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
+            logger.warning(
+                "pliant: the training loader (%s) has no batch size of its own (a batch sampler, or not a "
+                "DataLoader), so its samples after a rescale are Lightning's: pass a DataLoader with batch_size",
+                type(dataloader).__name__,
+            )
+            return dataloader
+        elif isinstance(dataloader.dataset, IterableDataset):
+            logger.warning(
+                "pliant: the training dataset is iterable, so pliant cannot resume it at the next unseen sample; "
+                "use a map-style dataset (with __len__ and __getitem__) for exactly-once data"
+            )
+            return dataloader
+        else:
+            loader = _global_batch_loader(dataloader, self, trainer)
+        sampler = loader.global_batch_sampler
+        if self._global_batch is not None:
+            if trainer.accumulate_grad_batches not in (1, sampler.accumulation):
+                logger.warning(
+                    "pliant: accumulate_grad_batches=%d is replaced by %d: global_batch=%d fixes it at this world",
+                    trainer.accumulate_grad_batches,
+                    sampler.accumulation,
+                    self._global_batch,
+                )
+            trainer.accumulate_grad_batches = sampler.accumulation
+        logger.info(
+            "pliant: exactly-once data: global batch %d = batch size %d x accumulation %d x world %d (%s)",
+            sampler.global_batch,
+            sampler.micro_batch,
+            sampler.accumulation,
+            sampler.world_size,
+            "fixed" if self._global_batch is not None else "following the world",
+        )
+        self._loader = loader
+        return loader
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        loader = self._loader
+        if loader is not None and loader.global_batch_sampler.resumed_from is not None:
+            _align_epoch_counters(self.lightning_module.trainer, loader)  # type: ignore[attr-defined]
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self._under_agent and self._rescale.agreed(self.root_device):  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        at_step_start = batch_idx % trainer.accumulate_grad_batches == 0
+        if self._under_agent and at_step_start and self._rescale.agreed(self.root_device):  # type: ignore[attr-defined]
             self._save_and_exit()
 
     def _save_and_exit(self) -> None:
@@ -149,6 +227,62 @@ class _Elastic:
             logger.info("pliant: saved for the rescale at global step %d: %s", trainer.global_step, path)
         self.barrier("pliant-rescale-renamed")  # type: ignore[attr-defined]
         sys.exit(RESCALE_EXIT_CODE)
+
+
+def _global_batch_loader(dataloader: DataLoader, strategy: _Elastic, trainer: Any) -> GlobalBatchLoader:
+    """A :class:`pliant.data.GlobalBatchLoader` over ``dataloader``'s dataset, batch size, workers and collation, in
+    its order (shuffled or not, with the seed of the ``DistributedSampler`` Lightning put in, else 0), stepping with
+    ``trainer.global_step``."""
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler):
+        shuffle, seed = sampler.shuffle, sampler.seed
+    else:
+        shuffle, seed = isinstance(sampler, RandomSampler), 0
+    extra: dict[str, Any] = {}
+    if dataloader.num_workers > 0:
+        extra = {"prefetch_factor": dataloader.prefetch_factor, "persistent_workers": dataloader.persistent_workers}
+    return GlobalBatchLoader(
+        dataloader.dataset,
+        int(dataloader.batch_size or 1),
+        strategy._global_batch,
+        accumulation=trainer.accumulate_grad_batches,
+        seed=seed,
+        shuffle=shuffle,
+        rank=trainer.global_rank,
+        world_size=trainer.world_size,
+        step_fn=lambda: trainer.global_step,
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        **extra,
+    )
+
+
+def _align_epoch_counters(trainer: Any, loader: GlobalBatchLoader) -> None:
+    """Set the epoch loop's batch counters to the resumed step's place in its epoch, counted in this world's batches
+    (``(global_step % steps_per_epoch) * accumulation``), so that Lightning's accumulation boundaries and the epoch's
+    end fall where the loader's steps do. A checkpoint saved at a batch's end makes Lightning count that batch once
+    more as it restarts: the counters are set one short of the place, and at an epoch's end to the batch that ends
+    it."""
+    sampler = loader.global_batch_sampler
+    epoch_loop = trainer.fit_loop.epoch_loop
+    in_epoch = trainer.global_step % sampler.steps_per_epoch
+    done = in_epoch * sampler.accumulation
+    if getattr(epoch_loop, "restarted_on_train_batch_end", False):
+        done = (in_epoch or sampler.steps_per_epoch) * sampler.accumulation - 1
+    current = epoch_loop.batch_progress.current
+    current.ready = current.started = current.processed = current.completed = done
+    logger.info(
+        "pliant: resumed at step %d, position %d of the sample stream: batch %d of %d of this epoch",
+        trainer.global_step,
+        sampler.cursor.position(trainer.global_step),
+        in_epoch * sampler.accumulation,
+        len(sampler),
+    )
 
 
 def complete(path: Path) -> bool:
@@ -205,19 +339,33 @@ def _resume_newest(trainer: Any, rescale: Path, scripts: bool) -> None:
 
 class DDP(_Elastic, DDPStrategy):
     """Lightning's ``DDPStrategy`` whose world follows pliant's generations (see the module docstring). Takes
-    ``DDPStrategy``'s arguments."""
+    ``DDPStrategy``'s arguments.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    Args:
+        global_batch: samples per optimizer step at every world size (None: batch size x accumulation x world).
+
+    Raises:
+        LightningError: ``global_batch`` < 1.
+    """
+
+    def __init__(self, *args: Any, global_batch: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._init_elastic()
+        self._init_elastic(global_batch)
 
 
 class FSDP(_Elastic, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` whose world follows pliant's generations (see the module docstring). Takes
     ``FSDPStrategy``'s arguments; its rescale checkpoint is a full state dict (``state_dict_type="full"``, the
-    default here), so any world size loads it."""
+    default here), so any world size loads it.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    Args:
+        global_batch: samples per optimizer step at every world size (None: batch size x accumulation x world).
+
+    Raises:
+        LightningError: ``global_batch`` < 1.
+    """
+
+    def __init__(self, *args: Any, global_batch: int | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("state_dict_type", "full")
         super().__init__(*args, **kwargs)
-        self._init_elastic()
+        self._init_elastic(global_batch)

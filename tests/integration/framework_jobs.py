@@ -3,7 +3,9 @@ real coordinator, and what its ranks wrote per trained step (one JSON line each:
 
 from __future__ import annotations
 
+import os
 import signal
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,12 @@ __all__ = [
     "EXAMPLES",
     "Run",
     "agent_argv",
+    "assert_static_steps",
+    "committed_samples",
     "events",
     "generation",
     "join_kill_join_leave",
+    "join_kill_worker_leave",
     "script_flags",
     "stepping",
     "trained_twice",
@@ -70,15 +75,72 @@ def trained_twice(tmp: Path, steps: int) -> dict[int, list[int]]:
     return {step: gens for step, gens in trained.items() if len(gens) > 1}
 
 
+def committed_samples(tmp: Path, steps: int) -> dict[int, list[int]]:
+    """The samples each step trained in the world that committed it (the last world that trained it), all ranks
+    together; asserts that every step in ``range(steps)`` was trained, each rank's lines of one world once, and that a
+    step trained again (after a kill) trained the same samples as before."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for event in events(tmp):
+        worlds = by_step.setdefault(event["step"], {})
+        worlds.setdefault(event["generation"], []).extend(event["samples"])
+    assert set(by_step) == set(range(steps)), f"steps never trained: {sorted(set(range(steps)) - set(by_step))[:20]}"
+    committed = {}
+    for step, worlds in by_step.items():
+        trainings = [sorted(samples) for _gen, samples in sorted(worlds.items())]
+        assert all(t == trainings[-1] for t in trainings), f"step {step} trained other samples when redone"
+        committed[step] = worlds[max(worlds)]
+    return committed
+
+
+def assert_static_steps(elastic: dict[int, list[int]], static: dict[int, list[int]], dataset: int) -> None:
+    """Each step trained the static run's samples; together the steps see every sample of each pass over the
+    ``dataset`` samples once: of T samples trained, each sample T // dataset times, and T % dataset of them (the pass
+    in progress) once more. (A step that crosses from one pass to the next may hold a sample of each.)"""
+    assert sorted(elastic) == sorted(static), "the elastic and the static run trained other steps"
+    for step in sorted(static):
+        assert sorted(elastic[step]) == sorted(static[step]), f"step {step} trained other samples than the static run"
+    seen = Counter(i for samples in elastic.values() for i in samples)
+    passes, rest = divmod(sum(seen.values()), dataset)
+    assert set(seen) <= set(range(dataset)) and all(seen[i] in (passes, passes + 1) for i in range(dataset)), seen
+    assert sum(1 for i in range(dataset) if seen[i] == passes + 1) == rest
+
+
 @dataclass(frozen=True)
 class Run:
-    """What :func:`join_kill_join_leave` went through: node a's agent (running until the job ends), the generation
-    of the first join, the generation the kill -9 ended, and node b's second agent (the one that left)."""
+    """What :func:`join_kill_join_leave` or :func:`join_kill_worker_leave` went through: node a's agent (running until
+    the job ends), the generation of the first join, the generation the kill -9 ended, and node b's agent that
+    left."""
 
     agent: Any
     joined: int
     killed_in: int
     rejoined: Any
+
+
+def join_kill_worker_leave(
+    server: Any, spawn_agent: Callable[..., Any], tmp: Path, script: Path, extra: tuple[str, ...], wait_s: float
+) -> Run:
+    """Node a trains alone; node b joins; one of node b's workers is killed (kill -9; its agent stays, and the next
+    world has both nodes); node b leaves (SIGTERM); then the job runs to its end. Each change is waited for as rank 0
+    stepping in the new world (at most ``wait_s`` each)."""
+    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp, script, extra), name="agent-a")
+    wait_for(lambda: stepping(tmp, 1, 10), wait_s, "node a stepping alone")
+
+    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp, script, extra), name="agent-b")
+    wait_for(lambda: stepping(tmp, 2, 10), wait_s, "world 2 stepping (join)")
+    joined = killed_in = generation(tmp)
+    wait_for(lambda: any(e["rank"] == 1 and e["generation"] == joined for e in events(tmp)), 30, "node b's worker")
+    worker = next(e["pid"] for e in reversed(events(tmp)) if e["rank"] == 1 and e["generation"] == joined)
+    os.kill(worker, signal.SIGKILL)  # node b's worker dies: the world fails, the next resumes from a checkpoint
+    wait_for(lambda: stepping(tmp, 2, 10, after=killed_in), wait_s, "world 2 stepping again (kill -9 of a worker)")
+
+    left_after = generation(tmp)
+    b.kill(signal.SIGTERM)  # a graceful leave
+    wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
+    wait_for(lambda: stepping(tmp, 1, 3, after=left_after), wait_s, "node a stepping alone (leave)")
+    wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
+    assert a.proc.returncode == 0, a.output()[-4000:]
+    return Run(a, joined, killed_in, b)
 
 
 def join_kill_join_leave(

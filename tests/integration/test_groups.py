@@ -175,7 +175,10 @@ def test_an_agent_stops_reading_a_superseded_generations_port() -> None:
         started = time.monotonic()
         with pytest.raises(AgentError, match="generation 5 was superseded"):
             store.generation_port(address, 5, timeout_s=60, superseded=lambda: time.monotonic() > seen)
-        assert time.monotonic() - started < 1.0 + 2 * PORT_ATTEMPT_S + 1.0
+        waited = time.monotonic() - started
+        # Ended with the attempt in flight (PORT_ATTEMPT_S each), not after the minute: a loaded machine stretches
+        # the attempts, never to the timeout.
+        assert waited < 1.0 + 2 * PORT_ATTEMPT_S + 15.0, f"the superseded wait took {waited:.1f}s"
         with pytest.raises(AgentError, match="did not give generation 5's store port within 1s"):
             store.generation_port(address, 5, timeout_s=1)
     finally:

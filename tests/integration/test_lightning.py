@@ -1,12 +1,15 @@
-"""Lightning made elastic with one line (pliant.lightning): a Lightning script with ``strategy=pliant.lightning.DDP()``
-(or ``FSDP()``, where a GPU exists) and a fixed ``num_nodes=1`` goes through a join, a kill -9 of a node, a join
-again and a graceful leave under real agents and a real coordinator, and finishes with ``global_step == max_steps``;
-a step is trained twice only after the kill (from the last rescale checkpoint), never after a graceful rescale.
-Without the plugin the agent says in one line what to add."""
+"""Lightning made elastic with one line (pliant.lightning): a Lightning script with
+``strategy=pliant.lightning.DDP(global_batch=32)`` (or ``FSDP(...)``, where a GPU exists) and a fixed ``num_nodes=1``
+goes through a join, a kill -9 of a worker and a graceful leave under real agents and a real coordinator, and
+finishes with ``global_step == max_steps``: each step trains the samples a static run at one world size trains (every
+sample of a pass once), the parameters end within 1e-4 of that run's, and a step is trained twice only after the kill
+(on the same samples), never after a graceful rescale. Without the plugin the agent says in one line what to add."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,30 +17,41 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.integration.framework_jobs import EXAMPLES, agent_argv, join_kill_join_leave, script_flags, trained_twice
+from tests.integration.framework_jobs import (
+    EXAMPLES,
+    agent_argv,
+    assert_static_steps,
+    committed_samples,
+    join_kill_worker_leave,
+    script_flags,
+    trained_twice,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
 SCRIPT = EXAMPLES / "train_lightning_elastic.py"
-STEPS = 700
+STEPS = 500
+DATASET = 4096  # the example's samples
+GLOBAL_BATCH, BATCH = 32, 8  # 4 batches a step alone, 2 at two nodes
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a GPU")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=GPU)])
-def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
+def test_a_lightning_script_with_the_plugin_trains_a_static_runs_steps_through_a_join_a_kill_and_a_leave(
     make_coordinator, spawn_agent, tmp_path: Path, strategy: str
 ) -> None:
     server = make_coordinator()
     accelerator = "gpu" if strategy == "fsdp" else "cpu"
+    data = ("--global-batch", str(GLOBAL_BATCH), "--batch-size", str(BATCH))
     own = ("--save-every", "5", "--save-dir", str(tmp_path / "own"))  # the script's own last.ckpt, every 5 steps
-    # A GPU steps this tiny model far faster than a CPU does: 0.2 s a step keeps the 700 steps longer than the four
+    # A GPU steps this tiny model far faster than a CPU does: 0.2 s a step keeps the steps longer than the three
     # world changes, each newcomer's CUDA start included.
-    step_time_s = 0.2 if accelerator == "gpu" else 0.03
-    flags = ("--strategy", strategy, "--accelerator", accelerator, *own)
+    step_time_s = 0.2 if accelerator == "gpu" else 0.04
+    flags = ("--strategy", strategy, "--accelerator", accelerator, *data, *own)
     extra = script_flags(tmp_path, STEPS, *flags, step_time_s=step_time_s)
-    run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=90)
+    run = join_kill_worker_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=90)
     a, joined, killed_in = run.agent, run.joined, run.killed_in
 
     final = json.loads((tmp_path / "final.json").read_text())
@@ -52,17 +66,38 @@ def test_a_lightning_script_with_the_plugin_follows_joins_kills_and_leaves(
     assert "saved for the rescale" in output and "resuming from the rescale checkpoint" in output
     assert "resuming from the script's checkpoint " + str(tmp_path / "own") in output
     assert "workers stopped for the rescale" in output
+    assert "exactly-once data: global batch 32 = batch size 8 x accumulation 4 x world 1 (fixed)" in output
+    assert "exactly-once data: global batch 32 = batch size 8 x accumulation 2 x world 2 (fixed)" in output
     # The joins take the restart path: node a trains on until node b's workers are ready to fork (its warm-up), and
     # node b forks them once node a restarted (every step trained once: the assertions above).
     assert "by the restart path: the newcomers warmed up" in output
-    assert (
-        "warmed up in" in run.rejoined.output() and "the other nodes save and restart into it" in run.rejoined.output()
-    )
+    assert "warmed up in" in run.rejoined.output()
     # The world the kill broke is aborted (its collectives cannot complete), not asked to save.
     assert f"generation {killed_in} failed: its workers get SIGTERM, then SIGKILL after 0.5s" in output
+
+    # The static run: the same script in one process, the same global batch, no change of world.
+    static = tmp_path / "static"
+    static.mkdir()
+    flags = ("--strategy", strategy, "--accelerator", accelerator, *data)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *script_flags(static, STEPS, *flags, step_time_s=0.0)],
+        cwd=static,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_static_steps(committed_samples(tmp_path, STEPS), committed_samples(static, STEPS), DATASET)
+    reference = json.loads((static / "final.json").read_text())
+    assert reference["global_step"] == STEPS
+    diff = 0.0
+    if strategy == "ddp":
+        diff = (torch.tensor(final["params"]) - torch.tensor(reference["params"])).abs().max().item()
+        assert diff <= 1e-4, f"the elastic run's parameters are {diff:.2e} from the static run's"
     print(
-        f"lightning {strategy} with the plugin: {len(twice)} steps trained twice, all after the kill -9 (generation "
-        f"{killed_in}), resumed from the script's own checkpoint; join at generation {joined}; {STEPS} steps in all"
+        f"lightning {strategy} with the plugin, global batch {GLOBAL_BATCH}: {len(twice)} steps trained twice (on "
+        f"the same samples), all after the kill -9 (generation {killed_in}); join at generation {joined}; every "
+        f"step's samples those of the static run; parameters {diff:.1e} from it; {STEPS} steps in all"
     )
 
 

@@ -1,33 +1,47 @@
 """Hugging Face Trainer made elastic with one line (pliant.transformers): a Trainer script with
-``callbacks=[pliant.transformers.Elastic()]`` goes through a join, a kill -9 of a node, a join again and a graceful
-leave under real agents and a real coordinator, and finishes with ``global_step == max_steps``; a step is trained
-twice only after the kill (from the last complete checkpoint), never after a graceful rescale."""
+``callbacks=[pliant.transformers.Elastic(global_batch=16)]`` goes through a join, a kill -9 of a worker and a graceful
+leave under real agents and a real coordinator, and finishes with ``global_step == max_steps``: each step trains the
+sequences a static run at one world size trains (every sample of a pass once), the parameters end within 1e-4 of that
+run's, and a step is trained twice only after the kill (on the same samples), never after a graceful rescale."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.integration.framework_jobs import EXAMPLES, join_kill_join_leave, script_flags, trained_twice
+from tests.integration.framework_jobs import (
+    EXAMPLES,
+    assert_static_steps,
+    committed_samples,
+    join_kill_worker_leave,
+    script_flags,
+    trained_twice,
+)
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (the dev extras)")
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
 SCRIPT = EXAMPLES / "train_hf_trainer.py"
-STEPS = 600
+STEPS = 400
+DATASET = 4096  # the example's sequences
+GLOBAL_BATCH, BATCH = 16, 4  # 4 batches a step alone, 2 at two nodes
 
 
-def test_a_trainer_script_with_the_callback_follows_joins_kills_and_leaves(
+def test_a_trainer_script_with_the_callback_trains_a_static_runs_steps_through_a_join_a_kill_and_a_leave(
     make_coordinator, spawn_agent, tmp_path: Path
 ) -> None:
     server = make_coordinator()
     output_dir = str(tmp_path / "ckpt" / "hf")
+    data = ("--global-batch", str(GLOBAL_BATCH), "--batch-size", str(BATCH))
     # No periodic checkpoints: after the kill the next world resumes from the join's.
-    extra = script_flags(tmp_path, STEPS, "--output-dir", output_dir, "--save-steps", "100000")
-    run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=120)
+    extra = script_flags(tmp_path, STEPS, "--output-dir", output_dir, "--save-steps", "100000", *data)
+    run = join_kill_worker_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=120)
     a, joined, killed_in = run.agent, run.joined, run.killed_in
 
     final = json.loads((tmp_path / "final.json").read_text())
@@ -38,13 +52,32 @@ def test_a_trainer_script_with_the_callback_follows_joins_kills_and_leaves(
     output = a.output()
     assert "saved for the rescale" in output and "resuming from the last complete checkpoint" in output
     assert "workers stopped for the rescale" in output
+    assert "exactly-once data: global batch 16 = batch size 4 x accumulation 4 x world 1 (fixed)" in output
+    assert "exactly-once data: global batch 16 = batch size 4 x accumulation 2 x world 2 (fixed)" in output
     # The joins take the restart path: node a trains on until node b's workers are ready to fork (its warm-up), and
     # node b forks them once node a restarted (every step trained once: the assertions above).
     assert "by the restart path: the newcomers warmed up" in output
-    assert (
-        "warmed up in" in run.rejoined.output() and "the other nodes save and restart into it" in run.rejoined.output()
+    assert "warmed up in" in run.rejoined.output()
+
+    # The static run: the same script in one process, the same global batch, no change of world.
+    static = tmp_path / "static"
+    static.mkdir()
+    flags = ("--output-dir", str(static / "hf"), "--save-steps", "100000", *data)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *script_flags(static, STEPS, *flags, step_time_s=0.0)],
+        cwd=static,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_static_steps(committed_samples(tmp_path, STEPS), committed_samples(static, STEPS), DATASET)
+    reference = json.loads((static / "final.json").read_text())
+    assert reference["global_step"] == STEPS
+    diff = (torch.tensor(final["params"]) - torch.tensor(reference["params"])).abs().max().item()
+    assert diff <= 1e-4, f"the elastic run's parameters are {diff:.2e} from the static run's"
     print(
-        f"transformers Trainer with the callback: {len(twice)} steps trained twice, all after the kill -9 "
-        f"(generation {killed_in}); join at generation {joined}; {STEPS} steps in all"
+        f"transformers Trainer with the callback, global batch {GLOBAL_BATCH}: {len(twice)} steps trained twice (on "
+        f"the same samples), all after the kill -9 (generation {killed_in}); join at generation {joined}; every "
+        f"step's samples those of the static run; parameters {diff:.1e} from it; {STEPS} steps in all"
     )

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = {"pliant.cli", "pliant.certs", "pliant.run", "pliant.__main__", "pliant.k8s"} | {
+    "pliant.data",
     "pliant.integration",
     "pliant.lightning",
     "pliant.transformers",
