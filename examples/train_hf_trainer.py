@@ -78,7 +78,8 @@ class Events(TrainerCallback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output-dir", required=True, help="where the Trainer's checkpoints go (shared by the nodes)")
-    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--max-steps", type=int, default=200, help="-1: train --epochs epochs")
+    parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per batch (per rank)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step at every world size")
     parser.add_argument("--save-steps", type=int, default=100, help="the Trainer's own periodic checkpoints")
@@ -111,6 +112,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
+        num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size,
         learning_rate=1e-3,
         save_steps=args.save_steps,

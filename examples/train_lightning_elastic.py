@@ -81,7 +81,8 @@ def _local_world() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--max-steps", type=int, default=200, help="-1: train --max-epochs epochs")
+    parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (per rank)")
     parser.add_argument("--global-batch", type=int, default=None, help="samples per step at every world size")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
@@ -115,6 +116,7 @@ def main() -> None:
         devices=_local_world() if args.world_from_env else 1,
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // _local_world() if args.world_from_env else 1,
         max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=bool(args.save_every),

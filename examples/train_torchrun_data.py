@@ -9,7 +9,9 @@ unseen sample.
 
 Rank 0 saves the checkpoint after every step; on SIGTERM (a rescale, a preemption) the process ends at once. With
 ``--events FILE`` each rank appends one JSON line per step (the step, the world and the dataset indices it trained);
-``--out FILE``: rank 0 writes the final step and the parameters there.
+``--out FILE``: rank 0 writes the final step and the parameters there. ``--sampler distributed`` trains as a torchrun
+script commonly does instead, for comparison (``bench/data_resume.py``): a ``DistributedSampler`` (global batch =
+batch size x world), an epoch loop, and a resumed epoch's trained batches skipped by count.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from pliant.data import GlobalBatchLoader
 
@@ -38,16 +40,23 @@ def main() -> None:
     parser.add_argument("--ckpt", default="", help="checkpoint file (rank 0 writes it; every rank resumes from it)")
     parser.add_argument("--events", default="", help="append one JSON line per rank and step to this file")
     parser.add_argument("--out", default="", help="rank 0 writes the final step and parameters here")
+    parser.add_argument("--sampler", choices=["pliant", "distributed"], default="pliant")
+    parser.add_argument("--samples", type=int, default=2000, help="samples in the dataset")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
 
-    x = torch.randn(2000, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(args.samples, 8, generator=torch.Generator().manual_seed(0))
     data = TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(len(x)))
-    loader = GlobalBatchLoader(data, args.batch_size, args.global_batch)  # pliant: the loader (rank and world: dist's)
-    accumulation = loader.global_batch_sampler.accumulation
+    if args.sampler == "distributed":
+        sampler = DistributedSampler(data, seed=0)
+        loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+        accumulation = 1
+    else:
+        loader = GlobalBatchLoader(data, args.batch_size, args.global_batch)  # pliant: the loader (rank, world: dist's)
+        accumulation = loader.global_batch_sampler.accumulation
 
     torch.manual_seed(0)
     model = DistributedDataParallel(
@@ -59,15 +68,21 @@ def main() -> None:
         state = torch.load(args.ckpt, weights_only=True)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["data"])  # pliant: where the last world stopped in the sample stream
+        if isinstance(loader, GlobalBatchLoader):
+            loader.load_state_dict(state["data"])  # pliant: where the last world stopped in the sample stream
         step = int(state["step"])
     print(f"rank {rank}/{world}: step {step}, {accumulation} micro-batches a step", flush=True)
 
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))  # rank 0's checkpoint holds the last step
     events = open(args.events, "a") if args.events else None  # noqa: SIM115
     samples: list[int] = []
+    skip = step % len(loader) if args.sampler == "distributed" else 0  # the resumed epoch's trained batches
     while step < args.max_steps:
+        if args.sampler == "distributed":
+            sampler.set_epoch(step // len(loader))
         for i, (inputs, targets, index) in enumerate(loader):  # the rest of this epoch
+            if args.sampler == "distributed" and i < skip:
+                continue
             last = (i + 1) % accumulation == 0
             with contextlib.nullcontext() if last else model.no_sync():
                 loss = torch.nn.functional.mse_loss(model(inputs), targets) / accumulation
@@ -83,7 +98,7 @@ def main() -> None:
                     "model": model.module.state_dict(),
                     "optimizer": optimizer.state_dict(),
                     "step": step,
-                    "data": loader.state_dict(),  # pliant: the data position at this step
+                    "data": loader.state_dict() if isinstance(loader, GlobalBatchLoader) else {},  # pliant
                 }
                 torch.save(state, f"{args.ckpt}.tmp")
                 os.replace(f"{args.ckpt}.tmp", args.ckpt)
@@ -95,6 +110,7 @@ def main() -> None:
             time.sleep(args.step_time)
             if step >= args.max_steps:
                 break
+        skip = 0
     if args.out and rank == 0:
         params = torch.cat([p.detach().flatten() for p in model.module.parameters()]).tolist()
         with open(args.out, "w") as out:
