@@ -61,6 +61,7 @@ from pliant.agent.events import (
     Tick,
 )
 from pliant.agent.events import JobFinished as JobEnded
+from pliant.agent.goodput import Activity, Goodput
 from pliant.agent.membership import JoinRefused, Membership
 from pliant.agent.metrics import AgentMetrics
 from pliant.agent.preload import plan_preload
@@ -127,8 +128,9 @@ class Agent:
       read it), ``_fence`` (the checkpoint directory's fence, read every :data:`FENCE_READ_S`), ``_renewing`` (what
       it last told its peers), ``_restarting`` (the generations this node restarts into once their newcomers warmed
       up, as it told their stores);
-    - what it says: ``_summary`` and ``_wait`` (the console's lines), ``_job`` and ``_outcome`` (the job's state as
-      last watched), ``_ticked_at`` (the loop's last tick; the metrics thread reads it for ``/healthz``).
+    - what it says: ``_summary`` and ``_wait`` (the console's lines), ``_goodput`` (this node's time by what it did,
+      charged at each tick), ``_job`` and ``_outcome`` (the job's state as last watched), ``_ticked_at`` (the loop's
+      last tick; the metrics thread reads it for ``/healthz``).
 
     Args:
         config: the agent's configuration.
@@ -178,6 +180,7 @@ class Agent:
         self._renewing: tuple[int, int] | None = None
         self._ticked_at: float | None = None  # the loop's last tick (loop thread; read by the metrics thread)
         self._summary = Summary()  # the last line's figures (loop thread)
+        self._goodput = Goodput(time.monotonic())  # this node's goodput and badput seconds (loop thread)
         self._seat: SeatHolder | None = None  # this node's seat in an embedded control plane (main thread)
         self._wait = WaitLine(status_line())  # the console's line for a long wait (loop thread)
         self._job: tuple[JobState | None, str] = (None, "")  # the job's state and reason, as last watched (loop thread)
@@ -337,6 +340,7 @@ class Agent:
             event = self._next_event(next_tick)
             if isinstance(event, Tick):
                 self._ticked_at = time.monotonic()
+                self._charge(event)
                 next_tick = time.monotonic() + (QUICK_TICK_S if core.ticks_quickly(self.state) else TICK_S)
                 if self._stores is not None and self._stores.closed:  # no store: no rendezvous, no hand-over
                     self.membership.leave()
@@ -351,6 +355,7 @@ class Agent:
                 self._job = (event.status.state, event.status.reason)
                 self._outcome = event.status.outcome
                 if event.generation is not None:
+                    self._goodput.interrupted("failure" if event.generation.after_failure else "rescale")
                     for line in refused_lines(self.state.generation, event.generation):
                         console.warning("%s", line)
                     self._generations[event.generation.number] = event.generation
@@ -369,7 +374,17 @@ class Agent:
                 return code
             self._track_workers()
 
+    def _charge(self, tick: Tick) -> None:
+        """Charge the time since the last tick to goodput or a badput cause (:mod:`pliant.agent.goodput`)."""
+        held_out = self._job[0] is JobState.WAITING or (
+            self.group is None and self.state.reason.startswith(("spare", "excluded", "left out"))
+        )
+        activity = Activity(self.group is not None, tick.progress, held_out)
+        self.metrics.charge(*self._goodput.charge(self._ticked_at or time.monotonic(), activity))
+
     def _dispatch(self, event: Event) -> int | None:
+        if isinstance(event, GroupExited) and not event.result.stopped and event.result.first_failure is not None:
+            self._goodput.interrupted("failure")
         if isinstance(event, (GenerationSeen, SignalReceived)) and self.group is not None:
             self._dispatch(Tick(self.group.progress(), self._fence, self.group.ready()))  # on fresh readiness
         before = self.state
@@ -438,6 +453,7 @@ class Agent:
             )
             self._summary.steps = max(self._summary.steps, self._steps_recorded())
             console.info("%s", self._summary.line(self.config.spec.job_id, outcome, time.monotonic()))
+            console.info("%s", self._goodput.line())
             return action.code
         return None
 

@@ -1,12 +1,13 @@
 """The agent's Prometheus metrics, and the node's single scrape target.
 
 The agent's own series (state, workers by state, exits by code, restarts, generation, heartbeat failures, hangs,
-rescales by path) and its workers' are served from a registry its owner injects, each sample with the agent's
-``job_id``. Workers are other processes: they write prometheus_client multiprocess files into a directory the agent
-owns (``PROMETHEUS_MULTIPROC_DIR``, set through the env contract), and the agent's registry reads them at scrape time,
-so one endpoint per node serves the whole node. When a worker exits the agent marks it dead, which drops its
-``live*`` gauges; its counters and histograms stay, so totals never go backwards across generations. Labelled series
-whose values are known in advance (the workers by state, the rescale paths) exist at zero from the start.
+rescales by path, goodput and badput seconds) and its workers' are served from a registry its owner injects, each
+sample with the agent's ``job_id``. Workers are other processes: they write prometheus_client multiprocess files into
+a directory the agent owns (``PROMETHEUS_MULTIPROC_DIR``, set through the env contract), and the agent's registry
+reads them at scrape time, so one endpoint per node serves the whole node. When a worker exits the agent marks it
+dead, which drops its ``live*`` gauges; its counters and histograms stay, so totals never go backwards across
+generations. Labelled series whose values are known in advance (the workers by state, the rescale paths, the badput
+causes) exist at zero from the start.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 
 from pliant.agent.contract import AgentState
+from pliant.agent.goodput import CAUSES, PRODUCTIVE
 
 __all__ = ["RESCALE_PATHS", "AgentMetrics", "WorkerExit"]
 
@@ -102,12 +104,33 @@ class AgentMetrics:
             ["path"],
             registry=own,
         )
+        self.goodput = Counter(
+            "pliant_agent_goodput_seconds",
+            "Seconds this node's workers spent on steps beyond the highest the node completed (pliant.agent.goodput).",
+            registry=own,
+        )
+        self.badput = Counter(
+            "pliant_agent_badput_seconds",
+            "Seconds of this node in the job that trained no new step, by cause: start, rescale, failure, redone, "
+            "checkpoint, waiting (pliant.agent.goodput).",
+            ["cause"],
+            registry=own,
+        )
         for state in ("running", "exited"):
             self.workers.labels(state)
         for path in RESCALE_PATHS:
             self.rescales.labels(path)
+        for cause in CAUSES:
+            self.badput.labels(cause)
         self._groups_started = 0
         self._counted: set[int] = set()
+
+    def charge(self, category: str, seconds: float) -> None:
+        """Add ``seconds`` to goodput (:data:`pliant.agent.goodput.PRODUCTIVE`) or to a badput cause."""
+        if category == PRODUCTIVE:
+            self.goodput.inc(seconds)
+        else:
+            self.badput.labels(category).inc(seconds)
 
     def set_state(self, current: AgentState) -> None:
         for state in AgentState:
