@@ -309,6 +309,7 @@ class Membership:
                     timeout_s=max(0.5, grant.heartbeat_ttl_s / 3),
                     reaches_generation=reaches,
                     misses_generation=misses,
+                    goodput=self.metrics.goodput_seconds(),
                 )
                 self._events.put(events.HeartbeatOk())
                 self.reachable = True

@@ -16,6 +16,7 @@ import logging
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
@@ -56,6 +57,9 @@ class _JobLabelled(Collector):
 class AgentMetrics:
     """Every series one agent exports, plus its workers' (read from their multiprocess directory), each with the
     agent's ``job_id``.
+
+    Threads: the agent's loop thread updates the series; the heartbeat thread reads :meth:`latest_step` and
+    :meth:`goodput_seconds` (the seconds charged, guarded by ``_lock``); the metrics server's thread scrapes.
 
     Args:
         registry: where to register (never the global registry).
@@ -124,13 +128,23 @@ class AgentMetrics:
             self.badput.labels(cause)
         self._groups_started = 0
         self._counted: set[int] = set()
+        self._lock = threading.Lock()
+        self._seconds = dict.fromkeys((PRODUCTIVE, *CAUSES), 0.0)  # goodput and badput by category (under _lock)
 
     def charge(self, category: str, seconds: float) -> None:
-        """Add ``seconds`` to goodput (:data:`pliant.agent.goodput.PRODUCTIVE`) or to a badput cause."""
+        """Add ``seconds`` to goodput (:data:`pliant.agent.goodput.PRODUCTIVE`) or to a badput cause (the agent's
+        loop thread)."""
         if category == PRODUCTIVE:
             self.goodput.inc(seconds)
         else:
             self.badput.labels(category).inc(seconds)
+        with self._lock:
+            self._seconds[category] += seconds
+
+    def goodput_seconds(self) -> dict[str, float]:
+        """The node's seconds so far by what they went to (the heartbeat thread reports them)."""
+        with self._lock:
+            return dict(self._seconds)
 
     def set_state(self, current: AgentState) -> None:
         for state in AgentState:

@@ -13,7 +13,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.convert import (
     cause_to_pb,
     generation_from_pb,
+    goodput_to_pb,
     job_info_from_pb,
     outcome_from_pb,
     seat_answer_from_pb,
@@ -300,8 +301,10 @@ class CoordinatorClient:
         timeout_s: float | None = None,
         reaches_generation: int = 0,
         misses_generation: int = 0,
+        goodput: Mapping[str, float] | None = None,
     ) -> Beat:
-        """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown); returns the lease's
+        """Refresh the membership lease (reporting the workers' latest ``step``, 0 if unknown, and the node's
+        ``goodput`` seconds by what they went to, :mod:`pliant.agent.goodput`); returns the lease's
         TTL, the control plane's coordinators and seats, and whether a seat is handed to this node. ``timeout_s``: the
         deadline of each attempt (default: the client's), after which the next replica is tried: an agent passes a
         fraction of the heartbeat TTL, so a replica that accepts calls but cannot answer them (cut off from etcd) costs
@@ -315,6 +318,7 @@ class CoordinatorClient:
             step=step,
             reaches_generation=reaches_generation,
             misses_generation=misses_generation,
+            goodput=goodput_to_pb(goodput) if goodput else None,
         )
         resp = self._call("Heartbeat", request, timeout_s)
         return Beat(resp.ttl_s, tuple(resp.coordinators), tuple(resp.control_plane_nodes), resp.seat_handed)

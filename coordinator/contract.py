@@ -484,20 +484,28 @@ class MemberProgress:
         step_at: wall-clock seconds when a coordinator recorded that step (0: none yet).
         strikes: the node's failed readmissions (its peers could not reach it) since its strikes last lapsed
             (:class:`Strike`; it is held back as a spare between tries).
+        goodput: the node's seconds in the job as its agent last reported them, by what they went to: ``productive``
+            and the badput causes (:mod:`pliant.agent.goodput`); empty when none was reported.
     """
 
     heartbeat_age_s: float = -1.0
     step: int = 0
     step_at: float = 0.0
     strikes: int = 0
+    goodput: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "step_at": self.step_at}, sort_keys=True)
+        return json.dumps({"step": self.step, "step_at": self.step_at, "goodput": dict(self.goodput)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> MemberProgress:
         data = json.loads(text)
-        return MemberProgress(step=int(data.get("step", 0)), step_at=float(data.get("step_at", 0.0)))
+        goodput = data.get("goodput") or {}
+        return MemberProgress(
+            step=int(data.get("step", 0)),
+            step_at=float(data.get("step_at", 0.0)),
+            goodput={str(k): float(v) for k, v in goodput.items()} if isinstance(goodput, dict) else {},
+        )
 
 
 @dataclass(frozen=True)

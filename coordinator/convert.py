@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pliant.coordinator.contract import (
     FailureCause,
     Generation,
@@ -22,6 +24,8 @@ __all__ = [
     "cause_to_pb",
     "generation_from_pb",
     "generation_to_pb",
+    "goodput_from_pb",
+    "goodput_to_pb",
     "job_info_from_pb",
     "job_info_to_pb",
     "outcome_from_pb",
@@ -153,7 +157,23 @@ def _member_to_pb(m: Member, progress: MemberProgress) -> pb.Member:
         step=progress.step,
         step_at=progress.step_at,
         strikes=progress.strikes,
+        goodput=goodput_to_pb(progress.goodput),
     )
+
+
+def goodput_to_pb(seconds: Mapping[str, float]) -> pb.Goodput:
+    """A node's seconds by what they went to (``productive`` and the badput causes) as the wire's ``Goodput``."""
+    return pb.Goodput(
+        productive_s=seconds.get("productive", 0.0),
+        badput_s={cause: spent for cause, spent in seconds.items() if cause != "productive"},
+    )
+
+
+def goodput_from_pb(msg: pb.Goodput) -> dict[str, float]:
+    """The wire's ``Goodput`` as seconds by what they went to; empty when the node reported none."""
+    if not msg.productive_s and not msg.badput_s:
+        return {}
+    return {"productive": msg.productive_s, **{cause: spent for cause, spent in msg.badput_s.items()}}
 
 
 def outcome_to_pb(outcome: Outcome | None) -> str:
@@ -188,7 +208,10 @@ def job_info_from_pb(msg: pb.JobStatus) -> JobInfo:
         status=JobStatus(state_from_pb(msg.state), msg.state_since, msg.reason, outcome_from_pb(msg.outcome)),
         generation=generation_from_pb(msg.generation) if msg.HasField("generation") else None,
         members=tuple(Member(m.node_id, m.address, m.slots, m.joined_at) for m in msg.members),
-        progress={m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at, m.strikes) for m in msg.members},
+        progress={
+            m.node_id: MemberProgress(m.heartbeat_age_s, m.step, m.step_at, m.strikes, goodput_from_pb(m.goodput))
+            for m in msg.members
+        },
     )
 
 

@@ -45,6 +45,7 @@ from pliant.coordinator.contract import (
 from pliant.coordinator.convert import (
     cause_from_pb,
     generation_to_pb,
+    goodput_from_pb,
     job_info_to_pb,
     outcome_to_pb,
     seat_answer_to_pb,
@@ -73,6 +74,7 @@ logger = logging.getLogger(__name__)
 STREAMS_PER_CALLER = 4  # WatchGenerations streams one caller (one certificate identity) holds on a replica at most
 RENEWALS_BURST = 3  # renewals one node may make at once; then as many per certificate lifetime
 MAX_SECRET_CHARS = 128  # a seat key or a seat's proof is 256 bits (43 characters URL-safe, 32 bytes)
+IDLE_PROGRESS_S = 30.0  # a node whose step stands still has its goodput recorded this often
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 RpcObserver = Callable[[str, grpc.StatusCode, float], None]
@@ -317,13 +319,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
     def _record_progress(self, request: pb.HeartbeatRequest) -> None:
-        """Write the node's step to etcd when it changed and the last write is ``progress_interval_s`` old."""
+        """Write the node's step and goodput to etcd when the step changed, or :data:`IDLE_PROGRESS_S` passed (a node
+        that trains no step still adds badput), and the last write is ``progress_interval_s`` old."""
         key = (request.job_id, request.node_id)  # checked by _authorize
         now = time.monotonic()
         last_at, last_step = self._progress_written.get(key, (-float("inf"), -1))
-        if request.step == last_step or now - last_at < self._progress_interval_s:
+        if (request.step == last_step and now - last_at < IDLE_PROGRESS_S) or now - last_at < self._progress_interval_s:
             return
-        self._store.record_progress(*key, request.lease_id, MemberProgress(step=request.step, step_at=self._clock()))
+        goodput = goodput_from_pb(request.goodput)
+        progress = MemberProgress(step=request.step, step_at=self._clock(), goodput=goodput)
+        self._store.record_progress(*key, request.lease_id, progress)
         if len(self._progress_written) > 100_000:  # nodes come and go: forget them all now and then
             self._progress_written.clear()
         self._progress_written[key] = (now, request.step)

@@ -407,8 +407,8 @@ class MemberStore(EtcdBase):
 
     @etcd_call
     def progress(self, job: str, members: Sequence[Member]) -> dict[str, MemberProgress]:
-        """Each member's progress: the recorded step, the age of its last heartbeat (from its lease's TTL) and its
-        strikes."""
+        """Each member's progress: the recorded step and goodput, the age of its last heartbeat (from its lease's TTL)
+        and its strikes."""
         recorded = {
             meta.key.decode().rsplit("/", 1)[1]: decode(meta.key, MemberProgress.from_json, value)
             for value, meta in self.client.get_prefix(self.progress_key(job))
@@ -423,7 +423,7 @@ class MemberStore(EtcdBase):
         for member in members:
             step = recorded.get(member.node_id, MemberProgress())
             out[member.node_id] = MemberProgress(
-                ages[member.node_id], step.step, step.step_at, strikes.get(member.node_id, 0)
+                ages[member.node_id], step.step, step.step_at, strikes.get(member.node_id, 0), step.goodput
             )
         return out
 

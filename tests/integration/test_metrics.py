@@ -16,6 +16,7 @@ import pytest
 
 from bench.common import PLIANT
 from pliant.agent.goodput import CAUSES
+from pliant.coordinator.status import goodput_line, job_goodput, render_table
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
 from tests.integration.harness import read_jsonl, sample, scrape, worker_processes
@@ -156,6 +157,15 @@ def test_node_endpoint_follows_a_worker_kill_restart_and_checkpoints(
     with fleet(server.address) as client:
         step = lambda: client.get_job("job", progress=True).progress["a"].step  # noqa: E731
         wait_for(lambda: step() > 0, 15, "the step in the job's status")
+        # The agent's goodput reaches `pliant status` with its heartbeats.
+        info = wait_for(
+            lambda: (i := client.get_job("job", progress=True)).progress["a"].goodput.get("redone") and i,
+            15,
+            "the node's goodput in the job's status",
+        )
+        reported = job_goodput(info)
+        assert reported["productive_s"] > 0 and set(reported["badput_s"]) == set(CAUSES)
+        assert "goodput " in render_table([info], time.time()) and "failure" in goodput_line(reported)
         client.finish_job("job", True, "test done")
     wait_for(lambda: agent.proc.poll() is not None, 30, "the agent to exit")
     assert agent.proc.returncode == 0, agent.output()[-3000:]

@@ -67,6 +67,7 @@ def test_json_is_stable_for_scripts() -> None:
         "step": 120,
         "step_at": NOW - 3,
         "strikes": 0,
+        "goodput_s": {},
     }
     assert n1["ranks"] == [2, 3]
     assert spare["in_generation"] is False and spare["heartbeat_age_s"] is None and spare["step"] is None
@@ -89,6 +90,23 @@ def test_a_spare_held_back_for_its_strikes_says_so() -> None:
     assert lines[5].split()[:6] == ["spare", "10.0.0.3:5000", "spare", "(2", "strikes:", "held"]
     assert "strikes" not in lines[4]
     assert json.loads(render_json([job]))["jobs"][0]["members"][2]["strikes"] == 2
+
+
+def test_the_jobs_goodput_is_its_live_nodes_time_by_what_it_went_to() -> None:
+    job = _job()
+    assert json.loads(render_json([job]))["jobs"][0]["goodput"] is None  # nobody reported: no line
+    assert "goodput" not in render_table([job], NOW)
+    job.progress["n0"] = MemberProgress(1.0, 120, NOW - 3, goodput={"productive": 7000.0, "failure": 160.0})
+    job.progress["n1"] = MemberProgress(0.0, 118, NOW - 4, goodput={"productive": 6500.0, "rescale": 50.0})
+    job.progress["spare"] = MemberProgress(0.0, 0, 0.0, goodput={"waiting": 290.0, "redone": 0.1})
+    lines = render_table([job], NOW).splitlines()
+    assert lines[2] == (
+        "  goodput 96.4% over 3h 53m of node time; badput: waiting 2.1%, failure 1.1%, rescale 0.4% (the live nodes')"
+    )
+    goodput = json.loads(render_json([job]))["jobs"][0]["goodput"]
+    assert goodput["productive_s"] == 13500.0 and goodput["node_seconds"] == 14000.1
+    assert goodput["badput_s"] == {"failure": 160.0, "redone": 0.1, "rescale": 50.0, "waiting": 290.0}
+    assert job_info_from_pb(job_info_to_pb(job)).progress["n1"].goodput == {"productive": 6500.0, "rescale": 50.0}
 
 
 def test_no_jobs() -> None:
