@@ -355,7 +355,8 @@ class Agent:
                 self._job = (event.status.state, event.status.reason)
                 self._outcome = event.status.outcome
                 if event.generation is not None:
-                    self._goodput.interrupted("failure" if event.generation.after_failure else "rescale")
+                    cause = "failure" if event.generation.after_failure else "rescale"
+                    self._goodput.interrupted(cause, decided=True)
                     for line in refused_lines(self.state.generation, event.generation):
                         console.warning("%s", line)
                     self._generations[event.generation.number] = event.generation
@@ -384,7 +385,7 @@ class Agent:
 
     def _dispatch(self, event: Event) -> int | None:
         if isinstance(event, GroupExited) and not event.result.stopped and event.result.first_failure is not None:
-            self._goodput.interrupted("failure")
+            self._goodput.interrupted("failure", decided=False)
         if isinstance(event, (GenerationSeen, SignalReceived)) and self.group is not None:
             self._dispatch(Tick(self.group.progress(), self._fence, self.group.ready()))  # on fresh readiness
         before = self.state
@@ -452,8 +453,8 @@ class Agent:
                 else ended or "left by this node"
             )
             self._summary.steps = max(self._summary.steps, self._steps_recorded())
-            console.info("%s", self._summary.line(self.config.spec.job_id, outcome, time.monotonic()))
-            console.info("%s", self._goodput.line())
+            now = time.monotonic()
+            console.info("%s", self._summary.line(self.config.spec.job_id, outcome, now, self._goodput.line()))
             return action.code
         return None
 

@@ -89,15 +89,16 @@ class Summary:
             f"{self._took(gen, now)}, {_count(kept, 'worker')} kept, {started} started"
         )
 
-    def line(self, job: str, outcome: str, now: float) -> str:
-        """The last line: how the job ended for this node, and what it went through: its world sizes, and the changes
-        of world it went on through, by cause (rescales, for joins and leaves; recoveries, from failures)."""
+    def line(self, job: str, outcome: str, now: float, goodput: str = "") -> str:
+        """The last line: how the job ended for this node, and what it went through: its world sizes, the changes of
+        world it went on through, by cause (rescales, for joins and leaves; recoveries, from failures), and its
+        ``goodput`` (:meth:`pliant.agent.goodput.Goodput.line`; "": none)."""
         worlds = " -> ".join(map(str, self.worlds)) or "none"
         steps = f"{self.steps} steps in " if self.steps else ""  # a script without pliant.worker reports none
         return (
             f"job {job} {outcome}: {steps}{now - self.started_at:.1f}s on this node; world sizes {worlds}; "
             f"{_count(self.rescales, 'rescale')} and {_count(self.recoveries, 'recovery', 'recoveries')} from "
-            f"failures, {self.in_place} of them in place"
+            f"failures, {self.in_place} of them in place" + (f"; {goodput}" if goodput else "")
         )
 
 

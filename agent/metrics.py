@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 
 from pliant.agent.contract import AgentState
-from pliant.agent.goodput import CAUSES, PRODUCTIVE
+from pliant.agent.goodput import CAUSES, PHASES, PRODUCTIVE, RECOVERIES
 
 __all__ = ["RESCALE_PATHS", "AgentMetrics", "WorkerExit"]
 
@@ -115,9 +115,10 @@ class AgentMetrics:
         )
         self.badput = Counter(
             "pliant_agent_badput_seconds",
-            "Seconds of this node in the job that trained no new step, by cause: start, rescale, failure, redone, "
-            "checkpoint, waiting (pliant.agent.goodput).",
-            ["cause"],
+            "Seconds of this node in the job that trained no new step, by cause (start, rescale, failure, redone, "
+            "checkpoint, waiting) and, for a rescale or a failure, phase (decide, restart, restore; see "
+            "pliant.agent.goodput).",
+            ["cause", "phase"],
             registry=own,
         )
         for state in ("running", "exited"):
@@ -125,19 +126,20 @@ class AgentMetrics:
         for path in RESCALE_PATHS:
             self.rescales.labels(path)
         for cause in CAUSES:
-            self.badput.labels(cause)
+            for phase in PHASES if cause in RECOVERIES else ("",):
+                self.badput.labels(cause, phase)
         self._groups_started = 0
         self._counted: set[int] = set()
         self._lock = threading.Lock()
         self._seconds = dict.fromkeys((PRODUCTIVE, *CAUSES), 0.0)  # goodput and badput by category (under _lock)
 
-    def charge(self, category: str, seconds: float) -> None:
-        """Add ``seconds`` to goodput (:data:`pliant.agent.goodput.PRODUCTIVE`) or to a badput cause (the agent's
-        loop thread)."""
+    def charge(self, category: str, phase: str, seconds: float) -> None:
+        """Add ``seconds`` to goodput (:data:`pliant.agent.goodput.PRODUCTIVE`) or to a badput cause and its phase (the
+        agent's loop thread)."""
         if category == PRODUCTIVE:
             self.goodput.inc(seconds)
         else:
-            self.badput.labels(category).inc(seconds)
+            self.badput.labels(category, phase).inc(seconds)
         with self._lock:
             self._seconds[category] += seconds
 

@@ -30,6 +30,7 @@ Use it directly in a torchrun script (:class:`GlobalBatchLoader`, a ``DataLoader
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from pliant.env import WorkerEnv
 from pliant.errors import PliantError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Cursor",
@@ -234,6 +237,26 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def step(self) -> int:
         """The optimizer steps the loop completed."""
         return self.step_fn() if self.step_fn is not None else self.steps_done
+
+    def describe(self) -> str:
+        """``global batch 32 = batch size 8 x accumulation 2 x world 2 (fixed)`` (or ``following the world``)."""
+        return (
+            f"global batch {self.global_batch} = batch size {self.micro_batch} x accumulation {self.accumulation} x "
+            f"world {self.world_size} ({'fixed' if self.fixed else 'following the world'})"
+        )
+
+    def accumulation_for_framework(self, name: str, configured: int) -> int:
+        """The accumulation a framework's loop must use (its setting ``name`` holds ``configured``): this sampler's,
+        said when a fixed global batch replaces a setting of the script's own."""
+        if self.fixed and configured not in (1, self.accumulation):
+            logger.warning(
+                "pliant: %s=%d is replaced by %d: global_batch=%d fixes it at this world",
+                name,
+                configured,
+                self.accumulation,
+                self.global_batch,
+            )
+        return self.accumulation if self.fixed else configured
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted as ``DistributedSampler.set_epoch`` is (frameworks call it); the position alone decides."""

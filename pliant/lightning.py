@@ -179,23 +179,10 @@ class _Elastic:
         else:
             loader = _global_batch_loader(dataloader, self, trainer)
         sampler = loader.global_batch_sampler
-        if self._global_batch is not None:
-            if trainer.accumulate_grad_batches not in (1, sampler.accumulation):
-                logger.warning(
-                    "pliant: accumulate_grad_batches=%d is replaced by %d: global_batch=%d fixes it at this world",
-                    trainer.accumulate_grad_batches,
-                    sampler.accumulation,
-                    self._global_batch,
-                )
-            trainer.accumulate_grad_batches = sampler.accumulation
-        logger.info(
-            "pliant: exactly-once data: global batch %d = batch size %d x accumulation %d x world %d (%s)",
-            sampler.global_batch,
-            sampler.micro_batch,
-            sampler.accumulation,
-            sampler.world_size,
-            "fixed" if self._global_batch is not None else "following the world",
+        trainer.accumulate_grad_batches = sampler.accumulation_for_framework(
+            "accumulate_grad_batches", trainer.accumulate_grad_batches
         )
+        logger.info("pliant: exactly-once data: %s", sampler.describe())
         self._loader = loader
         return loader
 

@@ -161,15 +161,9 @@ class Elastic(TrainerCallback, ExportableState):
             step_fn=lambda: trainer.state.global_step,
             from_epoch_start=True,  # the Trainer skips the resumed epoch's trained batches itself
         )
-        if self._global_batch is not None:
-            if args.gradient_accumulation_steps not in (1, sampler.accumulation):
-                logger.warning(
-                    "pliant: gradient_accumulation_steps=%d is replaced by %d: global_batch=%d fixes it at this world",
-                    args.gradient_accumulation_steps,
-                    sampler.accumulation,
-                    self._global_batch,
-                )
-            args.gradient_accumulation_steps = sampler.accumulation
+        args.gradient_accumulation_steps = sampler.accumulation_for_framework(
+            "gradient_accumulation_steps", args.gradient_accumulation_steps
+        )
         self._sampler = sampler
         original = trainer.get_train_dataloader
 
@@ -179,14 +173,7 @@ class Elastic(TrainerCallback, ExportableState):
 
         trainer.get_train_dataloader = train_dataloader  # type: ignore[method-assign]
         if args.process_index == 0:
-            logger.info(
-                "pliant: exactly-once data: global batch %d = batch size %d x accumulation %d x world %d (%s)",
-                sampler.global_batch,
-                micro,
-                sampler.accumulation,
-                world,
-                "fixed" if self._global_batch is not None else "following the world",
-            )
+            logger.info("pliant: exactly-once data: %s", sampler.describe())
 
     def _trainer_holding_me(self) -> Trainer | None:
         """The Trainer whose ``__init__`` is calling this ``on_init_end``: the callback gets no reference to it."""

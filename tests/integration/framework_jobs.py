@@ -3,13 +3,18 @@ real coordinator, and what its ranks wrote per trained step (one JSON line each:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tests.conftest import wait_for
 from tests.integration.harness import ROOT, pliant_agent, read_jsonl
@@ -18,6 +23,7 @@ __all__ = [
     "EXAMPLES",
     "Run",
     "agent_argv",
+    "assert_like_a_static_run",
     "assert_static_steps",
     "committed_samples",
     "events",
@@ -105,6 +111,28 @@ def assert_static_steps(elastic: dict[int, list[int]], static: dict[int, list[in
     assert sum(1 for i in range(dataset) if seen[i] == passes + 1) == rest
 
 
+def assert_like_a_static_run(
+    tmp: Path, script: Path, flags: tuple[str, ...], steps: int, dataset: int, launcher: tuple[str, ...] = ()
+) -> float:
+    """Run ``script`` with ``flags`` once more, statically (one process, or ``launcher`` such as torchrun at one
+    rank; no step time), in ``tmp/static``, and assert that the elastic run in ``tmp`` trained its steps on its
+    samples (:func:`assert_static_steps`) to ``steps``; returns the largest difference of their final parameters (0.0
+    when the script writes none), asserting it is at most 1e-4."""
+    static = tmp / "static"
+    static.mkdir()
+    argv = [*(launcher or (sys.executable,)), str(script), *script_flags(static, steps, *flags, step_time_s=0.0)]
+    done = subprocess.run(argv, cwd=static, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_static_steps(committed_samples(tmp, steps), committed_samples(static, steps), dataset)
+    final, reference = (json.loads((where / "final.json").read_text()) for where in (tmp, static))
+    assert final["global_step"] == reference["global_step"] == steps, (final["global_step"], reference["global_step"])
+    if "params" not in final:
+        return 0.0
+    diff = (torch.tensor(final["params"]) - torch.tensor(reference["params"])).abs().max().item()
+    assert diff <= 1e-4, f"the elastic run's parameters are {diff:.2e} from the static run's"
+    return diff
+
+
 @dataclass(frozen=True)
 class Run:
     """What :func:`join_kill_join_leave` or :func:`join_kill_worker_leave` went through: node a's agent (running until
@@ -117,29 +145,41 @@ class Run:
     rejoined: Any
 
 
-def join_kill_worker_leave(
+def _alone_then_joined(
     server: Any, spawn_agent: Callable[..., Any], tmp: Path, script: Path, extra: tuple[str, ...], wait_s: float
-) -> Run:
-    """Node a trains alone; node b joins; one of node b's workers is killed (kill -9; its agent stays, and the next
-    world has both nodes); node b leaves (SIGTERM); then the job runs to its end. Each change is waited for as rank 0
-    stepping in the new world (at most ``wait_s`` each)."""
+) -> tuple[Any, Any, int]:
+    """Node a trains alone, then node b joins: (node a's agent, node b's, the generation of the join)."""
     a = spawn_agent(server, agent_argv(server.address, "node-a", tmp, script, extra), name="agent-a")
     wait_for(lambda: stepping(tmp, 1, 10), wait_s, "node a stepping alone")
-
     b = spawn_agent(server, agent_argv(server.address, "node-b", tmp, script, extra), name="agent-b")
     wait_for(lambda: stepping(tmp, 2, 10), wait_s, "world 2 stepping (join)")
-    joined = killed_in = generation(tmp)
-    wait_for(lambda: any(e["rank"] == 1 and e["generation"] == joined for e in events(tmp)), 30, "node b's worker")
-    worker = next(e["pid"] for e in reversed(events(tmp)) if e["rank"] == 1 and e["generation"] == joined)
-    os.kill(worker, signal.SIGKILL)  # node b's worker dies: the world fails, the next resumes from a checkpoint
-    wait_for(lambda: stepping(tmp, 2, 10, after=killed_in), wait_s, "world 2 stepping again (kill -9 of a worker)")
+    return a, b, generation(tmp)
 
+
+def _leave_then_finish(a: Any, b: Any, tmp: Path, wait_s: float) -> None:
+    """Node b leaves (SIGTERM), node a trains alone, and the job runs to its end (node a's agent exits 0)."""
     left_after = generation(tmp)
     b.kill(signal.SIGTERM)  # a graceful leave
     wait_for(lambda: b.proc.poll() is not None, 60, "node b to leave")
     wait_for(lambda: stepping(tmp, 1, 3, after=left_after), wait_s, "node a stepping alone (leave)")
     wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
     assert a.proc.returncode == 0, a.output()[-4000:]
+
+
+def join_kill_worker_leave(
+    server: Any, spawn_agent: Callable[..., Any], tmp: Path, script: Path, extra: tuple[str, ...], wait_s: float
+) -> Run:
+    """Node a trains alone; node b joins; one of node b's workers is killed (kill -9; its agent stays, and the next
+    world has both nodes); node b leaves (SIGTERM); then the job runs to its end. Each change is waited for as rank 0
+    stepping in the new world (at most ``wait_s`` each)."""
+    a, b, joined = _alone_then_joined(server, spawn_agent, tmp, script, extra, wait_s)
+    killed_in = joined
+    wait_for(lambda: any(e["rank"] == 1 and e["generation"] == joined for e in events(tmp)), 30, "node b's worker")
+    worker = next(e["pid"] for e in reversed(events(tmp)) if e["rank"] == 1 and e["generation"] == joined)
+    os.kill(worker, signal.SIGKILL)  # node b's worker dies: the world fails, the next resumes from a checkpoint
+    wait_for(lambda: stepping(tmp, 2, 10, after=killed_in), wait_s, "world 2 stepping again (kill -9 of a worker)")
+
+    _leave_then_finish(a, b, tmp, wait_s)
     return Run(a, joined, killed_in, b)
 
 
@@ -149,12 +189,8 @@ def join_kill_join_leave(
     """Node a trains alone; node b joins; node b's agent is killed (kill -9); node b joins again; node b leaves
     (SIGTERM); then the job runs to its end. Each change is waited for as rank 0 stepping in the new world (at most
     ``wait_s`` each)."""
-    a = spawn_agent(server, agent_argv(server.address, "node-a", tmp, script, extra), name="agent-a")
-    wait_for(lambda: stepping(tmp, 1, 10), wait_s, "node a stepping alone")
-
-    b = spawn_agent(server, agent_argv(server.address, "node-b", tmp, script, extra), name="agent-b")
-    wait_for(lambda: stepping(tmp, 2, 10), wait_s, "world 2 stepping (join)")
-    joined = killed_in = generation(tmp)
+    a, b, joined = _alone_then_joined(server, spawn_agent, tmp, script, extra, wait_s)
+    killed_in = joined
 
     b.kill(signal.SIGKILL)  # node b is lost: a's worker fails, the next world resumes from the last checkpoint
     wait_for(lambda: stepping(tmp, 1, 10, after=killed_in), wait_s, "node a stepping alone again (kill -9)")
@@ -163,10 +199,5 @@ def join_kill_join_leave(
     rejoined_after = generation(tmp)
     wait_for(lambda: stepping(tmp, 2, 10, after=rejoined_after), wait_s, "world 2 stepping (join again)")
 
-    left_after = generation(tmp)
-    b2.kill(signal.SIGTERM)  # a graceful leave
-    wait_for(lambda: b2.proc.poll() is not None, 60, "node b to leave")
-    wait_for(lambda: stepping(tmp, 1, 3, after=left_after), wait_s, "node a stepping alone (leave)")
-    wait_for(lambda: a.proc.poll() is not None, 180, "the job to finish")
-    assert a.proc.returncode == 0, a.output()[-4000:]
+    _leave_then_finish(a, b2, tmp, wait_s)
     return Run(a, joined, killed_in, b2)

@@ -50,7 +50,7 @@ def test_a_run_says_what_a_person_needs_and_no_more(tmp_path) -> None:
     ), lines
     assert re.fullmatch(
         r"pliant: job default succeeded at full size: 20 steps in [\d.]+s on this node; world sizes 2; "
-        r"0 rescales and 0 recoveries from failures, 0 of them in place",
+        r"0 rescales and 0 recoveries from failures, 0 of them in place; goodput [\d.]+% \(badput: .+\)",
         lines[-1],
     ), lines
     assert not [line for line in lines if "join with" in line or "PLIANT_JOIN_TOKEN" in line], lines

@@ -8,8 +8,6 @@ sample of a pass once), the parameters end within 1e-4 of that run's, and a step
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +18,7 @@ from tests.conftest import wait_for
 from tests.integration.framework_jobs import (
     EXAMPLES,
     agent_argv,
-    assert_static_steps,
-    committed_samples,
+    assert_like_a_static_run,
     join_kill_worker_leave,
     script_flags,
     trained_twice,
@@ -76,24 +73,8 @@ def test_a_lightning_script_with_the_plugin_trains_a_static_runs_steps_through_a
     assert f"generation {killed_in} failed: its workers get SIGTERM, then SIGKILL after 0.5s" in output
 
     # The static run: the same script in one process, the same global batch, no change of world.
-    static = tmp_path / "static"
-    static.mkdir()
     flags = ("--strategy", strategy, "--accelerator", accelerator, *data)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *script_flags(static, STEPS, *flags, step_time_s=0.0)],
-        cwd=static,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_static_steps(committed_samples(tmp_path, STEPS), committed_samples(static, STEPS), DATASET)
-    reference = json.loads((static / "final.json").read_text())
-    assert reference["global_step"] == STEPS
-    diff = 0.0
-    if strategy == "ddp":
-        diff = (torch.tensor(final["params"]) - torch.tensor(reference["params"])).abs().max().item()
-        assert diff <= 1e-4, f"the elastic run's parameters are {diff:.2e} from the static run's"
+    diff = assert_like_a_static_run(tmp_path, SCRIPT, flags, STEPS, DATASET)
     print(
         f"lightning {strategy} with the plugin, global batch {GLOBAL_BATCH}: {len(twice)} steps trained twice (on "
         f"the same samples), all after the kill -9 (generation {killed_in}); join at generation {joined}; every "

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from bench.common import PLIANT
-from pliant.agent.goodput import CAUSES
+from pliant.agent.goodput import CAUSES, PHASES
 from pliant.coordinator.status import goodput_line, job_goodput, render_table
 from pliant.net import free_port
 from tests.conftest import ROOT, wait_for
@@ -55,9 +55,14 @@ def _assert_goodput_matches_the_timeline(
     near(goodput, (killed - first) + (scraped - new["time"]) - badput["checkpoint"], "training")
     near(goodput + sum(badput.values()), scraped - spawned, "all the node's time")
     assert badput["waiting"] == badput["rescale"] == 0
+    phases = {p: sample(metrics, "pliant_agent_badput_seconds_total", cause="failure", phase=p) for p in PHASES}
+    assert sum(phases.values()) == pytest.approx(badput["failure"])
     print(
         f"goodput {goodput:.1f}s of {goodput + sum(badput.values()):.1f}s; badput "
         + ", ".join(f"{c} {s:.2f}s" for c, s in badput.items())
+        + " (failure: "
+        + ", ".join(f"{p} {s:.2f}s" for p, s in phases.items())
+        + ")"
         + f"; the timeline: first step {first - spawned:.2f}s after the start, the kill to a new step {recovery:.2f}s"
     )
 

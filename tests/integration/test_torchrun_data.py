@@ -6,17 +6,14 @@ and the parameters end within 1e-4 of its; a step is trained twice only after th
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.integration.framework_jobs import (
     EXAMPLES,
-    assert_static_steps,
-    committed_samples,
+    assert_like_a_static_run,
     join_kill_worker_leave,
     script_flags,
     trained_twice,
@@ -44,17 +41,9 @@ def test_a_torchrun_script_with_the_loader_trains_a_static_runs_steps_through_a_
     # Rank 0 saves every step: a rescale redoes none, the kill at most the step in flight.
     assert all(gens[0] == run.killed_in and len(gens) == 2 for gens in twice.values()) and len(twice) <= 1, twice
 
-    static = tmp_path / "static"
-    static.mkdir()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    flags = script_flags(static, STEPS, "--ckpt", str(static / "ckpt.pt"), *data, step_time_s=0.0)
-    done = subprocess.run([*torchrun, str(SCRIPT), *flags], cwd=static, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_static_steps(committed_samples(tmp_path, STEPS), committed_samples(static, STEPS), DATASET)
-    reference = json.loads((static / "final.json").read_text())
-    assert reference["global_step"] == STEPS
-    diff = (torch.tensor(final["params"]) - torch.tensor(reference["params"])).abs().max().item()
-    assert diff <= 1e-4, f"the elastic run's parameters are {diff:.2e} from the static run's"
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1")
+    flags = ("--ckpt", str(tmp_path / "static" / "ckpt.pt"), *data)
+    diff = assert_like_a_static_run(tmp_path, SCRIPT, flags, STEPS, DATASET, launcher=torchrun)
     print(
         f"torchrun script with pliant.data, global batch {GLOBAL_BATCH}: {len(twice)} steps trained twice (on the "
         f"same samples), after the kill -9 (generation {run.killed_in}); join at generation {run.joined}; every "

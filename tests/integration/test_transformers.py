@@ -7,17 +7,13 @@ run's, and a step is trained twice only after the kill (on the same samples), ne
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.integration.framework_jobs import (
     EXAMPLES,
-    assert_static_steps,
-    committed_samples,
+    assert_like_a_static_run,
     join_kill_worker_leave,
     script_flags,
     trained_twice,
@@ -60,22 +56,8 @@ def test_a_trainer_script_with_the_callback_trains_a_static_runs_steps_through_a
     assert "warmed up in" in run.rejoined.output()
 
     # The static run: the same script in one process, the same global batch, no change of world.
-    static = tmp_path / "static"
-    static.mkdir()
-    flags = ("--output-dir", str(static / "hf"), "--save-steps", "100000", *data)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *script_flags(static, STEPS, *flags, step_time_s=0.0)],
-        cwd=static,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_static_steps(committed_samples(tmp_path, STEPS), committed_samples(static, STEPS), DATASET)
-    reference = json.loads((static / "final.json").read_text())
-    assert reference["global_step"] == STEPS
-    diff = (torch.tensor(final["params"]) - torch.tensor(reference["params"])).abs().max().item()
-    assert diff <= 1e-4, f"the elastic run's parameters are {diff:.2e} from the static run's"
+    flags = ("--output-dir", str(tmp_path / "static" / "hf"), "--save-steps", "100000", *data)
+    diff = assert_like_a_static_run(tmp_path, SCRIPT, flags, STEPS, DATASET)
     print(
         f"transformers Trainer with the callback, global batch {GLOBAL_BATCH}: {len(twice)} steps trained twice (on "
         f"the same samples), all after the kill -9 (generation {killed_in}); join at generation {joined}; every "

@@ -3,6 +3,7 @@ changes and resumes, and the position survives a DataLoader's read-ahead."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import pytest
@@ -163,3 +164,14 @@ def test_the_loaders_state_is_the_step_the_loop_reached_however_far_its_workers_
 def test_the_loader_leaves_batching_to_the_sampler() -> None:
     with pytest.raises(DataError, match="drop batch_size, drop_last"):
         GlobalBatchLoader(TensorDataset(torch.arange(4)), 2, batch_size=2, drop_last=True, rank=0, world_size=1)
+
+
+def test_a_fixed_global_batch_sets_the_frameworks_accumulation_and_says_what_it_replaced(caplog) -> None:
+    fixed = GlobalBatchSampler(N, 2, 24, rank=0, world_size=3)
+    assert fixed.describe() == "global batch 24 = batch size 2 x accumulation 4 x world 3 (fixed)"
+    with caplog.at_level(logging.WARNING, logger="pliant.data"):
+        assert fixed.accumulation_for_framework("accumulate_grad_batches", 2) == 4
+    assert "accumulate_grad_batches=2 is replaced by 4: global_batch=24 fixes it" in caplog.text
+    following = GlobalBatchSampler(N, 2, accumulation=3, rank=0, world_size=2)
+    assert following.describe() == "global batch 12 = batch size 2 x accumulation 3 x world 2 (following the world)"
+    assert following.accumulation_for_framework("gradient_accumulation_steps", 3) == 3
