@@ -181,13 +181,20 @@ def grouped(nodes: Sequence[Member], previous: Sequence[str], size: int) -> list
     return whole + rest[: len(rest) - len(rest) % size]
 
 
+NOT_THE_WORLDS = ("RescaleError:",)
+"""The errors of pliant's own re-formation in place (its workers exit and the restart path follows): every node of a
+world reports them alike, and they say nothing of the world size."""
+
+
 def world_error(gen: Generation, failures: Sequence[FailureReport]) -> str:
     """The error every node of ``gen``'s world failed with, when the failure is the world's: a world of two nodes or
-    more, each of whose nodes reported a worker's exit with the same error ("" otherwise: a node's failure)."""
+    more, each of whose nodes reported a worker's exit with the same error, not one of :data:`NOT_THE_WORLDS` (""
+    otherwise: a node's failure)."""
     errors = {f.node_id: f.error for f in failures if f.cause is FailureCause.EXITED}
     if len(gen.members) < 2 or set(errors) != set(gen.node_ids) or len(set(errors.values())) != 1:
         return ""
-    return next(iter(errors.values()))
+    error = next(iter(errors.values()))
+    return "" if error.startswith(NOT_THE_WORLDS) else error
 
 
 def _may_be_world_error(gen: Generation, failures: Sequence[FailureReport]) -> bool:
@@ -195,7 +202,7 @@ def _may_be_world_error(gen: Generation, failures: Sequence[FailureReport]) -> b
     has not reported yet: the failure may yet prove the world's."""
     if len(gen.members) < 2 or not failures:
         return False
-    if any(f.cause is not FailureCause.EXITED or not f.error for f in failures):
+    if any(f.cause is not FailureCause.EXITED or not f.error or f.error.startswith(NOT_THE_WORLDS) for f in failures):
         return False
     return len({f.error for f in failures}) == 1 and {f.node_id for f in failures} < set(gen.node_ids)
 

@@ -3,7 +3,8 @@
 A subscriber asks for generations from number N. It is registered first and then catches up from etcd's history. Each
 read of etcd and the offers of what it read happen under the feed's read lock, and a subscriber takes the feed's offers
 only from its catch-up on, so nothing published meanwhile is lost and no older read reaches it after a newer one: every
-subscriber receives each generation number once, ascending, and every change of the job's state, in order.
+subscriber receives each generation number once, ascending, and the job's state as each read finds it, in the order of
+the reads (a state that a newer one replaced before any read saw it is not sent: the newer one is).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint, seed_worker
 from transformers.utils import is_datasets_available
 
-from pliant.data import GlobalBatchSampler
+from pliant.data import DataError, GlobalBatchSampler
 from pliant.env import RESCALE_EXIT_CODE
 from pliant.integration import RescaleRequest
 
@@ -101,14 +101,14 @@ class Elastic(TrainerCallback, ExportableState):
             world).
 
     Raises:
-        ValueError: ``global_batch`` < 1.
+        pliant.data.DataError: ``global_batch`` < 1.
 
     Threads: the main thread only (the rescale signal's flag is :class:`pliant.integration.RescaleRequest`'s).
     """
 
     def __init__(self, global_batch: int | None = None) -> None:
         if global_batch is not None and global_batch < 1:
-            raise ValueError(f"global_batch={global_batch} must be >= 1 (or None: the Trainer's batch x world)")
+            raise DataError(f"global_batch={global_batch} must be >= 1 (or None: the Trainer's batch x world)")
         self._rescale = RescaleRequest()
         self._saving = False
         self._global_batch = global_batch
@@ -191,6 +191,8 @@ class Elastic(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._rescale.listen()
+        if self._sampler is None:  # a copy the Trainer made from a checkpoint (restore_callback_states_from_checkpoint)
+            self._sampler = _sampler_of(kwargs.get("train_dataloader"))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -233,6 +235,17 @@ def _resume_by_default(trainer: Trainer, callback: Elastic, by_default: bool) ->
         return train(resume_from_checkpoint, *args, **kwargs)
 
     trainer.train = elastic_train  # type: ignore[method-assign]
+
+
+def _sampler_of(loader: Any) -> GlobalBatchSampler | None:
+    """The :class:`pliant.data.GlobalBatchSampler` under a training loader's batch samplers (Accelerate's shard and
+    skip wrappers hold the one below as ``batch_sampler``), or None."""
+    found = getattr(loader, "batch_sampler", None)
+    for _ in range(4):
+        if found is None or isinstance(found, GlobalBatchSampler):
+            return found
+        found = getattr(found, "batch_sampler", None)
+    return None
 
 
 def _data_state(checkpoint: Path) -> dict[str, Any] | None:

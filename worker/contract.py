@@ -225,6 +225,10 @@ class Engine(WorldPart):
     survives_peer_loss: bool = False
     """True when the survivors alone hold all of the state (replicas), so a peer that dies mid-step costs only that
     step; False: a peer's death takes the restart path (its shards are only on disk)."""
+    partial_collectives: bool = False
+    """True when a step's gradient collectives do not each join every rank (HSDP: a shard's all-reduce joins its
+    replicas only), so a rank whose collectives completed cannot tell that every rank's did: under the in-place
+    protocol such a step is committed only after one more all-reduce that every rank reaches after its collectives."""
     sharded: bool = False
     """True when each rank holds a shard of the state that no other rank has (ZeRO's optimizer state, FSDP2's rows).
     Under the in-place protocol such an engine survives a peer's death through buddy copies

@@ -128,6 +128,7 @@ class HSDPEngine(FSDPEngine):
     """
 
     sharded = False  # another replica holds each shard: no buddy copies
+    partial_collectives = True  # a shard's gradient all-reduce joins its replicas only
     MEMORY_SHARE = 0.8  # a rank's shards are copied once while it moves: they must fit in this share of free memory
 
     def __init__(

@@ -161,7 +161,11 @@ def test_a_subscriber_never_receives_an_older_state_after_a_newer_one(etcd, pref
             return got
 
         assert states(sub, 2) == [(1, JobState.RUNNING), (1, JobState.SUCCEEDED)]
-        assert states(early, 3) == [(None, JobState.WAITING), (1, JobState.RUNNING), (1, JobState.SUCCEEDED)]
+        # The early stream saw the job before any generation; a feed read after the finish may give it the newest
+        # state without RUNNING, never an older one after a newer.
+        seen = states(early, 3)
+        assert seen[0] == (None, JobState.WAITING) and seen[-1] == (1, JobState.SUCCEEDED), seen
+        assert seen[1:-1] in ([], [(1, JobState.RUNNING)]), seen
         sub.close()
         early.close()
     finally:

@@ -127,11 +127,13 @@ def test_a_join_and_a_leave_keep_the_survivors_processes(
 
 
 def _redone(events: list[dict], failed_at: float) -> tuple[int, int]:
-    """(the last step the world of ``failed_at`` committed, the first step a later generation ran) by rank 0's events.
-    By generation, not by time: a step the whole world committed as the kill landed is logged just after it."""
+    """(the last step the world of ``failed_at`` committed, the first step a later generation ran): the world by rank
+    0's events, its last step by any rank's (a rank whose vote failed while its peers' completed takes their state and
+    logs no line for that step), the first step after by rank 0's. By generation, not by time: a step the whole world
+    committed as the kill landed is logged just after it."""
     mine = [e for e in events if e["rank"] == 0]
     generation = max(e["generation"] for e in mine if e["time"] < failed_at)
-    before = max(e["step"] for e in mine if e["generation"] == generation)
+    before = max(e["step"] for e in events if e["generation"] == generation)
     resumed = min(e["step"] for e in mine if e["generation"] > generation)
     return before, resumed
 

@@ -484,6 +484,17 @@ def test_different_errors_or_a_signal_are_a_nodes_failure_at_once() -> None:
     assert isinstance(decision, NewGeneration) and decision.generation.charged == (("a", 1),)
 
 
+def test_pliants_own_in_place_failure_on_every_node_refuses_no_world_size() -> None:
+    """A re-formation in place that failed (the restart path follows) says nothing of the world size."""
+    world4 = Generation("job", 2, assign_ranks(WIDE, [A, B]), "join", 0, T0)
+    moved = "RescaleError: re-forming generation 1 -> 2 in place failed: HSDPMoveError: no rank holds shard 1"
+    decision = plan(_snap(world4, [A, B], [_exited("a", 2, moved)]), T0 + 5.1)
+    assert isinstance(decision, NewGeneration), decision  # no wait for the other node's report
+    decision = plan(_snap(world4, [A, B], [_exited("a", 2, moved), _exited("b", 2, moved, T0 + 5.3)]), T0 + 5.4)
+    assert isinstance(decision, NewGeneration)
+    assert decision.generation.refused == () and decision.generation.world_size == 4
+
+
 def test_a_one_node_worlds_failure_is_the_nodes() -> None:
     world2 = Generation("job", 1, assign_ranks(WIDE, [A]), "start", 0, T0)
     decision = plan(_snap(world2, [A], [_exited("a", 1, ERROR)]), T0 + 5.1)

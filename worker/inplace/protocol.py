@@ -15,7 +15,9 @@ Under a pliant agent every engine step goes through :meth:`Protocol.step` (the e
      (:meth:`Protocol._reform` below), then the step's batch is cut again for the new world.
 2. **Vote and compute**: the engine's forward and backward with their gradient collectives, then, before the optimizer
    step, the commit vote. The gradient all-reduce (DDP, ZeRO) or reduce-scatter (FSDP2) already needs every rank's
-   contribution, so a rank whose collectives fail never applies the step. Some steps' vote also carries "my agent asked
+   contribution, so a rank whose collectives fail never applies the step. HSDP's do not (a shard's all-reduce joins
+   its replicas only: a death can fail one shard's and not another's), so its step is applied only after one more
+   all-reduce that every rank reaches after its collectives. Some steps' vote also carries "my agent asked
    for a rescale" in one more all-reduce of three integers, issued before the forward and waited for before the
    optimizer step. Its other integers are the rank's last step time and the interval between buddy snapshots that their
    measured cost asks for: from the largest, every rank computes the same step for the next vote (about every
@@ -281,6 +283,9 @@ class Protocol(Runner):
                 vote = self._vote() if batch.step >= self.cadence.next_vote else None  # runs while the step computes
                 loss = engine.forward_backward(batch, loss_fn)
                 self.guard.check()  # the step's collectives completed on every rank, or raise
+                if engine.partial_collectives:
+                    failure = "the commit"
+                    self._all_completed()
                 failure = "the vote"
                 asked = self._counted(vote, batch.step) if vote is not None else False
                 failure = "the buddy copies"
@@ -366,6 +371,14 @@ class Protocol(Runner):
             self.asked = self.world.newer() is not None
         flag = torch.tensor([int(self.asked), *self.cadence.ballot()], dtype=torch.int32)  # on NCCL too: gloo
         return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag  # type: ignore[return-value]
+
+    def _all_completed(self) -> None:
+        """One all-reduce that every rank reaches only after its step's collectives completed: for an engine whose
+        collectives do not each join every rank (:attr:`~pliant.worker.contract.Engine.partial_collectives`), the
+        proof that no rank's failed before any rank applies the step (raises when a peer failed)."""
+        started = time.perf_counter()
+        dist.all_reduce(torch.zeros(1, dtype=torch.int32))  # on NCCL too: gloo (the default group's CPU backend)
+        self.metrics.observe_collective("control", time.perf_counter() - started)
 
     def _counted(self, vote: tuple[dist.Work, torch.Tensor], step: int) -> bool:
         """Wait for the commit vote of ``step`` and set the next vote's step and K; returns "a rescale was asked"
