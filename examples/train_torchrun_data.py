@@ -7,7 +7,8 @@ unseen sample.
     pliant run --nnodes 1:2 --nproc-per-node 2 examples/train_torchrun_data.py --global-batch 64 --ckpt /shared/c.pt
     torchrun --nproc-per-node 2 examples/train_torchrun_data.py --global-batch 64
 
-Rank 0 saves the checkpoint after every step; on SIGTERM (a rescale, a preemption) the process ends at once. With
+Rank 0 saves the checkpoint after every step; on SIGTERM (a rescale, a preemption) the process ends at the end of the
+step in progress (a step whose peer already stopped fails its collective and ends the process there). With
 ``--events FILE`` each rank appends one JSON line per step (the step, the world and the dataset indices it trained);
 ``--out FILE``: rank 0 writes the final step and the parameters there. ``--sampler distributed`` trains as a torchrun
 script commonly does instead, for comparison (``bench/data_resume.py``): a ``DistributedSampler`` (global batch =
@@ -21,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -73,7 +75,8 @@ def main() -> None:
         step = int(state["step"])
     print(f"rank {rank}/{world}: step {step}, {accumulation} micro-batches a step", flush=True)
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))  # rank 0's checkpoint holds the last step
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())  # ends at the step's end, below
     events = open(args.events, "a") if args.events else None  # noqa: SIM115
     samples: list[int] = []
     skip = step % len(loader) if args.sampler == "distributed" else 0  # the resumed epoch's trained batches
@@ -107,6 +110,8 @@ def main() -> None:
                 events.write(json.dumps({**line, "time": time.time(), "samples": samples}) + "\n")
                 events.flush()
             samples = []
+            if stopping.is_set():  # rank 0's checkpoint holds this step: nothing to save, and no exit handler to run
+                os._exit(0)
             time.sleep(args.step_time)
             if step >= args.max_steps:
                 break

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 SCRIPT = EXAMPLES / "train_lightning_elastic.py"
 STEPS = 500
 DATASET = 4096  # the example's samples
-GLOBAL_BATCH, BATCH = 32, 8  # 4 batches a step alone, 2 at two nodes
+GLOBAL_BATCH, BATCH = 32, 16  # 2 batches a step alone, 1 at two nodes
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a GPU")
@@ -63,8 +63,8 @@ def test_a_lightning_script_with_the_plugin_trains_a_static_runs_steps_through_a
     assert "saved for the rescale" in output and "resuming from the rescale checkpoint" in output
     assert "resuming from the script's checkpoint " + str(tmp_path / "own") in output
     assert "workers stopped for the rescale" in output
-    assert "exactly-once data: global batch 32 = batch size 8 x accumulation 4 x world 1 (fixed)" in output
-    assert "exactly-once data: global batch 32 = batch size 8 x accumulation 2 x world 2 (fixed)" in output
+    assert "exactly-once data: global batch 32 = batch size 16 x accumulation 2 x world 1 (fixed)" in output
+    assert "exactly-once data: global batch 32 = batch size 16 x accumulation 1 x world 2 (fixed)" in output
     # The joins take the restart path: node a trains on until node b's workers are ready to fork (its warm-up), and
     # node b forks them once node a restarted (every step trained once: the assertions above).
     assert "by the restart path: the newcomers warmed up" in output

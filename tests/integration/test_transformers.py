@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 SCRIPT = EXAMPLES / "train_hf_trainer.py"
 STEPS = 400
 DATASET = 4096  # the example's sequences
-GLOBAL_BATCH, BATCH = 16, 4  # 4 batches a step alone, 2 at two nodes
+GLOBAL_BATCH, BATCH = 16, 8  # 2 batches a step alone, 1 at two nodes
 
 
 def test_a_trainer_script_with_the_callback_trains_a_static_runs_steps_through_a_join_a_kill_and_a_leave(
@@ -48,8 +48,8 @@ def test_a_trainer_script_with_the_callback_trains_a_static_runs_steps_through_a
     output = a.output()
     assert "saved for the rescale" in output and "resuming from the last complete checkpoint" in output
     assert "workers stopped for the rescale" in output
-    assert "exactly-once data: global batch 16 = batch size 4 x accumulation 4 x world 1 (fixed)" in output
-    assert "exactly-once data: global batch 16 = batch size 4 x accumulation 2 x world 2 (fixed)" in output
+    assert "exactly-once data: global batch 16 = batch size 8 x accumulation 2 x world 1 (fixed)" in output
+    assert "exactly-once data: global batch 16 = batch size 8 x accumulation 1 x world 2 (fixed)" in output
     # The joins take the restart path: node a trains on until node b's workers are ready to fork (its warm-up), and
     # node b forks them once node a restarted (every step trained once: the assertions above).
     assert "by the restart path: the newcomers warmed up" in output
