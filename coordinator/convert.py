@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 
 from pliant.coordinator.contract import (
@@ -169,11 +171,19 @@ def goodput_to_pb(seconds: Mapping[str, float]) -> pb.Goodput:
     )
 
 
+GOODPUT_CAUSES_MAX = 16
+"""The most badput causes a node's report may carry (the agents send six); a report with more is dropped whole."""
+_CAUSE = re.compile(r"[a-z_]{1,32}")
+
+
 def goodput_from_pb(msg: pb.Goodput) -> dict[str, float]:
-    """The wire's ``Goodput`` as seconds by what they went to; empty when the node reported none."""
-    if not msg.productive_s and not msg.badput_s:
+    """The wire's ``Goodput`` as seconds by what they went to; empty when the node reported none, or reported more
+    than :data:`GOODPUT_CAUSES_MAX` causes (a record a caller could otherwise grow without bound in etcd). A cause
+    that is not a short lower-case name, and seconds that are not finite and >= 0, are left out."""
+    if (not msg.productive_s and not msg.badput_s) or len(msg.badput_s) > GOODPUT_CAUSES_MAX:
         return {}
-    return {"productive": msg.productive_s, **{cause: spent for cause, spent in msg.badput_s.items()}}
+    seconds = {"productive": msg.productive_s, **dict(msg.badput_s.items())}
+    return {k: v for k, v in seconds.items() if _CAUSE.fullmatch(k) and math.isfinite(v) and v >= 0}
 
 
 def outcome_to_pb(outcome: Outcome | None) -> str:

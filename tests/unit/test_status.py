@@ -109,6 +109,21 @@ def test_the_jobs_goodput_is_its_live_nodes_time_by_what_it_went_to() -> None:
     assert job_info_from_pb(job_info_to_pb(job)).progress["n1"].goodput == {"productive": 6500.0, "rescale": 50.0}
 
 
+def test_a_callers_goodput_report_is_bounded_before_it_is_recorded() -> None:
+    """An agent certificate's worst holder reports its own node's goodput: it can make that figure wrong, never grow
+    the record without bound."""
+    from pliant.coordinator.convert import GOODPUT_CAUSES_MAX, goodput_from_pb
+    from pliant.v1 import coordinator_pb2 as pb
+
+    flood = pb.Goodput(productive_s=1.0, badput_s={f"c{i}": 1.0 for i in range(GOODPUT_CAUSES_MAX + 1)})
+    assert goodput_from_pb(flood) == {}
+    odd = pb.Goodput(
+        productive_s=float("nan"), badput_s={"failure": -1.0, "Bad Name": 1.0, "x" * 40: 1.0, "start": 2.0}
+    )
+    assert goodput_from_pb(odd) == {"start": 2.0}
+    assert goodput_from_pb(pb.Goodput()) == {}
+
+
 def test_no_jobs() -> None:
     assert render_table([], NOW) == "no jobs"
     assert json.loads(render_json([])) == {"jobs": []}
