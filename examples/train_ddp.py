@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -90,12 +91,16 @@ def main() -> None:
             events.flush()
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step} world {world} loss {loss.item():.4f}", flush=True)
-    # A barrier before the group goes: gloo's worker thread frees the last gradient all-reduce just after the
-    # caller's wait returns, and a thread that needs the GIL while the interpreter finalizes aborts the process
-    # ("terminate called without an active exception" at exit).
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # The process ends here, without the interpreter's teardown: gloo's run-loop thread can still be releasing the last
+    # gradient all-reduce, which holds a Python object captured during backward, and a thread that takes the GIL while
+    # the interpreter finalizes aborts the process ("terminate called without an active exception", SIGABRT; PyTorch
+    # issue 117762). Everything this script writes is flushed or closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

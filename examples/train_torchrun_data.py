@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -120,9 +121,15 @@ def main() -> None:
         params = torch.cat([p.detach().flatten() for p in model.module.parameters()]).tolist()
         with open(args.out, "w") as out:
             json.dump({"global_step": step, "world_size": world, "params": params}, out)
-    dist.barrier()  # gloo frees the last all-reduce after the caller's wait returns: let it, before the group goes
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Without the interpreter's teardown, like train_ddp.py: gloo's run-loop thread may still be releasing the last
+    # gradient all-reduce, and a thread that takes the GIL while the interpreter finalizes aborts the process (PyTorch
+    # issue 117762).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
