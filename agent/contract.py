@@ -145,6 +145,8 @@ class AgentConfig:
         ca_cert_hash: ``sha256:<hex>`` of the coordinator CA's public key: without ``tls`` the agent joins by
             bootstrap (:mod:`pliant.bootstrap`), pinning that CA; "": no bootstrap.
         bootstrap: the Bootstrap services' HOST:PORT, tried in order (with ``ca_cert_hash``).
+        create_job: the bootstrap join creates the job (``spec``) first unless it exists: ``join_token`` is a
+            namespace's, and the job id ``<namespace>.<name>`` (a Kubernetes namespace's agents).
         seat: a node of an embedded control plane (``pliant run``'s): it comes back to a seat it held, and with
             ``seat_key`` asks for a new one: an etcd member and a coordinator replica on this node
             (:mod:`pliant.agent.seat`).
@@ -181,6 +183,7 @@ class AgentConfig:
     admin_tls: TlsConfig | None = None
     ca_cert_hash: str = ""
     bootstrap: tuple[str, ...] = ()
+    create_job: bool = False
     seat: bool = False
     seat_key: str = field(default="", repr=False)
     join_line: str = ""
@@ -234,6 +237,11 @@ class AgentConfig:
             raise ConfigError(
                 "a bootstrap join (--ca-cert-hash) needs the job's --join-token and a coordinator, and no --tls-dir "
                 "(which names a certificate made beforehand)"
+            )
+        if self.create_job and not self.ca_cert_hash:
+            raise ConfigError(
+                "--create-job creates the job at the bootstrap join: add --ca-cert-hash and the namespace's "
+                "--join-token (pliant k8s namespace)"
             )
         for address in self.bootstrap:
             parse_host_port(address, what="--bootstrap")

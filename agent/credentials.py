@@ -12,6 +12,7 @@ from pliant.agent.contract import AgentConfig
 from pliant.bootstrap import BootstrapError, CertificateLifetime, renewal_due, request_certificate
 from pliant.coordinator.client import CoordinatorClient
 from pliant.coordinator.contract import CoordinatorError, JobFinished
+from pliant.coordinator.convert import spec_to_pb
 from pliant.security.tlsdir import TlsMaterial
 
 __all__ = ["Credentials"]
@@ -60,7 +61,14 @@ class Credentials:
             address = config.bootstrap[attempt % len(config.bootstrap)]
             attempt += 1
             try:
-                tls = request_certificate(address, config.ca_cert_hash, config.spec.job_id, config.node_id, token)
+                tls = request_certificate(
+                    address,
+                    config.ca_cert_hash,
+                    config.spec.job_id,
+                    config.node_id,
+                    token,
+                    create=spec_to_pb(config.spec) if config.create_job else None,
+                )
                 break
             except BootstrapError as exc:
                 now = time.monotonic()

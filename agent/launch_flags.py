@@ -123,6 +123,12 @@ def _trust_flags(parser: argparse.ArgumentParser, mode: str) -> None:
         "--discovery-token-ca-cert-hash)",
     )
     parser.add_argument(
+        "--create-job",
+        action="store_true",
+        help="with --ca-cert-hash and a namespace's join token (pliant k8s namespace): the bootstrap join creates "
+        "the job <namespace>.<name> with this node's --nnodes, --nproc-per-node and --max-restarts unless it exists",
+    )
+    parser.add_argument(
         "--bootstrap",
         default="",
         help="HOST:PORT[,...] of the coordinators' bootstrap service (default: each --coordinator address with its "

@@ -198,6 +198,7 @@ def config_from_args(
         tls=tls,
         join_token=token,
         ca_cert_hash=pin,
+        create_job=bool(getattr(args, "create_job", False)),
         bootstrap=bootstrap or tuple(bootstrap_address(c) for c in coordinator) if pin else (),
     )
 

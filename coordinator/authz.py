@@ -8,7 +8,8 @@ call                          who may make it
 ============================  =======================================================================================
 CreateJob, FinishJob,         admin
 DeleteJob, RotateJoinToken,
-ListJobs, CreateSeatKey
+ListJobs, CreateSeatKey,
+SetNamespaceToken
 GetJob                        admin (everything); an agent that is a member of the job (node addresses removed)
 Join                          the agent whose certificate names the node id joined (with the job's token); admin
 Heartbeat, Leave,             the agent of that node, with the lease its Join returned (checked against etcd by the
@@ -23,7 +24,8 @@ RevokeCertificate             admin
 ============================  =======================================================================================
 
 The Bootstrap service (:mod:`pliant.coordinator.signer`) is served on a port of its own, to callers without a
-certificate; the job's join token is its credential.
+certificate; the job's join token is its credential. A namespace's join token (SetNamespaceToken) also creates jobs
+of that namespace there (``<namespace>.<name>``), which then join with it: it acts in its namespace's jobs only.
 
 An agent certificate signed by the bootstrap join names its job (:data:`pliant.security.identity.JOB_URI`): it acts in
 that job
@@ -45,7 +47,16 @@ from pliant.security.identity import Identity, Role
 __all__ = ["ADMIN_METHODS", "Caller", "require_admin", "require_job", "require_node"]
 
 ADMIN_METHODS = frozenset(
-    {"CreateJob", "FinishJob", "DeleteJob", "RotateJoinToken", "ListJobs", "RevokeCertificate", "CreateSeatKey"}
+    {
+        "CreateJob",
+        "FinishJob",
+        "DeleteJob",
+        "RotateJoinToken",
+        "SetNamespaceToken",
+        "ListJobs",
+        "RevokeCertificate",
+        "CreateSeatKey",
+    }
 )
 
 

@@ -267,6 +267,14 @@ class CoordinatorClient:
         token = join_token or secrets.token_urlsafe(32)
         return self._call("RotateJoinToken", pb.RotateJoinTokenRequest(job_id=job_id, join_token=token)).join_token
 
+    def set_namespace_token(self, namespace: str, rotate: bool = False, join_token: str = "") -> tuple[str, bool]:
+        """Register a namespace's join token (admin), or replace it with ``rotate``; returns the token and whether
+        anything changed (an identical registration is a no-op)."""
+        token = join_token or secrets.token_urlsafe(32)
+        req = pb.SetNamespaceTokenRequest(namespace=namespace, join_token=token, rotate=rotate)
+        resp = self._call("SetNamespaceToken", req)
+        return resp.join_token, resp.created
+
     def get_job(self, job_id: str, progress: bool = False) -> JobInfo:
         """The job; with ``progress`` also each member's heartbeat age and step (costs the coordinator a lease
         lookup per member: for ``pliant status``, not for agents)."""

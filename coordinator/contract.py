@@ -61,12 +61,14 @@ __all__ = [
     "WatchEvent",
     "error_for_status",
     "is_join_token",
+    "job_namespace",
     "parse_node_range",
     "quote",
     "status_for_error",
     "truncate_reason",
     "validate_address",
     "validate_id",
+    "validate_namespace",
     "validate_slots",
 ]
 
@@ -225,6 +227,28 @@ def parse_node_range(text: str) -> tuple[int, int]:
     if low < 1 or high < low:
         raise ConfigError(f"--nnodes {text!r} must have 1 <= MIN <= MAX, e.g. 1:4")
     return low, high
+
+
+_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def job_namespace(job_id: str) -> str:
+    """The namespace a job id is scoped to: what precedes its first '.' when that is a DNS label ("": none).
+
+    A namespace's join token (``SetNamespaceToken``) creates and joins only jobs of its namespace.
+    """
+    head, dot, _rest = job_id.partition(".")
+    return head if dot and _NAMESPACE_RE.fullmatch(head) else ""
+
+
+def validate_namespace(value: str) -> str:
+    """Check a namespace's name: a DNS label (a Kubernetes namespace's form)."""
+    if not isinstance(value, str) or not _NAMESPACE_RE.fullmatch(value):
+        raise InvalidArgument(
+            f"namespace {quote(value)} is invalid: use a DNS label (1-63 lowercase letters, digits and '-', starting "
+            f"and ending with a letter or digit), e.g. team-a"
+        )
+    return value
 
 
 def validate_id(value: str, what: str) -> str:

@@ -386,7 +386,11 @@ class CoordinatorServer:
             interceptors=[CallerLimits(BOOTSTRAP_CALLS_PER_ADDRESS, address_key, "address", self.metrics.observe_rpc)],
         )
         servicer = BootstrapServicer(
-            self.store, self.config.signer, observe=self.metrics.observe_rpc, denylist=self.denylist
+            self.store,
+            self.config.signer,
+            observe=self.metrics.observe_rpc,
+            denylist=self.denylist,
+            max_jobs=self.config.max_jobs,
         )
         bootstrap_pb2_grpc.add_BootstrapServicer_to_server(servicer, self.bootstrap_server)
         assert self.config.tls is not None

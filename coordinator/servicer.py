@@ -40,6 +40,7 @@ from pliant.coordinator.contract import (
     truncate_reason,
     validate_address,
     validate_id,
+    validate_namespace,
     validate_slots,
 )
 from pliant.coordinator.convert import (
@@ -275,6 +276,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         token = _token(request.join_token) or new_token()
         self._store.rotate_token(validate_id(request.job_id, "job_id"), token)
         return pb.RotateJoinTokenResponse(join_token=token)
+
+    @_rpc
+    def SetNamespaceToken(self, request: pb.SetNamespaceTokenRequest, caller: Caller) -> pb.SetNamespaceTokenResponse:
+        token = _token(request.join_token) or new_token()
+        created = self._store.set_namespace_token(validate_namespace(request.namespace), token, request.rotate)
+        return pb.SetNamespaceTokenResponse(join_token=token, created=created)
 
     # -- members -------------------------------------------------------------------------------------------------------
 

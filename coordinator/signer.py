@@ -9,7 +9,8 @@ given the key can sign; one without it refuses renewals with FAILED_PRECONDITION
 What is signed is decided by :meth:`Signer.sign`: only the agent role, only the node id the request is for, bound to
 the one job it was asked for (a URI SAN, :data:`pliant.security.identity.JOB_URI`). Who may ask: a node that holds the
 job's join token, for a node id that no live member of any job holds and whose certificate of another job has expired
-(:class:`BootstrapServicer`); or the agent itself, a live member, over mutual TLS (the servicer's
+(:class:`BootstrapServicer`; with a namespace's join token, the call may first create a job of that namespace, as
+the agents a Kubernetes namespace runs do); or the agent itself, a live member, over mutual TLS (the servicer's
 ``RenewAgentCertificate``, authorized where every call is). Certificates are short-lived (``lifetime_s``) and for
 client use only; a node id holds one, in one job: signing it another in that job revokes the one before
 (:mod:`pliant.coordinator.revocation`), and never touches another job's.
@@ -26,12 +27,14 @@ import grpc
 
 from pliant.coordinator.contract import (
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
     validate_id,
 )
+from pliant.coordinator.convert import spec_from_pb
 from pliant.coordinator.limits import RateLimit, address_key
 from pliant.coordinator.revocation import Denylist, replaced_certificate
 from pliant.coordinator.rpc import serve_unary
@@ -123,6 +126,7 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         signer: the CA key.
         observe: called with (method, status code, seconds) after each call.
         denylist: where the agent certificate a node id held before is revoked when it is signed another.
+        max_jobs: jobs the deployment holds at most (a namespace's token creates none past it; 0: no limit).
     """
 
     def __init__(
@@ -131,8 +135,10 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         signer: Signer,
         observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
         denylist: Denylist | None = None,
+        max_jobs: int = 0,
     ) -> None:
         self._store = store
+        self._max_jobs = max_jobs
         self._signer = signer
         self._observe = observe or (lambda method, code, seconds: None)
         self._denylist = denylist
@@ -158,6 +164,8 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         job = validate_id(request.job_id, "job_id")
         node = validate_id(request.node_id, "node_id")
         try:
+            if request.HasField("create"):
+                self._create(job, request)
             self._store.check_token(job, request.join_token)
         except Unauthenticated:
             self._wrong.take(source)
@@ -174,4 +182,17 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
             self._signer.lifetime_s,
         )
         return issued
-        raise AssertionError("unreachable")  # context.abort raises
+
+    def _create(self, job: str, request: bpb.IssueAgentCertificateRequest) -> None:
+        """Create the job the request carries unless it exists, with the namespace's join token the request holds."""
+        spec = spec_from_pb(request.create)
+        if spec.job_id != job:
+            raise InvalidArgument(
+                f"the job to create is {spec.job_id[:100]!r} and the certificate's job {job!r}; they must be the same"
+            )
+        try:
+            _spec, created = self._store.create_namespaced_job(spec, time.time(), request.join_token, self._max_jobs)
+        except AlreadyExists as exc:  # not a node id in use (which a joining node waits out): the job's own terms
+            raise FailedPrecondition(str(exc)) from None
+        if created:
+            logger.info("bootstrap: job %s created with its namespace's join token", job)  # context.abort raises

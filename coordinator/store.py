@@ -23,6 +23,8 @@ Key layout under the prefix (default ``/pliant/v1``)::
     one
     revoked/<serial hex>                a revoked certificate (Revocation JSON), on a lease that lapses after it expires
     certs/<node>                        {"serial", "not_after"} of the agent certificate last signed for the node id
+    namespaces/<ns>/token               "sha256:<hex>" of namespace <ns>'s join token: it creates jobs "<ns>.<name>"
+                                        at the bootstrap join, which then have it as their token
     index/<job>                         one empty key per job: lists and counts jobs without reading their keys
     progress/<job>/<node>               MemberProgress JSON (latest step), attached to the node's lease; outside
                                         jobs/ so that its writes never wake the reconciler
@@ -54,10 +56,13 @@ from pliant.coordinator.contract import (
     JobStatus,
     Member,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Revocation,
     Strike,
+    Unauthenticated,
     Unavailable,
+    job_namespace,
 )
 from pliant.coordinator.outcome import outcome_of
 from pliant.coordinator.policy import may_overwrite
@@ -177,6 +182,65 @@ class EtcdStore(MemberStore):
                 f"or rotate the token (RotateJoinToken, admin)"
             )
         return existing, False
+
+    def namespace_token_key(self, namespace: str) -> str:
+        return f"{self.prefix}/namespaces/{namespace}/token"
+
+    @etcd_call
+    def set_namespace_token(self, namespace: str, token: str, rotate: bool = False) -> bool:
+        """Register ``token`` as ``namespace``'s join token; returns whether anything changed (the same token again is
+        a no-op). With ``rotate`` a registered token is replaced, and so is the token of every job of the namespace
+        that had it (jobs its holders created), so that their pods join with the new one.
+
+        Raises:
+            AlreadyExists: another token is registered and ``rotate`` is not set.
+        """
+        key, digest = self.namespace_token_key(namespace), token_digest(token)
+        ok, responses = self._txn([self.tx.create(key) == 0], [self.tx.put(key, digest)], [self.tx.get(key)])
+        if ok:
+            logger.info("namespace %s: join token registered", namespace)
+            return True
+        stored = responses[0][0][0].decode()
+        if hmac.compare_digest(stored, digest):
+            return False
+        if not rotate:
+            raise AlreadyExists(
+                f"namespace {namespace!r} has a join token already (its Secret is in that namespace); pass --rotate "
+                f"to replace it"
+            )
+        ok, _ = self._txn([self.tx.value(key) == stored], [self.tx.put(key, digest)])
+        if not ok:
+            raise Unavailable(f"namespace {namespace!r}'s join token changed while it was being rotated; retry")
+        for job in self.list_job_ids():
+            if job_namespace(job) == namespace:
+                token_key = self.job_key(job, "token")
+                self._txn([self.tx.value(token_key) == stored], [self.tx.put(token_key, digest)])
+                self._token_digests.pop(job, None)
+        logger.info("namespace %s: join token rotated", namespace)
+        return True
+
+    @etcd_call
+    def create_namespaced_job(self, spec: JobSpec, now: float, token: str, max_jobs: int = 0) -> tuple[JobSpec, bool]:
+        """:meth:`create_job` for the holder of a namespace's join token: only a job of that namespace
+        (``<namespace>.<name>``), whose join token is then the namespace's.
+
+        Raises:
+            PermissionDenied: the job id names no namespace. Unauthenticated: ``token`` is not its namespace's.
+            AlreadyExists: the job exists with another spec or token.
+        """
+        namespace = job_namespace(spec.job_id)
+        if not namespace:
+            raise PermissionDenied(
+                f"job {spec.job_id[:100]!r} belongs to no namespace: a namespace's join token creates only jobs named "
+                f"<namespace>.<name>; have an admin create it (pliant job create)"
+            )
+        stored = self.client.get(self.namespace_token_key(namespace))[0]
+        if not token or stored is None or not hmac.compare_digest(stored.decode(), token_digest(token)):
+            raise Unauthenticated(
+                f"the join token is not namespace {namespace!r}'s: use the token of the Secret `pliant k8s namespace "
+                f"--namespace {namespace}` printed"
+            )
+        return self.create_job(spec, now, token, max_jobs, same_token=True)
 
     @etcd_call
     def list_job_ids(self) -> list[str]:

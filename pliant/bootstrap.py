@@ -28,6 +28,7 @@ import re
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 from pliant.errors import ConfigError, PliantError
 from pliant.net import parse_host_port
@@ -153,9 +154,11 @@ def pinned_ca(address: str, pin: str, timeout_s: float = 5.0) -> bytes:
 
 
 def request_certificate(
-    address: str, pin: str, job: str, node_id: str, token: str, timeout_s: float = 5.0
+    address: str, pin: str, job: str, node_id: str, token: str, timeout_s: float = 5.0, create: Any = None
 ) -> TlsMaterial:
-    """Run the bootstrap join against ``address``: pin the CA, make a key, have the request signed.
+    """Run the bootstrap join against ``address``: pin the CA, make a key, have the request signed; with ``create``
+    (a ``pliant.v1.JobSpec``, and a namespace's join token as ``token``), the coordinator creates that job first
+    unless it exists.
 
     Returns:
         The CA, the signed agent certificate and the key, all in memory.
@@ -172,7 +175,7 @@ def request_certificate(
     with grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca_pem)) as channel:
         stub = bootstrap_pb2_grpc.BootstrapStub(channel)
         request = bootstrap_pb2.IssueAgentCertificateRequest(
-            job_id=job, node_id=node_id, join_token=token, csr_pem=csr_pem
+            job_id=job, node_id=node_id, join_token=token, csr_pem=csr_pem, create=create
         )
         try:
             answer = stub.IssueAgentCertificate(request, timeout=timeout_s)

@@ -3,8 +3,12 @@
 
 - ``pliant k8s secrets --dir pki``: make the control plane's certificates where missing (:mod:`pliant.k8s.secrets`)
   and print its Secrets; the CA fingerprint the jobs pin goes to stderr.
-- ``pliant k8s job --job ID --image IMG --nnodes MIN:MAX --nproc-per-node N --ca-cert pki/ca.crt SCRIPT ARGS``: print
-  one training job's objects (:mod:`pliant.k8s.job`); the job's flags are ``pliant run``'s, and so is the script.
+- ``pliant k8s namespace --namespace team-a --coordinator HOST:PORT --tls-dir pki/admin``: register the namespace's
+  join token with the control plane (an admin's call, from the operator's machine) and print its Secret
+  ``pliant-join``, once per namespace; the namespace's agents create their jobs with it.
+- ``pliant k8s job --namespace team-a --job ID --image IMG --nnodes MIN:MAX --nproc-per-node N --ca-cert pki/ca.crt
+  SCRIPT ARGS``: print one training job's objects (:mod:`pliant.k8s.job`, pure: the same flags print the same bytes);
+  the job's flags are ``pliant run``'s, and so is the script.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 from pliant import settings
 from pliant.errors import ConfigError
+from pliant.flags import add_tls_flags
 from pliant.k8s import names
 
 __all__ = ["add_k8s_commands", "k8s_main"]
@@ -46,30 +51,69 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         metavar="HOST",
         help="another name or address for the coordinators' and etcd's certificates (repeatable)",
     )
+    namespace = actions.add_parser(
+        "namespace",
+        help="register a namespace's join token with the control plane and print its Secret (admin; once per "
+        "namespace)",
+        allow_abbrev=False,
+    )
+    namespace.add_argument("--namespace", required=True, help="the job namespace (a team's)")
+    namespace.add_argument(
+        "--coordinator",
+        default=settings.COORDINATOR.flag_default() or settings.DEFAULT_COORDINATOR,
+        help="a coordinator HOST:PORT reachable from here, e.g. localhost:29400 through `kubectl -n pliant "
+        "port-forward svc/pliant-coordinator 29400` (env PLIANT_COORDINATOR)",
+    )
+    add_tls_flags(namespace, "admin")
+    namespace.add_argument(
+        "--rotate",
+        action="store_true",
+        help="replace the namespace's token (its jobs take the new one; apply the Secret printed at once)",
+    )
     job = actions.add_parser(
         "job",
         help="print one training job: its agents (an elastic Indexed Job), the Job that creates it, its token, "
         "checkpoint volume, NetworkPolicy and PodDisruptionBudget",
         allow_abbrev=False,
     )
-    job.add_argument("--job", required=True, help="the job id, a DNS label (it prefixes every object's name)")
+    job.add_argument(
+        "--job",
+        required=True,
+        help="the job's name in its namespace, a DNS label (it prefixes every object's name; the control plane knows "
+        "the job as NAMESPACE.JOB)",
+    )
     job.add_argument("--image", required=True, help="the pliant image (deploy/Dockerfile) with the training code")
     job.add_argument("--nnodes", default="1:1", help="N or MIN:MAX nodes, as pliant run takes it (default 1:1)")
-    job.add_argument("--nodes", type=int, default=0, help="agent pods to start with (default MAX)")
+    job.add_argument("--nodes", type=int, default=0, help="agent pods to start with, MIN to MAX (default MAX)")
     job.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     pin = job.add_mutually_exclusive_group(required=True)
     pin.add_argument("--ca-cert", help="the control plane's CA certificate (pki/ca.crt), whose fingerprint agents pin")
     pin.add_argument("--ca-cert-hash", help="its fingerprint, sha256:<hex> (pliant certs fingerprint)")
     job.add_argument("--script", type=Path, default=None, help="a local training script, shipped in a ConfigMap")
-    job.add_argument("--namespace", default=names.NAMESPACE, help=f"the control plane's (default {names.NAMESPACE})")
+    job.add_argument("--namespace", default="default", help="the job's namespace, its team's (default: default)")
+    job.add_argument(
+        "--control-plane-namespace",
+        default=names.NAMESPACE,
+        help=f"where deploy/ installed the control plane (default {names.NAMESPACE})",
+    )
     job.add_argument("--cpu", default="2", help="CPU per agent pod, request and limit (default 2)")
     job.add_argument("--memory", default="8Gi", help="memory per agent pod, request and limit (default 8Gi)")
-    job.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per agent pod (default 0)")
+    job.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per agent pod, one per worker (default 0)")
     job.add_argument("--shm-size", default="1Gi", help="/dev/shm per pod, for the buddy copies (default 1Gi)")
     job.add_argument("--checkpoint-claim", default="", help="an existing ReadWriteMany claim (default: make one)")
     job.add_argument("--checkpoint-size", default="20Gi", help="the size of the claim made (default 20Gi)")
-    job.add_argument("--storage-class", default="", help="its storage class (default: the cluster's)")
-    job.add_argument("--token-secret", default="", help="an existing Secret with key `token` (default: make one)")
+    job.add_argument(
+        "--storage-class",
+        default="",
+        help="the claim's storage class, one that binds ReadWriteMany (NFS, CephFS, EFS, Filestore, Azure Files; "
+        "default: the cluster's default class)",
+    )
+    job.add_argument(
+        "--token-secret",
+        default="",
+        help="a Secret (key `token`) with the join token of a job an admin created (pliant job create "
+        "NAMESPACE.JOB); default: the namespace's Secret pliant-join, with which the agents create the job",
+    )
     job.add_argument(
         "--rescale-grace",
         type=float,
@@ -123,6 +167,8 @@ def k8s_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
+    if args.k8s_command == "namespace":
+        return _namespace(args)
     command = list(args.training)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -144,6 +190,7 @@ def k8s_main(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         nproc_per_node=args.nproc_per_node,
         namespace=args.namespace,
+        control_plane_namespace=args.control_plane_namespace,
         script=args.script,
         cpu=args.cpu,
         memory=args.memory,
@@ -158,4 +205,31 @@ def k8s_main(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
     )
     sys.stdout.write(_dump(render_job(unit)))
+    return 0
+
+
+def _namespace(args: argparse.Namespace) -> int:
+    """``pliant k8s namespace``: register the namespace's token, print its Secret; 1 when the coordinator refuses."""
+    from pliant.coordinator.client import CoordinatorClient
+    from pliant.coordinator.contract import CoordinatorError
+    from pliant.flags import tls_from_flags
+    from pliant.k8s.secrets import join_secret
+
+    if not names.is_namespace(args.namespace):
+        raise ConfigError(f"--namespace {args.namespace!r} is not a namespace's name (a DNS label), e.g. team-a")
+    tls = tls_from_flags(args.tls_dir, args.insecure, "k8s namespace")
+    client = CoordinatorClient(args.coordinator, tls.load() if tls else None, retry_for_s=5.0)
+    try:
+        token, _changed = client.set_namespace_token(args.namespace, rotate=args.rotate)
+    except CoordinatorError as exc:
+        print(f"pliant k8s namespace: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    sys.stdout.write(_dump([join_secret(args.namespace, token)]))
+    print(
+        f"pliant k8s namespace: {args.namespace}'s join token registered; apply the Secret above in {args.namespace} "
+        f"(it is printed only now), then render its jobs with pliant k8s job --namespace {args.namespace}",
+        file=sys.stderr,
+    )
     return 0

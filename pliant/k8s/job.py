@@ -1,7 +1,10 @@
-"""One training job on Kubernetes, rendered from its parameters (pure: no cluster is contacted).
+"""One training job on Kubernetes, rendered from its parameters (pure: no cluster is contacted, and the same
+parameters render the same bytes).
 
-A job is these objects, every name prefixed ``pliant-<job>`` and every object labelled with the job as its
-``app.kubernetes.io/instance``, so two jobs side by side share nothing but the control plane:
+A job lives in a namespace its team owns; the control plane lives in its own (``pliant`` by default), and nothing of
+it is mounted, referenced or granted in the job's namespace. A job is these objects, every name prefixed
+``pliant-<job>`` and every object labelled with the job as its ``app.kubernetes.io/instance``, so two jobs side by
+side share nothing but the control plane:
 
 - **the agents: an elastic Indexed Job** (``pliant-<job>``, ``completionMode: Indexed``, ``parallelism`` =
   ``completions`` = the node count). ``kubectl patch job pliant-<job> -p '{"spec":{"parallelism":N,"completions":N}}'``
@@ -12,27 +15,29 @@ A job is these objects, every name prefixed ``pliant-<job>`` and every object la
   leave on SIGTERM (143: a deletion, a drain, a preemption) and a pod disrupted by Kubernetes (``DisruptionTarget``)
   are ignored, so the index's pod is replaced and the node joins again; anything else (an agent error, 2; a kill)
   counts against ``backoffLimit``. ``restartPolicy: Never``: nothing crash-loops.
-- **no per-pod certificate**: each agent gets its own by the bootstrap join (``--ca-cert-hash`` pins the control
-  plane's CA; the job's token, from the Secret ``pliant-<job>-token``, proves it may join);
-- the **Job that creates the training job** (``pliant-<job>-create``, an admin, idempotent: creating an identical job
-  again is a no-op), with the same node range and workers per node as the agents;
-- the **checkpoint volume** (a ReadWriteMany claim ``pliant-<job>-checkpoints``, or a claim the operator names, in
-  which the job writes under ``<job>/``), the **NetworkPolicy** that lets only this job's agents reach each other's
-  stores and gloo ports (and monitoring their metrics), the **PodDisruptionBudget** (one agent down at a time: each
-  drain is one graceful leave), and, with ``script``, a ConfigMap holding the training script.
+- **no certificate and no per-job Secret**: each agent gets its certificate by the bootstrap join (``--ca-cert-hash``
+  pins the control plane's CA) with the namespace's join token (the Secret ``pliant-join`` that ``pliant k8s
+  namespace`` printed once for the namespace), and that join creates the job ``<namespace>.<job>`` in the control
+  plane unless it exists (``--create-job``, identical specs: a no-op), so no admin key is in the cluster. With
+  ``token_secret`` the agents join a job an admin created (``pliant job create``) with that job's own token instead.
+- the **checkpoint volume** (a ReadWriteMany claim ``pliant-<job>-checkpoints`` of ``storage_class``, or a claim the
+  operator names, in which the job writes under ``<job>/``), the **NetworkPolicy** that lets only this job's agents
+  reach each other's stores and gloo ports (and monitoring their metrics), the **PodDisruptionBudget** (one agent down
+  at a time: each drain is one graceful leave), and, with ``script``, a ConfigMap holding the training script.
 
-The grace a deleted pod gets (``terminationGracePeriodSeconds``) covers the agent's whole stop: the workers' hand-over
-at the next step boundary within ``--rescale-grace``, the stack dump, ``--stop-grace`` after SIGTERM and the reap after
-SIGKILL (:mod:`pliant.agent.stopping`), so a drained node's survivors lose no step.
+The agents reach the coordinators by their Service's namespaced name (``pliant-coordinator.<control plane
+namespace>.svc``), which their certificate names. The grace a deleted pod gets (``terminationGracePeriodSeconds``)
+covers the agent's whole stop: the workers' hand-over at the next step boundary within ``--rescale-grace``, the stack
+dump, ``--stop-grace`` after SIGTERM and the reap after SIGKILL (:mod:`pliant.agent.stopping`), so a drained node's
+survivors lose no step.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import secrets
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,29 +85,32 @@ class JobUnit:
     """A training job's parameters (``pliant k8s job``'s flags).
 
     Attributes:
-        job_id: the job id: a DNS label of at most 40 characters (it prefixes every object's name).
-        image: the pliant image the agents (and the creating Job) run.
+        job_id: the job's name in its namespace: a DNS label of at most 40 characters (it prefixes every object's
+            name); the control plane knows the job as ``<namespace>.<job_id>``.
+        image: the pliant image the agents run.
         command: the training script and its arguments, as ``pliant run`` takes them (with ``script``: the
             arguments only).
         ca_cert_hash: ``sha256:<hex>`` of the control plane's CA (``pliant certs fingerprint``).
         min_nodes: the job's minimum node count.
         max_nodes: its maximum.
-        nodes: agent pods to start with (the Job's parallelism and completions); default ``max_nodes``.
+        nodes: agent pods to start with (the Job's parallelism and completions), from ``min_nodes`` to
+            ``max_nodes``; default ``max_nodes``.
         nproc_per_node: workers per node.
-        namespace: the control plane's namespace, where the job goes too.
+        namespace: the job's namespace (its team's).
+        control_plane_namespace: the control plane's namespace (``deploy/``'s).
         script: a local training script to ship in a ConfigMap (else the script is in the image).
         cpu: CPU per agent pod (request and limit).
         memory: memory per agent pod (request and limit).
-        gpus: ``nvidia.com/gpu`` per agent pod.
+        gpus: ``nvidia.com/gpu`` per agent pod: one per worker, so 0 or ``nproc_per_node``.
         shm_size: the pod's ``/dev/shm`` (the workers' buddy copies; about 2x a rank's shard plus its wards').
         checkpoint_claim: an existing ReadWriteMany claim to write checkpoints in (under ``<job>/``); "" makes one.
         checkpoint_size: the size of the claim made.
-        storage_class: its storage class ("" : the cluster's default).
-        token: the job's join token ("" : a random one).
-        token_secret: an existing Secret (key ``token``) holding the join token; "" renders one.
+        storage_class: its storage class ("" : the cluster's default), one that binds ReadWriteMany.
+        token_secret: a Secret (key ``token``) holding the join token of a job an admin created; "": the
+            namespace's (``pliant-join``), with which the agents create the job.
         rescale_grace_s: the agents' ``--rescale-grace``.
         stop_grace_s: the agents' ``--stop-grace``.
-        max_restarts: worker failures the job survives (``pliant job create --max-restarts``).
+        max_restarts: worker failures the job survives.
     """
 
     job_id: str
@@ -113,7 +121,8 @@ class JobUnit:
     max_nodes: int = 1
     nodes: int = 0
     nproc_per_node: int = 1
-    namespace: str = names.NAMESPACE
+    namespace: str = "default"
+    control_plane_namespace: str = names.NAMESPACE
     script: Path | None = None
     cpu: str = "2"
     memory: str = "8Gi"
@@ -122,7 +131,6 @@ class JobUnit:
     checkpoint_claim: str = ""
     checkpoint_size: str = "20Gi"
     storage_class: str = ""
-    token: str = field(default="", repr=False)
     token_secret: str = ""
     rescale_grace_s: float = settings.RESCALE_GRACE_S
     stop_grace_s: float = settings.STOP_GRACE_S
@@ -133,6 +141,17 @@ class JobUnit:
             raise ConfigError(
                 f"job id {self.job_id!r} must be a DNS label of at most 40 characters (lowercase letters, digits and "
                 f"'-', starting and ending with a letter or digit), e.g. 'gpt-small'"
+            )
+        for flag, value in (
+            ("--namespace", self.namespace),
+            ("--control-plane-namespace", self.control_plane_namespace),
+        ):
+            if not names.is_namespace(value):
+                raise ConfigError(f"{flag} {value!r} is not a Kubernetes namespace's name (a DNS label), e.g. team-a")
+        if self.namespace == self.control_plane_namespace:
+            raise ConfigError(
+                f"--namespace {self.namespace} is the control plane's: run jobs in a namespace of their own (their "
+                f"team's), where no Secret of the control plane is"
             )
         if not self.image:
             raise ConfigError(
@@ -154,6 +173,22 @@ class JobUnit:
                 f"--nodes {self.nodes}, --nproc-per-node {self.nproc_per_node} and --gpus {self.gpus} must be >= 0, "
                 f">= 1 and >= 0"
             )
+        if self.nodes > self.max_nodes:
+            raise ConfigError(
+                f"--nodes {self.nodes} is more than --nnodes {self.min_nodes}:{self.max_nodes} admits: "
+                f"{self.nodes - self.max_nodes} pods would wait as spares for as long as the job runs; pass --nodes "
+                f"{self.max_nodes} or less, or raise the maximum"
+            )
+        if 0 < self.nodes < self.min_nodes:
+            raise ConfigError(
+                f"--nodes {self.nodes} is fewer than --nnodes {self.min_nodes}:{self.max_nodes} needs: the job would "
+                f"never start; pass --nodes {self.min_nodes} or more"
+            )
+        if self.gpus and self.gpus != self.nproc_per_node:
+            raise ConfigError(
+                f"--gpus {self.gpus} with --nproc-per-node {self.nproc_per_node}: each worker drives one GPU of its "
+                f"pod, so pass --nproc-per-node {self.gpus} (or --gpus {self.nproc_per_node})"
+            )
         for flag, value in (("--cpu", self.cpu), ("--memory", self.memory), ("--shm-size", self.shm_size)):
             if not _QUANTITY.fullmatch(value):
                 raise ConfigError(f"{flag} {value!r} is not a Kubernetes quantity, e.g. 2, 500m, 8Gi")
@@ -168,6 +203,11 @@ class JobUnit:
         return f"pliant-{self.job_id}"
 
     @property
+    def control_plane_job_id(self) -> str:
+        """The job's id in the control plane: ``<namespace>.<job>`` (a namespace's token creates only those)."""
+        return f"{self.namespace}.{self.job_id}"
+
+    @property
     def pods(self) -> int:
         return self.nodes or self.max_nodes
 
@@ -179,36 +219,18 @@ class JobUnit:
 
 def render_job(unit: JobUnit) -> list[dict[str, Any]]:
     """Every object of ``unit``'s job, in the order ``kubectl apply`` should create them."""
-    token_secret = unit.token_secret or f"{unit.name}-token"
     claim = unit.checkpoint_claim or f"{unit.name}-checkpoints"
     objects: list[dict[str, Any]] = []
-    if not unit.token_secret:
-        objects.append(_token_secret(unit, token_secret))
     if unit.script is not None:
         objects.append(_script_config_map(unit))
     if not unit.checkpoint_claim:
         objects.append(_claim(unit, claim))
-    objects += [
-        _network_policy(unit),
-        _disruption_budget(unit),
-        _creator(unit, token_secret),
-        _agents(unit, token_secret, claim),
-    ]
+    objects += [_network_policy(unit), _disruption_budget(unit), _agents(unit, claim)]
     return objects
 
 
 def _meta(unit: JobUnit, name: str, component: str, app: str = names.AGENT) -> dict[str, Any]:
     return {"name": name, "namespace": unit.namespace, "labels": labels(app, unit.job_id, component)}
-
-
-def _token_secret(unit: JobUnit, name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(unit, name, "join-token"),
-        "type": "Opaque",
-        "stringData": {"token": unit.token or secrets.token_urlsafe(32)},
-    }
 
 
 def _script_config_map(unit: JobUnit) -> dict[str, Any]:
@@ -273,59 +295,15 @@ def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
     return {"requests": amount, "limits": limits}
 
 
-def _creator(unit: JobUnit, token_secret: str) -> dict[str, Any]:
-    """The admin's Job that creates the training job with its token: idempotent, and retried while the control plane
-    starts."""
-    meta = _meta(unit, f"{unit.name}-create", "job-creator", names.ADMIN)
-    container = {
-        "name": "create",
-        "image": unit.image,
-        "command": ["pliant", "job", "create"],
-        "args": [
-            unit.job_id,
-            f"--coordinator={names.COORDINATOR}:{names.API_PORT}",
-            "--tls-dir=/etc/pliant/admin",
-            f"--nnodes={unit.min_nodes}:{unit.max_nodes}",
-            f"--nproc-per-node={unit.nproc_per_node}",
-            f"--max-restarts={unit.max_restarts}",
-            "--join-token-file=/etc/pliant/token/token",
-        ],
-        "securityContext": _CONTAINER_SECURITY,
-        "resources": _resources("100m", "256Mi"),
-        "volumeMounts": [
-            {"name": "admin-tls", "mountPath": "/etc/pliant/admin", "readOnly": True},
-            {"name": "token", "mountPath": "/etc/pliant/token", "readOnly": True},
-        ],
-    }
-    pod = _securely(
-        {
-            "restartPolicy": "OnFailure",
-            "containers": [container],
-            "volumes": [
-                {"name": "admin-tls", "secret": {"secretName": names.ADMIN_TLS, "defaultMode": 0o440}},
-                {"name": "token", "secret": {"secretName": token_secret, "defaultMode": 0o440}},
-            ],
-        }
-    )
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta,
-        "spec": {
-            "backoffLimit": 20,
-            "ttlSecondsAfterFinished": 3600,
-            "template": {"metadata": {"labels": meta["labels"]}, "spec": pod},
-        },
-    }
-
-
-def _agents(unit: JobUnit, token_secret: str, claim: str) -> dict[str, Any]:
+def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
     """The agents: an elastic Indexed Job (see the module docstring)."""
     meta = _meta(unit, unit.name, "agent")
     command = list(unit.command)
     if unit.script is not None:
         command = [f"{SCRIPT_DIR}/{unit.script.name}", *command]
-    coordinator = f"{names.COORDINATOR}:{names.API_PORT}"
+    service = names.coordinator_host(unit.control_plane_namespace)
+    token_secret = unit.token_secret or names.JOIN_SECRET
+    create = [] if unit.token_secret else ["--create-job"]  # a namespace's token: the first join creates the job
     probe = {"httpGet": {"path": "/healthz", "port": "metrics"}}
     mounts = [
         {"name": "checkpoints", "mountPath": "/checkpoints"},
@@ -346,13 +324,15 @@ def _agents(unit: JobUnit, token_secret: str, claim: str) -> dict[str, Any]:
         "image": unit.image,
         "command": ["pliant", "agent"],
         "args": [
-            f"--coordinator={coordinator}",
-            f"--bootstrap={names.COORDINATOR}:{names.BOOTSTRAP_PORT}",
+            f"--coordinator={service}:{names.API_PORT}",
+            f"--bootstrap={service}:{names.BOOTSTRAP_PORT}",
             f"--ca-cert-hash={unit.ca_cert_hash}",
-            f"--job={unit.job_id}",
+            f"--job={unit.control_plane_job_id}",
+            *create,
             f"--nnodes={unit.min_nodes}:{unit.max_nodes}",
             f"--nproc-per-node={unit.nproc_per_node}",
-            "--node-id=$(POD_NAME)",
+            f"--max-restarts={unit.max_restarts}",
+            f"--node-id={unit.namespace}.$(POD_NAME)",  # node ids are unique across the control plane's jobs
             "--host=$(POD_IP)",
             f"--metrics-port={names.METRICS_PORT}",
             f"--checkpoint-dir=/checkpoints/{unit.job_id}",

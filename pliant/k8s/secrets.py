@@ -4,6 +4,9 @@ Two CAs, as etcd and pliant trust different parties: etcd's (its members' servin
 coordinators' etcd client certificate) and pliant's (the coordinators' serving certificate, an admin certificate, and
 the CA's key itself, with which the coordinators sign each agent's own certificate at its bootstrap join, as
 kube-controller-manager signs kubelets' with ``--cluster-signing-key-file``). Agents need no Secret of their own.
+The admin certificate stays on the operator's machine (``DIR/admin``): no Secret carries it, and no pod in the cluster
+acts as an admin. Every Secret printed here goes into the control plane's namespace; a job namespace gets only its join
+token (:func:`join_secret`).
 
 Everything is kept in one directory (keys 0600, the directory 0700) and made only where missing, so running the command
 again prints the same Secrets; remove a subdirectory to issue that certificate again. The layout:
@@ -33,7 +36,7 @@ from pliant.security.identity import Role
 from pliant.security.issuance import IssuedCert, issue_cert, write_tls_dir
 from pliant.security.tlsdir import CA_CERT, TLS_CERT, TLS_KEY
 
-__all__ = ["ETCD_MEMBERS", "ControlPlanePki", "render_secrets"]
+__all__ = ["ETCD_MEMBERS", "ControlPlanePki", "join_secret", "render_secrets"]
 
 ETCD_MEMBERS = 3  # deploy/etcd.yaml's StatefulSet
 
@@ -62,7 +65,8 @@ class ControlPlanePki:
         coordinator_names = [
             names.COORDINATOR,
             f"{names.COORDINATOR}.{namespace}",
-            f"{names.COORDINATOR}.{namespace}.svc",
+            f"{names.COORDINATOR}.{namespace}.svc",  # how job namespaces' agents reach it
+            f"{names.COORDINATOR}.{namespace}.svc.cluster.local",
             "localhost",  # kubectl port-forward svc/pliant-coordinator 29400, then --coordinator localhost:29400
             "127.0.0.1",
             *hosts,
@@ -111,6 +115,21 @@ def render_secrets(pki: ControlPlanePki, namespace: str = names.NAMESPACE) -> li
         _secret(names.ETCD_TLS, namespace, tls_dir(d / "etcd" / "server")),
         _secret(names.ETCD_CLIENT_TLS, namespace, tls_dir(d / "etcd" / "client")),
         _secret(names.COORDINATOR_TLS, namespace, tls_dir(d / "coordinator")),
-        _secret(names.ADMIN_TLS, namespace, tls_dir(d / "admin")),
         _secret(names.SIGNING_CA, namespace, {CA_CERT: d / CA_CERT, CA_KEY: d / CA_KEY}),
     ]
+
+
+def join_secret(namespace: str, token: str) -> dict[str, Any]:
+    """A job namespace's Secret ``pliant-join``: the namespace's join token, the one credential its agents hold (it
+    creates and joins the namespace's jobs, nothing else)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": names.JOIN_SECRET,
+            "namespace": namespace,
+            "labels": labels(names.AGENT, namespace, "join-token", "pliant"),
+        },
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }

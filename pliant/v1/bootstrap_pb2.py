@@ -22,19 +22,20 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pliant.v1 import job_pb2 as pliant_dot_v1_dot_job__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pliant/v1/bootstrap.proto\x12\tpliant.v1\"d\n\x1cIssueAgentCertificateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\njoin_token\x18\x03 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x04 \x01(\x0c\"G\n\x10\x41gentCertificate\x12\x10\n\x08\x63\x65rt_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x11\n\tnot_after\x18\x03 \x01(\x01\x32j\n\tBootstrap\x12]\n\x15IssueAgentCertificate\x12\'.pliant.v1.IssueAgentCertificateRequest\x1a\x1b.pliant.v1.AgentCertificateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pliant/v1/bootstrap.proto\x12\tpliant.v1\x1a\x13pliant/v1/job.proto\"\x88\x01\n\x1cIssueAgentCertificateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\njoin_token\x18\x03 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x04 \x01(\x0c\x12\"\n\x06\x63reate\x18\x05 \x01(\x0b\x32\x12.pliant.v1.JobSpec\"G\n\x10\x41gentCertificate\x12\x10\n\x08\x63\x65rt_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x11\n\tnot_after\x18\x03 \x01(\x01\x32j\n\tBootstrap\x12]\n\x15IssueAgentCertificate\x12\'.pliant.v1.IssueAgentCertificateRequest\x1a\x1b.pliant.v1.AgentCertificateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pliant.v1.bootstrap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ISSUEAGENTCERTIFICATEREQUEST']._serialized_start=40
-  _globals['_ISSUEAGENTCERTIFICATEREQUEST']._serialized_end=140
-  _globals['_AGENTCERTIFICATE']._serialized_start=142
-  _globals['_AGENTCERTIFICATE']._serialized_end=213
-  _globals['_BOOTSTRAP']._serialized_start=215
-  _globals['_BOOTSTRAP']._serialized_end=321
+  _globals['_ISSUEAGENTCERTIFICATEREQUEST']._serialized_start=62
+  _globals['_ISSUEAGENTCERTIFICATEREQUEST']._serialized_end=198
+  _globals['_AGENTCERTIFICATE']._serialized_start=200
+  _globals['_AGENTCERTIFICATE']._serialized_end=271
+  _globals['_BOOTSTRAP']._serialized_start=273
+  _globals['_BOOTSTRAP']._serialized_end=379
 # @@protoc_insertion_point(module_scope)

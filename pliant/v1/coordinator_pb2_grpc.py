@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenRequest.SerializeToString,
                 response_deserializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenResponse.FromString,
                 _registered_method=True)
+        self.SetNamespaceToken = channel.unary_unary(
+                '/pliant.v1.Coordinator/SetNamespaceToken',
+                request_serializer=pliant_dot_v1_dot_coordinator__pb2.SetNamespaceTokenRequest.SerializeToString,
+                response_deserializer=pliant_dot_v1_dot_coordinator__pb2.SetNamespaceTokenResponse.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/pliant.v1.Coordinator/Join',
                 request_serializer=pliant_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
@@ -153,6 +158,13 @@ class CoordinatorServicer:
 
     def RotateJoinToken(self, request, context):
         """Replace a job's join token (admin); members already joined are not affected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetNamespaceToken(self, request, context):
+        """Register (or rotate) a namespace's join token (admin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -258,6 +270,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RotateJoinToken,
                     request_deserializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenRequest.FromString,
                     response_serializer=pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenResponse.SerializeToString,
+            ),
+            'SetNamespaceToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNamespaceToken,
+                    request_deserializer=pliant_dot_v1_dot_coordinator__pb2.SetNamespaceTokenRequest.FromString,
+                    response_serializer=pliant_dot_v1_dot_coordinator__pb2.SetNamespaceTokenResponse.SerializeToString,
             ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
@@ -472,6 +489,33 @@ class Coordinator:
             '/pliant.v1.Coordinator/RotateJoinToken',
             pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenRequest.SerializeToString,
             pliant_dot_v1_dot_coordinator__pb2.RotateJoinTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNamespaceToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pliant.v1.Coordinator/SetNamespaceToken',
+            pliant_dot_v1_dot_coordinator__pb2.SetNamespaceTokenRequest.SerializeToString,
+            pliant_dot_v1_dot_coordinator__pb2.SetNamespaceTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

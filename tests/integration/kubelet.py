@@ -3,24 +3,31 @@ exactly as written.
 
 Each pod gets its own loopback address (127.W.K.N: W per pytest-xdist worker, K per workload), so every pod can bind the
 ports its manifest names, and two workers' clusters never meet. Kubernetes
-semantics kept: ``env`` values, ``fieldRef`` (metadata.name, status.podIP) and ``secretKeyRef``, ``$(VAR)`` expansion
-in command and args, StatefulSet pod names ``<set>-<i>``. What a cluster would provide is mapped:
+semantics kept: namespaces (an object without one takes the kustomization's, as ``kubectl apply -k`` gives it),
+``env`` values, ``fieldRef`` (metadata.name, metadata.namespace, status.podIP) and ``secretKeyRef``, ``$(VAR)``
+expansion in command and args, StatefulSet pod names ``<set>-<i>``. What a cluster would provide is mapped:
 
-- DNS (in HOST:PORT): ``<pod>.<headless service>`` resolves to that pod's address, ``<service>`` to the first pod
-  it selects;
+- DNS (in HOST:PORT): ``<service>.<namespace>.svc`` (and ``.svc.cluster.local``) resolves to the first pod the
+  service selects from anywhere; ``<service>`` and ``<pod>.<headless service>`` only from the service's namespace;
 - the image: ``/app`` is the repository, ``pliant`` the installed console script, ``etcd`` the etcd binary;
 - volumes: each mount path becomes a directory under the test's temporary directory (per pod, or shared for a PVC);
-  a Secret volume is filled from the Secrets (the manifests' own, and the test's ``secrets``: its ``items`` mapping,
-  ``optional`` keys skipped; ``subPathExpr`` picks the pod's own subdirectory), a ConfigMap volume from the
-  manifests' ConfigMaps;
+  a Secret volume is filled from the Secrets of the pod's namespace (its ``items`` mapping, ``optional`` keys
+  skipped; ``subPathExpr`` picks the pod's own subdirectory), a ConfigMap volume from its namespace's ConfigMaps;
 - a plain Job is one pod, run to completion by the test; an Indexed Job is run by :class:`IndexedJob`, which keeps
   the Job controller's rules for it: a pod per index below ``completions`` (named ``<job>-<index>-<suffix>``, with
   ``JOB_COMPLETION_INDEX``), ``restartPolicy: Never``, the pod failure policy on exit codes, ``backoffLimit``,
   elastic scaling by patching ``parallelism`` and ``completions`` together, a deleted pod's SIGTERM to its PID 1 and
   SIGKILL after its ``terminationGracePeriodSeconds``, and the Job's Complete / Failed condition.
 
-Not kept: scheduling, resources, probes (the tests call the probe endpoints themselves), NetworkPolicies, and the
-``DisruptionTarget`` condition (a deletion here is a user's ``kubectl delete pod``).
+What a real cluster refuses, or leaves stuck, is refused here with :class:`Refused` naming the object: a pod that
+names a Secret or ConfigMap its namespace does not have (a kubelet leaves it in CreateContainerConfigError or
+ContainerCreating: a pod can never mount another namespace's Secret), a claim whose storage class cannot bind its
+access mode (Pending forever; the cluster's classes are :data:`STORAGE_CLASSES`, ``standard`` the default), and a
+NetworkPolicy whose pod selector matches no pod of its namespace's workloads (accepted by a real API server, and
+silently useless).
+
+Not kept: scheduling, resources, probes (the tests call the probe endpoints themselves), the NetworkPolicies' traffic
+rules, and the ``DisruptionTarget`` condition (a deletion here is a user's ``kubectl delete pod``).
 """
 
 from __future__ import annotations
@@ -45,15 +52,23 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+STORAGE_CLASSES = {"standard": ("ReadWriteOnce",), "nfs": ("ReadWriteMany", "ReadWriteOnce")}
+DEFAULT_STORAGE_CLASS = "standard"  # as on most managed clusters: block volumes, one node at a time
+
+
+class Refused(Exception):
+    """What a real cluster would refuse or leave stuck (see the module docstring)."""
 
 
 def load_manifests(directory: Path = DEPLOY) -> list[dict[str, Any]]:
-    """Every Kubernetes object in ``directory``'s YAML files (the kustomization itself excluded)."""
+    """Every Kubernetes object of the kustomization in ``directory`` (its resources, in its namespace)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     docs = []
-    for path in sorted(directory.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        docs += parse_manifests(path.read_text())
+    for name in kustomization["resources"]:
+        for doc in parse_manifests((directory / name).read_text()):
+            if doc["kind"] != "Namespace":
+                doc["metadata"].setdefault("namespace", kustomization["namespace"])
+            docs.append(doc)
     return docs
 
 
@@ -89,6 +104,7 @@ class Pod:
     name: str
     ip: str
     workload: str
+    namespace: str
     labels: dict[str, str]
     container: dict[str, Any]
     spec: dict[str, Any] = field(default_factory=dict)  # the pod template's spec
@@ -107,24 +123,18 @@ class Cluster:
         docs: the manifests.
         workdir: where volumes live.
         etcd_binary: the local etcd executable.
-        secrets: Secret name -> key -> bytes (Secrets made outside the manifests, as ``kubectl create secret`` would).
     """
 
-    def __init__(
-        self,
-        docs: list[dict[str, Any]],
-        workdir: Path,
-        etcd_binary: str,
-        secrets: dict[str, dict[str, bytes]] | None = None,
-    ) -> None:
+    def __init__(self, docs: list[dict[str, Any]], workdir: Path, etcd_binary: str) -> None:
         self.docs: list[dict[str, Any]] = []
         self.workdir = workdir
-        self.secrets = dict(secrets or {})
-        self.config_maps: dict[str, dict[str, str]] = {}
-        self.claims: dict[str, Path] = {}
+        self.secrets: dict[tuple[str, str], dict[str, bytes]] = {}  # (namespace, name) -> key -> bytes
+        self.config_maps: dict[tuple[str, str], dict[str, str]] = {}
+        self.claims: dict[tuple[str, str], Path] = {}
         self.executables = {"pliant": str(Path(sys.executable).with_name("pliant")), "etcd": etcd_binary}
         self.pods: list[Pod] = []
-        self.names: dict[str, str] = {}
+        self.names: dict[str, str] = {}  # names every pod resolves: <service>.<namespace>.svc[.cluster.local]
+        self.local_names: dict[str, dict[str, str]] = {}  # namespace -> names its pods resolve: <service>, <pod>.<svc>
         self._subnets = 0
         self._hosts: dict[int, int] = {}
         self._octet = 10 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
@@ -132,32 +142,62 @@ class Cluster:
 
     def add(self, docs: list[dict[str, Any]]) -> list[Pod]:
         """Take in more objects (``kubectl apply``): their Secrets, ConfigMaps and claims, and the pods of their
-        StatefulSets, Deployments and plain Jobs (returned); an Indexed Job's pods are :class:`IndexedJob`'s."""
+        StatefulSets, Deployments and plain Jobs (returned); an Indexed Job's pods are :class:`IndexedJob`'s.
+
+        Raises:
+            Refused: a claim its storage class cannot bind, or a NetworkPolicy that selects no pod.
+        """
         self.docs += docs
         for secret in of_kind(docs, "Secret"):
-            self.secrets[secret["metadata"]["name"]] = secret_data(secret)
+            self.secrets[_key(secret)] = secret_data(secret)
         for config_map in of_kind(docs, "ConfigMap"):
-            self.config_maps[config_map["metadata"]["name"]] = dict(config_map.get("data") or {})
+            self.config_maps[_key(config_map)] = dict(config_map.get("data") or {})
         for claim in of_kind(docs, "PersistentVolumeClaim"):
-            self.claims[claim["metadata"]["name"]] = self.workdir / "pvc" / claim["metadata"]["name"]
+            _check_binds(claim)
+            self.claims[_key(claim)] = self.workdir / "pvc" / "/".join(_key(claim))
+        for policy in of_kind(docs, "NetworkPolicy"):
+            self._check_selects(policy)
         added = []
         for workload in of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job"):
             if is_indexed(workload):
                 continue
             name, spec = workload["metadata"]["name"], workload["spec"]
+            for template in workload["spec"].get("volumeClaimTemplates", []):
+                _check_binds(template)
             subnet = self.subnet()
             for i in range(spec.get("replicas", 1)):
                 pod_name = f"{name}-{i}" if workload["kind"] == "StatefulSet" else f"{name}-{i:05d}"
-                added.append(self.make_pod(pod_name, name, spec["template"], subnet))
+                added.append(self.make_pod(pod_name, name, _namespace(workload), spec["template"], subnet))
         for service in of_kind(self.docs, "Service"):
-            selected = [p for p in self.pods if selects(service, p.labels)]
+            namespace = _namespace(service)
+            selected = [p for p in self.pods if p.namespace == namespace and selects(service, p.labels)]
             if not selected:
                 continue
-            self.names[service["metadata"]["name"]] = selected[0].ip
+            name = service["metadata"]["name"]
+            local = self.local_names.setdefault(namespace, {})
+            local[name] = self.names[f"{name}.{namespace}.svc"] = selected[0].ip
+            self.names[f"{name}.{namespace}.svc.cluster.local"] = selected[0].ip
             if service["spec"].get("clusterIP") == "None":
                 for pod in selected:
-                    self.names[f"{pod.name}.{service['metadata']['name']}"] = pod.ip
+                    local[f"{pod.name}.{name}"] = pod.ip
         return added
+
+    def _check_selects(self, policy: dict[str, Any]) -> None:
+        """Refuse a NetworkPolicy whose pod selector matches no pod template of its namespace's workloads."""
+        wanted = policy["spec"]["podSelector"].get("matchLabels", {})
+        if not wanted:
+            return  # {}: every pod of the namespace
+        namespace = _namespace(policy)
+        templates = [
+            w["spec"]["template"]["metadata"]["labels"]
+            for w in of_kind(self.docs, "StatefulSet") + of_kind(self.docs, "Deployment") + of_kind(self.docs, "Job")
+            if _namespace(w) == namespace
+        ]
+        if not any(labels.items() >= wanted.items() for labels in templates):
+            raise Refused(
+                f"NetworkPolicy {namespace}/{policy['metadata']['name']} selects no pod: no workload in {namespace} "
+                f"has the labels {wanted}"
+            )
 
     def subnet(self) -> int:
         """A new workload's address block: its pods are 127.W.K.N."""
@@ -166,15 +206,26 @@ class Cluster:
         return self._subnets
 
     def make_pod(
-        self, name: str, workload: str, template: dict[str, Any], subnet: int, extra_env: dict[str, str] | None = None
+        self,
+        name: str,
+        workload: str,
+        namespace: str,
+        template: dict[str, Any],
+        subnet: int,
+        extra_env: dict[str, str] | None = None,
     ) -> Pod:
-        """A pod of ``template`` named ``name`` with the next address of ``subnet``, its volumes made."""
+        """A pod of ``template`` named ``name`` with the next address of ``subnet``, its volumes made.
+
+        Raises:
+            Refused: it mounts a claim or ConfigMap its namespace does not have.
+        """
         self._hosts[subnet] += 1
         (container,) = template["spec"]["containers"]
         pod = Pod(
             name,
             f"127.{self._octet}.{subnet}.{self._hosts[subnet]}",
             workload,
+            namespace,
             dict(template["metadata"]["labels"]),
             container,
             template["spec"],
@@ -184,13 +235,23 @@ class Cluster:
         for mount in container.get("volumeMounts", []):
             source = volumes.get(mount["name"], {})
             claim = source.get("persistentVolumeClaim")
-            local = self.claims[claim["claimName"]] if claim else self.workdir / "pods" / name / mount["name"]
+            if claim and (namespace, claim["claimName"]) not in self.claims:
+                raise Refused(f"pod {namespace}/{name} mounts claim {claim['claimName']}, which {namespace} has not")
+            local = (
+                self.claims[namespace, claim["claimName"]] if claim else self.workdir / "pods" / name / mount["name"]
+            )
             local.mkdir(parents=True, exist_ok=True)
             pod.volumes[mount["mountPath"]] = local
             if "secret" in source:
                 pod.secret_mounts.append((mount, source["secret"]))
             if "configMap" in source:
-                for key, text in self.config_maps[source["configMap"]["name"]].items():
+                config_map = self.config_maps.get((namespace, source["configMap"]["name"]))
+                if config_map is None:
+                    raise Refused(
+                        f"pod {namespace}/{name} mounts ConfigMap {source['configMap']['name']}, which "
+                        f"{namespace} has not"
+                    )
+                for key, text in config_map.items():
                     (local / key).write_text(text)
         self.pods.append(pod)
         return pod
@@ -198,9 +259,10 @@ class Cluster:
     def pods_of(self, workload: str) -> list[Pod]:
         return [p for p in self.pods if p.workload == workload]
 
-    def _resolve(self, text: str) -> str:
-        for name in sorted(self.names, key=len, reverse=True):  # longest first: etcd-0.etcd before etcd
-            text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?=:\d)", self.names[name], text)  # HOST:PORT only
+    def _resolve(self, pod: Pod, text: str) -> str:
+        names = {**self.names, **self.local_names.get(pod.namespace, {})}
+        for name in sorted(names, key=len, reverse=True):  # longest first: etcd-0.etcd before etcd
+            text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?=:\d)", names[name], text)  # HOST:PORT only
         return text
 
     def _paths(self, pod: Pod, text: str) -> str:
@@ -209,20 +271,33 @@ class Cluster:
         pattern = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
         return re.sub(rf"(?<![\w.-])({pattern})(?=/|$|[^\w.-])", lambda m: mounts[m.group(1)], text)
 
-    def _secret(self, name: str, key: str) -> bytes | None:
-        return self.secrets.get(name, {}).get(key)
+    def _secret(self, pod: Pod, name: str) -> dict[str, bytes]:
+        """Secret ``name`` of the pod's namespace (a pod sees no other namespace's).
+
+        Raises:
+            Refused: the namespace has no such Secret.
+        """
+        secret = self.secrets.get((pod.namespace, name))
+        if secret is None:
+            elsewhere = sorted(ns for ns, n in self.secrets if n == name)
+            raise Refused(
+                f"pod {pod.namespace}/{pod.name} names Secret {name}, which {pod.namespace} has not"
+                + (f" (only {', '.join(elsewhere)} has: a pod reads its own namespace's Secrets)" if elsewhere else "")
+            )
+        return secret
 
     def _fill_secret_volumes(self, pod: Pod, env: dict[str, str]) -> None:
         """Write each Secret volume's files (its items, or every key) and point the mount at its subPathExpr."""
         for mount, source in pod.secret_mounts:
             volume = self.workdir / "pods" / pod.name / f"secret-{mount['name']}"
-            items = source.get("items") or [{"key": k, "path": k} for k in self.secrets.get(source["secretName"], {})]
+            secret = self._secret(pod, source["secretName"])
+            items = source.get("items") or [{"key": k, "path": k} for k in secret]
             for item in items:
-                data = self._secret(source["secretName"], item["key"])
+                data = secret.get(item["key"])
                 if data is None:
                     if source.get("optional"):
                         continue
-                    raise KeyError(f"secret {source['secretName']} has no key {item['key']}")
+                    raise Refused(f"Secret {pod.namespace}/{source['secretName']} has no key {item['key']}")
                 target = volume / item["path"]
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
@@ -231,7 +306,11 @@ class Cluster:
             pod.volumes[mount["mountPath"]] = volume / sub if sub else volume
 
     def command(self, pod: Pod) -> tuple[list[str], dict[str, str]]:
-        """The pod's argv and environment, as the container would get them (names and paths mapped)."""
+        """The pod's argv and environment, as the container would get them (names and paths mapped).
+
+        Raises:
+            Refused: it names a Secret (or a key of one) its namespace has not.
+        """
         env: dict[str, str] = dict(pod.extra_env)
         for var in pod.container.get("env", []):
             if "value" in var:
@@ -239,20 +318,47 @@ class Cluster:
                 continue
             ref = var["valueFrom"]
             if "secretKeyRef" in ref:
-                data = self._secret(ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"])
-                if data is not None:
-                    env[var["name"]] = data.decode()
+                data = self._secret(pod, ref["secretKeyRef"]["name"]).get(ref["secretKeyRef"]["key"])
+                if data is None:
+                    raise Refused(
+                        f"Secret {pod.namespace}/{ref['secretKeyRef']['name']} has no key {ref['secretKeyRef']['key']}"
+                    )
+                env[var["name"]] = data.decode()
                 continue
             path = ref["fieldRef"]["fieldPath"]
-            env[var["name"]] = {"metadata.name": pod.name, "status.podIP": pod.ip}[path]
+            fields = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "status.podIP": pod.ip}
+            env[var["name"]] = fields[path]
         self._fill_secret_volumes(pod, env)
 
         def expand(text: str) -> str:
-            return self._paths(pod, self._resolve(_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)))
+            return self._paths(pod, self._resolve(pod, _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)))
 
         argv = [expand(a) for a in [*pod.container.get("command", []), *pod.container.get("args", [])]]
         argv[0] = self.executables.get(argv[0]) or shutil.which(argv[0]) or argv[0]
         return argv, env
+
+
+def _namespace(obj: dict[str, Any]) -> str:
+    return obj["metadata"].get("namespace", "default")
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    return _namespace(obj), obj["metadata"]["name"]
+
+
+def _check_binds(claim: dict[str, Any]) -> None:
+    """Refuse a claim that its storage class (or the default) cannot bind: Pending forever on a real cluster."""
+    spec = claim["spec"]
+    klass = spec.get("storageClassName") or DEFAULT_STORAGE_CLASS
+    modes = STORAGE_CLASSES.get(klass)
+    if modes is None:
+        raise Refused(f"claim {claim['metadata']['name']} asks for storage class {klass}, which the cluster has not")
+    missing = [m for m in spec["accessModes"] if m not in modes]
+    if missing:
+        raise Refused(
+            f"claim {claim['metadata']['name']} asks for {', '.join(missing)} of storage class {klass}, which binds "
+            f"{', '.join(modes)} only: it would stay Pending"
+        )
 
 
 @dataclass
@@ -290,6 +396,7 @@ class IndexedJob:
         self.failed_pods = 0
         self.exits: list[tuple[str, int, int]] = []  # (pod, index, exit code) of every pod that ended
         self.condition = ""  # "Complete" or "Failed"
+        self.refused = ""  # why its pods cannot start (Refused): they stay stuck, as on a real cluster
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"job-{self.name}", daemon=True)
@@ -348,7 +455,7 @@ class IndexedJob:
         return "Count"
 
     def _reconcile(self, now: float) -> None:
-        if self.condition:
+        if self.condition or self.refused:
             return
         for running in list(self.running):
             code = running.process.proc.poll()
@@ -393,8 +500,12 @@ class IndexedJob:
                     "labels": {**template["metadata"]["labels"], "batch.kubernetes.io/job-completion-index": str(index)}
                 },
             }
-            pod = self.cluster.make_pod(name, self.name, labeled, self.subnet, env)
-            self.running.append(_Running(pod, index, self._start(pod)))
+            try:
+                pod = self.cluster.make_pod(name, self.name, _namespace(self.job), labeled, self.subnet, env)
+                self.running.append(_Running(pod, index, self._start(pod)))
+            except Refused as exc:
+                self.refused = str(exc)
+                return
 
     def _fail(self) -> None:
         self.condition = "Failed"

@@ -1,10 +1,12 @@
-"""Kubernetes as an operator runs it, for real: the control plane of deploy/ with the Secrets `pliant k8s secrets`
-printed, then training jobs rendered by `pliant k8s job`, their containers run as local processes exactly as written
-(tests/integration/kubelet.py, with the Job controller's rules for the agents' elastic Indexed Job). Two jobs train
-side by side; a deleted agent pod leaves gracefully and its index's new pod joins again; one job is scaled 2 -> 3 -> 2
-by patching its parallelism and completions; both end Completed with no agent restarted. TLS everywhere (etcd clients
-and peers, the coordinator API, agents' certificates from the bootstrap join); a real Prometheus scrapes the pods with
-the PrometheusRule loaded; the dashboard's queries name only metrics a running job exports.
+"""Kubernetes as an operator and two teams run it, for real: the control plane of deploy/ (and its monitoring
+component) in its namespace with the Secrets `pliant k8s secrets` printed, each team's namespace given its join token
+by `pliant k8s namespace` (the admin's call from the operator's machine), then training jobs rendered by `pliant k8s
+job` in the teams' namespaces, their containers run as local processes exactly as written (tests/integration/kubelet.py,
+with the Job controller's rules for the agents' elastic Indexed Job, and what a real cluster refuses). Two teams' jobs
+train side by side; a deleted agent pod leaves gracefully and its index's new pod joins again; one job is scaled
+2 -> 3 -> 2 by patching its parallelism and completions; both end Completed with no agent restarted. TLS everywhere
+(etcd clients and peers, the coordinator API, agents' certificates from the bootstrap join); a real Prometheus scrapes
+the pods with the PrometheusRule loaded; the dashboard's queries name only metrics a running job exports.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from tests.integration.kubelet import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-DASHBOARD = DEPLOY / "grafana" / "pliant-dashboard.json"
+MONITORING = DEPLOY / "monitoring"
+DASHBOARD = MONITORING / "grafana" / "pliant-dashboard.json"
 
 
 def _tool(name: str) -> str:
@@ -92,6 +95,7 @@ class ControlPlane:
     cluster: Cluster
     pki: Path
     procs: dict[str, Spawned] = field(default_factory=dict)
+    namespaces: set[str] = field(default_factory=set)  # job namespaces given their join token
 
     def start(self, pod: Pod) -> Spawned:
         argv, env = self.cluster.command(pod)
@@ -107,13 +111,28 @@ class ControlPlane:
             assert proc.proc.returncode == 0, proc.output()
         return objects
 
-    def run_job(self, job: str, nnodes: str, nodes: int, steps: int, *script: str) -> TrainingJob:
-        """``pliant k8s job ... | kubectl apply -f -`` for examples/train_elastic.py (and ``script``'s arguments), its
-        events and stop file on the job's checkpoint volume."""
+    @property
+    def coordinator(self) -> str:
+        """A coordinator's API as the operator reaches it (kubectl port-forward, in a cluster)."""
+        return f"{self.cluster.pods_of('pliant-coordinator')[0].ip}:29400"
+
+    def namespace(self, namespace: str) -> None:
+        """``pliant k8s namespace --namespace NS ... | kubectl apply -f -``, once per namespace."""
+        if namespace not in self.namespaces:
+            admin = ["--coordinator", self.coordinator, "--tls-dir", str(self.pki / "admin")]
+            self.apply(_pliant("k8s", "namespace", f"--namespace={namespace}", *admin))
+            self.namespaces.add(namespace)
+
+    def run_job(self, namespace: str, job: str, nnodes: str, nodes: int, steps: int, *script: str) -> TrainingJob:
+        """``pliant k8s job ... | kubectl apply -f -`` in team ``namespace`` for examples/train_elastic.py (and
+        ``script``'s arguments), its events and stop file on the job's checkpoint volume."""
+        self.namespace(namespace)
         rendered = _pliant(
             "k8s",
             "job",
+            f"--namespace={namespace}",
             f"--job={job}",
+            "--storage-class=nfs",  # the cluster's default class binds ReadWriteOnce only
             "--max-restarts=0",
             "--image=pliant:0.1.0",
             f"--nnodes={nnodes}",
@@ -133,20 +152,18 @@ class ControlPlane:
         objects = self.apply(rendered)
         (agents,) = [o for o in of_kind(objects, "Job") if is_indexed(o)]
         controller = IndexedJob(self.cluster, agents, self.start)
-        return TrainingJob(job, controller, self.cluster.claims[f"pliant-{job}-checkpoints"], steps)
+        directory = self.cluster.claims[namespace, f"pliant-{job}-checkpoints"]
+        return TrainingJob(f"{namespace}.{job}", controller, directory, steps)
 
-    def status(self, job: str) -> dict[str, Any]:
+    def status(self, job: TrainingJob) -> dict[str, Any]:
         """`pliant status --json` as the operator runs it, with the admin certificate."""
-        coordinator = self.cluster.pods_of("pliant-coordinator")[0]
-        out = _pliant(
-            "status", "--coordinator", f"{coordinator.ip}:29400", "--json", "--tls-dir", str(self.pki / "admin")
-        )
-        return next(j for j in json.loads(out)["jobs"] if j["job_id"] == job)
+        out = _pliant("status", "--coordinator", self.coordinator, "--json", "--tls-dir", str(self.pki / "admin"))
+        return next(j for j in json.loads(out)["jobs"] if j["job_id"] == job.name)
 
 
 @dataclass
 class TrainingJob:
-    name: str
+    name: str  # its id in the control plane: <namespace>.<job>
     controller: IndexedJob
     directory: Path  # its checkpoint volume: events.jsonl, stop, and the checkpoints under <job>/
     steps: int
@@ -175,7 +192,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     from pliant.coordinator.etcd_server import find_etcd_binary
 
     workdir = tmp_path_factory.mktemp("cluster")
-    cluster = Cluster(load_manifests(), workdir, find_etcd_binary())
+    cluster = Cluster(load_manifests() + load_manifests(MONITORING), workdir, find_etcd_binary())
     plane = ControlPlane(cluster, workdir / "pki")
     # Here a Service's name resolves to a pod's loopback address, and etcd checks a peer's certificate against the
     # address it connects from (127.0.0.1): both go into the certificates, as an ingress's name would in a cluster.
@@ -211,11 +228,11 @@ def _healthy(url: str) -> bool:
 @pytest.mark.long
 def test_two_jobs_train_side_by_side_scale_drain_and_complete(control_plane: ControlPlane) -> None:
     plane = control_plane
-    gamma = plane.run_job("gamma", "1:2", 2, 100000)
-    beta = plane.run_job("beta", "1:3", 2, 100000)
+    gamma = plane.run_job("team-a", "gamma", "1:2", 2, 100000)
+    beta = plane.run_job("team-b", "beta", "1:3", 2, 100000)
     try:
-        wait_for(lambda: gamma.stepping(2) and beta.stepping(2), 180, "both jobs stepping at world 2")
-        assert plane.status("gamma")["world_size"] == plane.status("beta")["world_size"] == 2
+        wait_for(lambda: gamma.stepping(2) and beta.stepping(2), 180, "both teams' jobs stepping at world 2")
+        assert plane.status(gamma)["world_size"] == plane.status(beta)["world_size"] == 2
         pod = gamma.controller.pods()[0]
         assert _healthz(f"{pod.ip}:{pod.port('metrics')}") == (200, "ok\n"), "the startup and liveness probes' endpoint"
 
@@ -224,7 +241,7 @@ def test_two_jobs_train_side_by_side_scale_drain_and_complete(control_plane: Con
         wait_for(lambda: gamma.controller.condition, 120, "gamma's agents to end")
         assert gamma.controller.condition == "Complete", gamma.controller.exits
         assert sorted((index, code) for _pod, index, code in gamma.controller.exits) == [(0, 0), (1, 0)]
-        assert plane.status("gamma")["state"] == "succeeded"
+        assert plane.status(gamma)["state"] == "succeeded"
 
         # The other is scaled by its knob: kubectl patch job pliant-beta -p '{"spec":{"parallelism":3,...}}'.
         beta.controller.patch(3, 3)
@@ -249,7 +266,7 @@ def test_two_jobs_train_side_by_side_scale_drain_and_complete(control_plane: Con
         beta.end()
         wait_for(lambda: beta.controller.condition, 120, "beta's agents to end")
         assert beta.controller.condition == "Complete", beta.controller.exits
-        assert plane.status("beta")["state"] == "succeeded"
+        assert plane.status(beta)["state"] == "succeeded"
         # The two that left on SIGTERM (the deleted pod and the index scaled away) are not failures: no agent restarted.
         left = sorted(index for _pod, index, code in beta.controller.exits if code == left_on(signal.SIGTERM))
         assert left == [1, 2] and beta.controller.failed_pods == 0, beta.controller.exits
@@ -263,13 +280,13 @@ def test_two_jobs_train_side_by_side_scale_drain_and_complete(control_plane: Con
 def test_a_failed_job_fails_its_agents_job_at_once(control_plane: ControlPlane) -> None:
     """The training job fails (its script exits at every start, no restart left): the first agent to hear it exits 1,
     and the pod failure policy fails the Job at once (its other pods are stopped), restarting none."""
-    failing = control_plane.run_job("delta", "1:2", 2, 100, "--engine=nope")
+    failing = control_plane.run_job("team-a", "delta", "1:2", 2, 100, "--engine=nope")
     try:
         wait_for(lambda: failing.controller.condition, 120, "delta's agents to end")
         assert failing.controller.condition == "Failed", failing.controller.exits
         assert [code for _pod, _index, code in failing.controller.exits] == [ExitCode.JOB_FAILED]
         assert failing.controller.failed_pods == 0, "failed by the policy, not by the backoff limit"
-        assert control_plane.status("delta")["state"] == "failed"
+        assert control_plane.status(failing)["state"] == "failed"
     finally:
         failing.controller.close()
 
@@ -296,8 +313,8 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(control_plane: ControlPlane) -> Iterator[Deployment]:
-    alpha = control_plane.run_job("alpha", "1:2", 2, 100000)
-    epsilon = control_plane.run_job("epsilon", "1:1", 1, 100000)
+    alpha = control_plane.run_job("team-a", "alpha", "1:2", 2, 100000)
+    epsilon = control_plane.run_job("team-b", "epsilon", "1:1", 1, 100000)
     try:
         wait_for(lambda: alpha.stepping(2) and epsilon.stepping(1), 180, "alpha at world 2 and epsilon stepping")
         yield Deployment(alpha, epsilon)
@@ -370,17 +387,17 @@ def test_prometheus_scrapes_both_jobs_each_series_with_its_job(
     deployment: Deployment, prometheus: Callable[[str], Any]
 ) -> None:
     query = prometheus
-    world = query('max(pliant_job_world_size{job_id="alpha"})')
+    world = query('max(pliant_job_world_size{job_id="team-a.alpha"})')
     assert float(world[0]["value"][1]) == len(deployment.alpha.controller.pods()) == 2
     assert float(query("sum(pliant_coordinator_leader)")[0]["value"][1]) == 1.0
-    assert len(query('pliant_worker_world_size{job_id="alpha"} == 2')) == 2
+    assert len(query('pliant_worker_world_size{job_id="team-a.alpha"} == 2')) == 2
     wait_for(lambda: len(query("sum by (job_id) (rate(pliant_worker_samples_total[5s])) > 0")) == 2, 30, "both rates")
     wait_for(lambda: query("sum(rate(pliant_worker_step_duration_seconds_count[5s])) > 0"), 30, "step histogram")
     served = query('{__name__=~"pliant_(worker|agent|user)_.+"}')
     assert served and not [r["metric"] for r in served if "job_id" not in r["metric"]], (
         "every node series names its job"
     )
-    assert {r["metric"]["job_id"] for r in served} == {"alpha", "epsilon"}
+    assert {r["metric"]["job_id"] for r in served} == {"team-a.alpha", "team-b.epsilon"}
     assert not query('{__name__=~".+_created"}'), "no _created series"
     assert not query('ALERTS{alertstate="firing"}')
 
@@ -410,7 +427,7 @@ def test_dashboard_and_rules_name_only_exported_metrics(
         names |= set(re.findall(r"\b(pliant_[a-z_]+)", expr))
         if expr in rule_exprs:
             continue
-        for job in ("alpha", "epsilon"):  # every panel runs, and shows the job selected and no other
+        for job in ("team-a.alpha", "team-b.epsilon"):  # every panel runs, and shows the job selected and no other
             result = query(expr.replace("$__rate_interval", "10s").replace('"$job_id"', f'"{job}"'))
             if "$job_id" in expr:
                 assert {r["metric"].get("job_id", job) for r in result} <= {job}, (expr, result)
@@ -421,7 +438,7 @@ def test_dashboard_and_rules_name_only_exported_metrics(
 def test_promtool_checks_rules_and_metrics(control_plane: ControlPlane, deployment: Deployment, tmp_path: Path) -> None:
     promtool = _tool("promtool")
     (tmp_path / "pliant-rules.yaml").write_text(yaml.safe_dump(_rule_group(control_plane.cluster.docs)))
-    shutil.copy(DEPLOY / "prometheus" / "alerts-test.yaml", tmp_path / "alerts-test.yaml")
+    shutil.copy(MONITORING / "prometheus" / "alerts-test.yaml", tmp_path / "alerts-test.yaml")
     for args in (["check", "rules", "pliant-rules.yaml"], ["test", "rules", "alerts-test.yaml"]):
         result = subprocess.run([promtool, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -437,7 +454,7 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(
     """Plaintext clients get nothing; an agent's certificate may not finish the job; etcd refuses clients without a
     certificate from its CA."""
     cluster = control_plane.cluster
-    coordinator = f"{cluster.pods_of('pliant-coordinator')[0].ip}:29400"
+    coordinator = control_plane.coordinator
     plain = subprocess.run(
         [sys.executable, "-m", "pliant", "status", "--coordinator", coordinator, "--insecure"],
         capture_output=True,
@@ -445,7 +462,8 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(
         timeout=60,
     )
     assert plain.returncode == 1, plain.stdout
-    member = deployment.alpha.controller.pods()[0].name  # an agent's own certificate, as its bootstrap join got it
+    pod = deployment.alpha.controller.pods()[0]
+    member = f"{pod.namespace}.{pod.name}"  # an agent's own certificate, as its bootstrap join got it
     agent_dir = write_tls_dir(
         tmp_path / "agent",
         load_ca(str(control_plane.pki)).cert_pem,
@@ -456,7 +474,7 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(
             *PLIANT,
             "job",
             "finish",
-            "alpha",
+            deployment.alpha.name,
             "--coordinator",
             coordinator,
             "--tls-dir",
@@ -472,4 +490,4 @@ def test_the_api_refuses_what_the_manifests_do_not_grant(
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # no client certificate, trust anything
     with pytest.raises(OSError):  # etcd ends the handshake (or the request) of a client without a certificate
         urllib.request.urlopen(f"https://{etcd.ip}:2379/version", timeout=5, context=context).read()
-    assert control_plane.status("alpha")["state"] == "running"
+    assert control_plane.status(deployment.alpha)["state"] == "running"

@@ -1,14 +1,18 @@
-"""deploy/ and `pliant k8s` checked offline: the control plane's manifests, its Secrets and two training jobs rendered
-with different parameters, all valid under kubernetes-validate --strict (the operator's ServiceMonitor, PodMonitor and
-PrometheusRule against their own schemas, unknown fields refused); the kustomization complete; the wiring consistent
-(probes, ports, Services, the names the jobs and the control plane share, the Dockerfile's sources); two jobs side by
-side sharing no name or selector; no per-pod certificate anywhere; the dashboard well-formed. The running checks
-(containers as written, two jobs trained, scaled and drained, a real Prometheus, promtool) are in
-tests/integration/test_deploy.py.
+"""deploy/ and `pliant k8s` checked offline: the control plane's manifests, its Secrets, a namespace's join Secret and
+two training jobs in two namespaces rendered with different parameters, all valid under kubernetes-validate --strict at
+the minimum Kubernetes version pliant states and at the newest (the operator's ServiceMonitor, PodMonitor and
+PrometheusRule against their own schemas, unknown fields refused); the base kustomization holds built-in kinds only
+(monitoring is its own component); the wiring consistent (probes, ports, Services, the names the jobs and the control
+plane share, the Dockerfile's sources); two jobs side by side sharing no name or selector; nothing a job namespace gets
+mounts, references or grants a Secret of the control plane; the same flags render the same bytes; the dashboard
+well-formed. The running checks (containers as written, two teams' jobs trained, scaled and drained, a real
+Prometheus, promtool) are in tests/integration/test_deploy.py.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 import subprocess
@@ -24,25 +28,31 @@ from pliant.errors import ConfigError
 from pliant.k8s import names
 from pliant.k8s.cli import _dump
 from pliant.k8s.job import JobUnit, render_job
-from pliant.k8s.secrets import ControlPlanePki, render_secrets
+from pliant.k8s.secrets import ControlPlanePki, join_secret, render_secrets
 from pliant.security.identity import ca_fingerprint
-from tests.integration.kubelet import DEPLOY, ROOT, Cluster, load_manifests, of_kind, selects
+from tests.integration.kubelet import DEPLOY, ROOT, Cluster, Refused, load_manifests, of_kind, selects
 
-CONTROL_PLANE = sorted(p for p in DEPLOY.glob("*.yaml") if p.name not in ("kustomization.yaml", "monitoring.yaml"))
+CONTROL_PLANE = sorted(p for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+MONITORING = DEPLOY / "monitoring"
+CONTROL_PLANE_SECRETS = {names.ETCD_TLS, names.ETCD_CLIENT_TLS, names.COORDINATOR_TLS, names.SIGNING_CA}
 LABELS = {f"app.kubernetes.io/{k}" for k in ("name", "instance", "version", "component", "part-of", "managed-by")}
 HASH = "sha256:" + "ab" * 32
 
 
-def _jobs(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
-    """Two jobs, the second with every optional part: a script ConfigMap, GPUs, an existing claim and token Secret."""
+def _units(tmp_path: Path) -> dict[str, JobUnit]:
+    """Two jobs in two teams' namespaces, the second with every optional part: a script ConfigMap, GPUs, an existing
+    claim, an admin-created job's token Secret."""
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
-    small = JobUnit("alpha", "reg/pliant:0.1.0", ("/app/examples/train_elastic.py", "--steps", "100"), HASH)
+    small = JobUnit(
+        "alpha", "reg/pliant:0.1.0", ("/app/examples/train_elastic.py", "--steps", "100"), HASH, namespace="team-a"
+    )
     large = JobUnit(
         "beta-2",
         "reg/pliant:0.1.0",
         ("--lr", "0.1"),
         HASH,
+        namespace="team-b",
         min_nodes=2,
         max_nodes=8,
         nodes=3,
@@ -57,22 +67,44 @@ def _jobs(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
         storage_class="fast",
         rescale_grace_s=120,
     )
-    return {"alpha": render_job(small), "beta-2": render_job(large)}
+    return {"alpha": small, "beta-2": large}
 
 
-def test_every_manifest_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
+def _jobs(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
+    return {job: render_job(unit) for job, unit in _units(tmp_path).items()}
+
+
+def _validate(files: list[Path], version: str) -> set[str]:
+    """kubernetes-validate --strict on ``files`` at Kubernetes ``version``; the kinds that passed."""
+    tool = Path(sys.executable).with_name("kubernetes-validate")
+    result = subprocess.run(
+        [str(tool), "--strict", "-k", version, *map(str, files)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"Kubernetes {version}: {result.stdout}{result.stderr}"
+    return {r.split("/")[0] for r in re.findall(r"passed for resource (\S+)", result.stdout + result.stderr)}
+
+
+def _newest_kubernetes() -> str:
+    import kubernetes_validate
+
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    found = [d.name.split("-")[0][1:] for d in schemas.glob("v*-local-strict")]
+    return max(found, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+@pytest.mark.parametrize("version", ["minimum", "newest"])
+def test_every_manifest_passes_kubernetes_validate_strict(tmp_path: Path, version: str) -> None:
+    """At the minimum version pliant states (names.MIN_KUBERNETES) and the newest kubernetes-validate knows."""
     files = list(CONTROL_PLANE)
     for job, objects in _jobs(tmp_path).items():
         files.append(tmp_path / f"{job}.yaml")
         files[-1].write_text(_dump(objects))
     files.append(tmp_path / "secrets.yaml")
-    files[-1].write_text(_dump(render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))))
-    tool = Path(sys.executable).with_name("kubernetes-validate")
-    result = subprocess.run([str(tool), "--strict", *map(str, files)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    passed = re.findall(r"passed for resource (\S+)", result.stdout + result.stderr)
-    kinds = {r.split("/")[0] for r in passed}
+    pki = ControlPlanePki.ensure(tmp_path / "pki")
+    files[-1].write_text(_dump([*render_secrets(pki), join_secret("team-a", "t" * 43)]))
+    kinds = _validate(files, names.MIN_KUBERNETES if version == "minimum" else _newest_kubernetes())
     assert {
+        "namespace",
         "statefulset",
         "deployment",
         "service",
@@ -83,6 +115,21 @@ def test_every_manifest_passes_kubernetes_validate_strict(tmp_path: Path) -> Non
         "configmap",
         "persistentvolumeclaim",
     } <= kinds
+
+
+def test_the_base_kustomization_needs_no_crd_and_monitoring_is_a_component(tmp_path: Path) -> None:
+    """`kubectl apply -k deploy/` on a cluster without the Prometheus Operator: every object of the base is a built-in
+    kind (kubernetes-validate has a schema for each, at the minimum version); the operator's objects and the dashboard
+    are the monitoring component's."""
+    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert sorted(kust["resources"]) == sorted(p.name for p in CONTROL_PLANE)
+    assert "configMapGenerator" not in kust
+    kinds = _validate([DEPLOY / r for r in kust["resources"]], names.MIN_KUBERNETES)
+    assert kinds == {"namespace", "statefulset", "deployment", "service", "poddisruptionbudget", "networkpolicy"}
+    monitoring = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
+    assert monitoring["resources"] == ["monitoring.yaml"]
+    (generator,) = monitoring["configMapGenerator"]
+    assert all((MONITORING / f).is_file() for f in generator["files"])
 
 
 def _unknown_fields(given: Any, parsed: Any, path: str = "") -> list[str]:
@@ -104,7 +151,7 @@ def _unknown_fields(given: Any, parsed: Any, path: str = "") -> list[str]:
 def test_operator_resources_match_their_crd_schemas_strictly() -> None:
     from cloudcoil.models.prometheus_operator import v1
 
-    docs = [d for d in yaml.safe_load_all((DEPLOY / "monitoring.yaml").read_text()) if d]
+    docs = [d for d in yaml.safe_load_all((MONITORING / "monitoring.yaml").read_text()) if d]
     assert sorted(d["kind"] for d in docs) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
     for doc in docs:
         model = getattr(v1, doc["kind"]).model_validate(doc)
@@ -114,13 +161,6 @@ def test_operator_resources_match_their_crd_schemas_strictly() -> None:
     bad["spec"]["endpoints"][0]["prot"] = "metrics"
     parsed = getattr(v1, bad["kind"]).model_validate(bad).model_dump(by_alias=True, exclude_unset=True, mode="json")
     assert _unknown_fields(bad, parsed) == [".spec.endpoints[0].prot"]
-
-
-def test_kustomization_lists_every_manifest_and_the_dashboard() -> None:
-    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    assert sorted(kust["resources"]) == sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
-    (generator,) = kust["configMapGenerator"]
-    assert all((DEPLOY / f).is_file() for f in generator["files"])
 
 
 def test_the_control_plane_and_the_jobs_agree_on_names_ports_and_secrets(tmp_path: Path) -> None:
@@ -150,16 +190,22 @@ def test_the_control_plane_and_the_jobs_agree_on_names_ports_and_secrets(tmp_pat
         for v in w["spec"]["template"]["spec"].get("volumes", [])
         if "secret" in v
     }
-    made = {s["metadata"]["name"] for s in render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))}
-    assert mounted | {names.ADMIN_TLS} == made, "pliant k8s secrets makes every Secret the control plane mounts"
+    made = render_secrets(ControlPlanePki.ensure(tmp_path / "pki"))
+    assert mounted == {s["metadata"]["name"] for s in made} == CONTROL_PLANE_SECRETS, (
+        "pliant k8s secrets makes every Secret the control plane mounts, and no admin key"
+    )
+    assert {s["metadata"]["namespace"] for s in made} == {names.NAMESPACE}
     jobs = _jobs(tmp_path)
     (agents,) = [j for j in of_kind(jobs["alpha"], "Job") if j["spec"].get("completionMode") == "Indexed"]
     args = agents["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert f"--coordinator={names.COORDINATOR}:{names.API_PORT}" in args
-    assert f"--bootstrap={names.COORDINATOR}:{names.BOOTSTRAP_PORT}" in args
-    (creator,) = [j for j in of_kind(jobs["alpha"], "Job") if j["metadata"]["name"] == "pliant-alpha-create"]
-    volumes = creator["spec"]["template"]["spec"]["volumes"]
-    assert {"secretName": names.ADMIN_TLS, "defaultMode": 0o440} in [v.get("secret") for v in volumes]
+    service = f"{names.COORDINATOR}.{names.NAMESPACE}.svc"  # a name the coordinators' certificate carries
+    assert (
+        f"--coordinator={service}:{names.API_PORT}" in args and f"--bootstrap={service}:{names.BOOTSTRAP_PORT}" in args
+    )
+    assert "--job=team-a.alpha" in args and "--create-job" in args and "--node-id=team-a.$(POD_NAME)" in args
+    (agents,) = [j for j in of_kind(jobs["beta-2"], "Job") if j["spec"].get("completionMode") == "Indexed"]
+    args = agents["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--job=team-b.beta-2" in args and "--create-job" not in args, "an admin created it: its own token"
 
 
 def test_the_dockerfile_copies_what_exists_and_installs_the_package() -> None:
@@ -172,7 +218,7 @@ def test_the_dockerfile_copies_what_exists_and_installs_the_package() -> None:
 
 
 def test_dashboard_is_well_formed_and_filters_every_job_panel() -> None:
-    board = json.loads((DEPLOY / "grafana" / "pliant-dashboard.json").read_text())
+    board = json.loads((MONITORING / "grafana" / "pliant-dashboard.json").read_text())
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     titles = {p["title"] for p in board["panels"]}
@@ -194,7 +240,7 @@ def test_dashboard_is_well_formed_and_filters_every_job_panel() -> None:
 
 
 def test_env_expansion_uses_field_refs(tmp_path: Path) -> None:
-    cluster = Cluster(load_manifests(), tmp_path, "etcd")
+    cluster = Cluster(load_manifests() + render_secrets(ControlPlanePki.ensure(tmp_path / "pki")), tmp_path, "etcd")
     for pod in cluster.pods:
         argv, _ = cluster.command(pod)
         assert not any("$(" in a for a in argv), argv
@@ -298,8 +344,10 @@ def test_network_policies_close_every_component(tmp_path: Path) -> None:
         }
 
     assert sources(policies["etcd"], 2379) == {"pliant-coordinator", "etcd"}
-    assert sources(policies["pliant-coordinator"], names.API_PORT) == {"pliant-agent", "pliant-admin"}
+    assert sources(policies["pliant-coordinator"], names.API_PORT) == {"pliant-agent"}, "no admin pod in the cluster"
     assert sources(policies["pliant-coordinator"], names.BOOTSTRAP_PORT) == {"pliant-agent"}
+    (agents,) = [r["from"][0] for r in policies["pliant-coordinator"]["ingress"] if "podSelector" in r["from"][0]]
+    assert agents["namespaceSelector"] == {}, "agents of every job namespace reach the coordinators"
     for job, objects in _jobs(tmp_path).items():
         (policy,) = of_kind(objects, "NetworkPolicy")
         assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == job
@@ -346,6 +394,11 @@ def test_the_agents_job_completes_fails_and_replaces_by_exit_code(tmp_path: Path
         ({"memory": "8 GB"}, "--memory '8 GB'"),
         ({"image": ""}, "--image is required"),
         ({"command": ()}, "no training script"),
+        ({"nodes": 8, "max_nodes": 4}, "--nodes 8 is more than --nnodes 1:4 admits: 4 pods would wait as spares"),
+        ({"nodes": 1, "min_nodes": 2, "max_nodes": 4}, "--nodes 1 is fewer than --nnodes 2:4 needs"),
+        ({"gpus": 1, "nproc_per_node": 2}, "--gpus 1 with --nproc-per-node 2: each worker drives one GPU"),
+        ({"namespace": "pliant"}, "--namespace pliant is the control plane's"),
+        ({"namespace": "Team_A"}, "--namespace 'Team_A' is not a Kubernetes namespace's name"),
     ],
 )
 def test_bad_parameters_name_the_flag_and_the_fix(change: dict[str, Any], named: str) -> None:
@@ -380,3 +433,101 @@ def test_the_job_command_prints_the_manifests_or_one_line_naming_the_bad_flag(
     assert err.startswith("pliant k8s: error: job id 'Demo' must be a DNS label") and err.count("\n") == 1, err
     assert main([*flags[:-2], "--nnodes=4:1", "--job=demo", "/app/train.py"]) == 2
     assert "--nnodes '4:1' must have 1 <= MIN <= MAX" in capsys.readouterr().err
+
+
+def _secret_references(obj: Any) -> set[str]:
+    """Every Secret an object names: volumes (plain and projected), env and envFrom, image pull Secrets, and
+    the resourceNames of any role it grants."""
+    found: set[str] = set()
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in ("secret",) and isinstance(value, dict):
+                found.add(value.get("secretName", value.get("name", "")))
+            elif key in ("secretKeyRef", "secretRef") and isinstance(value, dict):
+                found.add(value["name"])
+            elif key == "imagePullSecrets":
+                found |= {v["name"] for v in value}
+            else:
+                found |= _secret_references(value)
+    elif isinstance(obj, list):
+        for item in obj:
+            found |= _secret_references(item)
+    return found
+
+
+def test_nothing_a_job_namespace_gets_touches_a_control_plane_secret(tmp_path: Path) -> None:
+    """Every object rendered for a job lives in the job's namespace, is no RBAC grant, and names no Secret but its
+    namespace's join token (or the token Secret of an admin-created job): no CA key, signing key or admin key."""
+    units = _units(tmp_path)
+    for job, objects in _jobs(tmp_path).items():
+        unit = units[job]
+        assert {o["metadata"]["namespace"] for o in objects} == {unit.namespace}
+        assert not {o["kind"] for o in objects} & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "Secret"}
+        referenced = set().union(*(_secret_references(o) for o in objects))
+        assert referenced == {unit.token_secret or names.JOIN_SECRET}, referenced
+        assert not referenced & CONTROL_PLANE_SECRETS
+    secret = join_secret("team-a", "t" * 43)
+    assert (secret["metadata"]["namespace"], secret["metadata"]["name"]) == ("team-a", names.JOIN_SECRET)
+    assert list(secret["stringData"]) == ["token"]
+
+
+def test_the_same_flags_render_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rendering is pure: nothing random (no token) in a job's objects, so a second render, a GitOps re-render or a
+    second `kubectl apply` changes nothing."""
+    from pliant.cli import main
+
+    pki = ControlPlanePki.ensure(tmp_path / "pki")
+    flags = [
+        "k8s",
+        "job",
+        "--namespace=team-a",
+        "--job=demo",
+        "--image=reg/pliant:1",
+        f"--ca-cert={pki.ca_cert}",
+        "--nnodes=1:4",
+        "--nproc-per-node=2",
+        "/app/train.py",
+    ]
+    outputs = []
+    for _ in range(2):
+        assert main(flags) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].count("kind:") >= 4
+    for unit in _units(tmp_path).values():
+        assert _dump(render_job(unit)) == _dump(render_job(unit))
+
+
+def test_the_simulated_cluster_refuses_what_a_real_one_refuses(tmp_path: Path) -> None:
+    """The tests' cluster (tests/integration/kubelet.py) keeps to what a real one enforces for these objects: a pod
+    reads only its own namespace's Secrets, a claim binds only on a class with its access mode, and a NetworkPolicy
+    that selects nothing is a mistake."""
+    cluster = Cluster(load_manifests() + render_secrets(ControlPlanePki.ensure(tmp_path / "pki")), tmp_path, "etcd")
+    cluster.add([join_secret("team-a", "t" * 43)])
+    alpha = dataclasses.replace(_units(tmp_path)["alpha"], storage_class="nfs")
+
+    def agents_pod(unit: JobUnit, edit: Any = None) -> Any:
+        objects = render_job(unit)
+        cluster.add(objects)  # an Indexed Job's pods are the controller's: made here
+        (agents,) = of_kind(objects, "Job")
+        template = copy.deepcopy(agents["spec"]["template"])
+        if edit is not None:
+            edit(template["spec"])
+        return cluster.make_pod(f"{unit.name}-0", unit.name, unit.namespace, template, cluster.subnet())
+
+    argv, env = cluster.command(agents_pod(alpha))
+    assert env["PLIANT_JOIN_TOKEN"] == "t" * 43 and "--job=team-a.alpha" in argv
+    elsewhere = agents_pod(dataclasses.replace(alpha, namespace="team-b"))
+    with pytest.raises(Refused, match=r"names Secret pliant-join, which team-b has not \(only team-a has"):
+        cluster.command(elsewhere)
+
+    def mount_signing_key(spec: dict[str, Any]) -> None:
+        spec["volumes"].append({"name": "ca", "secret": {"secretName": names.SIGNING_CA}})
+        spec["containers"][0]["volumeMounts"].append({"name": "ca", "mountPath": "/ca"})
+
+    with pytest.raises(Refused, match=r"names Secret pliant-signing-ca, which team-a has not \(only pliant has"):
+        cluster.command(agents_pod(dataclasses.replace(alpha, job_id="delta"), mount_signing_key))
+    with pytest.raises(Refused, match="ReadWriteMany of storage class standard, which binds ReadWriteOnce only"):
+        cluster.add(render_job(dataclasses.replace(alpha, job_id="gamma", storage_class="")))
+    (policy,) = of_kind(render_job(dataclasses.replace(alpha, job_id="epsilon")), "NetworkPolicy")
+    with pytest.raises(Refused, match="NetworkPolicy team-a/pliant-epsilon-agents selects no pod"):
+        cluster.add([policy])
