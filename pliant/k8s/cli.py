@@ -6,6 +6,8 @@
 - ``pliant k8s namespace --namespace team-a --coordinator HOST:PORT --tls-dir pki/admin``: register the namespace's
   join token with the control plane (an admin's call, from the operator's machine) and print its Secret
   ``pliant-join``, once per namespace; the namespace's agents create their jobs with it.
+- ``pliant k8s trainer-runtime --image IMG --ca-cert pki/ca.crt``: print the Kubeflow Trainer ClusterTrainingRuntime
+  ``pliant`` (:mod:`pliant.k8s.trainer`): TrainJobs that name it train under pliant's agents.
 - ``pliant k8s job --namespace team-a --job ID --image IMG --nnodes MIN:MAX --nproc-per-node N --ca-cert pki/ca.crt
   SCRIPT ARGS``: print one training job's objects (:mod:`pliant.k8s.job`, pure: the same flags print the same bytes);
   the job's flags are ``pliant run``'s, and so is the script.
@@ -66,10 +68,34 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     add_tls_flags(namespace, "admin")
     namespace.add_argument(
+        "--checkpoint-size",
+        default="",
+        help=f"also print the namespace's ReadWriteMany claim {names.CHECKPOINT_CLAIM} of this size, where its "
+        "TrainJobs (pliant k8s trainer-runtime) keep their checkpoints",
+    )
+    namespace.add_argument("--storage-class", default="", help="that claim's class, one that binds ReadWriteMany")
+    namespace.add_argument(
         "--rotate",
         action="store_true",
         help="replace the namespace's token (its jobs take the new one; apply the Secret printed at once)",
     )
+    runtime = actions.add_parser(
+        "trainer-runtime",
+        help="print the Kubeflow Trainer ClusterTrainingRuntime whose TrainJobs train under pliant's agents",
+        allow_abbrev=False,
+    )
+    runtime.add_argument("--image", required=True, help="the pliant image (deploy/Dockerfile) with the training code")
+    pin = runtime.add_mutually_exclusive_group(required=True)
+    pin.add_argument("--ca-cert", help="the control plane's CA certificate (pki/ca.crt), whose fingerprint agents pin")
+    pin.add_argument("--ca-cert-hash", help="its fingerprint, sha256:<hex> (pliant certs fingerprint)")
+    runtime.add_argument("--name", default="pliant", help="the runtime's name, which TrainJobs name (default pliant)")
+    runtime.add_argument(
+        "--control-plane-namespace",
+        default=names.NAMESPACE,
+        help=f"where deploy/ installed the control plane (default {names.NAMESPACE})",
+    )
+    runtime.add_argument("--shm-size", default="1Gi", help="/dev/shm per pod (default 1Gi)")
+    runtime.add_argument("--max-restarts", type=int, default=3, help="worker failures a job survives (default 3)")
     job = actions.add_parser(
         "job",
         help="print one training job: its agents (an elastic Indexed Job), the Job that creates it, its token, "
@@ -147,6 +173,18 @@ def _dump(objects: list[dict[str, Any]]) -> str:
     return yaml.dump_all(objects, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=120)
 
 
+def _ca_hash(args: argparse.Namespace) -> str:
+    """The CA pin from --ca-cert (its fingerprint) or --ca-cert-hash."""
+    from pliant.security.identity import ca_fingerprint
+
+    if not args.ca_cert:
+        return str(args.ca_cert_hash)
+    try:
+        return ca_fingerprint(Path(args.ca_cert).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"--ca-cert {args.ca_cert}: {exc.strerror}; pass the CA pliant k8s secrets made") from exc
+
+
 def k8s_main(args: argparse.Namespace) -> int:
     """Print what ``args`` asks for on stdout.
 
@@ -169,16 +207,23 @@ def k8s_main(args: argparse.Namespace) -> int:
         return 0
     if args.k8s_command == "namespace":
         return _namespace(args)
+    if args.k8s_command == "trainer-runtime":
+        from pliant.k8s.trainer import TrainerRuntime, render_trainer_runtime
+
+        runtime = TrainerRuntime(
+            image=args.image,
+            ca_cert_hash=_ca_hash(args),
+            name=args.name,
+            control_plane_namespace=args.control_plane_namespace,
+            shm_size=args.shm_size,
+            max_restarts=args.max_restarts,
+        )
+        sys.stdout.write(_dump([render_trainer_runtime(runtime)]))
+        return 0
     command = list(args.training)
     if command[:1] == ["--"]:
         command = command[1:]
-    if args.ca_cert:
-        try:
-            ca_hash = ca_fingerprint(Path(args.ca_cert).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"--ca-cert {args.ca_cert}: {exc.strerror}; pass the CA pliant k8s secrets made") from exc
-    else:
-        ca_hash = args.ca_cert_hash
+    ca_hash = _ca_hash(args)
     low, high = parse_node_range(args.nnodes)
     unit = JobUnit(
         job_id=args.job,
@@ -213,7 +258,7 @@ def _namespace(args: argparse.Namespace) -> int:
     from pliant.coordinator.client import CoordinatorClient
     from pliant.coordinator.contract import CoordinatorError
     from pliant.flags import tls_from_flags
-    from pliant.k8s.secrets import join_secret
+    from pliant.k8s.secrets import checkpoint_claim, join_secret
 
     if not names.is_namespace(args.namespace):
         raise ConfigError(f"--namespace {args.namespace!r} is not a namespace's name (a DNS label), e.g. team-a")
@@ -226,7 +271,10 @@ def _namespace(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
-    sys.stdout.write(_dump([join_secret(args.namespace, token)]))
+    objects = [join_secret(args.namespace, token)]
+    if args.checkpoint_size:
+        objects.append(checkpoint_claim(args.namespace, args.checkpoint_size, args.storage_class))
+    sys.stdout.write(_dump(objects))
     print(
         f"pliant k8s namespace: {args.namespace}'s join token registered; apply the Secret above in {args.namespace} "
         f"(it is printed only now), then render its jobs with pliant k8s job --namespace {args.namespace}",

@@ -48,16 +48,16 @@ from pliant.errors import ConfigError
 from pliant.k8s import names
 from pliant.k8s.names import labels, selector
 
-__all__ = ["SCRIPT_DIR", "JobUnit", "render_job"]
+__all__ = ["CONTAINER_SECURITY", "LEAVE_SLACK_S", "SCRIPT_DIR", "JobUnit", "hardened", "render_job", "resources"]
 
 SCRIPT_DIR = "/opt/pliant/script"  # where a job's script ConfigMap is mounted
 _JOB_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")  # a DNS label that leaves room for the prefixes
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?")
 _CA_HASH = re.compile(r"sha256:[0-9a-f]{64}")
-_LEAVE_SLACK_S = 10.0  # the Leave call, and the agent's own exit, after its workers are gone
+LEAVE_SLACK_S = 10.0  # the Leave call, and the agent's own exit, after its workers are gone
 
 
-def _securely(spec: dict[str, Any]) -> dict[str, Any]:
+def hardened(spec: dict[str, Any]) -> dict[str, Any]:
     """A pod spec with the hardening every pliant pod has: non-root, RuntimeDefault seccomp, no service-account
     token."""
     return {
@@ -73,7 +73,7 @@ def _securely(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_CONTAINER_SECURITY = {
+CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False,
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
@@ -214,7 +214,7 @@ class JobUnit:
     @property
     def termination_grace_s(self) -> int:
         """What a deleted agent pod needs to leave gracefully (see the module docstring)."""
-        return math.ceil(self.rescale_grace_s + DUMP_S + self.stop_grace_s + KILL_REAP_S + _LEAVE_SLACK_S)
+        return math.ceil(self.rescale_grace_s + DUMP_S + self.stop_grace_s + KILL_REAP_S + LEAVE_SLACK_S)
 
 
 def render_job(unit: JobUnit) -> list[dict[str, Any]]:
@@ -289,7 +289,7 @@ def _disruption_budget(unit: JobUnit) -> dict[str, Any]:
     }
 
 
-def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
+def resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
     amount: dict[str, Any] = {"cpu": cpu, "memory": memory}
     limits = {**amount, "nvidia.com/gpu": gpus} if gpus else dict(amount)
     return {"requests": amount, "limits": limits}
@@ -351,8 +351,8 @@ def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
         # The join and the zygote's torch import may take minutes on a cold node; then the loop must keep ticking.
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "securityContext": _CONTAINER_SECURITY,
-        "resources": _resources(unit.cpu, unit.memory, unit.gpus),
+        "securityContext": CONTAINER_SECURITY,
+        "resources": resources(unit.cpu, unit.memory, unit.gpus),
         "volumeMounts": mounts,
     }
     exits = [
@@ -370,7 +370,7 @@ def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
         },
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
     ]
-    pod = _securely(
+    pod = hardened(
         {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": unit.termination_grace_s,

@@ -13,6 +13,7 @@ __all__ = [
     "AGENT",
     "API_PORT",
     "BOOTSTRAP_PORT",
+    "CHECKPOINT_CLAIM",
     "COORDINATOR",
     "COORDINATOR_TLS",
     "ETCD_CLIENT_TLS",
@@ -40,6 +41,7 @@ ETCD_TLS = "etcd-tls"  # etcd's serving and peer certificate, from the etcd CA
 ETCD_CLIENT_TLS = "pliant-etcd-client-tls"  # the coordinators' etcd client certificate, from the etcd CA
 COORDINATOR_TLS = "pliant-coordinator-tls"  # the coordinators' serving certificate, from the pliant CA
 SIGNING_CA = "pliant-signing-ca"  # the pliant CA's certificate and key: the coordinators sign agents' requests
+CHECKPOINT_CLAIM = "pliant-checkpoints"  # in a job namespace: where its TrainJobs keep their checkpoints
 JOIN_SECRET = "pliant-join"  # in a job namespace: its join token (pliant k8s namespace), which creates its jobs
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

@@ -36,7 +36,7 @@ from pliant.security.identity import Role
 from pliant.security.issuance import IssuedCert, issue_cert, write_tls_dir
 from pliant.security.tlsdir import CA_CERT, TLS_CERT, TLS_KEY
 
-__all__ = ["ETCD_MEMBERS", "ControlPlanePki", "join_secret", "render_secrets"]
+__all__ = ["ETCD_MEMBERS", "ControlPlanePki", "checkpoint_claim", "join_secret", "render_secrets"]
 
 ETCD_MEMBERS = 3  # deploy/etcd.yaml's StatefulSet
 
@@ -132,4 +132,22 @@ def join_secret(namespace: str, token: str) -> dict[str, Any]:
         },
         "type": "Opaque",
         "stringData": {"token": token},
+    }
+
+
+def checkpoint_claim(namespace: str, size: str, storage_class: str = "") -> dict[str, Any]:
+    """A job namespace's ReadWriteMany claim ``pliant-checkpoints``, where its TrainJobs keep their checkpoints (each
+    under its own name; :mod:`pliant.k8s.trainer`)."""
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": size}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": names.CHECKPOINT_CLAIM,
+            "namespace": namespace,
+            "labels": labels(names.AGENT, namespace, "checkpoints", "pliant"),
+        },
+        "spec": spec,
     }

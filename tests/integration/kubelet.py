@@ -26,6 +26,9 @@ access mode (Pending forever; the cluster's classes are :data:`STORAGE_CLASSES`,
 NetworkPolicy whose pod selector matches no pod of its namespace's workloads (accepted by a real API server, and
 silently useless).
 
+A TrainJob on a pliant ClusterTrainingRuntime becomes the Indexed Job Kubeflow Trainer would make of it
+(:func:`trainjob_job`), which :class:`IndexedJob` runs.
+
 Not kept: scheduling, resources, probes (the tests call the probe endpoints themselves), the NetworkPolicies' traffic
 rules, and the ``DisruptionTarget`` condition (a deletion here is a user's ``kubectl delete pod``).
 """
@@ -327,6 +330,7 @@ class Cluster:
                 continue
             path = ref["fieldRef"]["fieldPath"]
             fields = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "status.podIP": pod.ip}
+            fields |= {f"metadata.labels['{k}']": v for k, v in pod.labels.items()}
             env[var["name"]] = fields[path]
         self._fill_secret_volumes(pod, env)
 
@@ -336,6 +340,34 @@ class Cluster:
         argv = [expand(a) for a in [*pod.container.get("command", []), *pod.container.get("args", [])]]
         argv[0] = self.executables.get(argv[0]) or shutil.which(argv[0]) or argv[0]
         return argv, env
+
+
+def trainjob_job(runtime: dict[str, Any], trainjob: dict[str, Any]) -> dict[str, Any]:
+    """The Indexed Job Kubeflow Trainer makes of a TrainJob on a ClusterTrainingRuntime with one replicated job and
+    the torch policy, as far as a pliant runtime depends on it: the runtime's Job template in the TrainJob's namespace,
+    ``numNodes`` pods (parallelism and completions), the TrainJob's ``args``, ``env`` and ``resourcesPerNode`` on the
+    container ``node``, ``PET_NNODES`` and ``PET_NPROC_PER_NODE`` injected there, and the JobSet's name label on every
+    pod. (JobSet's own restarts of a failed child Job are not kept: a failed Job here fails the TrainJob.)"""
+    (replicated,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    trainer = trainjob["spec"]["trainer"]
+    name, namespace = trainjob["metadata"]["name"], _namespace(trainjob)
+    nodes = int(trainer.get("numNodes", runtime["spec"]["mlPolicy"]["numNodes"]))
+    spec = {**replicated["template"]["spec"], "completionMode": "Indexed", "completions": nodes, "parallelism": nodes}
+    template = spec["template"] = {**spec["template"]}
+    template["metadata"] = {"labels": {**template["metadata"]["labels"], "jobset.sigs.k8s.io/jobset-name": name}}
+    pod = template["spec"] = {**template["spec"]}
+    (container,) = pod["containers"]
+    container = {**container, "args": list(trainer.get("args", container.get("args", [])))}
+    pet = [
+        {"name": "PET_NNODES", "value": str(nodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", 1))},
+    ]
+    container["env"] = [*container.get("env", []), *trainer.get("env", []), *pet]
+    if "resourcesPerNode" in trainer:
+        container["resources"] = trainer["resourcesPerNode"]
+    pod["containers"] = [container]
+    metadata = {"name": f"{name}-{replicated['name']}-0", "namespace": namespace}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
 
 
 def _namespace(obj: dict[str, Any]) -> str:

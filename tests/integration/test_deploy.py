@@ -39,6 +39,7 @@ from pliant.security.issuance import issue_cert, write_tls_dir
 from tests.conftest import Spawned, health_serving, wait_for
 from tests.integration.kubelet import (
     DEPLOY,
+    ROOT,
     Cluster,
     IndexedJob,
     Pod,
@@ -46,6 +47,7 @@ from tests.integration.kubelet import (
     load_manifests,
     of_kind,
     parse_manifests,
+    trainjob_job,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -120,7 +122,8 @@ class ControlPlane:
         """``pliant k8s namespace --namespace NS ... | kubectl apply -f -``, once per namespace."""
         if namespace not in self.namespaces:
             admin = ["--coordinator", self.coordinator, "--tls-dir", str(self.pki / "admin")]
-            self.apply(_pliant("k8s", "namespace", f"--namespace={namespace}", *admin))
+            claim = ["--checkpoint-size=1Gi", "--storage-class=nfs"]  # its TrainJobs' checkpoints
+            self.apply(_pliant("k8s", "namespace", f"--namespace={namespace}", *admin, *claim))
             self.namespaces.add(namespace)
 
     def run_job(self, namespace: str, job: str, nnodes: str, nodes: int, steps: int, *script: str) -> TrainingJob:
@@ -289,6 +292,44 @@ def test_a_failed_job_fails_its_agents_job_at_once(control_plane: ControlPlane) 
         assert control_plane.status(failing)["state"] == "failed"
     finally:
         failing.controller.close()
+
+
+def test_a_trainjob_on_the_pliant_runtime_trains_elastically_and_completes(control_plane: ControlPlane) -> None:
+    """Kubeflow Trainer: the ClusterTrainingRuntime `pliant k8s trainer-runtime` prints and a TrainJob as
+    examples/k8s/trainjob.yaml writes it, in a third team's namespace: its pods create the pliant job with the
+    namespace's token and train at numNodes; a deleted pod leaves, the job trains on without it and its replacement
+    joins again; the TrainJob's Job ends Complete."""
+    plane = control_plane
+    plane.namespace("team-c")
+    pin = f"--ca-cert={plane.pki / 'ca.crt'}"
+    (runtime,) = parse_manifests(_pliant("k8s", "trainer-runtime", "--image=pliant:0.1.0", pin, "--max-restarts=0"))
+    (trainjob,) = parse_manifests((ROOT / "examples" / "k8s" / "trainjob.yaml").read_text())
+    trainjob["metadata"]["namespace"] = "team-c"
+    trainer = trainjob["spec"]["trainer"]
+    assert trainer["args"][0] == "/app/examples/train_elastic.py"
+    trainer |= {"numNodes": 2, "numProcPerNode": 1}
+    trainer["args"] = [*trainer["args"][:1], "--steps=100000", "--step-time=0.05"]
+    trainer["args"] += ["--events=/checkpoints/events.jsonl", "--stop-file=/checkpoints/stop"]
+    controller = IndexedJob(plane.cluster, trainjob_job(runtime, trainjob), plane.start)
+    job = TrainingJob("team-c.elastic-mlp", controller, plane.cluster.claims["team-c", "pliant-checkpoints"], 100000)
+    try:
+        wait_for(lambda: job.stepping(2) or controller.refused, 180, "the TrainJob stepping at numNodes")
+        assert not controller.refused, controller.refused
+        victim = controller.pods()[1]
+        process = controller.process(victim.name)
+        deleted = _now(job)
+        controller.delete_pod(victim.name)
+        wait_for(lambda: process.proc.poll() is not None, 60, "the deleted pod's agent to leave")
+        assert process.proc.returncode == left_on(signal.SIGTERM), process.output()[-3000:]
+        wait_for(lambda: job.stepping(1, after=deleted), 60, "the job training on without the deleted pod")
+        wait_for(lambda: job.stepping(2, after=_last_world(job, 1)), 120, "the replacement pod joined")
+        assert not _redone(job.events()), "a graceful leave loses no committed step"
+        job.end()
+        wait_for(lambda: controller.condition, 120, "the TrainJob's pods to end")
+        assert controller.condition == "Complete", controller.exits
+        assert plane.status(job)["state"] == "succeeded"
+    finally:
+        controller.close()
 
 
 def _now(job: TrainingJob) -> float:
