@@ -85,21 +85,14 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         allow_abbrev=False,
     )
     runtime.add_argument("--image", required=True, help="the pliant image (deploy/Dockerfile) with the training code")
-    pin = runtime.add_mutually_exclusive_group(required=True)
-    pin.add_argument("--ca-cert", help="the control plane's CA certificate (pki/ca.crt), whose fingerprint agents pin")
-    pin.add_argument("--ca-cert-hash", help="its fingerprint, sha256:<hex> (pliant certs fingerprint)")
+    _add_control_plane(runtime)
     runtime.add_argument("--name", default="pliant", help="the runtime's name, which TrainJobs name (default pliant)")
-    runtime.add_argument(
-        "--control-plane-namespace",
-        default=names.NAMESPACE,
-        help=f"where deploy/ installed the control plane (default {names.NAMESPACE})",
-    )
     runtime.add_argument("--shm-size", default="1Gi", help="/dev/shm per pod (default 1Gi)")
     runtime.add_argument("--max-restarts", type=int, default=3, help="worker failures a job survives (default 3)")
     job = actions.add_parser(
         "job",
-        help="print one training job: its agents (an elastic Indexed Job), the Job that creates it, its token, "
-        "checkpoint volume, NetworkPolicy and PodDisruptionBudget",
+        help="print one training job in its namespace: its agents (an elastic Indexed Job), checkpoint volume, "
+        "NetworkPolicy and PodDisruptionBudget",
         allow_abbrev=False,
     )
     job.add_argument(
@@ -112,16 +105,9 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     job.add_argument("--nnodes", default="1:1", help="N or MIN:MAX nodes, as pliant run takes it (default 1:1)")
     job.add_argument("--nodes", type=int, default=0, help="agent pods to start with, MIN to MAX (default MAX)")
     job.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    pin = job.add_mutually_exclusive_group(required=True)
-    pin.add_argument("--ca-cert", help="the control plane's CA certificate (pki/ca.crt), whose fingerprint agents pin")
-    pin.add_argument("--ca-cert-hash", help="its fingerprint, sha256:<hex> (pliant certs fingerprint)")
+    _add_control_plane(job)
     job.add_argument("--script", type=Path, default=None, help="a local training script, shipped in a ConfigMap")
     job.add_argument("--namespace", default="default", help="the job's namespace, its team's (default: default)")
-    job.add_argument(
-        "--control-plane-namespace",
-        default=names.NAMESPACE,
-        help=f"where deploy/ installed the control plane (default {names.NAMESPACE})",
-    )
     job.add_argument("--cpu", default="2", help="CPU per agent pod, request and limit (default 2)")
     job.add_argument("--memory", default="8Gi", help="memory per agent pod, request and limit (default 8Gi)")
     job.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per agent pod, one per worker (default 0)")
@@ -160,6 +146,18 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="the training script and its arguments, after the flags as with pliant run (with --script: the arguments)",
     )
     k8s.set_defaults(func=k8s_main)
+
+
+def _add_control_plane(parser: argparse.ArgumentParser) -> None:
+    """The flags that name the control plane: its CA's pin and its namespace."""
+    pin = parser.add_mutually_exclusive_group(required=True)
+    pin.add_argument("--ca-cert", help="the control plane's CA certificate (pki/ca.crt), whose fingerprint agents pin")
+    pin.add_argument("--ca-cert-hash", help="its fingerprint, sha256:<hex> (pliant certs fingerprint)")
+    parser.add_argument(
+        "--control-plane-namespace",
+        default=names.NAMESPACE,
+        help=f"where deploy/ installed the control plane (default {names.NAMESPACE})",
+    )
 
 
 def _dump(objects: list[dict[str, Any]]) -> str:

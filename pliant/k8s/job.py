@@ -48,7 +48,17 @@ from pliant.errors import ConfigError
 from pliant.k8s import names
 from pliant.k8s.names import labels, selector
 
-__all__ = ["CONTAINER_SECURITY", "LEAVE_SLACK_S", "SCRIPT_DIR", "JobUnit", "hardened", "render_job", "resources"]
+__all__ = [
+    "CONTAINER_SECURITY",
+    "LEAVE_SLACK_S",
+    "SCRIPT_DIR",
+    "JobUnit",
+    "agent_pod_parts",
+    "failure_policy",
+    "hardened",
+    "render_job",
+    "resources",
+]
 
 SCRIPT_DIR = "/opt/pliant/script"  # where a job's script ConfigMap is mounted
 _JOB_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")  # a DNS label that leaves room for the prefixes
@@ -295,6 +305,50 @@ def resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
     return {"requests": amount, "limits": limits}
 
 
+def agent_pod_parts(
+    token_secret: str, limits: dict[str, Any], mounts: list[dict[str, Any]], env: tuple[dict[str, Any], ...] = ()
+) -> dict[str, Any]:
+    """What every agent container has besides its name, image and command: the downward-API values and ``env``, its
+    join token from Secret ``token_secret``, the metrics port and the probes on its ``/healthz``, the hardening,
+    ``limits`` (requests and limits) and ``mounts``."""
+    probe = {"httpGet": {"path": "/healthz", "port": "metrics"}}
+    return {
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *env,
+            {"name": "PLIANT_JOIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}},
+            {"name": "PLIANT_LOG_LEVEL", "value": "INFO"},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [{"name": "metrics", "containerPort": names.METRICS_PORT}],
+        # The join and the zygote's torch import may take minutes on a cold node; then the loop must keep ticking.
+        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "securityContext": CONTAINER_SECURITY,
+        "resources": limits,
+        "volumeMounts": mounts,
+    }
+
+
+def failure_policy(container: str) -> dict[str, Any]:
+    """The pod failure policy that reads the agent's exit codes in ``container`` (see the module docstring)."""
+    leaves = sorted([left_on(signal.SIGTERM), left_on(signal.SIGINT)])  # the API wants them in order
+    return {
+        "rules": [
+            {
+                "action": "FailJob",  # the training job failed: so does this Job
+                "onExitCodes": {"containerName": container, "operator": "In", "values": [int(ExitCode.JOB_FAILED)]},
+            },
+            {
+                "action": "Ignore",  # left gracefully (deleted, drained, preempted): the index gets a new pod
+                "onExitCodes": {"containerName": container, "operator": "In", "values": leaves},
+            },
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]
+    }
+
+
 def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
     """The agents: an elastic Indexed Job (see the module docstring)."""
     meta = _meta(unit, unit.name, "agent")
@@ -304,7 +358,6 @@ def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
     service = names.coordinator_host(unit.control_plane_namespace)
     token_secret = unit.token_secret or names.JOIN_SECRET
     create = [] if unit.token_secret else ["--create-job"]  # a namespace's token: the first join creates the job
-    probe = {"httpGet": {"path": "/healthz", "port": "metrics"}}
     mounts = [
         {"name": "checkpoints", "mountPath": "/checkpoints"},
         {"name": "shm", "mountPath": "/dev/shm"},
@@ -340,36 +393,8 @@ def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
             f"--stop-grace={unit.stop_grace_s:g}",
             *command,
         ],
-        "env": [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "PLIANT_JOIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}},
-            {"name": "PLIANT_LOG_LEVEL", "value": "INFO"},
-            {"name": "HOME", "value": "/tmp"},
-        ],
-        "ports": [{"name": "metrics", "containerPort": names.METRICS_PORT}],
-        # The join and the zygote's torch import may take minutes on a cold node; then the loop must keep ticking.
-        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
-        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "securityContext": CONTAINER_SECURITY,
-        "resources": resources(unit.cpu, unit.memory, unit.gpus),
-        "volumeMounts": mounts,
+        **agent_pod_parts(token_secret, resources(unit.cpu, unit.memory, unit.gpus), mounts),
     }
-    exits = [
-        {
-            "action": "FailJob",  # the training job failed: so does this Job
-            "onExitCodes": {"containerName": "agent", "operator": "In", "values": [int(ExitCode.JOB_FAILED)]},
-        },
-        {
-            "action": "Ignore",  # left gracefully (deleted, drained, preempted): the index gets a new pod
-            "onExitCodes": {
-                "containerName": "agent",
-                "operator": "In",
-                "values": sorted([left_on(signal.SIGTERM), left_on(signal.SIGINT)]),  # the API wants them in order
-            },
-        },
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-    ]
     pod = hardened(
         {
             "restartPolicy": "Never",
@@ -387,7 +412,7 @@ def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
             "completions": unit.pods,
             "parallelism": unit.pods,
             "backoffLimit": 6,
-            "podFailurePolicy": {"rules": exits},
+            "podFailurePolicy": failure_policy("agent"),
             "template": {"metadata": {"labels": meta["labels"]}, "spec": pod},
         },
     }

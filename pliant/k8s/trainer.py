@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import math
 import re
-import signal
 from dataclasses import dataclass
 from typing import Any
 
 from pliant import settings
-from pliant.agent.contract import ExitCode, left_on
 from pliant.agent.stopping import DUMP_S, KILL_REAP_S
 from pliant.errors import ConfigError
 from pliant.k8s import names
-from pliant.k8s.job import CONTAINER_SECURITY, LEAVE_SLACK_S, hardened, resources
+from pliant.k8s.job import LEAVE_SLACK_S, agent_pod_parts, failure_policy, hardened, resources
 from pliant.k8s.names import labels
 
 __all__ = ["TrainerRuntime", "render_trainer_runtime"]
@@ -100,7 +98,6 @@ def render_trainer_runtime(runtime: TrainerRuntime) -> dict[str, Any]:
         **labels(names.AGENT, runtime.name, "agent"),
         "trainer.kubeflow.org/trainjob-ancestor-step": "trainer",
     }
-    probe = {"httpGet": {"path": "/healthz", "port": "metrics"}}
     container = {
         "name": "node",  # where Trainer's torch policy injects PET_NNODES and PET_NPROC_PER_NODE
         "image": runtime.image,
@@ -123,41 +120,20 @@ def render_trainer_runtime(runtime: TrainerRuntime) -> dict[str, Any]:
             f"--stop-grace={runtime.stop_grace_s:g}",
             "--",  # the TrainJob's trainer.args: the script and its arguments
         ],
-        "env": [
-            {"name": "POD_NAME", "valueFrom": _field("metadata.name")},
-            {"name": "POD_NAMESPACE", "valueFrom": _field("metadata.namespace")},
-            {"name": "POD_IP", "valueFrom": _field("status.podIP")},
-            {"name": "TRAINJOB_NAME", "valueFrom": _field(f"metadata.labels['{JOBSET_NAME_LABEL}']")},
-            {"name": "PLIANT_JOIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": names.JOIN_SECRET, "key": "token"}}},
-            {"name": "PLIANT_LOG_LEVEL", "value": "INFO"},
-            {"name": "HOME", "value": "/tmp"},
-        ],
-        "ports": [{"name": "metrics", "containerPort": names.METRICS_PORT}],
-        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
-        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "securityContext": CONTAINER_SECURITY,
-        "resources": resources("2", "8Gi"),  # TrainJob's resourcesPerNode replaces these
-        "volumeMounts": [
-            {"name": "checkpoints", "mountPath": "/checkpoints"},
-            {"name": "shm", "mountPath": "/dev/shm"},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        **agent_pod_parts(
+            names.JOIN_SECRET,
+            resources("2", "8Gi"),  # TrainJob's resourcesPerNode replaces these
+            [
+                {"name": "checkpoints", "mountPath": "/checkpoints"},
+                {"name": "shm", "mountPath": "/dev/shm"},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+            env=(
+                {"name": "POD_NAMESPACE", "valueFrom": _field("metadata.namespace")},
+                {"name": "TRAINJOB_NAME", "valueFrom": _field(f"metadata.labels['{JOBSET_NAME_LABEL}']")},
+            ),
+        ),
     }
-    exits = [
-        {
-            "action": "FailJob",
-            "onExitCodes": {"containerName": "node", "operator": "In", "values": [int(ExitCode.JOB_FAILED)]},
-        },
-        {
-            "action": "Ignore",
-            "onExitCodes": {
-                "containerName": "node",
-                "operator": "In",
-                "values": sorted([left_on(signal.SIGTERM), left_on(signal.SIGINT)]),
-            },
-        },
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-    ]
     pod = hardened(
         {
             "restartPolicy": "Never",
@@ -191,7 +167,7 @@ def render_trainer_runtime(runtime: TrainerRuntime) -> dict[str, Any]:
                                 "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
                                 "spec": {
                                     "backoffLimit": 6,
-                                    "podFailurePolicy": {"rules": exits},
+                                    "podFailurePolicy": failure_policy("node"),
                                     "template": {"metadata": {"labels": pod_labels}, "spec": pod},
                                 },
                             },
