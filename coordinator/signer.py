@@ -195,4 +195,4 @@ class BootstrapServicer(bpb_grpc.BootstrapServicer):
         except AlreadyExists as exc:  # not a node id in use (which a joining node waits out): the job's own terms
             raise FailedPrecondition(str(exc)) from None
         if created:
-            logger.info("bootstrap: job %s created with its namespace's join token", job)  # context.abort raises
+            logger.info("bootstrap: job %s created with its namespace's join token", job)
