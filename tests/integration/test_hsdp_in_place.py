@@ -18,7 +18,7 @@ from tests.conftest import wait_for
 from tests.integration.harness import TOLERANCE, descendants, elastic_agent, end_soon, hsdp_transfers, replica_bytes
 from tests.integration.test_in_place import _check_exact, _events, _pids, _stepping
 
-pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_replicas_survive_a_worker_kill_a_join_a_node_kill_a_join_and_a_leave_in_place(

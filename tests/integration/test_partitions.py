@@ -255,7 +255,6 @@ def test_a_node_cut_off_from_the_control_plane_fences_itself_then_rejoins(
     assert diff <= TOLERANCE
 
 
-@pytest.mark.long
 def test_a_cut_between_two_nodes_that_never_heals_costs_the_training_nothing(  # type: ignore[no-untyped-def]
     make_coordinator, spawn_agent, pki, fleet, fabric, tmp_path: Path, caplog
 ) -> None:
