@@ -112,6 +112,20 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     job.add_argument("--memory", default="8Gi", help="memory per agent pod, request and limit (default 8Gi)")
     job.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per agent pod, one per worker (default 0)")
     job.add_argument("--shm-size", default="1Gi", help="/dev/shm per pod, for the buddy copies (default 1Gi)")
+    job.add_argument(
+        "--node-selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label the agents' nodes must have, e.g. a GPU pool's (repeatable)",
+    )
+    job.add_argument(
+        "--toleration",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]:EFFECT",
+        help="a taint the agents tolerate, e.g. nvidia.com/gpu:NoSchedule (repeatable)",
+    )
     job.add_argument("--checkpoint-claim", default="", help="an existing ReadWriteMany claim (default: make one)")
     job.add_argument("--checkpoint-size", default="20Gi", help="the size of the claim made (default 20Gi)")
     job.add_argument(
@@ -246,6 +260,8 @@ def k8s_main(args: argparse.Namespace) -> int:
         rescale_grace_s=args.rescale_grace,
         stop_grace_s=args.stop_grace,
         max_restarts=args.max_restarts,
+        node_selector=tuple(args.node_selector),
+        tolerations=tuple(args.toleration),
     )
     sys.stdout.write(_dump(render_job(unit)))
     return 0

@@ -64,6 +64,10 @@ SCRIPT_DIR = "/opt/pliant/script"  # where a job's script ConfigMap is mounted
 _JOB_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")  # a DNS label that leaves room for the prefixes
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?")
 _CA_HASH = re.compile(r"sha256:[0-9a-f]{64}")
+_LABEL_KEY = r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+_SELECTOR = re.compile(rf"{_LABEL_KEY}={_LABEL_VALUE}")
+_TOLERATION = re.compile(rf"{_LABEL_KEY}(={_LABEL_VALUE})?:(NoSchedule|PreferNoSchedule|NoExecute)")
 LEAVE_SLACK_S = 10.0  # the Leave call, and the agent's own exit, after its workers are gone
 
 
@@ -121,6 +125,9 @@ class JobUnit:
         rescale_grace_s: the agents' ``--rescale-grace``.
         stop_grace_s: the agents' ``--stop-grace``.
         max_restarts: worker failures the job survives.
+        node_selector: ``KEY=VALUE`` labels the agents' nodes must have (``--node-selector``, e.g. a GPU pool's).
+        tolerations: taints the agents tolerate, ``KEY[=VALUE]:EFFECT`` (``--toleration``, e.g.
+            ``nvidia.com/gpu:NoSchedule``).
     """
 
     job_id: str
@@ -145,8 +152,22 @@ class JobUnit:
     rescale_grace_s: float = settings.RESCALE_GRACE_S
     stop_grace_s: float = settings.STOP_GRACE_S
     max_restarts: int = 3
+    node_selector: tuple[str, ...] = ()
+    tolerations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for item in self.node_selector:
+            if not _SELECTOR.fullmatch(item):
+                raise ConfigError(
+                    f"--node-selector {item!r} must be KEY=VALUE with a label's key and value, e.g. "
+                    f"cloud.google.com/gke-accelerator=nvidia-h100-80gb"
+                )
+        for item in self.tolerations:
+            if not _TOLERATION.fullmatch(item):
+                raise ConfigError(
+                    f"--toleration {item!r} must be KEY[=VALUE]:EFFECT with EFFECT NoSchedule, PreferNoSchedule or "
+                    f"NoExecute, e.g. nvidia.com/gpu:NoSchedule"
+                )
         if not _JOB_ID.fullmatch(self.job_id):
             raise ConfigError(
                 f"job id {self.job_id!r} must be a DNS label of at most 40 characters (lowercase letters, digits and "
@@ -331,6 +352,15 @@ def agent_pod_parts(
     }
 
 
+def _toleration(text: str) -> dict[str, str]:
+    """``KEY[=VALUE]:EFFECT`` as a toleration (``Exists`` without a value, ``Equal`` with one)."""
+    taint, _, effect = text.rpartition(":")
+    key, equals, value = taint.partition("=")
+    if equals:
+        return {"key": key, "operator": "Equal", "value": value, "effect": effect}
+    return {"key": key, "operator": "Exists", "effect": effect}
+
+
 def failure_policy(container: str) -> dict[str, Any]:
     """The pod failure policy that reads the agent's exit codes in ``container`` (see the module docstring)."""
     leaves = sorted([left_on(signal.SIGTERM), left_on(signal.SIGINT)])  # the API wants them in order
@@ -395,10 +425,16 @@ def _agents(unit: JobUnit, claim: str) -> dict[str, Any]:
         ],
         **agent_pod_parts(token_secret, resources(unit.cpu, unit.memory, unit.gpus), mounts),
     }
+    scheduling: dict[str, Any] = {}
+    if unit.node_selector:
+        scheduling["nodeSelector"] = dict(item.split("=", 1) for item in unit.node_selector)
+    if unit.tolerations:
+        scheduling["tolerations"] = [_toleration(item) for item in unit.tolerations]
     pod = hardened(
         {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": unit.termination_grace_s,
+            **scheduling,
             "containers": [container],
             "volumes": volumes,
         }

@@ -53,6 +53,8 @@ def _units(tmp_path: Path) -> dict[str, JobUnit]:
         ("--lr", "0.1"),
         HASH,
         namespace="team-b",
+        node_selector=("cloud.google.com/gke-accelerator=nvidia-h100-80gb",),
+        tolerations=("nvidia.com/gpu:NoSchedule", "dedicated=training:NoExecute"),
         min_nodes=2,
         max_nodes=8,
         nodes=3,
@@ -382,6 +384,12 @@ def test_the_agents_job_completes_fails_and_replaces_by_exit_code(tmp_path: Path
     assert container["startupProbe"]["httpGet"]["path"] == container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["args"][-3:] == ["/opt/pliant/script/train.py", "--lr", "0.1"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    pod = spec["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoExecute"},
+    ]
     assert "--checkpoint-dir=/checkpoints/beta-2" in container["args"]
 
 
@@ -399,6 +407,8 @@ def test_the_agents_job_completes_fails_and_replaces_by_exit_code(tmp_path: Path
         ({"gpus": 1, "nproc_per_node": 2}, "--gpus 1 with --nproc-per-node 2: each worker drives one GPU"),
         ({"namespace": "pliant"}, "--namespace pliant is the control plane's"),
         ({"namespace": "Team_A"}, "--namespace 'Team_A' is not a Kubernetes namespace's name"),
+        ({"node_selector": ("gpu",)}, "--node-selector 'gpu' must be KEY=VALUE"),
+        ({"tolerations": ("nvidia.com/gpu:Never",)}, "--toleration 'nvidia.com/gpu:Never' must be KEY[=VALUE]:EFFECT"),
     ],
 )
 def test_bad_parameters_name_the_flag_and_the_fix(change: dict[str, Any], named: str) -> None:
