@@ -71,7 +71,7 @@ def test_nccl_join_and_kills_in_place(make_coordinator, spawn_agent, tmp_path: P
     node_back = min(e["time"] for e in events if e["generation"] == 4)
     assert {e["pid"] for e in events if e["rank"] == 0} == {world2[0]}, "node a's worker kept its process throughout"
     node_redone = _check_redone(engine, events, node_killed, a.output())
-    diff = _check_exact(tmp_path, steps, engine)
+    diff = _check_exact(tmp_path, steps, engine, kills=2)  # a worker of b, then node b's
     print(f"{engine} on NCCL: join -> 2 ranks stepping {joined:.2f}s (node a's longest pause {pause:.2f}s)")
     for what, (before, resumed), back, killed in (
         ("worker", worker_redone, worker_back, worker_killed),
