@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from pliant import scratch
 from pliant.agent import core, snapshots
 from pliant.agent.actions import (
     Action,
@@ -105,6 +105,7 @@ ZYGOTE_READY_S = 120.0  # the longest a start waits for the zygote's imports (it
 WARM_POLL_S = 0.02  # a newcomer waiting for the others to restart into its generation reads their count this often
 JOIN_WAIT_SHOWN_AFTER_S = 1.0  # a join that waits longer (no coordinator answers yet) says what it waits for
 HEALTHY_WITHIN_S = 30.0  # /healthz fails once the loop has not ticked for this long (a wedged executor)
+PROGRESS_PREFIX = "pliant-progress-"  # the workers' progress records: a scratch directory (pliant.scratch) per agent
 FENCE_READ_S = 2.0  # the checkpoint directory's fence file (maybe on a shared filesystem) is read at most this often
 
 
@@ -174,7 +175,7 @@ class Agent:
             config, self._events, self.metrics, self._stop, lambda: self.state.generation, self._generations.get
         )
         self.metrics_server: MetricsServer | None = None
-        self.progress_dir = tempfile.mkdtemp(prefix=f"pliant-progress-{config.node_id}-")
+        self.progress_dir = scratch.make(PROGRESS_PREFIX, config.node_id)
         self.snapshot_dir = snapshots.make(snapshots.usable(config.snapshot_dir), config.node_id)  # buddy copies
         self._tracked: list[WorkerGroup] = []  # groups whose workers may not all have been seen exiting
         self._renewing: tuple[int, int] | None = None

@@ -13,9 +13,7 @@ causes) exist at zero from the start.
 from __future__ import annotations
 
 import logging
-import shutil
 import struct
-import tempfile
 import threading
 from collections.abc import Iterable
 
@@ -24,11 +22,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
+from pliant import scratch
 from pliant.agent.contract import AgentState
 from pliant.agent.goodput import CAUSES, PHASES, PRODUCTIVE, RECOVERIES
 
 __all__ = ["RESCALE_PATHS", "AgentMetrics", "WorkerExit"]
 
+WORKER_METRICS_PREFIX = "pliant-metrics-"  # the workers' metric files: a scratch directory (pliant.scratch) per agent
 RESCALE_PATHS = ("in-place", "restart")
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class AgentMetrics:
         Info("pliant_agent", "The node this agent is (instance: the scrape target).", registry=own).info(
             {"node_id": node_id}
         )
-        self.worker_dir = tempfile.mkdtemp(prefix=f"pliant-metrics-{node_id}-")
+        self.worker_dir = scratch.make(WORKER_METRICS_PREFIX, node_id)
         self._workers = MultiProcessCollector(None, path=self.worker_dir)
         registry.register(_JobLabelled(own, job_id))
         registry.register(_JobLabelled(self._workers, job_id))
@@ -188,4 +188,4 @@ class AgentMetrics:
         return int(step)
 
     def close(self) -> None:
-        shutil.rmtree(self.worker_dir, ignore_errors=True)
+        scratch.remove(self.worker_dir)

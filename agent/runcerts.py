@@ -24,17 +24,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pliant import scratch
 from pliant.coordinator.etcd_server import MEMBER_CN
 from pliant.security.identity import Role, ca_fingerprint
 from pliant.security.issuance import IssuedCert, LocalCA
 from pliant.security.tlsdir import TlsConfig
 
-__all__ = ["RunCerts", "make_run_certs"]
+__all__ = ["SCRATCH_KIND", "RunCerts", "make_run_certs"]
+
+SCRATCH_KIND = "pliant-certs-"
+"""Where a run's certificates go without ``--certs-dir``: a scratch directory (:mod:`pliant.scratch`), removed
+when the run ends or, after a kill -9, by the next run's start."""
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +82,14 @@ def _server_hosts(hosts: Sequence[str]) -> list[str]:
 
 
 def make_run_certs(directory: str, node_id: str, hosts: Sequence[str]) -> RunCerts:
-    """Create the run's CA and certificates in ``directory`` (a new temporary one when "").
+    """Create the run's CA and certificates in ``directory`` (a new scratch directory when "").
 
     Args:
         directory: where to write them; created with mode 0700.
         node_id: this node's id (its agent certificate's name).
         hosts: the addresses the embedded coordinator is reached on (added to its certificate's names).
     """
-    path = Path(directory).resolve() if directory else Path(tempfile.mkdtemp(prefix="pliant-certs-"))
+    path = Path(directory).resolve() if directory else Path(scratch.make(SCRATCH_KIND))
     ca = LocalCA(path, lifetime_days=90)
     coordinator = ca.issue("coordinator", Role.COORDINATOR, "embedded", _server_hosts(hosts))
     admin = ca.issue("admin", Role.ADMIN, "run-admin")

@@ -4,19 +4,16 @@
 One directory per agent, made at its start in node-local memory (``/dev/shm`` unless ``--snapshot-dir`` names another
 folder; ``--snapshot-dir ''`` turns it off), handed to the workers as ``PLIANT_SNAPSHOT_DIR`` and removed when the
 agent exits. Its files are memory: an agent killed with ``kill -9`` cannot remove them, so every agent first removes
-the directories whose agent (named by the ``agent.pid`` file inside) is gone.
+the directories whose agent is gone (a scratch directory, :mod:`pliant.scratch`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
+from pliant import scratch
 from pliant.errors import ConfigError
-from pliant.spawn import alive
 
 __all__ = ["DEFAULT_PARENT", "PREFIX", "make", "remove", "sweep", "usable"]
 
@@ -24,7 +21,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PARENT = "/dev/shm"
 PREFIX = "pliant-snapshots-"
-_PID_FILE = "agent.pid"
 
 
 def usable(parent: str | None) -> str:
@@ -50,11 +46,8 @@ def make(parent: str, node_id: str) -> str:
     removing those of dead agents there."""
     if not parent:
         return ""
-    sweep(parent)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node_id)[:64]
     try:
-        directory = tempfile.mkdtemp(prefix=f"{PREFIX}{safe}-", dir=parent)
-        Path(directory, _PID_FILE).write_text(str(os.getpid()))
+        directory = scratch.make(PREFIX, node_id, parent)
     except OSError as exc:
         logger.warning("no snapshot directory in %s (%s): a dead worker's buddy copies die with it", parent, exc)
         return ""
@@ -64,21 +57,9 @@ def make(parent: str, node_id: str) -> str:
 
 def remove(*directories: str) -> None:
     """Remove the directories :func:`make` made, and the agent's other scratch folders (nothing for "")."""
-    for directory in filter(None, directories):
-        shutil.rmtree(directory, ignore_errors=True)
+    scratch.remove(*directories)
 
 
 def sweep(parent: str) -> list[str]:
     """Remove the snapshot directories in ``parent`` whose agent is gone; returns them."""
-    gone = []
-    for directory in Path(parent).glob(f"{PREFIX}*"):
-        try:
-            pid = int((directory / _PID_FILE).read_text())
-        except (OSError, ValueError):
-            continue  # being made, or not ours
-        if not alive(pid):
-            shutil.rmtree(directory, ignore_errors=True)
-            gone.append(str(directory))
-    if gone:
-        logger.info("removed %d snapshot directories of agents that are gone: %s", len(gone), gone)
-    return gone
+    return scratch.sweep(parent, PREFIX)

@@ -13,13 +13,13 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import etcd3
 import grpc
 
+from pliant import scratch
 from pliant.coordinator.contract import CoordinatorError
 from pliant.net import free_port
 from pliant.security.tlsdir import TlsConfig
@@ -66,6 +66,7 @@ def find_etcd_binary(name: str = "etcd") -> str:
     )
 
 
+SCRATCH_KIND = "pliant-etcd-"  # the data directories of etcds started without one
 MEMBER_CN = "etcd"
 """The common name of every etcd member's certificate (server and peer): a member's peer port takes peers with this
 name only (``--peer-cert-allowed-cn``), so a coordinator's etcd client certificate, of the same CA, opens no peer
@@ -93,7 +94,8 @@ class EtcdServer:
     (``cluster_state="existing"``, after :meth:`pliant.coordinator.etcd_cluster.EtcdMembers.add_learner`).
 
     Args:
-        data_dir: where etcd keeps its data; a temporary directory (removed on :meth:`stop`) when None.
+        data_dir: where etcd keeps its data; when None, ``data`` in a scratch directory of this process's
+            (:mod:`pliant.scratch`), removed on :meth:`stop` or, after a kill -9, by the next start of one.
         host: the address to listen on.
         client_port, peer_port: ports to use; free ones are picked when None. They are kept across restarts. A
             port is picked free but bound by etcd only later, so another process may take it in between: when etcd
@@ -130,8 +132,10 @@ class EtcdServer:
         self.name = name
         self.initial_cluster = initial_cluster
         self.cluster_state = cluster_state
-        self._own_dir = data_dir is None
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="pliant-etcd-")
+        # no data_dir: a scratch directory of this process's (pliant.scratch), so that the data of an etcd whose owner
+        # was killed with kill -9 (over 100 MB of preallocated WAL) goes at the next start
+        self._scratch = "" if data_dir else scratch.make(SCRATCH_KIND)
+        self.data_dir = data_dir or os.path.join(self._scratch, "data")
         self.host = host
         self._picked = (not client_port, not peer_port)
         self.client_port = client_port or free_port(host)
@@ -228,6 +232,8 @@ class EtcdServer:
             cmd = die_with_parent(cmd)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if self._scratch:  # its data is not swept while etcd runs, even if this process was killed
+            scratch.add_owner(self._scratch, self.proc.pid)
         if out is not subprocess.DEVNULL:
             out.close()
         deadline = time.monotonic() + timeout_s
@@ -267,8 +273,8 @@ class EtcdServer:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self._own_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._scratch:
+            scratch.remove(self._scratch)
 
     def __enter__(self) -> EtcdServer:
         return self.start()

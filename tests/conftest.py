@@ -333,11 +333,19 @@ def _no_leftover_processes() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _no_leftover_snapshots() -> Iterator[None]:
-    """Remove the snapshot directories (node-local memory) of the agents the tests killed: an agent removes its own
-    when it exits, and the next agent's start those of dead agents (pliant.agent.snapshots)."""
+def _no_leftover_scratch() -> Iterator[None]:
+    """Remove the scratch directories of the processes the tests killed (the agents' progress, metrics and snapshot
+    folders, the runs' certificates, the etcds' data): a process removes its own when it exits, and the next one's
+    start those of dead ones (pliant.scratch); this sweeps what the session's last kills left."""
     yield
-    from pliant.agent import snapshots
+    import tempfile
 
+    from pliant import scratch
+    from pliant.agent import agent, metrics, runcerts, snapshots
+    from pliant.coordinator import etcd_server
+
+    kinds = (agent.PROGRESS_PREFIX, metrics.WORKER_METRICS_PREFIX, runcerts.SCRATCH_KIND, etcd_server.SCRATCH_KIND)
+    for kind in kinds:
+        scratch.sweep(tempfile.gettempdir(), kind)
     if snapshots.usable(None):
         snapshots.sweep(snapshots.usable(None))

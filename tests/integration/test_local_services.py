@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import etcd3
+import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.integration.harness import first_node, read_steps
+from tests.integration.harness import PLIANT, SCRIPT, first_node, read_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -75,3 +76,45 @@ def test_pliant_etcd_serves_mutual_tls_and_prints_the_coordinators_flags(spawn, 
     assert not _refused("127.0.0.1", port, ca_cert=ca, cert_cert=cert, cert_key=key)
     etcd.kill(15)
     wait_for(lambda: etcd.proc.poll() is not None, 30, "etcd to stop")
+
+
+def test_what_a_killed_run_leaves_is_removed_by_the_next_one(spawn, tmp_path: Path) -> None:
+    """``pliant run`` killed with kill -9 leaves its scratch directories (the embedded etcd's data, over 100 MB; the
+    run's certificates; the agent's progress, metrics and buddy-copy folders); the next run on the machine removes
+    them at its start, and its own stay while it runs."""
+    scratch_dir = tmp_path / "tmp"
+    scratch_dir.mkdir()
+    env = {"TMPDIR": str(scratch_dir)}
+    argv = [*PLIANT, "run", "--nproc-per-node", "1", "--snapshot-dir", str(scratch_dir), str(SCRIPT), "--steps",
+            "100000", "--step-time", "0.03"]  # fmt: skip
+    first = spawn([*argv, "--events", str(tmp_path / "first.jsonl")], name="first", env=env)
+    wait_for(lambda: read_steps(tmp_path / "first.jsonl"), 60, "the first run training")
+    left = _pliant_dirs(scratch_dir)
+    kinds = ("pliant-etcd-", "pliant-certs-", "pliant-progress-", "pliant-metrics-", "pliant-snapshots-")
+    assert all(any(name.startswith(kind) for name in left) for kind in kinds), left
+    first.kill(9)
+    wait_for(lambda: not _running_in(scratch_dir), 30, "the first run's etcd and workers to die with it")
+    assert _pliant_dirs(scratch_dir) == left, "kill -9 removes nothing"
+
+    second = spawn([*argv, "--events", str(tmp_path / "second.jsonl")], name="second", env=env)
+    wait_for(lambda: read_steps(tmp_path / "second.jsonl"), 60, "the second run training")
+    now = _pliant_dirs(scratch_dir)
+    assert not set(now) & set(left), f"the killed run's directories stayed: {set(now) & set(left)}"
+    assert all(any(name.startswith(kind) for name in now) for kind in kinds), now
+    second.kill(15)
+    wait_for(lambda: second.proc.poll() is not None, 30, "the second run to stop")
+    assert not _pliant_dirs(scratch_dir), "a run that ends removes its own"
+
+
+def _pliant_dirs(directory: Path) -> list[str]:
+    """What pliant made in ``directory`` (torch keeps a compile cache there too)."""
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("pliant-"))
+
+
+def _running_in(directory: Path) -> list[int]:
+    """Processes whose command line names ``directory`` (the killed run's etcd, zygote and workers)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if str(directory) in " ".join(proc.info["cmdline"] or []):
+            found.append(proc.info["pid"])
+    return found

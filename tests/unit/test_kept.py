@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pliant import scratch
 from pliant.agent import snapshots
 from pliant.errors import ConfigError
 from pliant.worker.inplace import kept as kept_module
@@ -118,7 +119,8 @@ def test_the_agents_directory_is_its_own_and_a_dead_agents_is_swept(tmp_path: Pa
     )
     stale = tmp_path / "pliant-snapshots-old-x"
     stale.mkdir()
-    (stale / "agent.pid").write_text(dead.stdout.strip())
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    (stale / scratch.OWNER_FILE).write_text(f"{dead.stdout.strip()} {namespace} 1000.00\n")
     (stale / "local-0").mkdir()
     again = snapshots.make(str(tmp_path), "node-2")
     assert not stale.exists() and Path(made).exists() and Path(again).exists()  # a live agent's stays
