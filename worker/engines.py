@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from pliant.worker.contract import LOCAL, Engine, EngineError, GlobalBatch, LossFn, Runner
+
+if TYPE_CHECKING:
+    # torch.distributed.optim scripts its functional optimizers with TorchScript when imported (0.2 s on the 2-core
+    # machine): only the ZeRO engine imports it, when it makes its optimizer, not every worker's start
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
     "DDPEngine",
@@ -229,6 +233,8 @@ class ZeroEngine(DDPEngine):
         return None  # ZeRO partitions its optimizer over the process group
 
     def _optimizer(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         self._full: torch.optim.Optimizer | None = None
         return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=cls, **kwargs)
 
