@@ -15,7 +15,8 @@ process since does not keep a dead owner's directory).
 
 What holds:
 
-- a directory without a readable owner file (being made, made by another program) is never removed;
+- a directory without a readable owner file (being made, made by another program), another user's directory, and a
+  link are never removed;
 - a directory is removed only when every line of its owner file names a process of this pid namespace that is gone:
   its pid unused, a zombie, or a process started at another time. A line of another form, or of another namespace,
   or a process this user may not inspect, keeps the directory.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -120,6 +122,9 @@ def sweep(parent: str, kind: str) -> list[str]:
     gone = []
     for directory in Path(parent).glob(f"{kind}*"):
         try:
+            made = directory.lstat()
+            if not stat.S_ISDIR(made.st_mode) or made.st_uid != os.getuid():
+                continue  # a link, a file, or another user's: never this process's to remove
             text = (directory / OWNER_FILE).read_text()
         except OSError:
             continue  # being made, or not made by make()

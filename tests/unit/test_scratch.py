@@ -59,13 +59,23 @@ def test_the_next_make_sweeps_what_dead_owners_left_and_nothing_else(tmp_path: P
     no_owner = tmp_path / "pliant-etcd-old"
     no_owner.mkdir()
     other_kind = _left(tmp_path, "pliant-certs-dead", f"{dead} {_namespace()} 1000.00\n")
+    elsewhere = _left(tmp_path / "elsewhere", "dir", f"{dead} {_namespace()} 1000.00\n")
+    link = tmp_path / "pliant-etcd-link"
+    link.symlink_to(elsewhere)
 
     made = Path(scratch.make("pliant-etcd-", parent=str(tmp_path)))
 
     assert not gone.exists(), "its owner ended"
     assert not reused.exists(), "its pid belongs to a process started at another time"
-    kept = [live, half, other_namespace, unreadable, empty, no_owner, other_kind, made]
+    kept = [live, half, other_namespace, unreadable, empty, no_owner, other_kind, elsewhere, link, made]
     assert all(path.exists() for path in kept), [path for path in kept if not path.exists()]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user (chown needs root)")
+def test_another_users_directory_is_never_swept(tmp_path: Path) -> None:
+    others = _left(tmp_path, "pliant-etcd-another-users", f"{_ended_process()} {_namespace()} 1000.00\n")
+    os.chown(others, 12345, 12345)
+    assert scratch.sweep(str(tmp_path), "pliant-etcd-") == [] and others.exists()
 
 
 def test_a_directory_stays_while_any_owner_runs(tmp_path: Path) -> None:
