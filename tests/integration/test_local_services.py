@@ -85,8 +85,8 @@ def test_what_a_killed_run_leaves_is_removed_by_the_next_one(spawn, tmp_path: Pa
     scratch_dir = tmp_path / "tmp"
     scratch_dir.mkdir()
     env = {"TMPDIR": str(scratch_dir)}
-    argv = [*PLIANT, "run", "--nproc-per-node", "1", "--snapshot-dir", str(scratch_dir), str(SCRIPT), "--steps",
-            "100000", "--step-time", "0.03"]  # fmt: skip
+    argv = [*PLIANT, "run", "--nproc-per-node", "1", "--snapshot-dir", str(scratch_dir)]
+    argv += [str(SCRIPT), "--steps", "100000", "--step-time", "0.03"]
     first = spawn([*argv, "--events", str(tmp_path / "first.jsonl")], name="first", env=env)
     wait_for(lambda: read_steps(tmp_path / "first.jsonl"), 60, "the first run training")
     left = _pliant_dirs(scratch_dir)
