@@ -275,7 +275,7 @@ class Agent:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.metrics.close()
-            snapshots.remove(self.progress_dir, self.snapshot_dir)
+            scratch.remove(self.progress_dir, self.snapshot_dir)
 
     def _publish_renewing(self) -> None:
         """Tell peers (through the agent store) for how long this agent has renewed its membership without a break,

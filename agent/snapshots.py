@@ -56,7 +56,7 @@ def make(parent: str, node_id: str) -> str:
 
 
 def remove(*directories: str) -> None:
-    """Remove the directories :func:`make` made, and the agent's other scratch folders (nothing for "")."""
+    """Remove the directories :func:`make` made (nothing for "")."""
     scratch.remove(*directories)
 
 
