@@ -103,7 +103,7 @@ def etcd_call(fn: Callable[..., _T]) -> Callable[..., _T]:
                 raise ResourceExhausted(
                     f"etcd refused {fn.__name__}: it is out of space (its NOSPACE alarm: only reads and deletes pass); "
                     f"free space by deleting jobs (pliant job delete JOB --force deletes one unfinished), then "
-                    f"compact, defragment and disarm etcd (etcdctl compact, defrag, alarm disarm), or raise "
+                    f"compact, defragment and disarm etcd (etcdctl compact --physical, defrag, alarm disarm), or raise "
                     f"--quota-backend-bytes"
                 ) from exc
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in details:
