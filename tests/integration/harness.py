@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from pliant.spawn import alive as process_alive
 
 __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with the tests
     "ELASTIC",
+    "GAVE_UP",
     "GLOBAL_BATCH",
     "ROOT",
     "SAMPLES",
@@ -35,6 +37,7 @@ __all__ = [  # longest_pause and read_jsonl are the benchmarks' own, shared with
     "Step",
     "agent_args",
     "assert_all_gone",
+    "assert_kept",
     "batches_counted",
     "counted_samples",
     "descendants",
@@ -197,6 +200,21 @@ SAMPLES, GLOBAL_BATCH = 1000, 64  # 16 steps per epoch of examples/train_elastic
 # the two runs can take opposite sides of the kink, and the rounding becomes a real difference by the last step.
 EXACT = ("--float64",)
 TOLERANCE = 1e-9  # the largest |parameter difference| from a static run that counts as equal (float64 runs: ~1e-15)
+
+
+GAVE_UP = "the agent replaces this worker"  # the log line of a worker the step guard gave up on (groups.give_up)
+
+
+def assert_kept(before: Iterable[int], after: Iterable[int], output: str) -> set[int]:
+    """Assert that the worker processes ``before`` (pids) are among ``after``, save those the step guard gave up on: a
+    rank still blocked in gloo past its break exits with its stacks, and its agent replaces it (the known limit in
+    docs/operations.md, seen under a loaded suite). Each such process must have its give-up line in ``output``, the
+    output of their agents. Returns the pids replaced."""
+    replaced = set(before) - set(after)
+    assert len(replaced) <= output.count(GAVE_UP), ("kept their processes", sorted(before), sorted(after))
+    if replaced:
+        print(f"workers {sorted(replaced)} were replaced after the step guard gave up on them")
+    return replaced
 
 
 def elastic_agent(

@@ -15,7 +15,15 @@ import pytest
 
 from pliant.agent.contract import left_on
 from tests.conftest import wait_for
-from tests.integration.harness import TOLERANCE, descendants, elastic_agent, end_soon, hsdp_transfers, replica_bytes
+from tests.integration.harness import (
+    GAVE_UP,
+    TOLERANCE,
+    descendants,
+    elastic_agent,
+    end_soon,
+    hsdp_transfers,
+    replica_bytes,
+)
 from tests.integration.test_in_place import _check_exact, _events, _pids, _stepping
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -96,7 +104,7 @@ def test_replicas_survive_a_worker_kill_a_join_a_node_kill_a_join_and_a_leave_in
     # shard from a current holder, once. Nothing else moves.
     caught_up = {"a": moved["a"], "c": moved["c"][2:], "d": moved["d"][2:]}
     for name, transfers in caught_up.items():
-        explained = ("was committed by peers; taking their state", "the agent replaces this worker")
+        explained = ("was committed by peers; taking their state", GAVE_UP)
         assert not transfers or any(why in outputs[name] for why in explained), moved
         assert len(transfers) <= 2, moved
     diff = _check_exact(tmp_path, steps, "hsdp", kills=3)  # a worker of b, then b's two
