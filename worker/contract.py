@@ -167,9 +167,10 @@ class Runner:
         (always, here): the checkpoint copies the state itself."""
         return None
 
-    def peer_failed(self, exc: BaseException) -> bool:
-        """A collective between steps failed with ``exc``: True when the next step recovers from it (a peer went
-        away, in place); False (always, here): the caller raises."""
+    def peer_failed(self, exc: BaseException, started: float | None = None) -> bool:
+        """A collective between steps, begun at ``started`` (``time.perf_counter``; None: not known), failed with
+        ``exc``: True when the next step recovers from it (a peer went away, in place); False (always, here): the
+        caller raises."""
         return False
 
 

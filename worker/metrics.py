@@ -165,9 +165,9 @@ class WorkerMetrics:
         )
         self.recovery_seconds = Histogram(
             "pliant_worker_recovery_phase_seconds",
-            "A survivor's recovery from a peer's failure mid-step, by phase: detect (the broken step, until it "
-            "failed), decide (until the agent handed over the next generation), reform (the new world's groups), "
-            "transfer (the state to every rank) and first_step (the new world's first step).",
+            "A survivor's recovery from a peer's failure, by phase: detect (the broken step, or collective between "
+            "steps, until it failed), decide (until the agent handed over the next generation), reform (the new "
+            "world's groups), transfer (the state to every rank) and first_step (the new world's first step).",
             ["phase"],
             buckets=_STEP_BUCKETS_S,
             registry=r,

@@ -318,7 +318,7 @@ class Session:
                 dist.all_reduce(tensor)
             total = float(tensor.item())
         except RuntimeError as exc:  # a peer died between steps: the next engine.step re-forms and goes on
-            if not self._runner.peer_failed(exc):
+            if not self._runner.peer_failed(exc, started):
                 raise
             logger.warning(
                 "rank %d: a peer failed during all_reduce_sum; returning this rank's own value (%g)",

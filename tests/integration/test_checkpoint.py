@@ -291,7 +291,7 @@ seen = []
 
 
 class InPlace(pw.contract.Runner):  # the rescale protocol's answer: a peer's failure is recovered from
-    def peer_failed(self, exc):
+    def peer_failed(self, exc, started=None):
         seen.append(str(exc))
         return "Connection reset" in str(exc)
 

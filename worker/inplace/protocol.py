@@ -322,12 +322,15 @@ class Protocol(Runner):
             self.boundary_due = asked
             return loss
 
-    def peer_failed(self, exc: BaseException) -> bool:
-        """A collective run between steps (``Session.all_reduce_sum``, an async checkpoint's) failed with ``exc``.
-        True when it is a peer failure the next step recovers from (it re-forms first); the peers still blocked in it
-        are woken now."""
+    def peer_failed(self, exc: BaseException, started: float | None = None) -> bool:
+        """A collective run between steps (``Session.all_reduce_sum``, an async checkpoint's), begun at ``started``
+        (``time.perf_counter``; None: not known), failed with ``exc``. True when it is a peer failure the next step
+        recovers from (it re-forms first): the time from ``started`` is the recovery's detect phase, and the peers
+        still blocked in it are woken now."""
         if not (self.engines and all(self._recoverable(e) for e in self.engines) and is_peer_failure(exc)):
             return False
+        if started is not None:
+            self.metrics.observe_recovery("detect", time.perf_counter() - started)
         self.failed_between = str(exc).splitlines()[0][:200]
         self.world.wait_for_next(self.steps_done)
         self.world.sever()
