@@ -11,6 +11,18 @@ from pliant.cli import main
 from tests.integration.harness import SCRIPT
 
 
+def _busy_after_a_free_port() -> socket.socket:
+    """A listening socket on a port whose predecessor was free a moment ago: this test's own until now, so that no
+    other test's connection took it meanwhile (a case names the port before the busy one)."""
+    for _ in range(100):
+        with socket.create_server(("127.0.0.1", 0)) as below:
+            try:
+                return socket.create_server(("127.0.0.1", below.getsockname()[1] + 1))
+            except OSError:
+                continue
+    raise AssertionError("no two free ports in a row on 127.0.0.1")
+
+
 @pytest.mark.parametrize(
     ("env", "argv", "named"),
     [
@@ -74,7 +86,7 @@ def test_a_bad_value_is_one_line_naming_it_and_exit_2(
 ) -> None:
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    with socket.create_server(("127.0.0.1", 0)) as busy:  # a port something on this machine listens on
+    with _busy_after_a_free_port() as busy:  # a port something on this machine listens on
         port = busy.getsockname()[1]
         ports = {"busy": port, "busy_minus_1": port - 1}
         argv, named = [arg.format(**ports) for arg in argv], named.format(**ports)
