@@ -24,9 +24,11 @@ After a break, :meth:`Guard.check` (before the optimizer step) raises a peer fai
 step; :func:`pliant.worker.inplace.protocol.is_peer_failure` takes the error as one, and the failure path re-forms the
 world in the same process.
 
-**A break that releases nothing.** A suite run saw a rank whose break (its sockets shut down) did not end its step:
-it was blocked in something other than a collective on those sockets, and the survivors waited for it in the next
-generation's meeting until the test gave up. Where it waited was not established. So a step still blocked
+**A break that releases nothing.** gloo never wakes a send whose bytes were still queued on its connection when the
+connection failed: its TCP transport's error wakes the queued sends of bound buffers only, not those of unbound
+buffers (every ``send`` and the ring all-reduce's), so such a send waits out the collective timeout, and shutting the
+sockets down does not reach it (the failed connection's socket is closed already; ``bench/gloo_queued_send.py``
+shows it with two plain gloo processes). ``ProcessGroupGloo.abort`` does nothing. So a step still blocked
 :data:`GIVE_UP_S` or three times the last step's time (whichever is longer) after its break (:func:`wedged`) ends the
 process: the guard writes every thread's Python stack to stderr (the agent logs it) and exits with
 :data:`pliant.env.GUARD_EXIT_CODE`. Its agent reports the failure like any dead worker's, the survivors re-form in
