@@ -20,26 +20,29 @@ Rules (see docs/architecture.md):
 - A report whose named nodes are not corroborated yet, from the smaller side of a cut, or a newcomer's against
   older members (:func:`pliant.coordinator.policy.reported_evictions`), evicts nobody at once; while it waits for the
   nodes it named to report or fall silent, the planner waits too, and the executor evicts them when it comes due.
-- Reports from nodes whose workers only wait after a peer failed (:attr:`FailureCause.WAITING`) give the failure's cause
-  :data:`pliant.coordinator.policy.REPORT_GRACE_S` to be reported (a worker's exit, or a peer named unreachable,
-  whose eviction spends nothing) before they restart the generation: in a cut between two of three nodes, the
-  third node, which reaches both, otherwise spent a restart and re-formed the same world again and again.
-- A worker failure reported for the current generation restarts it and is charged to the node that reported it
-  (the nodes whose workers failed; when every report is a wait after a peer failed, the nodes that waited): each node
-  has ``max_restarts`` failures of its own. A node charged more than that is excluded (it waits as a spare for the
-  rest of the job), and the job fails only when fewer than ``min_nodes`` nodes remain that are not: one member
-  reporting failures again and again excludes itself, never spends the others' budget. The generation names each
-  excluded node with its count and last error (``Generation.excluded``), so its agent says why it waits. Scaling
-  events are never charged; failures in a generation that also lost a node are attributed to that loss and charged to
-  nobody.
+- Reports of a peer's failure, not of the node's own (:func:`broken_by_a_peer`: workers that wait in place after a
+  peer failed, :attr:`FailureCause.WAITING`, or that died of a collective's error saying a peer went away,
+  :func:`pliant.errorfile.peer_gone`), give the failure's cause :data:`pliant.coordinator.policy.REPORT_GRACE_S` to
+  be reported (a worker's own exit, or a peer named unreachable, whose eviction spends nothing) before they restart
+  the generation: in a cut between two of three nodes, the third node, which reaches both, otherwise spent a restart
+  and re-formed the same world again and again.
+- A worker failure reported for the current generation restarts it and is charged to the nodes whose failure it is:
+  those whose reports are not :func:`broken_by_a_peer` (a script's exception or a worker killed on one node breaks its
+  peers' collectives, and they are not charged for it), or, when every report is one, the nodes that reported. Each node
+  has ``max_restarts`` failures of its own. A node charged more than that is excluded (it waits as a spare for the rest
+  of the job), and the job fails only when fewer than ``min_nodes`` nodes remain that are not: one member reporting
+  failures again and again excludes itself, never spends the others' budget. The generation names each excluded node
+  with its count and last error (``Generation.excluded``), so its agent says why it waits. Scaling events are never
+  charged; failures in a generation that also lost a node are attributed to that loss and charged to nobody.
 - A failure is the *world's* when every node of a world of two nodes or more reports a worker's exit with one and the
-  same error (the exception's type and message, :func:`world_error`): a script that cannot train at that world size
-  (a batch that does not divide, a validation interval longer than the epoch). Nobody is charged, and the job refuses
-  that world size for the rest of its life (``Generation.refused``): every world it publishes from then on is the
-  longest prefix of its nodes, in rank order, whose size it does not refuse (the nodes left out wait), and it fails
-  when no such world reaches ``min_nodes``. A first report that carries an error waits up to
-  :data:`pliant.coordinator.policy.REPORT_GRACE_S` for the other nodes' reports while every report so far is the
-  same error. A one-node world's failure cannot be told apart from its node's: it is the node's.
+  same error (the exception's type and message, :func:`world_error`; never a peer's going away, which every node of a
+  world may report alike): a script that cannot train at that world size (a batch that does not divide, a validation
+  interval longer than the epoch). Nobody is charged, and the job refuses that world size for the rest of its life
+  (``Generation.refused``): every world it publishes from then on is the longest prefix of its nodes, in rank order,
+  whose size it does not refuse (the nodes left out wait), and it fails when no such world reaches ``min_nodes``. A
+  first report that carries an error waits up to :data:`pliant.coordinator.policy.REPORT_GRACE_S` for the other nodes'
+  reports while every report so far is the same error. A one-node world's failure cannot be told apart from its node's:
+  it is the node's.
 
 - Nodes of a group (``JobSpec.node_group``, an hsdp replica cut over several nodes) train only together: a world holds
   the previous world's groups that are whole, in their order, then the other nodes cut into new groups
@@ -71,6 +74,7 @@ from pliant.coordinator.contract import (
     WaitUntil,
 )
 from pliant.coordinator.policy import REPORT_GRACE_S, SILENCE_POLL_S, held_back, reported_evictions
+from pliant.errorfile import peer_gone
 
 __all__ = ["assign_ranks", "grouped", "plan", "refused_note", "world_error"]
 
@@ -186,15 +190,27 @@ NOT_THE_WORLDS = ("RescaleError:",)
 world reports them alike, and they say nothing of the world size."""
 
 
+def broken_by_a_peer(report: FailureReport) -> bool:
+    """Whether ``report`` is of a peer's failure, not of its node's own: its workers wait in place after a peer failed,
+    or a worker died of a collective's error saying a peer went away (:func:`pliant.errorfile.peer_gone`)."""
+    return report.cause is FailureCause.WAITING or (report.cause is FailureCause.EXITED and peer_gone(report.error))
+
+
+def _not_the_worlds(error: str) -> bool:
+    """``error`` says nothing of the world size: pliant's own re-formation (:data:`NOT_THE_WORLDS`), or a peer's going
+    away."""
+    return error.startswith(NOT_THE_WORLDS) or peer_gone(error)
+
+
 def world_error(gen: Generation, failures: Sequence[FailureReport]) -> str:
     """The error every node of ``gen``'s world failed with, when the failure is the world's: a world of two nodes or
-    more, each of whose nodes reported a worker's exit with the same error, not one of :data:`NOT_THE_WORLDS` (""
-    otherwise: a node's failure)."""
+    more, each of whose nodes reported a worker's exit with the same error, one that says something of the world size
+    (not :func:`_not_the_worlds`; "" otherwise: a node's failure)."""
     errors = {f.node_id: f.error for f in failures if f.cause is FailureCause.EXITED}
     if len(gen.members) < 2 or set(errors) != set(gen.node_ids) or len(set(errors.values())) != 1:
         return ""
     error = next(iter(errors.values()))
-    return "" if error.startswith(NOT_THE_WORLDS) else error
+    return "" if _not_the_worlds(error) else error
 
 
 def _may_be_world_error(gen: Generation, failures: Sequence[FailureReport]) -> bool:
@@ -202,7 +218,7 @@ def _may_be_world_error(gen: Generation, failures: Sequence[FailureReport]) -> b
     has not reported yet: the failure may yet prove the world's."""
     if len(gen.members) < 2 or not failures:
         return False
-    if any(f.cause is not FailureCause.EXITED or not f.error or f.error.startswith(NOT_THE_WORLDS) for f in failures):
+    if any(f.cause is not FailureCause.EXITED or not f.error or _not_the_worlds(f.error) for f in failures):
         return False
     return len({f.error for f in failures}) == 1 and {f.node_id for f in failures} < set(gen.node_ids)
 
@@ -291,13 +307,13 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
                 f"their reports or their silence{doubted}",
                 JobState.RUNNING,
             )
-    if running and failures and all(f.cause is FailureCause.WAITING for f in failures):
-        # Only workers waiting after a peer failed: the failure's cause (a worker's exit, a peer named unreachable,
-        # whose eviction costs no restart) is usually reported within moments; give it REPORT_GRACE_S.
+    if running and failures and all(broken_by_a_peer(f) for f in failures):
+        # Only reports of a peer's failure: its cause (a worker's own exit, a peer named unreachable, whose eviction
+        # costs no restart) is usually reported within moments; give it REPORT_GRACE_S.
         until = min(f.reported_at for f in failures) + REPORT_GRACE_S
         if now < until:
             return WaitUntil(
-                until, f"{', '.join(failed_nodes)} wait after a peer failed; waiting for the cause", JobState.RUNNING
+                until, f"{', '.join(failed_nodes)} failed after a peer failed; waiting for the cause", JobState.RUNNING
             )
     if running and gen is not None and _may_be_world_error(gen, failures):
         # A worker's exception: the other nodes may fail with the same one (the world's failure, charged to nobody).
@@ -320,7 +336,7 @@ def plan(snap: JobSnapshot, now: float) -> Decision:
                     f"run with --nnodes that avoid those sizes"
                 )
             return _publish(snap, nodes, "restart", restarts + 1, now, refused=refused)
-        culprits = sorted({f.node_id for f in failures if f.cause is not FailureCause.WAITING}) or failed_nodes
+        culprits = sorted({f.node_id for f in failures if not broken_by_a_peer(f)}) or failed_nodes
         for node in culprits:
             charged[node] = charged.get(node, 0) + 1
         errors = {f.node_id: f.error or f.message for f in failures if f.node_id in culprits}

@@ -20,9 +20,25 @@ import time
 import traceback
 from types import TracebackType
 
-__all__ = ["MAX_ERROR_FILE_BYTES", "describe", "read_error", "write_error"]
+__all__ = ["MAX_ERROR_FILE_BYTES", "PEER_GONE", "describe", "peer_gone", "read_error", "write_error"]
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # what the agent reads of an error file (a traceback of a deep recursion is long)
+
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+"""What a collective's error says when a peer of it went away (gloo's TCP transport, NCCL): the error the peers of a
+failed worker die of, which names no fault of their own."""
+
+
+def peer_gone(identity: str) -> bool:
+    """Whether a worker's error ``identity`` (``Type: message``) is a collective's failure because a peer went away
+    (:data:`PEER_GONE`)."""
+    return any(mark in identity for mark in PEER_GONE)
 
 
 def describe(value: BaseException) -> str:

@@ -5,8 +5,8 @@ Each rank appends JSON lines to ``--events``: ``{"rank", "world", "step", "node"
 
 - ``--fail-at-world W``: every rank of a world of W raises the same ValueError after the process group formed (a
   script that cannot train at that size);
-- ``--fail-on-node NODE``: the ranks on node NODE (``PLIANT_NODE_ID``) raise a RuntimeError before they meet the
-  others (a node's own fault);
+- ``--fail-on-node NODE``: the ranks on node NODE (``PLIANT_NODE_ID``) raise a RuntimeError at their third step
+  (a node's own fault, which breaks the other ranks' collectives: they die of gloo's error that a peer went away);
 - ``--ckpt FILE``: save-on-SIGTERM. The handler only sets a flag; every step all-reduces it, so every rank stops at
   the same step boundary, rank 0 saves that step, and the world resumes from it (no step redone).
 """
@@ -40,8 +40,6 @@ def main() -> None:
         with open(args.events, "a") as out:
             out.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "node": node, **fields}) + "\n")
 
-    if args.fail_on_node and node == args.fail_on_node:
-        raise RuntimeError(f"the disk of {node} is full")
     stop = torch.zeros(1)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.fill_(1.0))
     dist.init_process_group("gloo")
@@ -68,6 +66,8 @@ def main() -> None:
             dist.barrier()  # every rank waits for the save before any leaves
             dist.destroy_process_group()
             sys.exit(0 if stop.item() > 0 else 143)
+        if args.fail_on_node and node == args.fail_on_node and step == 3:
+            raise RuntimeError(f"the disk of {node} is full")
         optimizer.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
         optimizer.step()

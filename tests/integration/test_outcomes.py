@@ -1,7 +1,8 @@
 """Honest outcomes, through real agents, a real coordinator and gloo workers of a plain DDP script
 (tests/integration/plain_job.py): a failure of every node of a world refuses that world size and charges nobody; a
-node's own failures exclude it, and it says why; the job's end says how it ended; and a graceful leave stops every
-node's workers with SIGTERM before any peer's exit can break their collectives."""
+node's own failures exclude it, and it says why, and the peers whose collectives they broke are not charged; the
+job's end says how it ended; and a graceful leave stops every node's workers with SIGTERM before any peer's exit can
+break their collectives."""
 
 from __future__ import annotations
 

@@ -473,15 +473,52 @@ def test_a_first_report_with_an_error_waits_for_the_other_nodes() -> None:
     assert decision.generation.charged == (("a", 1),) and decision.generation.refused == ()
 
 
+PEER_GONE = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4121"
+THREE = JobSpec("job", min_nodes=1, max_nodes=3, nproc_per_node=2, join_grace_s=1.0, max_restarts=3)
+
+
 def test_different_errors_or_a_signal_are_a_nodes_failure_at_once() -> None:
-    world4 = Generation("job", 2, assign_ranks(WIDE, [A, B]), "join", 0, T0)
-    other = _exited("b", 2, "RuntimeError: Connection closed by peer")
-    decision = plan(_snap(world4, [A, B], [_exited("a", 2, ERROR), other]), T0 + 5.1)
+    world6 = Generation("job", 2, assign_ranks(THREE, [A, B, C]), "join", 0, T0)
+    other = _exited("b", 2, "RuntimeError: CUDA error: out of memory")
+    decision = plan(_snap(world6, [A, B, C], [_exited("a", 2, ERROR), other], THREE), T0 + 5.1)
     assert isinstance(decision, NewGeneration)
     assert decision.generation.charged == (("a", 1), ("b", 1)) and decision.generation.refused == ()
     killed = FailureReport("a", 2, -9, "local rank 0 exited with code -9", T0 + 5)
-    decision = plan(_snap(world4, [A, B], [killed]), T0 + 5.1)
+    decision = plan(_snap(world6, [A, B, C], [killed], THREE), T0 + 5.1)
     assert isinstance(decision, NewGeneration) and decision.generation.charged == (("a", 1),)
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        _exited("a", 2, ERROR),  # the script's exception on a
+        FailureReport("a", 2, -9, "local rank 0 exited with code -9", T0 + 5),  # a worker of a killed
+    ],
+    ids=["exception", "kill"],
+)
+def test_the_peers_whose_collectives_a_nodes_failure_broke_are_not_charged(cause: FailureReport) -> None:
+    """b's and c's workers die of the collective a's failure broke: a alone is charged, in either order."""
+    world6 = Generation("job", 2, assign_ranks(THREE, [A, B, C]), "join", 0, T0)
+    peers = [_exited("b", 2, PEER_GONE, T0 + 4.9), _exited("c", 2, PEER_GONE.replace("4121", "4122"), T0 + 4.95)]
+    first = plan(_snap(world6, [A, B, C], peers, THREE), T0 + 5.0)
+    assert isinstance(first, WaitUntil) and first.deadline == pytest.approx(T0 + 6.9), first  # the cause, not yet
+    decision = plan(_snap(world6, [A, B, C], [*peers, cause], THREE), T0 + 5.1)
+    assert isinstance(decision, NewGeneration), decision
+    assert decision.generation.charged == (("a", 1),) and decision.generation.refused == ()
+    assert decision.generation.node_ids == ("a", "b", "c")
+
+
+def test_a_peers_going_away_on_every_node_is_no_world_error_and_charges_them_once_its_cause_never_comes() -> None:
+    """The same peer error from every node says nothing of the world size: no size is refused; with no report of
+    the cause within the grace, the nodes that reported are charged, as before."""
+    world4 = Generation("job", 2, assign_ranks(WIDE, [A, B]), "join", 0, T0)
+    reports = [_exited("a", 2, PEER_GONE), _exited("b", 2, PEER_GONE, T0 + 5.2)]
+    waiting = plan(_snap(world4, [A, B], reports), T0 + 5.3)
+    assert isinstance(waiting, WaitUntil) and waiting.deadline == pytest.approx(T0 + 7.0), waiting
+    decision = plan(_snap(world4, [A, B], reports), T0 + 7.0)
+    assert isinstance(decision, NewGeneration), decision
+    assert decision.generation.refused == () and decision.generation.world_size == 4
+    assert decision.generation.charged == (("a", 1), ("b", 1))
 
 
 def test_pliants_own_in_place_failure_on_every_node_refuses_no_world_size() -> None:

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from pliant.env import RESCALE_SIGNAL
+from pliant.errorfile import peer_gone
 from pliant.progress import Directive, announce_in_place, announce_signal
 from pliant.worker.contract import (
     Engine,
@@ -97,12 +98,13 @@ class RescaleError(WorkerError):
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """True for a collective that failed because a peer went away (gloo's transport errors, torch's DistError)."""
+    """True for a collective that failed because a peer went away (torch's DistError, or a RuntimeError that says so:
+    :data:`pliant.errorfile.PEER_GONE`, or any of gloo's or NCCL's, which a re-formed world recovers from)."""
     if isinstance(exc, dist.DistError):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        mark in text for mark in ("gloo", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
+    return isinstance(exc, RuntimeError) and (
+        peer_gone(text) or any(mark in text for mark in ("gloo", "NCCL", "Connection reset", "Connection closed"))
     )
 
 
