@@ -25,7 +25,9 @@ def test_a_plain_accelerate_script_resumes_from_its_newest_checkpoint_after_ever
 ) -> None:
     server = make_coordinator()
     output_dir = str(tmp_path / "ckpt" / "accelerate")
-    extra = script_flags(tmp_path, STEPS, "--output-dir", output_dir, "--save-every", str(SAVE_EVERY))
+    # 0.05 s a step: 400 steps outlast a node's rejoin on a loaded machine (8 s and its warm-up), so the job does not
+    # end before the world it waits for forms.
+    extra = script_flags(tmp_path, STEPS, "--output-dir", output_dir, "--save-every", str(SAVE_EVERY), step_time_s=0.05)
     run = join_kill_join_leave(server, spawn_agent, tmp_path, SCRIPT, extra, wait_s=120)
 
     final = json.loads((tmp_path / "final.json").read_text())
