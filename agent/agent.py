@@ -301,7 +301,9 @@ class Agent:
         if self.group is not None:
             result = self.group.poll()
             if result is not None and not result.stopped:
-                error = self._error_of(result)
+                errors = self._errors_of(result)
+                result = result.blame(errors)
+                error = errors.get(result.first_failure[0], "") if result.first_failure else ""
                 return GroupExited(result, self._describe(result, error), self.group.alive, error)
         now = time.monotonic()
         if (
@@ -680,17 +682,18 @@ class Agent:
         (:mod:`pliant.errorfile`)."""
         return os.path.join(self.progress_dir, f"error-gen-{generation}-rank-{local_rank}.json")
 
-    def _error_of(self, result: GroupResult) -> str:
-        """The exception the group's first failed worker died of ("" for none: a signal, ``sys.exit``); its file is
-        removed once read, so a worker started again in its place writes its own."""
-        failure = result.first_failure
-        if failure is None:
-            return ""
-        path = self._error_file(result.generation, failure[0])
-        error = read_error(path)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return truncate_reason(error, MAX_ERROR_BYTES)
+    def _errors_of(self, result: GroupResult) -> dict[int, str]:
+        """The exceptions the group's failed workers died of, by local rank (none for a signal, ``sys.exit``); each
+        file is removed once read, so a worker started again in its place writes its own."""
+        errors = {}
+        for local_rank, _code in result.failed:
+            path = self._error_file(result.generation, local_rank)
+            error = read_error(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if error:
+                errors[local_rank] = truncate_reason(error, MAX_ERROR_BYTES)
+        return errors
 
     def _describe(self, result: GroupResult, error: str) -> str:
         failure = result.first_failure

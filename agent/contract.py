@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 import os
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from pliant import settings
 from pliant.agent.stopping import Graces
 from pliant.coordinator.contract import JobSpec
 from pliant.env import RESCALE_EXIT_CODE, RESCALE_MODES
+from pliant.errorfile import peer_gone
 from pliant.errors import ConfigError, PliantError
 from pliant.home import state_home
 from pliant.net import parse_host_port
@@ -257,11 +259,13 @@ class GroupResult:
         generation: the generation the workers ran.
         exit_codes: local rank -> exit code (negative: killed by that signal).
         stopped: the agent stopped the group itself (a new generation, shutdown), so exits are not failures.
+        blamed: the failed worker the node's report describes, when :meth:`blame` chose one (local rank).
     """
 
     generation: int
     exit_codes: dict[int, int]
     stopped: bool = False
+    blamed: int | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -274,9 +278,23 @@ class GroupResult:
         return RESCALE_EXIT_CODE in codes and codes <= {0, RESCALE_EXIT_CODE}
 
     @property
+    def failed(self) -> list[tuple[int, int]]:
+        """(local rank, exit code) of every failed worker, by local rank."""
+        return [(rank, code) for rank, code in sorted(self.exit_codes.items()) if code not in (0, RESCALE_EXIT_CODE)]
+
+    @property
     def first_failure(self) -> tuple[int, int] | None:
-        """(local rank, exit code) of a failed worker, if any."""
-        for local_rank, code in sorted(self.exit_codes.items()):
-            if code not in (0, RESCALE_EXIT_CODE):
-                return local_rank, code
-        return None
+        """(local rank, exit code) of the failed worker the node reports, if any: the :attr:`blamed` one, else the
+        failed worker of the lowest local rank."""
+        failed = self.failed
+        chosen = [f for f in failed if f[0] == self.blamed]
+        return (chosen or failed or [None])[0]
+
+    def blame(self, errors: Mapping[int, str]) -> GroupResult:
+        """This result with :attr:`blamed` set to the failed worker the node's report describes, given the
+        ``errors`` failed workers died of (local rank -> ``Type: message``; none for a signal or ``sys.exit``): the
+        first whose error is not a peer's going away (:func:`pliant.errorfile.peer_gone`; such a worker died of the
+        collective its local peer's own failure broke), else the first."""
+        failed = [rank for rank, _code in self.failed]
+        own = [rank for rank in failed if not peer_gone(errors.get(rank, ""))]
+        return replace(self, blamed=(own or failed or [None])[0])

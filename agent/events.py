@@ -64,9 +64,10 @@ class GroupExited:
 
     Attributes:
         result: the group's exit codes so far.
-        message: the executor's description of the first failure (rank, code, error).
+        message: the executor's description of the failure the node reports (``result.first_failure``: rank, code,
+            error).
         alive: workers of the group still running.
-        error: the exception the first failed worker died of ("Type: message"; "" for none).
+        error: the exception that worker died of ("Type: message"; "" for none).
     """
 
     result: GroupResult

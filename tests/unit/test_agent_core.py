@@ -128,6 +128,23 @@ def test_outcomes_of_a_group() -> None:
     assert agent.on(events.GroupExited(GroupResult(3, {0: 1}))) == [act.Stop()]  # not the running group: reap only
 
 
+def test_a_node_reports_its_worker_that_failed_of_its_own_not_the_one_its_failure_broke() -> None:
+    """Local rank 1 raised; local rank 0, whose collective that broke, died of gloo's error before the agent looked:
+    the report is local rank 1's, its code and its error."""
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4121"
+    own = "RuntimeError: the disk of node-b is full"
+    result = GroupResult(3, {0: 1, 1: 2}).blame({0: peer, 1: own})
+    assert result.first_failure == (1, 2)
+    assert GroupResult(3, {0: 1, 1: -9}).blame({0: peer}).first_failure == (1, -9)  # a kill has no error, its own
+    assert GroupResult(3, {0: 1, 1: 1}).blame({0: peer, 1: peer}).first_failure == (0, 1)  # none its own: the first
+    assert GroupResult(3, {0: 0, 1: 1}).blame({}).first_failure == (1, 1)
+    agent = Agent()
+    agent.on(events.GenerationSeen(_gen(3, "a", "b")))
+    why = f"local rank 1 (rank 1) exited with code 2: {own}"
+    failed = agent.on(events.GroupExited(result, why, error=own))
+    assert failed == [act.Send(act.Report("failure", 3, 2, why, error=own)), act.Stop(failed=True)]
+
+
 def test_the_coordinator_away_changes_nothing() -> None:
     agent = Agent()
     agent.on(events.Joined(10.0))
