@@ -303,7 +303,7 @@ class Agent:
             if result is not None and not result.stopped:
                 errors = self._errors_of(result)
                 result = result.blame(errors)
-                error = errors.get(result.first_failure[0], "") if result.first_failure else ""
+                error = errors.get(result.blamed, "") if result.blamed is not None else ""
                 return GroupExited(result, self._describe(result, error), self.group.alive, error)
         now = time.monotonic()
         if (
