@@ -470,11 +470,6 @@ def partial_loads(work: Path) -> tuple[int, int]:
     return restored, partial
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
-
-
 @dataclass
 class Report:
     """What one soak measured (see the module docstring); :meth:`table` prints it."""
@@ -520,9 +515,8 @@ class Report:
             done = self.recoveries.get(kind, [])
             total = len(done) + self.failed.get(kind, 0)
             if total:
-                lines.append(
-                    f"{kind:18s}{total:8d}{len(done):11d}{percentile(done, 0.5):9.2f}{percentile(done, 0.99):9.2f}"
-                )
+                p50, p99 = common.percentile(done, 0.5), common.percentile(done, 0.99)
+                lines.append(f"{kind:18s}{total:8d}{len(done):11d}{p50:9.2f}{p99:9.2f}")
         lines += [
             f"steps: {self.steps_run} of {self.steps} run; committed steps run again (rank 0): {self.redone}",
             f"samples among the updates that count: {self.duplicated} duplicated, {self.missed} missed, {self.wrong} "

@@ -50,6 +50,12 @@ _TAILS: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, bytes par
 _TAILS_LOCK = threading.Lock()
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, the nearest rank (NaN for none): every bench's p50 and p99."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The JSON lines of ``path`` (none if it does not exist), skipping a line still being written or garbled.
 

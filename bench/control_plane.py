@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 import psutil
-from common import PLIANT
+from common import PLIANT, percentile
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loadgen import Failures, SwarmError, Swarms
 
@@ -340,15 +340,14 @@ def heartbeats(
     joined = [lease for lease in leases if lease]
     with security.client(addresses) as admin:
         _retire(store, admin, job, joined)
-    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
     calls = max(1, len(latencies))
     return {
         "joined": len(joined),
         "join_failures": join_failures,
         "beat_failures": beat_failures,
         "calls": len(latencies),
-        "p50": q[49],
-        "p99": q[98],
+        "p50": percentile(latencies, 0.5),
+        "p99": percentile(latencies, 0.99),
         "writes": writes / calls,
         "join_s": join_seconds,
         "server_mean_ms": _mean(server, "Heartbeat"),

@@ -33,6 +33,7 @@ from concurrent import futures
 
 import grpc
 import psutil
+from common import percentile
 
 from pliant.security.identity import Role
 from pliant.security.issuance import LocalCA
@@ -162,9 +163,9 @@ def measure(
     finally:
         server.kill()
         server.join(10)
-    latencies = sorted(latency for result in results for latency in result[0])
+    latencies = [latency for result in results for latency in result[0]]
     calls, clients = len(latencies), sum(result[1] for result in results)
-    p50, p99 = latencies[calls // 2] * 1e3, latencies[int(calls * 0.99)] * 1e3
+    p50, p99 = percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3
     return (
         f"{kind:<11} {calls / seconds:>6.0f}/s  server {cpu / calls * 1e6:>4.0f} us ({cpu / seconds:.2f} cores)  "
         f"clients {clients / calls * 1e6:>4.0f} us ({clients / seconds:.2f} cores)  p50 {p50:.1f} ms  p99 {p99:.1f} ms"
